@@ -1,0 +1,31 @@
+# Quick start: `make demo` (generate text from the default model), `make test` (the whole suite, as CI runs it).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Pinned: this exact CPU wheel lies on the build machines' disk; an open range would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(STAMP) lint
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/tether-server generate --model deploy/models/target --prompt "def fibonacci(n):" --max-new-tokens 96
+
+clean:
+	rm -rf $(VENV) build *.egg-info
