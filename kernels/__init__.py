@@ -1,1 +1,1 @@
-"""tether.kernels."""
+"""tether.kernels: Triton MoDA kernels with their pure-PyTorch references. Imported by the server only."""

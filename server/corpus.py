@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
 from tether.shared.tokenizer import Tokenizer
 
 SPLITS = ("train", "val")
@@ -202,10 +203,6 @@ def build_corpus(
         raise ValueError(f"max_files must be >= 0, got {max_files}")
     if tokenizer is not None and tokenizer.eos_id is None:
         raise ValueError("the corpus separates documents with eos, and this tokenizer has no eos_id")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # A crash part-way must not leave an old manifest vouching for new, half-written .bin files.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
 
     root = stdlib_root()
     sources = [(p.relative_to(root).as_posix(), p) for p in stdlib_files()[:max_files]]
@@ -259,6 +256,10 @@ def build_corpus(
                 chunks[split].append(np.asarray([*ids, eos_id], dtype=dtype))
             bar.advance(task, sum(len(raw) for _, _, raw in batch))
 
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # A crash part-way must not leave an old manifest vouching for a mix of old and new outputs.
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
     tokenizer.save(out / TOKENIZER_NAME)
     counts = {}
     for split in SPLITS:

@@ -176,8 +176,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match its config: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"checkpoint {path} does not match its config: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.load_state_dict(state, assign=True)
     # Buffers were created on the meta device; rebuild them for real.
     from tether.shared.model import rope_frequencies

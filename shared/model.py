@@ -266,8 +266,11 @@ class Transformer(nn.Module):
         n = self.cfg.n_layers
         want = sorted({i % (n + 1) for i in hidden_layers})
         saved: dict[int, Tensor] = {0: x} if 0 in want else {}
-        depth = DepthStream(x.new_empty(B, T, self.cfg.n_kv_heads, self.cfg.head_dim),
-                            self.cfg.depth_len(n - 1), grad=torch.is_grad_enabled())
+        depth = DepthStream(
+            x.new_empty(B, T, self.cfg.n_kv_heads, self.cfg.head_dim),
+            self.cfg.depth_len(n - 1),
+            grad=torch.is_grad_enabled(),
+        )
         ks, vs = [], []
         for i, block in enumerate(self.layers):
             x, k, v = block(x, cos, sin, depth, cache, i, tree_mask, self.backend)

@@ -1,0 +1,62 @@
+"""`tether-client`: the edge end of tether.
+
+tether-client info                       # what this edge install can run (backends, versions)
+tether-client info --model DIR           # a model directory's config and fingerprint (what pairing checks)
+tether-client <command> --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    report: dict = {"tether": importlib.metadata.version("tether"), "python": sys.version.split()[0]}
+    for name in ("torch", "onnxruntime", "tokenizers"):
+        report[name] = importlib.metadata.version(name) if importlib.util.find_spec(name) else None
+    if args.model:
+        from tether.shared.checkpoint import fingerprint
+        from tether.shared.model import Transformer
+
+        model = Transformer.from_pretrained(args.model)
+        report["model"] = {
+            "path": args.model,
+            "fingerprint": fingerprint(args.model),
+            "config": model.cfg.to_dict(),
+            "params": model.cfg.num_params(),
+        }
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tether-client",
+        description="tether's edge client: drafts with a small MoA drafter, keeps generating when the network drops.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("info", help="show what this edge install can run, and a model's fingerprint")
+    p.add_argument("--model", help="a model directory to describe")
+    p.add_argument("--json", action="store_true", help="one line of JSON")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tether-client {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

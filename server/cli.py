@@ -1,0 +1,146 @@
+"""`tether-server`: the GPU end of tether. Subcommands map one-to-one onto frozen config dataclasses.
+
+tether-server build-corpus --out data/corpus            # stdlib sources -> tokenizer + token files
+tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
+tether-server generate --prompt "def fib(n):"           # plain decoding with the default model
+tether-server <command> --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+from tether.shared.config import PRESETS
+
+
+def field_comments(cls) -> dict[str, str]:
+    """The trailing comment of each dataclass field, which is its documentation."""
+    pattern = re.compile(r"^\s+(\w+): [^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: Sequence[str] = (), helps: dict | None = None):
+    """One --flag per field; defaults from the dataclass; help from `helps`, else the field's comment."""
+    helps = field_comments(cls) | (helps or {})
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, nargs="*", default=list(default), help=helps.get(f.name))
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=helps.get(f.name))
+
+
+def _build(cls, args: argparse.Namespace, **extra):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**values, **extra)
+
+
+def cmd_build_corpus(args: argparse.Namespace) -> int:
+    from tether.server.corpus import build_corpus
+
+    manifest = build_corpus(
+        args.out,
+        extra_files=args.extra_files,
+        holdout_fraction=args.holdout_fraction,
+        vocab_size=args.vocab_size,
+        max_files=args.max_files or None,
+    )
+    print(json.dumps(dataclasses.asdict(manifest) | {"files": len(manifest.files)}, default=str))
+    return 0
+
+
+def cmd_train_target(args: argparse.Namespace) -> int:
+    from tether.server.train_target import TrainConfig, train_target
+
+    overrides = []
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides.append((key, json.loads(value)))
+    cfg = _build(TrainConfig, args, overrides=tuple(overrides))
+    summary = train_target(cfg)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tether.server.generate import GenerateConfig, generate_text
+
+    cfg = _build(GenerateConfig, args)
+    if args.json:
+        print(json.dumps(generate_text(cfg)))
+        return 0
+    sys.stdout.write(cfg.prompt)
+    sys.stdout.flush()
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generate_text(cfg, show)
+    print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tether.server.generate import GenerateConfig
+    from tether.server.train_target import TrainConfig
+
+    parser = argparse.ArgumentParser(
+        prog="tether-server",
+        description="tether's GPU server: trains and runs the MoDA target model that verifies edge drafts.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("build-corpus", help="build the training corpus: stdlib sources -> tokenizer + token files")
+    p.add_argument("--out", default="data/corpus", help="output directory")
+    p.add_argument("--extra-files", nargs="*", default=[], help="more text files to add to the corpus")
+    p.add_argument("--holdout-fraction", type=float, default=0.02, help="fraction of files held out (by file)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    p.add_argument("--max-files", type=int, default=0, help="use only the first N files (0 = all)")
+    p.set_defaults(func=cmd_build_corpus)
+
+    p = sub.add_parser("train-target", help="train a target model from a preset")
+    helps = {"preset": f"model preset: {', '.join(PRESETS)}"}
+    _add_dataclass_args(p, TrainConfig, skip=("overrides", "quiet"), helps=helps)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="override a ModelConfig field of the preset, e.g. --set moda=false --set n_layers=12",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train_target)
+
+    p = sub.add_parser("generate", help="generate text in-process with the target model")
+    _add_dataclass_args(p, GenerateConfig)
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, wall_s, ...)")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tether-server {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

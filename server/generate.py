@@ -1,0 +1,97 @@
+"""In-process text generation with the target model: `tether-server generate`.
+
+Contract: `generate_text(GenerateConfig, on_text)` loads a model directory (config.json, model.safetensors,
+tokenizer.json), decodes from the prompt and calls `on_text` with each newly completed piece of text as it
+is produced (UTF-8 safe: a character split across tokens is emitted once whole). Returns a summary dict:
+text, token_ids, new_tokens, wall_s, tokens_per_s.
+
+    tether-server generate --model deploy/models/target --prompt "def fib(n):" --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tether.shared.model import Transformer
+from tether.shared.tokenizer import Tokenizer
+
+
+def default_model_dir() -> Path:
+    """deploy/models/target of the source checkout (editable install), else of the current directory."""
+    beside_source = Path(__file__).resolve().parent.parent / "deploy" / "models" / "target"
+    return beside_source if beside_source.exists() else Path("deploy/models/target")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    model: str = str(default_model_dir())  # model directory (ours or a Hugging Face Llama/Qwen2 one)
+    prompt: str = ""  # text to continue
+    max_new_tokens: int = 128  # upper bound on generated tokens (stops early at end-of-text)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass
+    seed: int = 0  # sampling seed
+    device: str = ""  # "cpu" / "cuda"; empty = cuda when present
+
+
+def pick_device(requested: str) -> str:
+    if requested:
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(model_dir: str | Path, device: str) -> tuple[Transformer, Tokenizer]:
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return Transformer.from_pretrained(model_dir, device=device, dtype=dtype), Tokenizer.from_pretrained(model_dir)
+
+
+def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None) -> dict:
+    device = pick_device(cfg.device)
+    model, tok = load(cfg.model, device)
+    prompt_ids = tok.encode(cfg.prompt)
+    if not prompt_ids:
+        prompt_ids = [tok.eos_id]  # an empty prompt starts a fresh document
+    if len(prompt_ids) + cfg.max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
+            f"max_seq_len {model.cfg.max_seq_len}"
+        )
+    generator = torch.Generator().manual_seed(cfg.seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    new: list[int] = []
+    pieces: list[str] = []
+    t0 = time.perf_counter()
+    x = torch.tensor([prompt_ids], device=device)
+    for token in model.generate(
+        x, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, eos_id=tok.eos_id, generator=generator
+    ):
+        new.append(token)
+        if token == tok.eos_id:
+            break
+        piece = decoder.decode(tok.decode_bytes([token]))
+        if piece:
+            pieces.append(piece)
+            if on_text:
+                on_text(piece)
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        pieces.append(tail)
+        if on_text:
+            on_text(tail)
+    wall = time.perf_counter() - t0
+    return {
+        "text": "".join(pieces),
+        "token_ids": new,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(new),
+        "wall_s": round(wall, 4),
+        "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else None,
+    }

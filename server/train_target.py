@@ -1,0 +1,268 @@
+"""Training the target LLM from scratch: `tether-server train-target`.
+
+Contract: `train_target(TrainConfig)` trains a model of a named preset on a corpus directory built by
+tether.server.corpus (built on first use when missing), and leaves in `out`:
+- config.json, model.safetensors, tokenizer.json: the finished model, loadable by Transformer.from_pretrained;
+- checkpoint.pt: model + optimizer + step + loss history, rewritten every `save_every` steps; a rerun with
+  the same `out` resumes from it (and a larger --steps extends a finished run);
+- history.json and loss.png: train and held-out loss against tokens seen.
+Held-out loss is measured on fixed windows of the validation split (files never trained on).
+
+    tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from tether.server.corpus import CorpusManifest, build_corpus, load_tokens
+from tether.shared.config import ModelConfig, preset
+from tether.shared.model import Transformer
+from tether.shared.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "small"  # ModelConfig preset name (tether.shared.config.PRESETS)
+    out: str = "runs/target"  # output directory: model files, checkpoint.pt, history.json, loss.png
+    data: str = "data/corpus"  # corpus directory (train.bin, val.bin, tokenizer.json); built when missing
+    steps: int = 2000  # optimizer steps in total (a resumed run continues up to this count)
+    batch_size: int = 32  # sequences per step
+    seq_len: int = 256  # tokens per sequence
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # cosine decay floor as a fraction of lr
+    warmup: int = 100  # linear warm-up steps
+    weight_decay: float = 0.1  # on matrices only; norms, biases and embeddings are not decayed
+    grad_clip: float = 1.0  # global grad-norm clip
+    eval_every: int = 100  # steps between held-out evaluations
+    eval_windows: int = 64  # held-out windows per evaluation (fixed across the run)
+    save_every: int = 500  # steps between checkpoint.pt rewrites
+    device: str = "cpu"  # "cpu" or "cuda"
+    seed: int = 0  # initialisation and batch sampling
+    time_limit_s: float = 0.0  # stop early (and save) after this much training time; 0 = no limit
+    save_dtype: str = "bfloat16"  # dtype of model.safetensors ("float32" keeps full precision)
+    vocab_size: int = 0  # tokenizer vocabulary when the corpus is built here; 0 = the preset's
+    max_files: int = 0  # corpus files when built here; 0 = all (tests use a few)
+    extra_files: tuple[str, ...] = ()  # user files added to the corpus when it is built here
+    overrides: tuple[tuple[str, object], ...] = ()  # ModelConfig fields replaced on top of the preset
+    quiet: bool = False  # no progress bar (tests)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def ensure_corpus(cfg: TrainConfig, vocab_size: int) -> Path:
+    data = Path(cfg.data)
+    if not (data / "manifest.json").exists():
+        build_corpus(
+            data,
+            extra_files=cfg.extra_files,
+            vocab_size=vocab_size,
+            max_files=cfg.max_files or None,
+        )
+    return data
+
+
+class Batches:
+    """Random training windows and fixed held-out windows from the flat token files."""
+
+    def __init__(self, data: Path, seq_len: int, seed: int, eval_windows: int):
+        self.train = load_tokens(data, "train")
+        self.val = load_tokens(data, "val")
+        self.seq_len = seq_len
+        self.rng = np.random.default_rng(seed)
+        span = len(self.val) - seq_len - 1
+        if span <= 0 or len(self.train) <= seq_len + 1:
+            raise ValueError(f"corpus in {data} is too small for seq_len={seq_len}")
+        self.val_starts = np.linspace(0, span, num=eval_windows).astype(np.int64)
+
+    def _windows(self, tokens: np.ndarray, starts: np.ndarray, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        w = np.stack([tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        w = torch.from_numpy(w).to(device, non_blocking=True)
+        return w[:, :-1], w[:, 1:]
+
+    def train_batch(self, batch_size: int, device: str):
+        starts = self.rng.integers(0, len(self.train) - self.seq_len - 1, size=batch_size)
+        return self._windows(self.train, starts, device)
+
+    def val_batches(self, batch_size: int, device: str):
+        for i in range(0, len(self.val_starts), batch_size):
+            yield self._windows(self.val, self.val_starts[i : i + batch_size], device)
+
+
+def autocast(device: str):
+    if device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def heldout_loss(model: Transformer, batches: Batches, cfg: TrainConfig) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches.val_batches(cfg.batch_size, cfg.device):
+        with autocast(cfg.device):
+            logits = model(x)
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    model.train()
+    return total / count
+
+
+def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    fused = cfg.device.startswith("cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
+
+
+def save_plot(history: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if history["train"]:
+        t, loss = zip(*history["train"], strict=True)
+        ax.plot(np.array(t) / 1e6, loss, label="train", alpha=0.6)
+    if history["val"]:
+        t, loss = zip(*history["val"], strict=True)
+        ax.plot(np.array(t) / 1e6, loss, label="held-out", marker="o", markersize=3)
+    ax.set_xlabel("tokens seen (M)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_target(cfg: TrainConfig, console: Console | None = None) -> dict:
+    """Train (or resume) and return a summary: steps, tokens, held-out loss, wall time."""
+    console = console or Console(stderr=True, quiet=cfg.quiet)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_cfg: ModelConfig = dataclasses.replace(preset(cfg.preset), **dict(cfg.overrides))
+    data = ensure_corpus(cfg, cfg.vocab_size or model_cfg.vocab_size)
+    tokenizer = Tokenizer.from_pretrained(data)
+    manifest = CorpusManifest.load(data)
+    model_cfg = dataclasses.replace(
+        model_cfg, vocab_size=tokenizer.vocab_size, max_seq_len=max(model_cfg.max_seq_len, cfg.seq_len)
+    )
+    torch.manual_seed(cfg.seed)
+    model = Transformer(model_cfg).to(cfg.device)
+    optimizer = make_optimizer(model, cfg)
+    history: dict = {"train": [], "val": [], "wall_s": 0.0}
+    step = 0
+    ckpt_path = out / "checkpoint.pt"
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
+        if ModelConfig.from_dict(ckpt["model_config"]) != model_cfg:
+            raise ValueError(f"{ckpt_path} holds a different model config; use a new --out")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, history = ckpt["step"], ckpt["history"]
+        console.print(f"resuming {out} at step {step}")
+    batches = Batches(data, cfg.seq_len, cfg.seed + step, cfg.eval_windows)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    console.print(
+        f"model {cfg.preset}: {model_cfg.num_params() / 1e6:.2f}M params, moda={model_cfg.moda}, "
+        f"norm={model_cfg.norm_position}; corpus {len(batches.train) / 1e6:.2f}M train / "
+        f"{len(batches.val) / 1e6:.2f}M held-out tokens ({manifest.python_version})"
+    )
+
+    def checkpoint() -> None:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "history": history,
+            "model_config": model_cfg.to_dict(),
+            "train_config": dataclasses.asdict(cfg),
+        }
+        torch.save(state, out / "checkpoint.tmp")
+        (out / "checkpoint.tmp").replace(ckpt_path)
+        save_plot(history, out / "loss.png", f"{cfg.preset} (moda={model_cfg.moda}, {model_cfg.norm_position}-norm)")
+        (out / "history.json").write_text(json.dumps(history))
+
+    if not history["val"]:
+        history["val"].append((0, heldout_loss(model, batches, cfg)))
+    model.train()
+    t0 = time.perf_counter() - history["wall_s"]
+    start_wall = time.perf_counter()
+    columns = [
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=console, disable=cfg.quiet) as progress:
+        task = progress.add_task("train", total=cfg.steps, completed=step, info="")
+        while step < cfg.steps:
+            if cfg.time_limit_s and time.perf_counter() - start_wall > cfg.time_limit_s:
+                console.print(f"time limit {cfg.time_limit_s:.0f}s reached at step {step}")
+                break
+            for g in optimizer.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            x, y = batches.train_batch(cfg.batch_size, cfg.device)
+            with autocast(cfg.device):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            step += 1
+            if step % 10 == 0 or step == cfg.steps:
+                history["train"].append((step * tokens_per_step, loss.item()))
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                history["val"].append((step * tokens_per_step, heldout_loss(model, batches, cfg)))
+            history["wall_s"] = time.perf_counter() - t0
+            info = f"loss {loss.item():.3f} held-out {history['val'][-1][1]:.3f}"
+            progress.update(task, completed=step, info=info)
+            if step % cfg.save_every == 0:
+                checkpoint()
+    if history["val"][-1][0] != step * tokens_per_step:
+        history["val"].append((step * tokens_per_step, heldout_loss(model, batches, cfg)))
+    checkpoint()
+    save_dtype = getattr(torch, cfg.save_dtype)
+    model.save_pretrained(out, dtype=save_dtype)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "preset": cfg.preset,
+        "moda": model_cfg.moda,
+        "norm_position": model_cfg.norm_position,
+        "params": model_cfg.num_params(),
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "heldout_loss_initial": history["val"][0][1],
+        "heldout_loss": history["val"][-1][1],
+        "wall_s": round(history["wall_s"], 1),
+        "device": cfg.device,
+        "corpus_python": manifest.python_version,
+        "torch": torch.__version__,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(f"done: step {step}, held-out loss {summary['heldout_loss']:.4f} ({summary['wall_s']:.0f}s)")
+    return summary

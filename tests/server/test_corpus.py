@@ -1,0 +1,143 @@
+"""Corpus builder: deterministic stdlib file list, per-file hash split, well-formed and reproducible outputs.
+
+Builds from the first 40 stdlib files with a 512-token vocabulary (a few seconds).
+Run: `python -m pytest tests/server/test_corpus.py -q`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tether.server.corpus import (
+    CorpusManifest,
+    build_corpus,
+    load_tokens,
+    split_of,
+    stdlib_files,
+    stdlib_root,
+)
+from tether.shared.tokenizer import Tokenizer
+
+OUTPUTS = ("tokenizer.json", "train.bin", "val.bin", "manifest.json")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CorpusManifest]:
+    out = tmp_path_factory.mktemp("corpus")
+    return out, build_corpus(out, max_files=40, vocab_size=512, progress=False)
+
+
+def _documents(tokens: np.ndarray, eos_id: int) -> list[np.ndarray]:
+    ends = np.flatnonzero(tokens == eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokens[s:e] for s, e in zip(starts, ends, strict=True)]
+
+
+def test_stdlib_files_are_sorted_and_deterministic() -> None:
+    files = stdlib_files()
+    assert files == stdlib_files()
+    names = [p.relative_to(stdlib_root()).as_posix() for p in files]
+    assert names == sorted(names) and len(set(names)) == len(names)
+    assert {"os.py", "json/__init__.py", "asyncio/base_events.py"} <= set(names)
+    assert all(n.endswith(".py") for n in names)
+    assert not any(part in {"site-packages", "dist-packages", "__pycache__"} for n in names for part in n.split("/"))
+
+
+def test_split_is_a_deterministic_function_of_the_name() -> None:
+    names = [f"pkg{i % 7}/module_{i}.py" for i in range(5000)]
+    splits = {n: split_of(n, 0.1) for n in names}
+    shuffled = names[:]
+    random.Random(3).shuffle(shuffled)
+    assert {n: split_of(n, 0.1) for n in shuffled} == splits
+    assert 0.08 < sum(s == "val" for s in splits.values()) / len(names) < 0.12
+    # Pinned: a changed hash would silently move files between the splits of existing corpora.
+    assert [split_of(n, 0.5) for n in ("os.py", "re/__init__.py", "collections/__init__.py")] == ["train", "val", "val"]
+    assert split_of("os.py", 0.0) == "train" and split_of("os.py", 1.0) == "val"
+
+
+def test_build_writes_both_splits_with_valid_ids(corpus: tuple[Path, CorpusManifest]) -> None:
+    out, manifest = corpus
+    assert all((out / name).is_file() for name in OUTPUTS)
+    assert CorpusManifest.load(out) == manifest
+    assert manifest.python_version == platform.python_version()
+    assert manifest.vocab_size == 512 and manifest.dtype == "uint16"
+    assert Tokenizer.from_file(out / "tokenizer.json").sha256 == manifest.tokenizer_sha256
+
+    names = [f.name for f in manifest.files]
+    assert len(names) == len(set(names))  # so no file can sit in both splits
+    assert names == sorted(names)  # stdlib files keep the deterministic order
+    for split in ("train", "val"):
+        tokens = load_tokens(out, split)
+        assert isinstance(tokens, np.memmap) and not tokens.flags.writeable
+        assert tokens.size == manifest.tokens(split) > 0
+        assert int(tokens.max()) < manifest.vocab_size
+        # One eos closes every document, so the eos count is the file count of the split.
+        assert int((tokens == manifest.eos_id).sum()) == len(manifest.files_in(split)) > 0
+        assert tokens[-1] == manifest.eos_id
+
+    for f in manifest.files[:5]:
+        raw = (stdlib_root() / f.name).read_bytes()
+        assert (f.sha256, f.bytes) == (hashlib.sha256(raw).hexdigest(), len(raw))
+
+
+def test_small_build_gets_a_val_split_by_hash_ranking(corpus: tuple[Path, CorpusManifest]) -> None:
+    _, manifest = corpus
+    by_hash = [f.name for f in manifest.files if split_of(f.name, manifest.holdout_fraction) == "val"]
+    val = [f.name for f in manifest.files_in("val")]
+    # Either the hash rule picked some files, or exactly one file was moved over to keep val non-empty.
+    assert val == by_hash if by_hash else len(val) == 1
+
+
+def test_val_documents_decode_to_the_files(corpus: tuple[Path, CorpusManifest]) -> None:
+    out, manifest = corpus
+    tok = Tokenizer.from_file(out / "tokenizer.json")
+    docs = _documents(np.asarray(load_tokens(out, "val")), manifest.eos_id)
+    files = manifest.files_in("val")
+    assert len(docs) == len(files)
+    raw = (stdlib_root() / files[0].name).read_bytes()
+    assert tok.decode(docs[0].tolist()) == raw.decode("utf-8")
+    for doc, f in zip(docs, files, strict=True):
+        assert tok.decode_bytes(doc.tolist()) == (stdlib_root() / f.name).read_bytes()
+
+
+def test_building_twice_gives_byte_identical_outputs(corpus: tuple[Path, CorpusManifest], tmp_path: Path) -> None:
+    out, _ = corpus
+    build_corpus(tmp_path, max_files=40, vocab_size=512, progress=False)
+    for name in OUTPUTS:
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_extra_files_skips_and_a_given_tokenizer(corpus: tuple[Path, CorpusManifest], tmp_path: Path) -> None:
+    out, first = corpus
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "crlf.py").write_bytes(b"x = 1\r\nprint(x)\r\n")
+    (extra / "latin1.py").write_bytes("s = 'caf\u00e9'\n".encode("latin-1"))
+    (extra / "empty.py").write_bytes(b"")
+    given = Tokenizer.from_file(out / "tokenizer.json")
+    paths = [extra / "crlf.py", extra / "latin1.py", extra / "empty.py"]
+    manifest = build_corpus(tmp_path / "c", extra_files=paths, max_files=3, tokenizer=given, progress=False)
+
+    assert manifest.tokenizer_sha256 == first.tokenizer_sha256
+    assert [f.name for f in manifest.files][-1] == (extra / "crlf.py").as_posix()
+    assert {(s.name, s.reason) for s in manifest.skipped} == {
+        ((extra / "latin1.py").as_posix(), "not UTF-8"),
+        ((extra / "empty.py").as_posix(), "empty"),
+    }
+    assert {f.split for f in manifest.files} == {"train", "val"}
+    crlf = manifest.files[-1]
+    docs = _documents(np.asarray(load_tokens(tmp_path / "c", crlf.split)), manifest.eos_id)
+    assert given.decode_bytes(docs[-1].tolist()) == b"x = 1\r\nprint(x)\r\n"
+
+
+def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unique"):
+        build_corpus(tmp_path, max_files=2, extra_files=["a.py", "./a.py"], progress=False)
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        build_corpus(tmp_path, max_files=2, holdout_fraction=0.0, progress=False)
