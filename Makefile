@@ -25,7 +25,8 @@ test: $(STAMP) lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/tether-server generate --model deploy/models/target --prompt "def fibonacci(n):" --max-new-tokens 96
+	$(BIN)/tether-server generate --model deploy/models/target --max-new-tokens 120 --temperature 0.7 --top-p 0.95 \
+		--seed 1 --prompt "$$(printf 'def read_file(path):\n    with open(path')"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -29,6 +29,7 @@ HF_PLAIN_TYPES = ("llama", "mistral", "qwen2")
 # Our parameter names <-> Hugging Face's ({i} is a layer index). Post-norm blocks reuse the two norm slots.
 _NAMES = [
     ("embed_tokens.", "model.embed_tokens."),
+    ("embed_norm.", "model.embed_norm."),
     ("layers.{i}.attn.", "model.layers.{i}.self_attn."),
     ("layers.{i}.ffn.", "model.layers.{i}.mlp."),
     ("layers.{i}.attn_norm.", "model.layers.{i}.input_layernorm."),

@@ -158,7 +158,7 @@ def test_hidden_states_and_kv_outputs():
     out = model.run(x, hidden_layers=(0, -1, 2), return_kv=True)
     n, c = model.cfg.n_layers, model.cfg
     assert out.k.shape == (n, 1, 8, c.n_kv_heads, c.head_dim)
-    torch.testing.assert_close(out.hidden[0], model.embed_tokens(x))
+    torch.testing.assert_close(out.hidden[0], model.embed_norm(model.embed_tokens(x)))  # post-norm: normalised
     torch.testing.assert_close(model.head(model.norm(out.hidden[1])), out.logits)
     assert out.hidden[2].shape == (1, 8, c.dim)
 
