@@ -13,7 +13,9 @@ Contract of every backend (`AttentionFn`):
     depth_k  [B, Tq, L, Hkv, D]   position-major depth keys (L may be 0, or None for no depth)
     depth_v  [B, Tq, L, Hkv, D]
     scale    softmax scale (one for both parts)
-    tree_mask [Tq, Tq] or [B, Tq, Tq] bool, True where new query i may see new key j; None means causal
+    tree_mask [Tq, Tq] or [B, Tq, Tq] bool, True where new query i may see new key j; None means causal.
+              A mask whose last dim is Tk ([.., Tq, Tk]) is taken as the whole visibility, prefix included
+              (drafter training uses it for block-bounded context).
     returns  [B, Tq, Hq, D]
 
 Backends register by name ("reference", "sdpa"; the server adds "triton" when CUDA is present), so the
@@ -49,7 +51,10 @@ def available_backends() -> list[str]:
 
 
 def new_key_mask(tq: int, tk: int, tree_mask: Tensor | None, device: torch.device) -> Tensor:
-    """Boolean visibility [Tq, Tk] (or [B, Tq, Tk] for a batched tree mask): the prefix is always visible."""
+    """Boolean visibility [Tq, Tk] (or [B, Tq, Tk] for a batched tree mask): the prefix is always visible,
+    unless the mask already spans all Tk keys."""
+    if tree_mask is not None and tree_mask.shape[-1] == tk and tree_mask.shape[-2] == tq:
+        return tree_mask.to(device=device, dtype=torch.bool)
     prefix = tk - tq
     if prefix < 0:
         raise ValueError(f"fewer keys ({tk}) than queries ({tq})")

@@ -68,6 +68,15 @@ class KVCache:
         self.v[:, :, self.length : self.length + n] = self.v[:, :, src].clone()
         self.length += n
 
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """Commit rows given for every layer at once: [n_layers, B, T, Hkv, D]."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+
     def truncate(self, n: int) -> None:
         """Forget everything from position n on."""
         if not 0 <= n <= self.length:

@@ -67,6 +67,13 @@ def rope_frequencies(cfg: ModelConfig) -> Tensor:
     return torch.where(is_mid, mid, scaled).float()
 
 
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """positions [B or 1, T] -> cos, sin [B or 1, T, 1, D] in fp32."""
+    ang = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)[:, :, None, :]
+    return ang.cos(), ang.sin()
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, T, H, D]; cos/sin [B or 1, T, 1, D]. Rotate-half layout (first and second halves pair up)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -169,11 +176,19 @@ class Block(nn.Module):
         cache_layer: int,
         tree_mask: Tensor | None,
         backend: str,
+        prefix_kv: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """One block over new tokens. Keys are the cache's rows plus the new ones, or `prefix_kv` rows
+        [B, S, Hkv, D] plus the new ones (drafter training feeds the target's exact K/V that way)."""
         c, pre = self.cfg, self.cfg.norm_position == "pre"
         h = self.attn_norm(x) if pre else x
         q, k, v = self.attn.qkv(h, cos, sin)  # [B, T, H, D]
-        keys, vals = (k, v) if cache is None else cache.write(cache_layer, k, v)
+        if cache is not None:
+            keys, vals = cache.write(cache_layer, k, v)
+        elif prefix_kv is not None:
+            keys, vals = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
+        else:
+            keys, vals = k, v
         depth_k, depth_v = depth.read()
         o = get_backend(backend)(q, keys, vals, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
         if c.moda:
@@ -236,10 +251,7 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [B or 1, T] -> cos, sin [B or 1, T, 1, D] in fp32."""
-        ang = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
-        ang = torch.cat([ang, ang], dim=-1)[:, :, None, :]
-        return ang.cos(), ang.sin()
+        return rope_cos_sin(self.inv_freq, positions)
 
     def head(self, h: Tensor) -> Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

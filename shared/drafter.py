@@ -1,0 +1,122 @@
+"""What every drafter shares: its configuration, the target states it learns from, and its files.
+
+Terms (the speculative terms themselves live in tether.shared.speculative):
+- TargetStates: what the target computed for newly verified positions, on the server: every layer's K/V
+  and the last block's output. Only the server ever holds these.
+- DraftDelta: the part of those states a drafter's client side needs, computed on the server by
+  `Drafter.server_delta` (MoA: one LSA vector per token plus the exact K/V of the TLI layers; EAGLE: the last
+  hidden state). It is what crosses the wire after every verification round.
+- The client side keeps its own caches and is driven by `begin` (after the prompt), `draft` (propose tokens
+  after a root token) and `commit` (adopt the verified states of the accepted positions).
+
+Files: drafter_config.json + drafter.safetensors in one directory, with the target's fingerprint in the
+config so a drafter is never paired with a target it was not trained for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from tether.shared.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    kind: str = "moa"  # "moa" (Mixture of Attentions) or "eagle" (the EAGLE-style baseline)
+    tli: int = 1  # MoA: how many of the target's last layers the client re-runs (TLI N); 0 = CA feeds the head
+    n_heads: int = 6  # SA / CA / EAGLE attention query heads
+    n_kv_heads: int = 2  # their key/value heads
+    head_dim: int = 32  # their per-head width
+    ffn_dim: int = 512  # SA and CA SwiGLU width
+    lsa_heads: int = 4  # LSA query heads (LSA width is the target's 2 * Hkv * D)
+    lsa_kv_heads: int = 2  # LSA key/value heads
+    lsa_ffn_dim: int = 256  # LSA SwiGLU width
+    eagle_ffn_dim: int = 0  # EAGLE SwiGLU width; 0 = sized so EAGLE's trainable budget matches MoA's
+    target_fingerprint: str = ""  # sha256 of the target checkpoint this drafter was trained against
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - known:
+            raise ValueError(f"unknown DrafterConfig fields: {sorted(set(d) - known)}")
+        return cls(**d)
+
+
+def layer_config(target: ModelConfig, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int):
+    """A plain pre-norm decoder layer's config for the drafter's own layers (SA, CA, LSA, EAGLE)."""
+    return dataclasses.replace(
+        target,
+        dim=dim,
+        n_layers=1,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=ffn_dim,
+        norm_position="pre",
+        moda=False,
+        moda_ffn_kv=False,
+        qkv_bias=False,
+        o_bias=False,
+        rope_scaling=None,
+    )
+
+
+@dataclass
+class TargetStates:
+    """The target's states for n newly verified positions of one sequence (server side)."""
+
+    k: Tensor  # [L, n, Hkv, D] every layer's attention keys (after RoPE)
+    v: Tensor  # [L, n, Hkv, D]
+    hidden: Tensor  # [n, dim] the last block's output, before the final norm
+
+    def select(self, rows: Tensor | list[int]) -> TargetStates:
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
+        return TargetStates(self.k[:, idx], self.v[:, idx], self.hidden[idx])
+
+
+@dataclass
+class DraftDelta:
+    """What the client side needs for verified positions [start, start + n) (the wire payload)."""
+
+    start: int  # position of the first row
+    tokens: list[int]  # the verified tokens at those positions
+    tensors: dict[str, Tensor] = field(default_factory=dict)  # drafter-specific, each [.., n, ..]
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def save_drafter(drafter: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in drafter.trainable_state_dict().items():
+        t = t.detach().to("cpu")
+        tensors[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+    save_file(tensors, str(path / "drafter.safetensors"), metadata={"format": "pt"})
+    (path / "drafter_config.json").write_text(json.dumps(drafter.dcfg.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def load_drafter_config(path: str | Path) -> DrafterConfig:
+    f = Path(path) / "drafter_config.json"
+    if not f.exists():
+        raise FileNotFoundError(f"{path} is not a drafter directory: no drafter_config.json")
+    return DrafterConfig.from_dict(json.loads(f.read_text()))
+
+
+def load_drafter_weights(path: str | Path) -> dict[str, Tensor]:
+    return load_file(str(Path(path) / "drafter.safetensors"))

@@ -1,0 +1,360 @@
+"""Speculative decoding core: draft trees, the target's verdict on them, and EAGLE-2 dynamic tree expansion.
+
+Terms (used with these meanings everywhere in tether):
+
+- draft tokens: the tokens a drafter proposes for the positions after the last decided token. They form a
+  `DraftTree` (a chain is the special case of one child per node).
+- accepted tokens: the longest draft prefix (a root-to-node path of the tree) the target agrees with.
+- the bonus token: the target's own token after the accepted prefix. Every round emits one, even when no draft
+  token is accepted, because the target scored the position after the last accepted token anyway.
+- acceptance length tau = accepted + 1: the tokens gained per verification round (the accepted ones plus the bonus).
+
+Contract. Node 0 of a `DraftTree` is the root: the last token already decided (the previous round's bonus token,
+or the last prompt token) whose K/V the target has not computed yet. It goes through the same verify forward as
+the draft tokens, and the target's logits at node i predict the token after node i, so one forward scores every
+node's children. `verify` turns those logits into a `Verdict`: the accepted path (node offsets including the
+root, exactly what `KVCache.accept` takes) and the bonus token. The verifier does not care who drafted: it only
+sees tokens, parents and, for sampled drafts, the distribution each token was drawn from.
+
+Greedy (temperature 0): a child is accepted when it is the target's argmax. Sampling: lossless recursive rejection
+sampling, so the emitted tokens are distributed exactly as if the target had sampled them one by one:
+
+- a child with a sampled proposal carries q = the sparse distribution (top-K support) its token was drawn from,
+  given everything drafted before it, including its earlier siblings. i.i.d. siblings share one q; siblings drawn
+  without replacement carry q renormalised over what their earlier siblings left.
+- a child without q is a deterministic pick, i.e. the point-mass proposal q = delta(token).
+
+    tree = DraftTree.chain(root_token, draft_tokens, q_ids, q_probs)  # or expand_dynamic_tree(...)
+    mask, pos = tree.ancestor_mask(), tree.positions(cache.length)
+    out = target.verify(tree.tokens[None], cache, tree_mask=mask, positions=pos)
+    verdict = verify(tree, out.logits[0], temperature=0.8, top_p=0.95, generator=gen)
+    cache.accept(verdict.path)  # commits the root and the accepted tokens
+    emitted = verdict.emitted_tokens(tree)  # accepted tokens + bonus; the bonus is the next round's root
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from tether.shared.sampling import probabilities
+
+# Below this much residual mass, rejection was a rounding artefact (p <= q everywhere means p == q), so the
+# residual is noise; the bonus is drawn from the distribution being matched instead.
+_RESIDUAL_EPS = 1e-6
+
+
+@dataclass(frozen=True, eq=False)  # tensors have no single truth value, so trees compare by identity
+class DraftTree:
+    """A draft as a tree of n nodes in topological order; node 0 is the root (the last decided token).
+
+    q_ids / q_probs: for node i, the top-K support and probabilities its token was sampled from (row 0 unused).
+    None means every child is a deterministic pick. source_ids: for trees built by `expand_dynamic_tree`, the
+    `GrowingTree` id each node came from, so a drafter can gather its per-candidate state as `state[source_ids]`.
+    """
+
+    tokens: Tensor  # [n] long
+    parents: Tensor  # [n] long; parents[0] = -1, parents[i] < i
+    q_ids: Tensor | None = None  # [n, K] long
+    q_probs: Tensor | None = None  # [n, K] float, rows 1.. sum to 1
+    source_ids: Tensor | None = None  # [n] long
+
+    def __post_init__(self) -> None:
+        n = self.tokens.numel()
+        if self.tokens.dim() != 1 or self.parents.shape != self.tokens.shape or n == 0:
+            raise ValueError(
+                f"tokens and parents must be equal-length 1-D, got {self.tokens.shape}, {self.parents.shape}"
+            )
+        parents = self.parents.tolist()
+        if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+            raise ValueError(f"need parents[0] == -1 and 0 <= parents[i] < i, got {parents}")
+        if (self.q_ids is None) != (self.q_probs is None):
+            raise ValueError("q_ids and q_probs come together")
+        if self.q_ids is not None:
+            if self.q_ids.dim() != 2 or self.q_ids.shape[0] != n or self.q_probs.shape != self.q_ids.shape:
+                raise ValueError(f"q_ids and q_probs must be [{n}, K], got {self.q_ids.shape}, {self.q_probs.shape}")
+            rows = self.q_probs[1:].double()
+            if bool((rows < 0).any()) or bool(((rows.sum(-1) - 1).abs() > 1e-3).any()):
+                raise ValueError("each draft node's q_probs must be a distribution (non-negative, summing to 1)")
+        if self.source_ids is not None and self.source_ids.shape != self.tokens.shape:
+            raise ValueError(f"source_ids must be [{n}], got {self.source_ids.shape}")
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def chain(
+        cls,
+        root_token: int,
+        draft_tokens: Sequence[int] | Tensor,
+        q_ids: Tensor | None = None,
+        q_probs: Tensor | None = None,
+    ) -> DraftTree:
+        """A chain root -> d_0 -> d_1 -> ...; q_ids / q_probs [k, K] give one row per draft token (no root row)."""
+        draft = torch.as_tensor(draft_tokens, dtype=torch.long).reshape(-1).cpu()
+        tokens = torch.cat([torch.tensor([root_token], dtype=torch.long), draft])  # [k + 1]
+        parents = torch.arange(-1, draft.numel(), dtype=torch.long)  # [k + 1]
+        if q_ids is not None and q_probs is not None:
+            # The root was not sampled from anything; a point mass on itself keeps row 0 a valid distribution.
+            K = q_ids.shape[-1]
+            root_ids = torch.full((1, K), root_token, dtype=torch.long, device=q_ids.device)
+            root_probs = torch.zeros(1, K, dtype=q_probs.dtype, device=q_probs.device)
+            root_probs[0, 0] = 1
+            q_ids = torch.cat([root_ids, q_ids.reshape(-1, K).long()])  # [k + 1, K]
+            q_probs = torch.cat([root_probs, q_probs.reshape(-1, K)])  # [k + 1, K]
+        return cls(tokens, parents, q_ids, q_probs)
+
+    @cached_property
+    def _parents(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
+    def _children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(len(self))]
+        for i, p in enumerate(self._parents[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    @cached_property
+    def _proposals(self) -> list[tuple[Tensor, Tensor, dict[int, float]]] | None:
+        """Per node, its q's support [K], renormalised float64 probabilities [K], and q as a dict (for verify)."""
+        if self.q_ids is None or self.q_probs is None:
+            return None
+        ids = self.q_ids.cpu().long()  # [n, K]
+        probs = self.q_probs.cpu().double()
+        probs = probs / probs.sum(-1, keepdim=True)  # [n, K]
+        out = []
+        for row_ids, row_probs in zip(ids.unbind(), probs.unbind(), strict=True):
+            q: dict[int, float] = {}
+            for t, pr in zip(row_ids.tolist(), row_probs.tolist(), strict=True):
+                q[t] = q.get(t, 0.0) + pr  # summed: zero-probability padding adds nothing wherever it points
+            out.append((row_ids, row_probs, q))
+        return out
+
+    @cached_property
+    def depths(self) -> Tensor:
+        """[n] long: the root is depth 0."""
+        d = [0] * len(self)
+        for i, p in enumerate(self._parents[1:], start=1):
+            d[i] = d[p] + 1
+        return torch.tensor(d, dtype=torch.long)
+
+    def ancestor_mask(self) -> Tensor:
+        """[n, n] bool, True where j is i or an ancestor of i: the target's tree_mask (row i sees columns j)."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self._parents[1:], start=1):
+            mask[i] |= mask[p]  # parents come first, so row p is already complete
+        return mask
+
+    def positions(self, start: int) -> Tensor:
+        """[n] long RoPE positions when the root sits at position `start` (usually cache.length)."""
+        return start + self.depths
+
+    def children(self, i: int) -> list[int]:
+        """Node i's children in index order (the order the verifier tries them)."""
+        return list(self._children[i])
+
+    def path_to(self, i: int) -> list[int]:
+        """Node indices from the root to node i, both included."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self._parents[i]
+        return path[::-1]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's decision on a draft tree."""
+
+    path: list[int]  # accepted node indices, root (0) first; the offsets to pass to KVCache.accept
+    bonus: int  # the target's token after the accepted path
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path) - 1
+
+    @property
+    def tau(self) -> int:
+        return self.accepted + 1
+
+    def accepted_tokens(self, tree: DraftTree) -> list[int]:
+        return tree.tokens[self.path[1:]].tolist()
+
+    def emitted_tokens(self, tree: DraftTree) -> list[int]:
+        """The tau tokens this round adds to the output: the accepted tokens, then the bonus token."""
+        return self.accepted_tokens(tree) + [self.bonus]
+
+
+def verify(
+    tree: DraftTree,
+    target_logits: Tensor,  # [n, V]; row i predicts the token after node i
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """Walk the tree from the root, accepting children the target agrees with; see the module docstring.
+
+    Greedy ignores any q and draws nothing. Sampling draws through `generator` (a CPU generator; the vocab-sized
+    arithmetic runs on the CPU in float64), so a seeded generator reproduces the verdict on any device.
+    """
+    if target_logits.dim() != 2 or target_logits.shape[0] != len(tree):
+        raise ValueError(f"target_logits must be [{len(tree)}, V], got {tuple(target_logits.shape)}")
+    tokens = tree.tokens.tolist()
+    path = [0]
+    if temperature == 0:
+        best = target_logits.argmax(-1).tolist()  # one device sync for the whole tree
+        while True:
+            cur = path[-1]
+            nxt = next((c for c in tree.children(cur) if tokens[c] == best[cur]), None)
+            if nxt is None:
+                return Verdict(path, best[cur])
+            path.append(nxt)
+
+    proposals = tree._proposals
+    while True:
+        cur = path[-1]
+        # Only rows on the walk are needed, so they are moved and truncated one at a time.
+        p = probabilities(target_logits[cur].cpu(), temperature, top_p).double()  # [V]
+        for child in tree.children(cur):
+            x = tokens[child]
+            if proposals is None:
+                qx = 1.0
+            else:
+                ids, probs, q = proposals[child]
+                qx = q.get(x, 0.0)
+            if qx <= 0:
+                raise ValueError(f"draft node {child} has token {x} outside the support of its proposal q")
+            u = float(torch.rand((), dtype=torch.float64, generator=generator))
+            if u < float(p[x]) / qx:  # accept with probability min(1, p(x) / q(x))
+                path.append(child)
+                break
+            if proposals is None:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = p.index_add(0, ids, probs, alpha=-1).clamp_(min=0)  # max(0, p - q), [V]
+            mass = float(residual.sum())
+            if mass > _RESIDUAL_EPS:
+                p = residual / mass
+        else:
+            return Verdict(path, _draw(p, generator))
+
+
+def _draw(p: Tensor, generator: torch.Generator | None) -> int:
+    """One index from the float64 distribution p [V] by inverse CDF (torch.multinomial costs several times more)."""
+    cdf = p.cumsum(0)  # [V]
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    # right=True returns the first index whose CDF exceeds u, which skips zero-probability tokens.
+    i = int(torch.searchsorted(cdf, u, right=True))
+    # u can round up to the total; the last token with mass is then the right answer.
+    return i if i < p.numel() else int(p.nonzero()[-1])
+
+
+class GrowingTree:
+    """The candidate tree `expand_dynamic_tree` grows, handed to the drafter's step callback.
+
+    Ids are creation order: 0 is the root, then each level's children parent by parent, k by k, so a drafter
+    can index per-candidate state (hidden states, its own KV rows) by id. Every field is a plain list.
+    """
+
+    def __init__(self, root_token: int):
+        self.tokens: list[int] = [root_token]
+        self.parents: list[int] = [-1]
+        self.scores: list[float] = [0.0]  # cumulative drafter log-prob of the path from the root
+        self.depths: list[int] = [0]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, logprob: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(self.scores[parent] + logprob)
+        self.depths.append(self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def path_to(self, i: int) -> list[int]:
+        """Ids from the root to node i, both included."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def ancestor_mask(self) -> Tensor:
+        """[m, m] bool over every node so far, True where j is i or an ancestor of i (the drafter's tree mask)."""
+        m = len(self)
+        mask = torch.eye(m, dtype=torch.bool)
+        for i in range(1, m):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+
+StepFn = Callable[[list[int], GrowingTree], tuple[Tensor, Tensor]]
+
+
+def expand_dynamic_tree(root_token: int, step: StepFn, *, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+    """EAGLE-2 dynamic draft tree: expand the most probable paths, then keep the most probable nodes.
+
+    step(frontier, tree) gets the GrowingTree ids to expand (their tokens, parents and paths are in `tree`) and
+    returns the drafter's top_k next tokens and their log-probabilities for each, both [len(frontier), top_k].
+    A node's score is its path's cumulative log-probability (root 0). Each of the `depth` levels expands the
+    frontier into top_k children per node, all of which become candidates; the next frontier is the top_k
+    highest-scoring new children of the level, across parents. Finally the best total_tokens - 1 candidates
+    (ties to the earlier-created) are kept with the root, re-indexed parents first with siblings by descending
+    score, so the verifier tries the drafter's favourite child first. Children are deterministic picks (no q).
+    The result has min(total_tokens, 1 + candidates) nodes; `source_ids` maps each back to its GrowingTree id.
+    """
+    if depth < 1 or top_k < 1 or total_tokens < 1:
+        raise ValueError(f"need depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
+    grown = GrowingTree(root_token)
+    frontier = [0]
+    for level in range(depth):
+        ids, logps = step(frontier, grown)
+        if ids.shape != (len(frontier), top_k) or logps.shape != ids.shape:
+            raise ValueError(f"step must return two [{len(frontier)}, {top_k}] tensors, got {ids.shape}, {logps.shape}")
+        logps = logps.double().cpu()
+        if bool(logps.isnan().any()):
+            raise ValueError("step returned NaN log-probabilities")
+        # A log-prob rounded above 0 would let a child outscore its parent and break ancestor closure.
+        logps = logps.clamp(max=0.0).tolist()
+        new = [
+            grown.add(parent, token, lp)
+            for parent, row_ids, row_lp in zip(frontier, ids.tolist(), logps, strict=True)
+            for token, lp in zip(row_ids, row_lp, strict=True)
+        ]
+        if level + 1 < depth:
+            frontier = sorted(new, key=lambda i: (-grown.scores[i], i))[:top_k]
+
+    ranked = sorted(range(1, len(grown)), key=lambda i: (-grown.scores[i], i))
+    kept = {0, *ranked[: total_tokens - 1]}
+    # Scores never rise along a path and ties go to the older node, so every kept node's parent ranks above it.
+    assert all(grown.parents[i] in kept for i in kept if i), "kept candidates are not closed under ancestors"
+
+    kids: dict[int, list[int]] = {i: [] for i in kept}
+    for i in sorted(kept)[1:]:
+        kids[grown.parents[i]].append(i)
+    order = [0]  # breadth-first: parents precede children, siblings by descending score
+    head = 0
+    while head < len(order):
+        order.extend(sorted(kids[order[head]], key=lambda c: (-grown.scores[c], c)))
+        head += 1
+    index = {src: out for out, src in enumerate(order)}
+    tokens = torch.tensor([grown.tokens[i] for i in order], dtype=torch.long)  # [n]
+    parents = torch.tensor([-1] + [index[grown.parents[i]] for i in order[1:]], dtype=torch.long)  # [n]
+    return DraftTree(tokens, parents, source_ids=torch.tensor(order, dtype=torch.long))
+
+
+def accept_length_stats(verdicts: Sequence[Verdict]) -> dict[str, float]:
+    """Summary over verification rounds: rounds, mean tau, tokens gained (the sum of tau)."""
+    tokens = sum(v.tau for v in verdicts)
+    rounds = len(verdicts)
+    return {"rounds": rounds, "mean_tau": tokens / rounds if rounds else math.nan, "tokens": tokens}
