@@ -74,6 +74,15 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from tether.server.train_drafter import DrafterTrainConfig, train_drafter
+
+    overrides = tuple((k, json.loads(v)) for k, _, v in (item.partition("=") for item in args.set))
+    summary = train_drafter(_build(DrafterTrainConfig, args, overrides=overrides))
+    print(json.dumps(summary))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.server.generate import GenerateConfig, generate_text
 
@@ -89,7 +98,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     result = generate_text(cfg, show)
-    print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s]", file=sys.stderr)
+    how = f"{result['drafter']} drafter, tau {result['tau']}" if result["drafter"] else "plain decoding"
+    print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s, {how}]", file=sys.stderr)
     return 0
 
 
@@ -125,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_target)
+
+    from tether.server.train_drafter import DrafterTrainConfig
+
+    p = sub.add_parser("train-drafter", help="train a MoA or EAGLE drafter against a frozen target")
+    _add_dataclass_args(p, DrafterTrainConfig, skip=("overrides", "quiet"))
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a DrafterConfig field, e.g. --set ffn_dim=768")  # fmt: skip
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("generate", help="generate text in-process with the target model")
     _add_dataclass_args(p, GenerateConfig)

@@ -1,11 +1,13 @@
-"""In-process text generation with the target model: `tether-server generate`.
+"""In-process text generation: `tether-server generate`, speculative with a drafter or plain without.
 
 Contract: `generate_text(GenerateConfig, on_text)` loads a model directory (config.json, model.safetensors,
-tokenizer.json), decodes from the prompt and calls `on_text` with each newly completed piece of text as it
-is produced (UTF-8 safe: a character split across tokens is emitted once whole). Returns a summary dict:
-text, token_ids, new_tokens, wall_s, tokens_per_s.
+tokenizer.json) and, unless `drafter` is "none", a drafter directory trained for that exact target (checked by
+fingerprint). It decodes through tether.server.engine and calls `on_text` with each newly completed piece of
+text as it is produced (UTF-8 safe: a character split across tokens is emitted once whole). Returns a summary
+dict: text, token_ids, rounds, tau, new_tokens, wall_s, tokens_per_s.
 
-    tether-server generate --model deploy/models/target --prompt "def fib(n):" --max-new-tokens 64
+    tether-server generate --prompt "def fib(n):" --max-new-tokens 64            # default target + drafter
+    tether-server generate --drafter none --prompt "def fib(n):"                 # plain decoding
 """
 
 from __future__ import annotations
@@ -18,19 +20,24 @@ from pathlib import Path
 
 import torch
 
+from tether.server.engine import SpeculativeEngine
+from tether.shared.checkpoint import fingerprint
+from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
 
-def default_model_dir() -> Path:
-    """deploy/models/target of the source checkout (editable install), else of the current directory."""
-    beside_source = Path(__file__).resolve().parent.parent / "deploy" / "models" / "target"
-    return beside_source if beside_source.exists() else Path("deploy/models/target")
+def default_model_dir(name: str = "target") -> Path:
+    """deploy/models/NAME of the source checkout (editable install), else of the current directory."""
+    beside_source = Path(__file__).resolve().parent.parent / "deploy" / "models" / name
+    return beside_source if beside_source.exists() else Path("deploy/models") / name
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
     model: str = str(default_model_dir())  # model directory (ours or a Hugging Face Llama/Qwen2 one)
+    drafter: str = str(default_model_dir("drafter"))  # drafter directory, or "none" for plain decoding
+    k: int = 5  # draft tokens per verification round
     prompt: str = ""  # text to continue
     max_new_tokens: int = 128  # upper bound on generated tokens (stops early at end-of-text)
     temperature: float = 0.0  # 0 = greedy
@@ -56,6 +63,9 @@ def load(model_dir: str | Path, device: str) -> tuple[Transformer, Tokenizer]:
 def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None) -> dict:
     device = pick_device(cfg.device)
     model, tok = load(cfg.model, device)
+    drafter = None
+    if cfg.drafter != "none":
+        drafter = load_drafter(cfg.drafter, model, target_fingerprint=fingerprint(cfg.model))
     prompt_ids = tok.encode(cfg.prompt)
     if not prompt_ids:
         prompt_ids = [tok.eos_id]  # an empty prompt starts a fresh document
@@ -66,32 +76,35 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         )
     generator = torch.Generator().manual_seed(cfg.seed)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    engine = SpeculativeEngine(model, drafter, k=cfg.k)
     new: list[int] = []
     pieces: list[str] = []
-    t0 = time.perf_counter()
-    x = torch.tensor([prompt_ids], device=device)
-    for token in model.generate(
-        x, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, eos_id=tok.eos_id, generator=generator
-    ):
-        new.append(token)
-        if token == tok.eos_id:
-            break
-        piece = decoder.decode(tok.decode_bytes([token]))
+
+    def emit(piece: str) -> None:
         if piece:
             pieces.append(piece)
             if on_text:
                 on_text(piece)
-    tail = decoder.decode(b"", final=True)
-    if tail:
-        pieces.append(tail)
-        if on_text:
-            on_text(tail)
+
+    t0 = time.perf_counter()
+    chunks = engine.generate(
+        prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, eos_id=tok.eos_id,
+        generator=generator,
+    )  # fmt: skip
+    for chunk in chunks:
+        new += chunk
+        text_ids = [t for t in chunk if t != tok.eos_id]
+        emit(decoder.decode(tok.decode_bytes(text_ids)))
+    emit(decoder.decode(b"", final=True))
     wall = time.perf_counter() - t0
     return {
         "text": "".join(pieces),
         "token_ids": new,
         "prompt_tokens": len(prompt_ids),
         "new_tokens": len(new),
+        "rounds": engine.stats.rounds,
+        "tau": round(engine.stats.tau, 4),
+        "drafter": None if drafter is None else f"{drafter.dcfg.kind} (TLI {drafter.dcfg.tli})",
         "wall_s": round(wall, 4),
         "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else None,
     }

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,6 +57,7 @@ class DraftTree:
     q_ids / q_probs: for node i, the top-K support and probabilities its token was sampled from (row 0 unused).
     None means every child is a deterministic pick. source_ids: for trees built by `expand_dynamic_tree`, the
     `GrowingTree` id each node came from, so a drafter can gather its per-candidate state as `state[source_ids]`.
+    The structure tensors (depths, ancestor_mask, positions) are built on the CPU; move them to the model.
     """
 
     tokens: Tensor  # [n] long
@@ -110,6 +112,10 @@ class DraftTree:
         return cls(tokens, parents, q_ids, q_probs)
 
     @cached_property
+    def _tokens(self) -> list[int]:
+        return self.tokens.tolist()
+
+    @cached_property
     def _parents(self) -> list[int]:
         return self.parents.tolist()
 
@@ -121,19 +127,18 @@ class DraftTree:
         return kids
 
     @cached_property
-    def _proposals(self) -> list[tuple[Tensor, Tensor, dict[int, float]]] | None:
-        """Per node, its q's support [K], renormalised float64 probabilities [K], and q as a dict (for verify)."""
+    def _proposals(self) -> list[dict[int, float]] | None:
+        """Per node, its q as {token: probability}, renormalised in float64 (what verify reads)."""
         if self.q_ids is None or self.q_probs is None:
             return None
-        ids = self.q_ids.cpu().long()  # [n, K]
         probs = self.q_probs.cpu().double()
-        probs = probs / probs.sum(-1, keepdim=True)  # [n, K]
+        probs = (probs / probs.sum(-1, keepdim=True)).tolist()  # [n][K]
         out = []
-        for row_ids, row_probs in zip(ids.unbind(), probs.unbind(), strict=True):
+        for row_ids, row_probs in zip(self.q_ids.tolist(), probs, strict=True):
             q: dict[int, float] = {}
-            for t, pr in zip(row_ids.tolist(), row_probs.tolist(), strict=True):
+            for t, pr in zip(row_ids, row_probs, strict=True):
                 q[t] = q.get(t, 0.0) + pr  # summed: zero-probability padding adds nothing wherever it points
-            out.append((row_ids, row_probs, q))
+            out.append(q)
         return out
 
     @cached_property
@@ -185,7 +190,7 @@ class Verdict:
         return self.accepted + 1
 
     def accepted_tokens(self, tree: DraftTree) -> list[int]:
-        return tree.tokens[self.path[1:]].tolist()
+        return [tree._tokens[i] for i in self.path[1:]]
 
     def emitted_tokens(self, tree: DraftTree) -> list[int]:
         """The tau tokens this round adds to the output: the accepted tokens, then the bonus token."""
@@ -202,12 +207,13 @@ def verify(
 ) -> Verdict:
     """Walk the tree from the root, accepting children the target agrees with; see the module docstring.
 
-    Greedy ignores any q and draws nothing. Sampling draws through `generator` (a CPU generator; the vocab-sized
-    arithmetic runs on the CPU in float64), so a seeded generator reproduces the verdict on any device.
+    Greedy ignores any q and draws nothing. Sampling draws its uniforms through `generator` (a CPU generator;
+    the vocab-sized arithmetic runs on the CPU in float64), so a seeded generator reproduces the verdict on any
+    device.
     """
     if target_logits.dim() != 2 or target_logits.shape[0] != len(tree):
         raise ValueError(f"target_logits must be [{len(tree)}, V], got {tuple(target_logits.shape)}")
-    tokens = tree.tokens.tolist()
+    tokens = tree._tokens
     path = [0]
     if temperature == 0:
         best = target_logits.argmax(-1).tolist()  # one device sync for the whole tree
@@ -221,41 +227,38 @@ def verify(
     proposals = tree._proposals
     while True:
         cur = path[-1]
-        # Only rows on the walk are needed, so they are moved and truncated one at a time.
-        p = probabilities(target_logits[cur].cpu(), temperature, top_p).double()  # [V]
-        for child in tree.children(cur):
+        children = tree.children(cur)
+        # Only rows on the walk are needed, so they are moved and truncated one at a time; numpy because these
+        # vocab-sized steps are tiny and torch's per-op overhead would dominate them.
+        p = probabilities(target_logits[cur].cpu(), temperature, top_p).double().numpy()  # [V]
+        # One uniform per child that may be tried, plus one for the bonus: a fixed count per visited node.
+        uniforms = torch.rand(len(children) + 1, dtype=torch.float64, generator=generator).tolist()
+        for child, u in zip(children, uniforms, strict=False):
             x = tokens[child]
-            if proposals is None:
-                qx = 1.0
-            else:
-                ids, probs, q = proposals[child]
-                qx = q.get(x, 0.0)
+            q = {x: 1.0} if proposals is None else proposals[child]
+            qx = q.get(x, 0.0)
             if qx <= 0:
                 raise ValueError(f"draft node {child} has token {x} outside the support of its proposal q")
-            u = float(torch.rand((), dtype=torch.float64, generator=generator))
-            if u < float(p[x]) / qx:  # accept with probability min(1, p(x) / q(x))
+            if u < p[x] / qx:  # accept with probability min(1, p(x) / q(x))
                 path.append(child)
                 break
-            if proposals is None:
-                residual = p.clone()
-                residual[x] = 0.0
-            else:
-                residual = p.index_add(0, ids, probs, alpha=-1).clamp_(min=0)  # max(0, p - q), [V]
-            mass = float(residual.sum())
+            residual = p.copy()
+            for t, pr in q.items():
+                residual[t] = max(0.0, residual[t] - pr)  # max(0, p - q), touching only q's support
+            mass = residual.sum()
             if mass > _RESIDUAL_EPS:
                 p = residual / mass
         else:
-            return Verdict(path, _draw(p, generator))
+            return Verdict(path, _draw(p, uniforms[-1]))
 
 
-def _draw(p: Tensor, generator: torch.Generator | None) -> int:
-    """One index from the float64 distribution p [V] by inverse CDF (torch.multinomial costs several times more)."""
-    cdf = p.cumsum(0)  # [V]
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
-    # right=True returns the first index whose CDF exceeds u, which skips zero-probability tokens.
-    i = int(torch.searchsorted(cdf, u, right=True))
-    # u can round up to the total; the last token with mass is then the right answer.
-    return i if i < p.numel() else int(p.nonzero()[-1])
+def _draw(p: np.ndarray, u: float) -> int:
+    """The token at uniform u of the distribution p [V], by inverse CDF."""
+    cdf = p.cumsum()  # [V]
+    # side="right" returns the first index whose CDF exceeds the target, which skips zero-probability tokens.
+    i = int(cdf.searchsorted(u * cdf[-1], side="right"))
+    # u * total can round up to the total; the last token with mass is then the right answer.
+    return i if i < len(p) else int(np.flatnonzero(p)[-1])
 
 
 class GrowingTree:
@@ -354,7 +357,7 @@ def expand_dynamic_tree(root_token: int, step: StepFn, *, depth: int, top_k: int
 
 
 def accept_length_stats(verdicts: Sequence[Verdict]) -> dict[str, float]:
-    """Summary over verification rounds: rounds, mean tau, tokens gained (the sum of tau)."""
+    """Summary over verification rounds: rounds, mean tau (nan without rounds), tokens gained (the sum of tau)."""
     tokens = sum(v.tau for v in verdicts)
     rounds = len(verdicts)
     return {"rounds": rounds, "mean_tau": tokens / rounds if rounds else math.nan, "tokens": tokens}

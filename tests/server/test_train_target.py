@@ -68,7 +68,10 @@ def test_cli_train_then_generate(tmp_path, corpus, capsys):
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 5 and summary["moda"] is False and summary["norm_position"] == "pre"
-    rc = server_main(["generate", "--model", str(out), "--prompt", "import os\n", "--max-new-tokens", "12", "--json"])
+    rc = server_main(
+        ["generate", "--model", str(out), "--drafter", "none", "--prompt", "import os\n", "--max-new-tokens", "12",
+         "--json"]
+    )  # fmt: skip
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert 1 <= result["new_tokens"] <= 12 and isinstance(result["text"], str)
