@@ -8,7 +8,8 @@ target forward, commits the accepted path to its KV cache, computes the drafter'
 verified positions (server_delta) and the client adopts it (commit). With `drafter=None` it decodes plainly.
 Greedy output equals plain greedy decoding token for token; sampled output follows the target's distribution.
 
-    engine = SpeculativeEngine(target, drafter, k=5)
+    engine = SpeculativeEngine(target, drafter, k=5)                       # chain drafting
+    engine = SpeculativeEngine(target, drafter, tree=(6, 8, 48))           # EAGLE-2 tree: depth, top_k, nodes
     for tokens in engine.generate(prompt_ids, 64, temperature=0.0):
         print(tokens)
     engine.stats.tau
@@ -53,11 +54,20 @@ def target_states(out: ForwardOutput) -> TargetStates:
 
 
 class SpeculativeEngine:
-    def __init__(self, target: Transformer, drafter: DrafterBase | None = None, *, k: int = 5, support: int = 8):
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: DrafterBase | None = None,
+        *,
+        k: int = 5,
+        support: int = 8,
+        tree: tuple[int, int, int] | None = None,
+    ):
         self.target = target
         self.drafter = drafter
-        self.k = k  # draft tokens per round
+        self.k = k  # draft tokens per round (chain drafting)
         self.support = support  # top-K support of the drafter distribution sent with a sampled draft
+        self.tree = tree  # (depth, top_k, total_tokens): EAGLE-2 dynamic tree drafting instead of a chain
         self.stats = EngineStats()
 
     @torch.inference_mode()
@@ -75,7 +85,8 @@ class SpeculativeEngine:
         self.stats = EngineStats()
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
-        capacity = min(len(prompt_ids) + max_new_tokens + self.k + 1, target.cfg.max_seq_len)
+        per_round = self.tree[2] if self.tree else self.k + 1
+        capacity = min(len(prompt_ids) + max_new_tokens + per_round, target.cfg.max_seq_len)
         if len(prompt_ids) >= capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under max_seq_len")
         cache = target.new_cache(1, capacity)
@@ -86,19 +97,23 @@ class SpeculativeEngine:
         produced = 1
         yield [root]
         if self.drafter is not None:
-            self.drafter.begin(self.drafter.server_delta(target_states(out), 0, prompt_ids), capacity)
+            scratch = self.tree[0] * self.tree[1] if self.tree else 0  # rows a tree's candidates occupy
+            self.drafter.begin(self.drafter.server_delta(target_states(out), 0, prompt_ids), capacity + scratch)
         while produced < max_new_tokens and root != eos_id:
             room = cache.capacity - cache.length - 1  # rows left after the root's
             if room < 0:
                 return
             k = min(self.k, max_new_tokens - produced - 1, room)
-            if self.drafter is not None and k > 0:
+            if self.drafter is not None and self.tree and room > 0:
+                depth, top_k, total = self.tree
+                tree = self.drafter.draft_tree(root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1))
+            elif self.drafter is not None and k > 0:
                 drafts, q_ids, q_probs = self.drafter.draft(
                     root, k, temperature=temperature, top_p=top_p, support=self.support, generator=generator
                 )
+                tree = DraftTree.chain(root, drafts, q_ids, q_probs)
             else:
-                drafts, q_ids, q_probs = [], None, None
-            tree = DraftTree.chain(root, drafts, q_ids, q_probs)
+                tree = DraftTree.chain(root, [])
             start = cache.length
             ids = tree.tokens[None].to(target.device)
             out = target.verify(
@@ -115,7 +130,7 @@ class SpeculativeEngine:
                 states = target_states(out).select(verdict.path)
                 tokens = tree.tokens[verdict.path].tolist()
                 self.drafter.commit(self.drafter.server_delta(states, start, tokens))
-            self.stats.add(verdict, len(drafts))
+            self.stats.add(verdict, len(tree) - 1)
             new = verdict.emitted_tokens(tree)
             if eos_id is not None and eos_id in new:
                 new = new[: new.index(eos_id) + 1]

@@ -1,14 +1,18 @@
 """The client-side drafting loop every drafter shares: begin, draft, commit.
 
 Contract: a drafter subclass provides `_reset(capacity)` (fresh caches), `_adopt(delta)` (take verified states
-of positions [delta.start, delta.start + n) and make the next draft start after them) and `_step(token)`
-(feed one token at the next position, return logits [V] for the token after it). This class turns those into
-chain drafts. With temperature > 0 each draft token is sampled from the drafter's distribution truncated to its
-top-`support` tokens, and that exact truncated distribution is returned with it, so the verifier's rejection
-sampling stays lossless while the message that carries q stays small.
+of positions [delta.start, delta.start + n), drop any drafted rows, and make the next draft start after them),
+`_step(token)` (feed one token at the next position, return logits [V] for the token after it) and
+`_tree_step(tokens, positions, mask, parent_rows)` (feed several tree nodes at once as new cache rows, each
+seeing the verified prefix and its ancestors' rows through `mask`; return logits [F, V]). This class turns
+those into chain drafts and EAGLE-2 dynamic draft trees. With temperature > 0 each chain draft token is sampled
+from the drafter's distribution truncated to its top-`support` tokens, and that exact truncated distribution is
+returned with it, so the verifier's rejection sampling stays lossless while the message that carries q stays
+small. Tree children are deterministic top-k picks, which the verifier handles as point-mass proposals.
 
     drafter.begin(delta_for_prompt)
     tokens, q_ids, q_probs = drafter.draft(root_token, k=5, temperature=0.8)
+    tree = drafter.draft_tree(root_token, depth=6, top_k=8, total_tokens=48)
     drafter.commit(delta_for_root_and_accepted)
 """
 
@@ -20,6 +24,7 @@ from torch import Tensor, nn
 from tether.shared.drafter import DraftDelta, DrafterConfig
 from tether.shared.model import Transformer
 from tether.shared.sampling import probabilities
+from tether.shared.speculative import DraftTree, GrowingTree, expand_dynamic_tree
 
 
 class DrafterBase(nn.Module):
@@ -87,3 +92,32 @@ class DrafterBase(nn.Module):
         if temperature == 0:
             return tokens, None, None
         return tokens, torch.stack(q_ids), torch.stack(q_probs)
+
+    @torch.inference_mode()
+    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+        """An EAGLE-2 dynamic draft tree after `root`: each level feeds the frontier nodes as new cache rows
+        (one drafter forward per level), then the most probable `total_tokens` nodes are kept."""
+        base = self.verified_length()
+        rows: dict[int, int] = {}  # GrowingTree id -> drafted row offset (position base + offset in the caches)
+
+        def step(frontier: list[int], tree: GrowingTree) -> tuple[Tensor, Tensor]:
+            n_rows = len(rows)
+            F = len(frontier)
+            mask = torch.zeros(F, base + n_rows + F, dtype=torch.bool, device=self.device)
+            mask[:, :base] = True  # every node sees the verified prefix
+            for j, node in enumerate(frontier):
+                for a in tree.path_to(node)[:-1]:
+                    mask[j, base + rows[a]] = True
+                mask[j, base + n_rows + j] = True
+            tokens = torch.tensor([tree.tokens[i] for i in frontier], device=self.device)
+            positions = torch.tensor([base + tree.depths[i] for i in frontier], device=self.device)
+            parent_rows = [rows.get(tree.parents[i]) for i in frontier]
+            logits = self._tree_step(tokens, positions, mask, parent_rows)  # [F, V]
+            for j, node in enumerate(frontier):
+                rows[node] = n_rows + j
+            top = logits.float().log_softmax(-1).topk(top_k, dim=-1)
+            return top.indices, top.values
+
+        tree = expand_dynamic_tree(root, step, depth=depth, top_k=top_k, total_tokens=total_tokens)
+        self._drop_drafted(base)
+        return tree

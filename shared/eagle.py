@@ -88,6 +88,20 @@ class EagleDrafter(DrafterBase):
         self.prev_feat = self.last_feat
         self.n_verified = P + delta.n
 
+    def _drop_drafted(self, base: int) -> None:
+        self.cache.truncate(base)
+
+    def _tree_step(self, tokens: Tensor, positions: Tensor, mask: Tensor, parent_rows: list) -> Tensor:
+        if not parent_rows or parent_rows[0] is None:
+            self.row_feat = []  # a new tree: features of drafted rows, by row offset
+        prev = torch.cat([self.last_feat[0] if r is None else self.row_feat[r] for r in parent_rows])[None]
+        x = self.fc(torch.cat([self.target.embed_tokens(tokens[None]), self.feat_norm(prev)], -1))
+        cos, sin = rope_cos_sin(self.inv_freq, positions[None])
+        feat, _, _ = self.layer(x, cos, sin, DepthStream(x, 0, grad=False), self.cache, 0, mask, "reference")
+        self.cache.advance(len(tokens))
+        self.row_feat += list(feat[0].split(1))
+        return self.target.head(self.target.norm(feat))[0]
+
     def _step(self, token: int) -> Tensor:
         start = self.cache.length
         if start == self.n_verified:

@@ -194,11 +194,31 @@ class MoADrafter(DrafterBase):
             self.tli_cache.truncate(P)
             self.tli_cache.append(delta.tensors["tli_k"][:, None].to(self.dtype),
                                   delta.tensors["tli_v"][:, None].to(self.dtype))  # fmt: skip
-        # SA depends on tokens alone, so its rows for accepted drafts stay valid; fill what is missing.
+        # SA depends on tokens alone, so after a chain its rows for accepted drafts stay valid; fill what is
+        # missing (after a tree the drafted rows were dropped, and every verified token is fed again).
         self.sa_cache.truncate(min(self.sa_cache.length, P + n))
         missing = delta.tokens[self.sa_cache.length - P :]
         if missing:
             self._sa(torch.tensor([missing], device=self.device))
+
+    def _drop_drafted(self, base: int) -> None:
+        self.sa_cache.truncate(base)
+        if self.dcfg.tli:
+            self.tli_cache.truncate(base)
+
+    def _tree_step(self, tokens: Tensor, positions: Tensor, mask: Tensor, parent_rows: list) -> Tensor:
+        pos = positions[None]
+        cos, sin = rope_cos_sin(self.inv_freq, pos)
+        x = self.target.embed_tokens(tokens[None])
+        x, _, _ = self.sa(x, cos, sin, DepthStream(x, 0, grad=False), self.sa_cache, 0, mask, "reference")
+        self.sa_cache.advance(len(tokens))
+        visible = torch.ones(len(tokens), self.n_ctx, dtype=torch.bool, device=self.device)
+        h = self.ca(x, self.ctx_k[:, : self.n_ctx], self.ctx_v[:, : self.n_ctx], visible, cos, sin)
+        if self.dcfg.tli:
+            tcos, tsin = self.target.rope(pos)
+            h = self.run_tli(h, tcos, tsin, cache=self.tli_cache, mask=mask)
+            self.tli_cache.advance(len(tokens))
+        return self.target.head(self.target.norm(h))[0]
 
     def _sa(self, ids: Tensor) -> Tensor:
         start = self.sa_cache.length

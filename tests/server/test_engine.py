@@ -54,6 +54,27 @@ def test_greedy_speculative_equals_plain_greedy(kind, tli, moda, vocab):
         assert engine.stats.accepted > 0 and max(engine.stats.taus) >= 3  # acceptance paths were exercised
 
 
+@pytest.mark.parametrize("kind,tli", DRAFTERS)
+@pytest.mark.parametrize("moda", [True, False])
+def test_greedy_tree_speculative_equals_plain_greedy(kind, tli, moda):
+    target = make_target(moda=moda, vocab_size=7)
+    drafter = make_drafter(target, kind, tli, seed=3)
+    prompt = torch.randint(0, 7, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    engine = SpeculativeEngine(target, drafter, tree=(3, 3, 7))
+    got = [t for chunk in engine.generate(prompt, 30) for t in chunk]
+    assert got == plain_greedy(target, prompt, 30)
+    assert engine.stats.drafted > engine.stats.rounds  # trees of several nodes were verified
+    assert engine.stats.accepted > 0
+
+
+def test_sampled_tree_decoding_runs_with_deterministic_children():
+    target = make_target(vocab_size=7)
+    engine = SpeculativeEngine(target, make_drafter(target, "moa", 1), tree=(2, 2, 4))
+    g = torch.Generator().manual_seed(5)
+    out = [t for c in engine.generate([1, 2, 3], 20, temperature=1.0, generator=g) for t in c]
+    assert len(out) == 20 and all(0 <= t < 7 for t in out)
+
+
 def test_eagle_commit_after_partial_acceptance_keeps_greedy_exact():
     """An EAGLE drafter (seed chosen so it agrees with the target at times) through mixed accept/reject rounds:
     its cache rows for accepted positions are recomputed from exact features and the output stays exact."""

@@ -1,0 +1,156 @@
+"""Speculative decoding quality on the held-out split: acceptance length, tokens per target forward, and the
+offline curve (how long a drafter stays right with no new target states).
+
+For each drafter, on `--prompts` held-out windows of `--prompt-len` tokens:
+- greedy chain drafting with k=`--k`, `--new-tokens` tokens: mean tau (tokens gained per verification round),
+  tokens per target forward (the prefill counts as one), and wall-clock tokens/s on this device;
+- the same with EAGLE-2 dynamic tree drafting (`--tree depth,top_k,total_tokens`), verified in one forward;
+- offline: from the verified prompt, the drafter alone drafts `--offline` tokens after the target's first
+  token; agreement at position i is the fraction of prompts whose i-th offline token equals the target's
+  greedy continuation. Reported per position (JSON) and as the mean over the first 32.
+Greedy outputs are checked against plain decoding on every prompt (the run fails loudly if one differs).
+Prints a table, then one JSON line.
+
+    python bench/spec.py --data data/corpus --prompts 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tether.server.corpus import build_corpus, load_tokens
+from tether.server.engine import SpeculativeEngine, target_states
+from tether.shared.checkpoint import fingerprint
+from tether.shared.drafter import load_drafter
+from tether.shared.model import Transformer
+from tether.shared.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFTERS = [ROOT / "deploy/models/drafter", ROOT / "deploy/models/drafter-moa-tli0",
+                    ROOT / "deploy/models/drafter-eagle"]  # fmt: skip
+
+
+def heldout_prompts(data: Path, target_dir: Path, n: int, length: int) -> list[list[int]]:
+    if not (data / "val.bin").exists():
+        build_corpus(data, tokenizer=Tokenizer.from_pretrained(target_dir))
+    val = load_tokens(data, "val")
+    starts = np.linspace(0, len(val) - length - 1, n).astype(np.int64)
+    return [val[s : s + length].astype(np.int64).tolist() for s in starts]
+
+
+@torch.inference_mode()
+def run_chain(target, drafter, prompts, new_tokens: int, k: int, references: list[list[int]], tree=None) -> dict:
+    engine = SpeculativeEngine(target, drafter, k=k, tree=tree)
+    taus, produced, forwards, wall = [], 0, 0, 0.0
+    for prompt, ref in zip(prompts, references, strict=True):
+        t0 = time.perf_counter()
+        out = [t for chunk in engine.generate(prompt, new_tokens) for t in chunk]
+        wall += time.perf_counter() - t0
+        if out != ref:
+            raise AssertionError("speculative greedy output differs from plain greedy decoding")
+        taus += engine.stats.taus
+        produced += len(out)
+        forwards += engine.stats.rounds + 1
+    return {
+        "tau": float(np.mean(taus)) if taus else 1.0,
+        "tokens_per_forward": produced / forwards,
+        "tokens_per_s": produced / wall,
+    }
+
+
+@torch.inference_mode()
+def offline_curve(target, drafter, prompts, references: list[list[int]], length: int) -> list[float]:
+    """Agreement of the free-running drafter with the target's greedy continuation, per offline position."""
+    hits = np.zeros(length)
+    for prompt, ref in zip(prompts, references, strict=True):
+        out = target.run(torch.tensor([prompt], device=target.device), hidden_layers=(target.cfg.n_layers,),
+                         return_kv=True)  # fmt: skip
+        drafter.begin(drafter.server_delta(target_states(out), 0, prompt), len(prompt) + length + 2)
+        drafts, _, _ = drafter.draft(ref[0], length)
+        hits += np.array(drafts) == np.array(ref[1 : length + 1])
+    return (hits / len(prompts)).tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "deploy/models/target")
+    ap.add_argument("--drafters", type=Path, nargs="*", default=DEFAULT_DRAFTERS)
+    ap.add_argument("--data", type=Path, default=Path("data/corpus"), help="corpus directory with val.bin")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--offline", type=int, default=64)
+    ap.add_argument("--tree", default="6,8,48", help="tree drafting depth,top_k,total_tokens ('' to skip)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    target = Transformer.from_pretrained(args.target, device=args.device, dtype=dtype)
+    prompts = heldout_prompts(args.data, args.target, args.prompts, args.prompt_len)
+    needed = max(args.new_tokens, args.offline + 1)
+    plain = SpeculativeEngine(target, None)
+    t0 = time.perf_counter()
+    references = [[t for c in plain.generate(p, needed) for t in c] for p in prompts]
+    plain_tps = len(prompts) * needed / (time.perf_counter() - t0)
+    fp = fingerprint(args.target)
+    tree = tuple(int(x) for x in args.tree.split(",")) if args.tree else None
+    rows = []
+    for path in args.drafters:
+        drafter = load_drafter(path, target, target_fingerprint=fp)
+        refs = [r[: args.new_tokens] for r in references]
+        chain = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs)
+        if tree:
+            t = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, tree=tree)
+            chain |= {"tree_tau": t["tau"], "tree_tokens_per_forward": t["tokens_per_forward"],
+                      "tree_tokens_per_s": t["tokens_per_s"]}  # fmt: skip
+        curve = offline_curve(target, drafter, prompts, references, args.offline)
+        rows.append({"drafter": path.name, "kind": drafter.dcfg.kind, "tli": drafter.dcfg.tli,
+                     "params": drafter.num_trainable(), **chain, "offline_first32": float(np.mean(curve[:32])),
+                     "offline_curve": [round(x, 4) for x in curve]})  # fmt: skip
+
+    table = Table(title=f"speculative decoding, held-out, greedy, chain k={args.k}, {len(prompts)} prompts")
+    columns = ("drafter", "kind", "TLI", "params", "tau", "tok/forward", "tok/s", "tree tau", "tree tok/s",
+               "offline agree@1..32", "offline @1", "@8", "@32")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="right")
+    table.add_row("(plain)", "-", "-", "-", "1.000", "1.000", f"{plain_tps:.1f}", *["-"] * 6)
+    for r in rows:
+        c = r["offline_curve"]
+        table.add_row(r["drafter"], r["kind"], str(r["tli"]), f"{r['params'] / 1e6:.2f}M", f"{r['tau']:.3f}",
+                      f"{r['tokens_per_forward']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r.get('tree_tau', 0):.3f}",
+                      f"{r.get('tree_tokens_per_s', 0):.1f}", f"{r['offline_first32']:.3f}",
+                      f"{c[0]:.3f}", f"{c[7]:.3f}", f"{c[31]:.3f}" if len(c) > 31 else "-")  # fmt: skip
+    Console(width=170).print(table)
+    by_kind = {(r["kind"], r["tli"]): r for r in rows}
+    result = {
+        "bench": "spec",
+        "device": args.device,
+        "torch": torch.__version__,
+        "prompts": len(prompts),
+        "k": args.k,
+        "tree": list(tree) if tree else None,
+        "plain_tokens_per_s": plain_tps,
+        "drafters": rows,
+    }
+    if ("eagle", 0) in by_kind:
+        eagle = by_kind[("eagle", 0)]
+        result["tau_ratio_vs_eagle"] = {f"moa_tli{t}": by_kind[("moa", t)]["tau"] / eagle["tau"]
+                                        for (kind, t) in by_kind if kind == "moa"}  # fmt: skip
+        if tree:
+            result["tree_tau_ratio_vs_eagle"] = {f"moa_tli{t}": by_kind[("moa", t)]["tree_tau"] / eagle["tree_tau"]
+                                                 for (kind, t) in by_kind if kind == "moa"}  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
