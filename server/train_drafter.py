@@ -28,10 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from tether.server.engine import SpeculativeEngine
-from tether.server.train_target import Batches, autocast, lr_at, save_plot
+from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import DrafterConfig, build_drafter, save_drafter
 from tether.shared.model import Transformer
@@ -193,9 +192,7 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
     drafter.train()
     t0 = time.perf_counter() - history["wall_s"]
     start_wall = time.perf_counter()
-    columns = [TextColumn("[bold]draft"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn(), TimeRemainingColumn()]  # fmt: skip
-    with Progress(*columns, console=console, disable=cfg.quiet) as progress:
+    with progress_bar("draft", console, cfg.quiet) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
             if cfg.time_limit_s and time.perf_counter() - start_wall > cfg.time_limit_s:

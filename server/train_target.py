@@ -133,6 +133,13 @@ def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
 
 
+def progress_bar(label: str, console: Console, quiet: bool) -> Progress:
+    """The training progress bar: steps done, a live info field (loss, held-out figures), time left."""
+    columns = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn(), TimeRemainingColumn()]  # fmt: skip
+    return Progress(*columns, console=console, disable=quiet)
+
+
 def save_plot(history: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -209,15 +216,7 @@ def train_target(cfg: TrainConfig, console: Console | None = None) -> dict:
     model.train()
     t0 = time.perf_counter() - history["wall_s"]
     start_wall = time.perf_counter()
-    columns = [
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=console, disable=cfg.quiet) as progress:
+    with progress_bar("train", console, cfg.quiet) as progress:
         task = progress.add_task("train", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
             if cfg.time_limit_s and time.perf_counter() - start_wall > cfg.time_limit_s:
