@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+# The generated code is committed; tests/test_proto.py checks it is fresh.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto \
+		proto/tether/v1/tether.proto
 
 demo: $(STAMP)
 	$(BIN)/tether-server generate --model deploy/models/target --max-new-tokens 120 --temperature 0.7 --top-p 0.95 \

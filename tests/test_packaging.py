@@ -31,8 +31,9 @@ def test_wheel_holds_only_the_tether_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"tether", next(t for t in top if t.endswith(".dist-info"))}, top
-    for sub in ("shared", "server", "client", "kernels"):
+    for sub in ("shared", "server", "client", "kernels", "v1"):
         assert f"tether/{sub}/__init__.py" in names
+    assert "tether/v1/tether_pb2_grpc.py" in names and "tether/v1/tether.proto" in names
     assert "tether/__init__.py" not in names  # an implicit namespace package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "tether-server = tether.server.cli:main" in entry_points

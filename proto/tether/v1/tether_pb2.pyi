@@ -1,0 +1,259 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_RAW: _ClassVar[Codec]
+    CODEC_FP16_SHUFFLE_ZSTD: _ClassVar[Codec]
+    CODEC_INT8_ZSTD: _ClassVar[Codec]
+CODEC_RAW: Codec
+CODEC_FP16_SHUFFLE_ZSTD: Codec
+CODEC_INT8_ZSTD: Codec
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TLI_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    model_id: str
+    model_config_json: str
+    model_fingerprint: str
+    tokenizer_sha256: str
+    drafter_config_json: str
+    drafter_fingerprint: str
+    tli_layers: int
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    max_prompt_tokens: int
+    max_draft_tokens: int
+    max_message_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("model_fingerprint", "drafter_fingerprint", "tensors")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    drafter_fingerprint: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    def __init__(self, model_fingerprint: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
+
+class FetchWeightsRequest(_message.Message):
+    __slots__ = ("model_fingerprint", "resume_tensor", "resume_offset", "max_chunk_bytes")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    resume_tensor: str
+    resume_offset: int
+    max_chunk_bytes: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    chunk: TensorChunk
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    offset: int
+    data: bytes
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class KVDelta(_message.Message):
+    __slots__ = ("start", "tokens", "payload")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    payload: bytes
+    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("request_id", "prompt", "sampling", "max_new_tokens", "delta_codec", "model_fingerprint")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    delta_codec: Codec
+    model_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class DraftRound(_message.Message):
+    __slots__ = ("round", "root", "tokens", "q")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    root: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, round: _Optional[int] = ..., root: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("open", "round")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    round: DraftRound
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
+
+class Opened(_message.Message):
+    __slots__ = ("request_id", "session_id", "resume_token", "first_token", "delta")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    resume_token: str
+    first_token: int
+    delta: KVDelta
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., first_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("round", "accepted", "bonus", "delta")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    accepted: int
+    bonus: int
+    delta: KVDelta
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message", "round")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    round: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("opened", "verdict", "error")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    opened: Opened
+    verdict: Verdict
+    error: Error
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ResyncRequest(_message.Message):
+    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    resume_token: str
+    verified_length: int
+    offline_tokens: _containers.RepeatedScalarFieldContainer[int]
+    history: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    delta_codec: Codec
+    model_fingerprint: str
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class ResyncReply(_message.Message):
+    __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "delta")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DISAGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    resume_token: str
+    rebuilt: bool
+    first_disagreement: int
+    target_token: int
+    delta: KVDelta
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., first_disagreement: _Optional[int] = ..., target_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
