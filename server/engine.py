@@ -3,9 +3,10 @@
 Contract: `SpeculativeEngine(target, drafter).generate(prompt_ids, ...)` yields, round by round, the tokens
 each verification adds (first the token after the prompt, then each round's accepted drafts and its bonus
 token), and keeps `self.stats` (rounds, target forwards, mean tau). Each round runs exactly the protocol the
-gRPC split will run: the client side drafts after the root token; the server verifies root + drafts in one
-target forward, commits the accepted path to its KV cache, computes the drafter's delta for the newly
-verified positions (server_delta) and the client adopts it (commit). With `drafter=None` it decodes plainly.
+gRPC split will run: the client side drafts after the root token; the server side (tether.server.verifier,
+which gRPC sessions will run too) verifies root + drafts in one target forward, commits the accepted path and
+returns the drafter's delta for the newly verified positions, which the client side adopts (commit).
+With `drafter=None` it decodes plainly.
 Greedy output equals plain greedy decoding token for token; sampled output follows the target's distribution.
 
     engine = SpeculativeEngine(target, drafter, k=5)                       # chain drafting
@@ -22,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tether.shared.drafter import TargetStates
+from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.drafter_runtime import DrafterBase
-from tether.shared.model import ForwardOutput, Transformer
-from tether.shared.sampling import sample_token
-from tether.shared.speculative import DraftTree, Verdict, verify
+from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree, Verdict
+
+__all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
 
 
 @dataclass
@@ -46,11 +48,6 @@ class EngineStats:
         self.drafted += drafted
         self.accepted += verdict.accepted
         self.taus.append(verdict.tau)
-
-
-def target_states(out: ForwardOutput) -> TargetStates:
-    """The batch-1 forward's states for all its new positions."""
-    return TargetStates(k=out.k[:, 0], v=out.v[:, 0], hidden=out.hidden[0][0])
 
 
 class SpeculativeEngine:
@@ -81,28 +78,20 @@ class SpeculativeEngine:
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Iterator[list[int]]:
-        target = self.target
         self.stats = EngineStats()
-        if not prompt_ids:
-            raise ValueError("the prompt must hold at least one token")
         per_round = self.tree[2] if self.tree else self.k + 1
-        capacity = min(len(prompt_ids) + max_new_tokens + per_round, target.cfg.max_seq_len)
-        if len(prompt_ids) >= capacity:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under max_seq_len")
-        cache = target.new_cache(1, capacity)
-        want = (target.cfg.n_layers,)
-        prompt = torch.tensor([prompt_ids], device=target.device)
-        out = target.prefill(prompt, cache, hidden_layers=want, return_kv=self.drafter is not None)
-        root = sample_token(out.logits[0, -1], temperature=temperature, top_p=top_p, generator=generator)
+        capacity = min(len(prompt_ids) + max_new_tokens + per_round, self.target.cfg.max_seq_len)
+        server = SequenceVerifier(
+            self.target, self.drafter, capacity=capacity, temperature=temperature, top_p=top_p, generator=generator
+        )
+        root, delta = server.open(prompt_ids)
         produced = 1
         yield [root]
         if self.drafter is not None:
             scratch = self.tree[0] * self.tree[1] if self.tree else 0  # rows a tree's candidates occupy
-            self.drafter.begin(self.drafter.server_delta(target_states(out), 0, prompt_ids), capacity + scratch)
-        while produced < max_new_tokens and root != eos_id:
-            room = cache.capacity - cache.length - 1  # rows left after the root's
-            if room < 0:
-                return
+            self.drafter.begin(delta, capacity + scratch)
+        while produced < max_new_tokens and root != eos_id and server.room > 0:
+            room = server.room - 1  # draft nodes that fit after the root
             k = min(self.k, max_new_tokens - produced - 1, room)
             if self.drafter is not None and self.tree and room > 0:
                 depth, top_k, total = self.tree
@@ -114,22 +103,9 @@ class SpeculativeEngine:
                 tree = DraftTree.chain(root, drafts, q_ids, q_probs)
             else:
                 tree = DraftTree.chain(root, [])
-            start = cache.length
-            ids = tree.tokens[None].to(target.device)
-            out = target.verify(
-                ids,
-                cache,
-                tree_mask=tree.ancestor_mask().to(target.device),
-                positions=tree.positions(start).to(target.device),
-                hidden_layers=want,
-                return_kv=self.drafter is not None,
-            )
-            verdict = verify(tree, out.logits[0], temperature=temperature, top_p=top_p, generator=generator)
-            cache.accept(verdict.path)
+            verdict, delta = server.verify(tree)
             if self.drafter is not None:
-                states = target_states(out).select(verdict.path)
-                tokens = tree.tokens[verdict.path].tolist()
-                self.drafter.commit(self.drafter.server_delta(states, start, tokens))
+                self.drafter.commit(delta)
             self.stats.add(verdict, len(tree) - 1)
             new = verdict.emitted_tokens(tree)
             if eos_id is not None and eos_id in new:

@@ -1,0 +1,90 @@
+"""The server half of speculative decoding for one sequence: prefill, then verify a draft tree per round.
+
+Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_p=..., generator=...)`.
+`open(prompt)` prefills the target's KV cache and returns the target's first token and the drafter's delta for
+the prompt positions. `verify(tree)` runs root + drafts through the target in one forward (tree mask, tree
+positions), decides the verdict (greedy or lossless rejection sampling, tether.shared.speculative.verify),
+commits the accepted path to the cache and returns the verdict and the delta for the newly verified positions
+(root + accepted drafts). The verifier never looks at who drafted: any DraftTree will do. It is what the
+in-process engine runs, and what each gRPC session will run; with drafter None no delta is produced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tether.shared.drafter import DraftDelta, TargetStates
+from tether.shared.model import ForwardOutput, Transformer
+from tether.shared.sampling import sample_token
+from tether.shared.speculative import DraftTree, Verdict, verify
+
+
+def target_states(out: ForwardOutput) -> TargetStates:
+    """The batch-1 forward's states for all its new positions."""
+    return TargetStates(k=out.k[:, 0], v=out.v[:, 0], hidden=out.hidden[0][0])
+
+
+class SequenceVerifier:
+    def __init__(
+        self,
+        target: Transformer,
+        drafter=None,
+        *,
+        capacity: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ):
+        self.target = target
+        self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.cache = target.new_cache(1, min(capacity, target.cfg.max_seq_len))
+
+    @property
+    def length(self) -> int:
+        """Verified positions held in the KV cache."""
+        return self.cache.length
+
+    @property
+    def room(self) -> int:
+        """Tree nodes (root included) the cache can take in the next round."""
+        return self.cache.capacity - self.cache.length
+
+    def _sample(self, logits: torch.Tensor) -> int:
+        return sample_token(logits, temperature=self.temperature, top_p=self.top_p, generator=self.generator)
+
+    @torch.inference_mode()
+    def open(self, prompt_ids: list[int]) -> tuple[int, DraftDelta | None]:
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        if len(prompt_ids) >= self.cache.capacity:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a {self.cache.capacity} cache")
+        prompt = torch.tensor([prompt_ids], device=self.target.device)
+        want = self.drafter is not None
+        out = self.target.prefill(prompt, self.cache, hidden_layers=(self.target.cfg.n_layers,), return_kv=want)
+        first = self._sample(out.logits[0, -1])
+        delta = self.drafter.server_delta(target_states(out), 0, prompt_ids) if want else None
+        return first, delta
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree) -> tuple[Verdict, DraftDelta | None]:
+        if len(tree) > self.room:
+            raise ValueError(f"a tree of {len(tree)} nodes does not fit the {self.room} positions left")
+        start = self.cache.length
+        dev = self.target.device
+        want = self.drafter is not None
+        out = self.target.verify(
+            tree.tokens[None].to(dev),
+            self.cache,
+            tree_mask=tree.ancestor_mask().to(dev),
+            positions=tree.positions(start).to(dev),
+            hidden_layers=(self.target.cfg.n_layers,),
+            return_kv=want,
+        )
+        verdict = verify(tree, out.logits[0], temperature=self.temperature, top_p=self.top_p, generator=self.generator)
+        self.cache.accept(verdict.path)
+        delta = None
+        if want:
+            states = target_states(out).select(verdict.path)
+            delta = self.drafter.server_delta(states, start, tree.tokens[verdict.path].tolist())
+        return verdict, delta
