@@ -83,6 +83,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tether.server.daemon import ServeConfig, serve
+
+    return serve(_build(ServeConfig, args))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.server.generate import GenerateConfig, generate_text
 
@@ -144,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a DrafterConfig field, e.g. --set ffn_dim=768")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_drafter)
+
+    from tether.server.daemon import ServeConfig
+
+    p = sub.add_parser("serve", help="serve the target and drafter over gRPC (tether.v1.Tether)")
+    _add_dataclass_args(p, ServeConfig)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text in-process with the target model")
     _add_dataclass_args(p, GenerateConfig)

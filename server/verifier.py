@@ -50,7 +50,8 @@ class SequenceVerifier:
         """Tree nodes (root included) the cache can take in the next round."""
         return self.cache.capacity - self.cache.length
 
-    def _sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor) -> int:
+        """The target's next token from logits [V] under this sequence's sampling settings and generator."""
         return sample_token(logits, temperature=self.temperature, top_p=self.top_p, generator=self.generator)
 
     @torch.inference_mode()
@@ -62,7 +63,7 @@ class SequenceVerifier:
         prompt = torch.tensor([prompt_ids], device=self.target.device)
         want = self.drafter is not None
         out = self.target.prefill(prompt, self.cache, hidden_layers=(self.target.cfg.n_layers,), return_kv=want)
-        first = self._sample(out.logits[0, -1])
+        first = self.sample(out.logits[0, -1])
         delta = self.drafter.server_delta(target_states(out), 0, prompt_ids) if want else None
         return first, delta
 

@@ -43,7 +43,8 @@ def test_wheel_holds_only_the_tether_namespace(tmp_path):
 @pytest.mark.parametrize(
     "command,expect",
     [
-        (["tether-server", "--help"], ["train-target", "generate", "build-corpus"]),
+        (["tether-server", "--help"], ["train-target", "train-drafter", "generate", "build-corpus", "serve"]),
+        (["tether-server", "serve", "--help"], ["--port", "--host", "--max-sessions"]),
         (["tether-server", "train-target", "--help"], ["--preset", "--steps", "--device", "peak learning rate"]),
         (["tether-server", "generate", "--help"], ["--prompt", "--max-new-tokens", "--temperature"]),
         (["tether-client", "--help"], ["info"]),

@@ -213,7 +213,7 @@ class ServerMessage(_message.Message):
     def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
-    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint")
+    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class ResyncRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     resume_token: str
     verified_length: int
@@ -230,23 +231,26 @@ class ResyncRequest(_message.Message):
     sampling: SamplingParams
     delta_codec: Codec
     model_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    rewind: bool
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., rewind: _Optional[bool] = ...) -> None: ...
 
 class ResyncReply(_message.Message):
-    __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "delta")
+    __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "verified_length", "delta")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REBUILT_FIELD_NUMBER: _ClassVar[int]
     FIRST_DISAGREEMENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     resume_token: str
     rebuilt: bool
     first_disagreement: int
     target_token: int
+    verified_length: int
     delta: KVDelta
-    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., first_disagreement: _Optional[int] = ..., target_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., first_disagreement: _Optional[int] = ..., target_token: _Optional[int] = ..., verified_length: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)

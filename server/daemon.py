@@ -1,0 +1,54 @@
+"""`tether-server serve`: load the target and drafter, serve `tether.v1.Tether` until SIGTERM or Ctrl-C.
+
+Contract: prints one line `listening on HOST:PORT` once the port is bound (port 0 picks a free one), serves
+until SIGTERM/SIGINT, then stops taking new calls and gives the ones in flight `grace_s` seconds to finish.
+Defaults serve deploy/models on 127.0.0.1:50051.
+
+    tether-server serve --port 50051 --max-sessions 64
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from tether.server.generate import default_model_dir, load, pick_device
+from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.shared.checkpoint import fingerprint
+from tether.shared.drafter import load_drafter
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = str(default_model_dir())  # target model directory
+    drafter: str = str(default_model_dir("drafter"))  # drafter directory trained for that target
+    host: str = "127.0.0.1"  # address to listen on
+    port: int = 50051  # port to listen on (0 = any free port)
+    device: str = ""  # "cpu" / "cuda"; empty = cuda when present
+    max_sessions: int = 256  # sessions held at once
+    grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
+
+
+def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
+    device = pick_device(cfg.device)
+    target, tokenizer = load(cfg.model, device)
+    model_fp = fingerprint(cfg.model)
+    drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
+    torch.set_grad_enabled(False)
+    service = TetherService(target, drafter, tokenizer, ServiceConfig(max_sessions=cfg.max_sessions),
+                            model_fingerprint=model_fp)  # fmt: skip
+    server, port = make_server(service, f"{cfg.host}:{cfg.port}")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    print(f"listening on {cfg.host}:{port}", flush=True)
+    if ready is not None:
+        ready.set()
+    stop.wait()
+    server.stop(grace=cfg.grace_s).wait()
+    print("stopped", flush=True)
+    return 0

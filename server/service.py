@@ -1,0 +1,360 @@
+"""The gRPC service `tether.v1.Tether`: model info, weight streaming, verification sessions, resync, close.
+
+Contract (DESIGN.md section 5; the messages are in proto/tether/v1/tether.proto):
+- GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs and limits.
+- FetchWeights: the manifest of the client part (tether.shared.weights), then chunks of at most 1 MiB, from
+  any (tensor, offset); FAILED_PRECONDITION when the client expects other weights.
+- Session: `open` prefills and answers the first token and the prompt's KV delta; each `round` is verified
+  (tether.server.verifier) and answered with accepted count, bonus token and delta. Round numbers make a
+  repeated round idempotent (the recorded answer is sent again); a bad message gets an inline Error with its
+  gRPC status code and the stream goes on.
+- Resync: after a disconnection, truncate to the client's verified length, absorb its offline tokens (all of
+  them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
+  disagreement and the next token; a session the server lost is rebuilt from the full history.
+- Close frees a session.
+Every bad input gets a clear status and the server keeps serving everyone else.
+
+This first version verifies each session's rounds on its own; batching rounds across sessions over a paged
+KV pool, API keys, TLS and metrics come with issue [3/7]'s remaining parts.
+
+    service = TetherService(target, drafter, tokenizer, ServiceConfig())
+    server, port = make_server(service, "127.0.0.1:50051"); server.start()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from tether.server.verifier import SequenceVerifier, target_states
+from tether.shared.codecs import Codec, encode_many
+from tether.shared.drafter import DraftDelta
+from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree
+from tether.shared.tokenizer import Tokenizer
+from tether.shared.weights import MAX_CHUNK, build_manifest, client_part_tensors, iter_chunks
+from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    max_sessions: int = 256  # sessions held at once; more are refused with RESOURCE_EXHAUSTED
+    max_prompt_tokens: int = 1536  # longest prompt accepted
+    max_draft_tokens: int = 64  # draft tokens per round
+    max_new_tokens: int = 1024  # default and upper bound of a session's generation length
+    max_message_bytes: int = 4 << 20  # gRPC message limit both ways
+    model_id: str = "tether-default"  # reported in ModelInfo
+
+
+class RequestError(Exception):
+    """A client error with the gRPC status it maps to."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class SessionState:
+    verifier: SequenceVerifier
+    resume_token: str
+    sampling: pb.SamplingParams
+    codec: Codec
+    root: int  # the last decided token, which the next round must start from
+    last_round: int = 0
+    last_reply: pb.ServerMessage | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _sha256_json(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+class TetherService(tether_pb2_grpc.TetherServicer):
+    def __init__(
+        self,
+        target: Transformer,
+        drafter,
+        tokenizer: Tokenizer,
+        config: ServiceConfig | None = None,
+        *,
+        model_fingerprint: str,
+    ):
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.config = config or ServiceConfig()
+        self.model_fingerprint = model_fingerprint
+        part = client_part_tensors(target, drafter)
+        self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
+                        for k, v in part.items()}  # fmt: skip
+        self.manifest = build_manifest(self.weights)
+        self.drafter_fingerprint = _sha256_json(
+            {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}
+        )
+        self.sessions: dict[str, SessionState] = {}
+        self.sessions_lock = threading.Lock()
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens, what: str) -> list[int]:
+        ids = list(tokens)
+        vocab = self.target.cfg.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: token id {bad} is outside [0, {vocab})")
+        return ids
+
+    def _check_fingerprint(self, fingerprint: str) -> None:
+        if fingerprint and fingerprint != self.model_fingerprint:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"client holds model {fingerprint[:12]}, this server runs {self.model_fingerprint[:12]}",
+            )
+
+    def _delta(self, delta: DraftDelta, codec: Codec) -> pb.KVDelta:
+        tensors = {k: v.to(torch.bfloat16) for k, v in delta.tensors.items()}
+        return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=encode_many(tensors, codec))
+
+    def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
+        generator = torch.Generator().manual_seed(sampling.seed)
+        return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
+                                top_p=sampling.top_p or 1.0, generator=generator)  # fmt: skip
+
+    def _capacity(self, prompt_len: int, max_new: int) -> int:
+        return prompt_len + max_new + self.config.max_draft_tokens + 1
+
+    def _session(self, session_id: str, resume_token: str | None = None) -> SessionState:
+        with self.sessions_lock:
+            state = self.sessions.get(session_id)
+        if state is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown session {session_id!r}")
+        if resume_token is not None and not secrets.compare_digest(resume_token, state.resume_token):
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, "wrong resume token for this session")
+        return state
+
+    # ---- RPCs ----------------------------------------------------------------------------------------
+
+    def GetModelInfo(self, request, context):
+        c = self.config
+        return pb.ModelInfo(
+            protocol_version=PROTOCOL_VERSION,
+            model_id=c.model_id,
+            model_config_json=json.dumps(self.target.cfg.to_dict()),
+            model_fingerprint=self.model_fingerprint,
+            tokenizer_sha256=self.tokenizer.sha256,
+            drafter_config_json=json.dumps(self.drafter.dcfg.to_dict()),
+            drafter_fingerprint=self.drafter_fingerprint,
+            tli_layers=self.drafter.dcfg.tli,
+            codecs=[pb.CODEC_RAW, pb.CODEC_FP16_SHUFFLE_ZSTD, pb.CODEC_INT8_ZSTD],
+            max_prompt_tokens=c.max_prompt_tokens,
+            max_draft_tokens=c.max_draft_tokens,
+            max_message_bytes=c.max_message_bytes,
+        )
+
+    def FetchWeights(self, request, context) -> Iterator[pb.WeightChunk]:
+        try:
+            self._check_fingerprint(request.model_fingerprint)
+            size = request.max_chunk_bytes or MAX_CHUNK
+            if size > MAX_CHUNK:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"max_chunk_bytes above {MAX_CHUNK}")
+            chunks = iter_chunks(self.weights, self.manifest, request.resume_tensor, request.resume_offset, size)
+            first = next(chunks, None)  # validates the resume point before anything is sent
+        except (KeyError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestError as e:
+            context.abort(e.code, e.message)
+        yield pb.WeightChunk(
+            manifest=pb.WeightManifest(
+                model_fingerprint=self.model_fingerprint,
+                drafter_fingerprint=self.drafter_fingerprint,
+                tensors=[
+                    pb.TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes, sha256=e.sha256)
+                    for e in self.manifest
+                ],  # fmt: skip
+            )
+        )
+        if first is not None:
+            yield pb.WeightChunk(chunk=pb.TensorChunk(tensor=first[0], offset=first[1], data=first[2]))
+        for name, offset, data in chunks:
+            yield pb.WeightChunk(chunk=pb.TensorChunk(tensor=name, offset=offset, data=data))
+
+    def Session(self, request_iterator, context) -> Iterator[pb.ServerMessage]:
+        session_id: str | None = None
+        for message in request_iterator:
+            kind = message.WhichOneof("body")
+            try:
+                if kind == "open":
+                    if session_id is not None:
+                        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "this stream already opened a session")
+                    session_id, reply = self._open(message.open)
+                elif kind == "round":
+                    if session_id is None:
+                        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "open a session before rounds")
+                    reply = self._round(self._session(session_id), message.round)
+                else:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty client message")
+            except RequestError as e:
+                round_no = message.round.round if kind == "round" else 0
+                reply = pb.ServerMessage(error=pb.Error(code=e.code.value[0], message=e.message, round=round_no))
+            yield reply
+
+    def _open(self, req: pb.OpenSession) -> tuple[str, pb.ServerMessage]:
+        c = self.config
+        self._check_fingerprint(req.model_fingerprint)
+        prompt = self._check_tokens(req.prompt, "prompt")
+        if not prompt:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        if len(prompt) > c.max_prompt_tokens:
+            msg = f"prompt of {len(prompt)} tokens exceeds the limit of {c.max_prompt_tokens}"
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
+        if not 0 <= req.sampling.temperature <= 100 or not 0 <= req.sampling.top_p <= 1:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0 and top_p in [0, 1]")
+        with self.sessions_lock:
+            if len(self.sessions) >= c.max_sessions:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server holds {c.max_sessions} sessions")
+        max_new = min(req.max_new_tokens or c.max_new_tokens, c.max_new_tokens)
+        capacity = min(self._capacity(len(prompt), max_new), self.target.cfg.max_seq_len)
+        verifier = self._verifier(req.sampling, capacity)
+        try:
+            first, delta = verifier.open(prompt)
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        codec = Codec(req.delta_codec)
+        state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=first)
+        session_id = secrets.token_hex(16)  # random 128 bits
+        with self.sessions_lock:
+            self.sessions[session_id] = state
+        opened = pb.Opened(request_id=req.request_id, session_id=session_id, resume_token=state.resume_token,
+                           first_token=first, delta=self._delta(delta, codec))  # fmt: skip
+        return session_id, pb.ServerMessage(opened=opened)
+
+    def _round(self, state: SessionState, req: pb.DraftRound) -> pb.ServerMessage:
+        with state.lock:
+            if req.round == state.last_round and state.last_reply is not None:
+                return state.last_reply  # a round sent again after a reconnect: same answer, no second run
+            if req.round != state.last_round + 1:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"round {req.round} out of order: expected {state.last_round + 1}")  # fmt: skip
+            if req.root != state.root:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"round root {req.root} is not the last decided token {state.root}")  # fmt: skip
+            drafts = self._check_tokens(req.tokens, "draft")
+            if len(drafts) > self.config.max_draft_tokens:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{len(drafts)} draft tokens exceed {self.config.max_draft_tokens}")  # fmt: skip
+            q_ids = q_probs = None
+            if req.q:
+                if len(req.q) != len(drafts) or len({len(d.ids) for d in req.q}) != 1:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "q needs one equal-sized row per draft")
+                q_ids = torch.tensor([list(d.ids) for d in req.q], dtype=torch.long)
+                q_probs = torch.tensor([list(d.probs) for d in req.q], dtype=torch.float32)
+            try:
+                tree = DraftTree.chain(req.root, drafts, q_ids, q_probs)
+                verdict, delta = state.verifier.verify(tree)
+            except ValueError as e:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            state.root = verdict.bonus
+            state.last_round = req.round
+            state.last_reply = pb.ServerMessage(
+                verdict=pb.Verdict(
+                    round=req.round,
+                    accepted=verdict.accepted,
+                    bonus=verdict.bonus,
+                    delta=self._delta(delta, state.codec),
+                )  # fmt: skip
+            )
+            return state.last_reply
+
+    def Resync(self, request, context):
+        try:
+            return self._resync(request)
+        except RequestError as e:
+            context.abort(e.code, e.message)
+
+    def _resync(self, req: pb.ResyncRequest) -> pb.ResyncReply:
+        self._check_fingerprint(req.model_fingerprint)
+        offline = self._check_tokens(req.offline_tokens, "offline tokens")
+        if not offline:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "resync needs at least the root token")
+        with self.sessions_lock:
+            state = self.sessions.get(req.session_id)
+        rebuilt = state is None or not secrets.compare_digest(req.resume_token, state.resume_token)
+        if state is not None and rebuilt:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, "wrong resume token for this session")
+        V = req.verified_length
+        if rebuilt:
+            history = self._check_tokens(req.history, "history")
+            if len(history) != V or V == 0:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "session not held here: resend with the full verified history")  # fmt: skip
+            if V > self.config.max_prompt_tokens + self.config.max_new_tokens:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"history of {V} tokens is too long")
+            max_new = self.config.max_new_tokens
+            capacity = min(self._capacity(V + len(offline), max_new), self.target.cfg.max_seq_len)
+            verifier = self._verifier(req.sampling, capacity)
+            try:
+                verifier.open(history)
+            except ValueError as e:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            state = SessionState(verifier, secrets.token_hex(16), req.sampling, Codec(req.delta_codec), root=0)
+            with self.sessions_lock:
+                if len(self.sessions) >= self.config.max_sessions:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "server is at its session limit")
+                self.sessions[req.session_id] = state
+        with state.lock:
+            ver = state.verifier
+            if V > ver.length:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"client claims {V} verified positions, the server holds {ver.length}")  # fmt: skip
+            if len(offline) > ver.cache.capacity - V:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many offline tokens for this session")
+            ver.cache.truncate(V)
+            disagreement, next_token, delta = self._absorb(ver, offline, rewind=req.rewind)
+            state.root = next_token
+            state.last_round, state.last_reply = 0, None  # round numbering restarts after a resync
+            return pb.ResyncReply(session_id=req.session_id, resume_token=state.resume_token, rebuilt=rebuilt,
+                                  first_disagreement=disagreement, target_token=next_token,
+                                  verified_length=ver.length, delta=self._delta(delta, state.codec))  # fmt: skip
+
+    @torch.inference_mode()
+    def _absorb(self, ver: SequenceVerifier, offline: list[int], *, rewind: bool) -> tuple[int, int, DraftDelta]:
+        """Run the offline tokens through the target as one chain; keep all (keep) or the agreed prefix
+        (rewind). offline[0] is the root, the target's own token, so at least it is always kept."""
+        start = ver.length
+        ids = torch.tensor([offline], device=self.target.device)
+        out = self.target.verify(ids, ver.cache, hidden_layers=(self.target.cfg.n_layers,), return_kv=True)
+        greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's token after offline[i]
+        disagreement = next((i for i in range(1, len(offline)) if offline[i] != greedy[i - 1]), len(offline))
+        kept = disagreement if rewind else len(offline)
+        ver.cache.accept(list(range(kept)))
+        next_token = ver.sample(out.logits[0, kept - 1])
+        states = target_states(out).select(list(range(kept)))
+        return disagreement, next_token, self.drafter.server_delta(states, start, offline[:kept])
+
+    def Close(self, request, context):
+        with self.sessions_lock:
+            if self.sessions.pop(request.session_id, None) is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
+        return pb.CloseReply()
+
+
+def make_server(service: TetherService, address: str, *, workers: int = 16) -> tuple[grpc.Server, int]:
+    """A gRPC server for `service` listening on `address` ("host:0" picks a free port); returns it and its port."""
+    limit = service.config.max_message_bytes
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
+    tether_pb2_grpc.add_TetherServicer_to_server(service, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server, port

@@ -1,0 +1,208 @@
+"""The gRPC service on loopback, driven by a test client that speaks the protocol directly."""
+
+import dataclasses
+import queue
+
+import grpc
+import pytest
+import torch
+
+from tether.client.weight_cache import WeightCache
+from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.shared.codecs import decode_many
+from tether.shared.config import PRESETS
+from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter
+from tether.shared.model import Transformer
+from tether.shared.tokenizer import Tokenizer
+from tether.shared.weights import TensorEntry, tensor_bytes
+from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
+
+FP = "f" * 64
+VOCAB = 7  # small, so random drafts are often right and acceptance paths run
+
+
+@pytest.fixture(scope="module")
+def served():
+    torch.manual_seed(0)
+    target = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB)).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    drafter = build_drafter(target, DrafterConfig(kind="moa", tli=1, n_heads=4, n_kv_heads=2, head_dim=12)).eval()
+    tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
+    service = TetherService(target, drafter, tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8),
+                            model_fingerprint=FP)  # fmt: skip
+    server, port = make_server(service, "127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield target, drafter, service, tether_pb2_grpc.TetherStub(channel)
+    channel.close()
+    server.stop(grace=None)
+
+
+def to_delta(kv: pb.KVDelta) -> DraftDelta:
+    return DraftDelta(start=kv.start, tokens=list(kv.tokens), tensors=decode_many(kv.payload))
+
+
+def plain(target, prompt, n):
+    return list(target.generate(torch.tensor([prompt]), n))
+
+
+class Client:
+    """A minimal protocol client: one Session stream, driven message by message."""
+
+    def __init__(self, stub):
+        self.outbox: queue.Queue = queue.Queue()
+        self.replies = stub.Session(iter(self.outbox.get, None))
+
+    def send(self, msg) -> pb.ServerMessage:
+        self.outbox.put(msg)
+        return next(self.replies)
+
+    def close(self):
+        self.outbox.put(None)
+
+
+def open_msg(prompt, **kw):
+    kw.setdefault("model_fingerprint", FP)
+    return pb.ClientMessage(open=pb.OpenSession(prompt=prompt, max_new_tokens=64, **kw))
+
+
+def run_session(stub, drafter, prompt, n, k=4, repeat_every=0):
+    client = Client(stub)
+    opened = client.send(open_msg(prompt)).opened
+    drafter.begin(to_delta(opened.delta))
+    out, root, rnd = [opened.first_token], opened.first_token, 0
+    while len(out) < n:
+        drafts, _, _ = drafter.draft(root, k)
+        rnd += 1
+        msg = pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts))
+        reply = client.send(msg)
+        if repeat_every and rnd % repeat_every == 0:
+            again = client.send(msg)  # the same round again, as after a reconnect
+            assert again.SerializeToString() == reply.SerializeToString()
+        v = reply.verdict
+        drafter.commit(to_delta(v.delta))
+        out += drafts[: v.accepted] + [v.bonus]
+        root = v.bonus
+    client.close()
+    return out, opened.session_id, opened.resume_token, len(prompt) + len(out) - 1, root
+
+
+def test_model_info(served):
+    _, drafter, service, stub = served
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.model_fingerprint == FP and info.tli_layers == 1 and info.protocol_version == 1
+    assert len(info.drafter_fingerprint) == 64 and pb.CODEC_INT8_ZSTD in info.codecs
+
+
+def test_session_rounds_equal_plain_greedy_and_repeats_are_idempotent(served):
+    target, drafter, _, stub = served
+    prompt = [1, 2, 3, 4, 5, 6, 0, 1]
+    out, *_ = run_session(stub, drafter, prompt, 30, repeat_every=2)
+    assert out == plain(target, prompt, len(out))
+
+
+def test_weight_download_resumed_halfway_has_identical_sha256(served, tmp_path):
+    _, _, service, stub = served
+    stream = stub.FetchWeights(pb.FetchWeightsRequest(model_fingerprint=FP, max_chunk_bytes=2000))
+    manifest = [TensorEntry(e.name, e.dtype, tuple(e.shape), e.nbytes, e.sha256) for e in next(stream).manifest.tensors]
+    by_name = {e.name: e for e in manifest}
+    cache = WeightCache(tmp_path)
+    for i, msg in enumerate(stream):
+        cache.write(by_name[msg.chunk.tensor], msg.chunk.offset, msg.chunk.data)
+        if i == 10:
+            stream.cancel()  # the link drops
+            break
+    name, offset = cache.resume_point(manifest)
+    req = pb.FetchWeightsRequest(model_fingerprint=FP, resume_tensor=name, resume_offset=offset)
+    for msg in list(stub.FetchWeights(req))[1:]:
+        cache.write(by_name[msg.chunk.tensor], msg.chunk.offset, msg.chunk.data)
+    assert cache.resume_point(manifest) is None
+    loaded = cache.load(manifest)
+    for e in manifest:
+        assert tensor_bytes(loaded[e.name]) == tensor_bytes(service.weights[e.name])
+
+
+def test_bad_inputs_get_their_status_and_service_goes_on(served):
+    target, drafter, _, stub = served
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Close(pb.CloseRequest(session_id="nope"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.FetchWeights(pb.FetchWeightsRequest(model_fingerprint="0" * 64)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    client = Client(stub)
+    codes = [
+        client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=0))).error.code,  # before open
+        client.send(open_msg([1, 99])).error.code,  # token out of range
+        client.send(open_msg([1] * 65)).error.code,  # oversize prompt
+        client.send(open_msg([1, 2], model_fingerprint="0" * 64)).error.code,  # another model
+    ]
+    S = grpc.StatusCode
+    expected = (S.FAILED_PRECONDITION, S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED, S.FAILED_PRECONDITION)
+    assert codes == [s.value[0] for s in expected]
+    opened = client.send(open_msg([1, 2, 3])).opened  # the same stream still opens a good session
+    bad_round = client.send(pb.ClientMessage(round=pb.DraftRound(round=2, root=opened.first_token)))
+    assert bad_round.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and bad_round.error.round == 2
+    wrong_root = client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=(opened.first_token + 1) % VOCAB)))
+    assert wrong_root.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    client.close()
+    out, *_ = run_session(stub, drafter, [3, 2, 1], 12)
+    assert out == plain(target, [3, 2, 1], len(out))
+
+
+@pytest.mark.parametrize("rewind", [False, True])
+@pytest.mark.parametrize("lost", [False, True])
+def test_resync_after_a_cut(served, rewind, lost):
+    """The client drafts alone during a cut, then resyncs: keep absorbs its tokens, rewind truncates them at
+    the first disagreement so the text equals plain greedy decoding; a lost session is rebuilt from history."""
+    target, drafter, service, stub = served
+    prompt = [4, 4, 1, 2, 5]
+    out, sid, token, verified, root = run_session(stub, drafter, prompt, 10)
+    offline = [root] + drafter.draft(root, 6)[0]  # generated while offline, root first
+    history = (prompt + out)[:verified]
+    if lost:
+        stub.Close(pb.CloseRequest(session_id=sid))
+    req = pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified, offline_tokens=offline,
+                           history=history if lost else [], model_fingerprint=FP, rewind=rewind)  # fmt: skip
+    reply = stub.Resync(req)
+    assert reply.rebuilt == lost
+    reference = plain(target, prompt, len(out) + len(offline) + 1)
+    agreed = reference[len(out) - 1 :]  # the root onwards, as the target alone continues
+    d = reply.first_disagreement
+    assert offline[:d] == agreed[:d] and (d == len(offline) or offline[d] != agreed[d])
+    kept = offline[:d] if rewind else offline
+    assert reply.verified_length == verified + len(kept) and list(reply.delta.tokens) == kept
+    if rewind:
+        assert reply.target_token == agreed[d]  # continuing from here reproduces plain decoding
+    else:
+        full = torch.tensor([history + kept])
+        assert reply.target_token == int(target(full)[0, -1].argmax())
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Resync(pb.ResyncRequest(session_id=sid, resume_token="x" * 32, verified_length=verified,
+                                     offline_tokens=offline, model_fingerprint=FP))  # fmt: skip
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_serve_command_answers_then_stops_on_sigterm():
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "tether-server"
+    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--device", "cpu"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening on 127.0.0.1:"), line
+        with grpc.insecure_channel(line.removeprefix("listening on ")) as channel:
+            info = tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert info.tli_layers == 1 and len(info.model_fingerprint) == 64
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "stopped" in proc.stdout.read()
+    finally:
+        proc.kill()
