@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import threading
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
 PROTOCOL_VERSION = 1
+log = logging.getLogger("tether.server")
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,12 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
                                 top_p=sampling.top_p or 1.0, generator=generator)  # fmt: skip
 
+    def _codec(self, value: int) -> Codec:
+        try:
+            return Codec(value)
+        except ValueError:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown delta codec {value}") from None
+
     def _capacity(self, prompt_len: int, max_new: int) -> int:
         return prompt_len + max_new + self.config.max_draft_tokens + 1
 
@@ -204,9 +212,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 else:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty client message")
             except RequestError as e:
-                round_no = message.round.round if kind == "round" else 0
-                reply = pb.ServerMessage(error=pb.Error(code=e.code.value[0], message=e.message, round=round_no))
+                reply = self._error(message, e.code, e.message)
+            except Exception as e:  # a bug must cost one message, not the stream or the server
+                log.exception("session %s: internal error", session_id)
+                reply = self._error(message, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
             yield reply
+
+    @staticmethod
+    def _error(message: pb.ClientMessage, code: grpc.StatusCode, text: str) -> pb.ServerMessage:
+        round_no = message.round.round if message.WhichOneof("body") == "round" else 0
+        return pb.ServerMessage(error=pb.Error(code=code.value[0], message=text, round=round_no))
 
     def _open(self, req: pb.OpenSession) -> tuple[str, pb.ServerMessage]:
         c = self.config
@@ -222,6 +237,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         with self.sessions_lock:
             if len(self.sessions) >= c.max_sessions:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server holds {c.max_sessions} sessions")
+        codec = self._codec(req.delta_codec)
         max_new = min(req.max_new_tokens or c.max_new_tokens, c.max_new_tokens)
         capacity = min(self._capacity(len(prompt), max_new), self.target.cfg.max_seq_len)
         verifier = self._verifier(req.sampling, capacity)
@@ -229,7 +245,6 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             first, delta = verifier.open(prompt)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        codec = Codec(req.delta_codec)
         state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=first)
         session_id = secrets.token_hex(16)  # random 128 bits
         with self.sessions_lock:
@@ -306,7 +321,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 verifier.open(history)
             except ValueError as e:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-            state = SessionState(verifier, secrets.token_hex(16), req.sampling, Codec(req.delta_codec), root=0)
+            codec = self._codec(req.delta_codec)
+            state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=0)
             with self.sessions_lock:
                 if len(self.sessions) >= self.config.max_sessions:
                     raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "server is at its session limit")

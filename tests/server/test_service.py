@@ -140,9 +140,11 @@ def test_bad_inputs_get_their_status_and_service_goes_on(served):
         client.send(open_msg([1, 99])).error.code,  # token out of range
         client.send(open_msg([1] * 65)).error.code,  # oversize prompt
         client.send(open_msg([1, 2], model_fingerprint="0" * 64)).error.code,  # another model
+        client.send(open_msg([1, 2], delta_codec=42)).error.code,  # a codec from a newer protocol
     ]
     S = grpc.StatusCode
-    expected = (S.FAILED_PRECONDITION, S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED, S.FAILED_PRECONDITION)
+    expected = (S.FAILED_PRECONDITION, S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED, S.FAILED_PRECONDITION,
+                S.INVALID_ARGUMENT)  # fmt: skip
     assert codes == [s.value[0] for s in expected]
     opened = client.send(open_msg([1, 2, 3])).opened  # the same stream still opens a good session
     bad_round = client.send(pb.ClientMessage(round=pb.DraftRound(round=2, root=opened.first_token)))
