@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,18 @@ class ServeConfig:
     port: int = 50051  # port to listen on (0 = any free port)
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
     max_sessions: int = 256  # sessions held at once
+    api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    if not path:
+        return frozenset()
+    keys = [ln.strip() for ln in Path(path).read_text().splitlines()]
+    keys = frozenset(k for k in keys if k and not k.startswith("#"))
+    if not keys:
+        raise ValueError(f"{path} holds no API keys")
+    return keys
 
 
 def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
@@ -38,8 +50,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     model_fp = fingerprint(cfg.model)
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     torch.set_grad_enabled(False)
-    service = TetherService(target, drafter, tokenizer, ServiceConfig(max_sessions=cfg.max_sessions),
-                            model_fingerprint=model_fp)  # fmt: skip
+    config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys))
+    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
     server, port = make_server(service, f"{cfg.host}:{cfg.port}")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,8 +14,10 @@ Contract (DESIGN.md section 5; the messages are in proto/tether/v1/tether.proto)
 - Close frees a session.
 Every bad input gets a clear status and the server keeps serving everyone else.
 
-This first version verifies each session's rounds on its own; batching rounds across sessions over a paged
-KV pool, API keys, TLS and metrics come with issue [3/7]'s remaining parts.
+With API keys configured, every call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise),
+and a session is bound to the key that opened it: to other keys it does not exist.
+This version verifies each session's rounds on its own; batching rounds across sessions over a paged KV pool,
+TLS and metrics come with issue [3/7]'s remaining parts.
 
     service = TetherService(target, drafter, tokenizer, ServiceConfig())
     server, port = make_server(service, "127.0.0.1:50051"); server.start()
@@ -57,6 +59,8 @@ class ServiceConfig:
     max_new_tokens: int = 1024  # default and upper bound of a session's generation length
     max_message_bytes: int = 4 << 20  # gRPC message limit both ways
     model_id: str = "tether-default"  # reported in ModelInfo
+    api_keys: frozenset[str] = frozenset()  # accepted bearer keys; empty = no authentication (loopback use)
+    max_sessions_per_key: int = 64  # sessions one key may hold at once
 
 
 class RequestError(Exception):
@@ -74,6 +78,7 @@ class SessionState:
     sampling: pb.SamplingParams
     codec: Codec
     root: int  # the last decided token, which the next round must start from
+    owner: str = ""  # hash of the API key that opened it ("" without authentication)
     last_round: int = 0
     last_reply: pb.ServerMessage | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -132,6 +137,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
                                 top_p=sampling.top_p or 1.0, generator=generator)  # fmt: skip
 
+    def _check_room(self, caller: str) -> None:
+        c = self.config
+        with self.sessions_lock:
+            if len(self.sessions) >= c.max_sessions:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server holds {c.max_sessions} sessions")
+            mine = sum(1 for s in self.sessions.values() if s.owner == caller)
+        if caller and mine >= c.max_sessions_per_key:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"this key holds {mine} sessions, the limit is {c.max_sessions_per_key}")  # fmt: skip
+
     def _codec(self, value: int) -> Codec:
         try:
             return Codec(value)
@@ -140,6 +155,21 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def _capacity(self, prompt_len: int, max_new: int) -> int:
         return prompt_len + max_new + self.config.max_draft_tokens + 1
+
+    def _caller(self, context) -> str:
+        """The caller's identity: a hash of its bearer key (UNAUTHENTICATED without a valid one), or ""."""
+        if not self.config.api_keys:
+            return ""
+        meta = dict(context.invocation_metadata())
+        auth = meta.get("authorization", "")
+        key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        if not any(secrets.compare_digest(key, k) for k in self.config.api_keys):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer)")
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    def _owned(self, state: SessionState | None, caller: str) -> SessionState | None:
+        """Sessions are bound to the key that opened them; to anyone else they do not exist."""
+        return state if state is not None and secrets.compare_digest(state.owner, caller) else None
 
     def _session(self, session_id: str, resume_token: str | None = None) -> SessionState:
         with self.sessions_lock:
@@ -153,6 +183,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     # ---- RPCs ----------------------------------------------------------------------------------------
 
     def GetModelInfo(self, request, context):
+        try:
+            self._caller(context)
+        except RequestError as e:
+            context.abort(e.code, e.message)
         c = self.config
         return pb.ModelInfo(
             protocol_version=PROTOCOL_VERSION,
@@ -171,6 +205,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def FetchWeights(self, request, context) -> Iterator[pb.WeightChunk]:
         try:
+            self._caller(context)
             self._check_fingerprint(request.model_fingerprint)
             size = request.max_chunk_bytes or MAX_CHUNK
             if size > MAX_CHUNK:
@@ -197,6 +232,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             yield pb.WeightChunk(chunk=pb.TensorChunk(tensor=name, offset=offset, data=data))
 
     def Session(self, request_iterator, context) -> Iterator[pb.ServerMessage]:
+        try:
+            caller = self._caller(context)
+        except RequestError as e:
+            context.abort(e.code, e.message)
         session_id: str | None = None
         for message in request_iterator:
             kind = message.WhichOneof("body")
@@ -204,7 +243,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 if kind == "open":
                     if session_id is not None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "this stream already opened a session")
-                    session_id, reply = self._open(message.open)
+                    session_id, reply = self._open(message.open, caller)
                 elif kind == "round":
                     if session_id is None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "open a session before rounds")
@@ -223,7 +262,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         round_no = message.round.round if message.WhichOneof("body") == "round" else 0
         return pb.ServerMessage(error=pb.Error(code=code.value[0], message=text, round=round_no))
 
-    def _open(self, req: pb.OpenSession) -> tuple[str, pb.ServerMessage]:
+    def _open(self, req: pb.OpenSession, caller: str) -> tuple[str, pb.ServerMessage]:
         c = self.config
         self._check_fingerprint(req.model_fingerprint)
         prompt = self._check_tokens(req.prompt, "prompt")
@@ -234,9 +273,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
         if not 0 <= req.sampling.temperature <= 100 or not 0 <= req.sampling.top_p <= 1:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0 and top_p in [0, 1]")
-        with self.sessions_lock:
-            if len(self.sessions) >= c.max_sessions:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server holds {c.max_sessions} sessions")
+        self._check_room(caller)
         codec = self._codec(req.delta_codec)
         max_new = min(req.max_new_tokens or c.max_new_tokens, c.max_new_tokens)
         capacity = min(self._capacity(len(prompt), max_new), self.target.cfg.max_seq_len)
@@ -245,7 +282,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             first, delta = verifier.open(prompt)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=first)
+        state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=first, owner=caller)
         session_id = secrets.token_hex(16)  # random 128 bits
         with self.sessions_lock:
             self.sessions[session_id] = state
@@ -292,17 +329,20 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def Resync(self, request, context):
         try:
-            return self._resync(request)
+            return self._resync(request, self._caller(context))
         except RequestError as e:
             context.abort(e.code, e.message)
 
-    def _resync(self, req: pb.ResyncRequest) -> pb.ResyncReply:
+    def _resync(self, req: pb.ResyncRequest, caller: str) -> pb.ResyncReply:
         self._check_fingerprint(req.model_fingerprint)
         offline = self._check_tokens(req.offline_tokens, "offline tokens")
         if not offline:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "resync needs at least the root token")
         with self.sessions_lock:
-            state = self.sessions.get(req.session_id)
+            held = self.sessions.get(req.session_id)
+        if held is not None and self._owned(held, caller) is None:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, "this session belongs to another key")
+        state = held
         rebuilt = state is None or not secrets.compare_digest(req.resume_token, state.resume_token)
         if state is not None and rebuilt:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED, "wrong resume token for this session")
@@ -322,10 +362,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             except ValueError as e:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             codec = self._codec(req.delta_codec)
-            state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=0)
+            state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=0, owner=caller)
+            self._check_room(caller)
             with self.sessions_lock:
-                if len(self.sessions) >= self.config.max_sessions:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "server is at its session limit")
                 self.sessions[req.session_id] = state
         with state.lock:
             ver = state.verifier
@@ -358,9 +397,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         return disagreement, next_token, self.drafter.server_delta(states, start, offline[:kept])
 
     def Close(self, request, context):
+        try:
+            caller = self._caller(context)
+        except RequestError as e:
+            context.abort(e.code, e.message)
         with self.sessions_lock:
-            if self.sessions.pop(request.session_id, None) is None:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
+            state = self._owned(self.sessions.get(request.session_id), caller)
+            if state is not None:
+                del self.sessions[request.session_id]
+        if state is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
         return pb.CloseReply()
 
 

@@ -208,3 +208,43 @@ def test_serve_command_answers_then_stops_on_sigterm():
         assert "stopped" in proc.stdout.read()
     finally:
         proc.kill()
+
+
+def test_api_keys_authenticate_and_bind_sessions(served):
+    target, drafter, service, _ = served
+    keyed = TetherService(target, drafter, service.tokenizer,
+                          ServiceConfig(api_keys=frozenset({"key-a", "key-b"}), max_sessions_per_key=1),
+                          model_fingerprint=FP)  # fmt: skip
+    server, port = make_server(keyed, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = tether_pb2_grpc.TetherStub(channel)
+            a, b = [("authorization", "Bearer key-a")], [("authorization", "Bearer key-b")]
+            for meta in (None, [("authorization", "Bearer wrong")]):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=meta)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=a).model_fingerprint == FP
+            outbox: queue.Queue = queue.Queue()
+            replies = stub.Session(iter(outbox.get, None), metadata=a)
+            outbox.put(open_msg([1, 2, 3]))
+            opened = next(replies).opened
+            outbox.put(None)
+            second: queue.Queue = queue.Queue()
+            other = stub.Session(iter(second.get, None), metadata=a)
+            second.put(open_msg([1, 2]))
+            assert next(other).error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # one session per key
+            second.put(None)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=b)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND  # another key's session does not exist for b
+            resync = pb.ResyncRequest(session_id=opened.session_id, resume_token=opened.resume_token,
+                                      verified_length=3, offline_tokens=[opened.first_token])  # fmt: skip
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Resync(resync, metadata=b)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert stub.Resync(resync, metadata=a).verified_length == 4
+            stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=a)
+    finally:
+        server.stop(grace=None)
