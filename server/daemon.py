@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tether.server.generate import default_model_dir, load, pick_device
+from tether.server.metrics import serve_metrics
 from tether.server.service import ServiceConfig, TetherService, make_server
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
@@ -31,6 +32,7 @@ class ServeConfig:
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
     max_sessions: int = 256  # sessions held at once
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
+    metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
 
 
@@ -53,6 +55,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys))
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
     server, port = make_server(service, f"{cfg.host}:{cfg.port}")
+    if cfg.metrics_port:
+        serve_metrics(service.metrics, cfg.host, cfg.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

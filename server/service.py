@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from tether.server.metrics import ServiceMetrics
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
@@ -110,6 +111,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         )
         self.sessions: dict[str, SessionState] = {}
         self.sessions_lock = threading.Lock()
+        self.metrics = ServiceMetrics()
 
     # ---- helpers ------------------------------------------------------------------------------------
 
@@ -130,7 +132,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def _delta(self, delta: DraftDelta, codec: Codec) -> pb.KVDelta:
         tensors = {k: v.to(torch.bfloat16) for k, v in delta.tensors.items()}
-        return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=encode_many(tensors, codec))
+        payload = encode_many(tensors, codec)
+        self.metrics.bytes_out.labels(kind="kv_delta").inc(len(payload))
+        return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=payload)
 
     def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
         generator = torch.Generator().manual_seed(sampling.seed)
@@ -226,9 +230,12 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 ],  # fmt: skip
             )
         )
+        sent = self.metrics.bytes_out.labels(kind="weights")
         if first is not None:
+            sent.inc(len(first[2]))
             yield pb.WeightChunk(chunk=pb.TensorChunk(tensor=first[0], offset=first[1], data=first[2]))
         for name, offset, data in chunks:
+            sent.inc(len(data))
             yield pb.WeightChunk(chunk=pb.TensorChunk(tensor=name, offset=offset, data=data))
 
     def Session(self, request_iterator, context) -> Iterator[pb.ServerMessage]:
@@ -257,8 +264,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 reply = self._error(message, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
             yield reply
 
-    @staticmethod
-    def _error(message: pb.ClientMessage, code: grpc.StatusCode, text: str) -> pb.ServerMessage:
+    def _error(self, message: pb.ClientMessage, code: grpc.StatusCode, text: str) -> pb.ServerMessage:
+        self.metrics.errors.labels(code=code.name).inc()
         round_no = message.round.round if message.WhichOneof("body") == "round" else 0
         return pb.ServerMessage(error=pb.Error(code=code.value[0], message=text, round=round_no))
 
@@ -286,6 +293,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         session_id = secrets.token_hex(16)  # random 128 bits
         with self.sessions_lock:
             self.sessions[session_id] = state
+            self.metrics.sessions.set(len(self.sessions))
+        self.metrics.opened.inc()
         opened = pb.Opened(request_id=req.request_id, session_id=session_id, resume_token=state.resume_token,
                            first_token=first, delta=self._delta(delta, codec))  # fmt: skip
         return session_id, pb.ServerMessage(opened=opened)
@@ -312,9 +321,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 q_probs = torch.tensor([list(d.probs) for d in req.q], dtype=torch.float32)
             try:
                 tree = DraftTree.chain(req.root, drafts, q_ids, q_probs)
-                verdict, delta = state.verifier.verify(tree)
+                with self.metrics.verify_seconds.time():
+                    verdict, delta = state.verifier.verify(tree)
             except ValueError as e:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            m = self.metrics
+            m.rounds.inc()
+            m.batch_size.observe(1)
+            m.drafted.inc(len(drafts))
+            m.accepted.inc(verdict.accepted)
+            m.tau.observe(verdict.tau)
             state.root = verdict.bonus
             state.last_round = req.round
             state.last_reply = pb.ServerMessage(
@@ -329,9 +345,12 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def Resync(self, request, context):
         try:
-            return self._resync(request, self._caller(context))
+            reply = self._resync(request, self._caller(context))
         except RequestError as e:
+            self.metrics.errors.labels(code=e.code.name).inc()
             context.abort(e.code, e.message)
+        self.metrics.resyncs.labels(outcome="rebuilt" if reply.rebuilt else "extended").inc()
+        return reply
 
     def _resync(self, req: pb.ResyncRequest, caller: str) -> pb.ResyncReply:
         self._check_fingerprint(req.model_fingerprint)
@@ -366,6 +385,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             self._check_room(caller)
             with self.sessions_lock:
                 self.sessions[req.session_id] = state
+                self.metrics.sessions.set(len(self.sessions))
+            self.metrics.opened.inc()
         with state.lock:
             ver = state.verifier
             if V > ver.length:
@@ -405,6 +426,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             state = self._owned(self.sessions.get(request.session_id), caller)
             if state is not None:
                 del self.sessions[request.session_id]
+                self.metrics.sessions.set(len(self.sessions))
         if state is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
         return pb.CloseReply()

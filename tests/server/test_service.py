@@ -248,3 +248,16 @@ def test_api_keys_authenticate_and_bind_sessions(served):
             stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=a)
     finally:
         server.stop(grace=None)
+
+
+def test_metrics_count_rounds_tokens_bytes_and_errors(served):
+    from prometheus_client import generate_latest
+
+    target, drafter, service, stub = served
+    before = service.metrics.registry.get_sample_value("tether_rounds_total")
+    run_session(stub, drafter, [2, 2, 2], 10)
+    text = generate_latest(service.metrics.registry).decode()
+    assert service.metrics.registry.get_sample_value("tether_rounds_total") > before
+    for name in ("tether_accepted_tokens_total", "tether_tau_bucket", 'tether_bytes_out_total{kind="kv_delta"}',
+                 "tether_verify_seconds_count", "tether_sessions "):  # fmt: skip
+        assert name in text, name

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the verification service, in a registry of their own.
+
+Contract: `ServiceMetrics()` holds the counters and histograms below in its own CollectorRegistry (several
+services in one process, as in tests, do not collide); `serve_metrics(metrics, host, port)` exposes them over
+HTTP for a scraper. Names are prefixed `tether_`.
+
+    metrics = ServiceMetrics(); metrics.rounds.inc()
+    serve_metrics(metrics, "127.0.0.1", 9100)   # curl 127.0.0.1:9100/metrics
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rounds = Counter("tether_rounds", "verification rounds answered", registry=r)
+        self.accepted = Counter("tether_accepted_tokens", "draft tokens the target accepted", registry=r)
+        self.drafted = Counter("tether_drafted_tokens", "draft tokens received", registry=r)
+        self.tau = Histogram("tether_tau", "tokens gained per round (accepted + 1)",
+                             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65), registry=r)  # fmt: skip
+        self.bytes_out = Counter("tether_bytes_out", "payload bytes sent, by kind", ["kind"], registry=r)
+        self.sessions = Gauge("tether_sessions", "sessions held", registry=r)
+        self.opened = Counter("tether_sessions_opened", "sessions opened (and rebuilt by resync)", registry=r)
+        self.resyncs = Counter("tether_resyncs", "resyncs answered, by outcome", ["outcome"], registry=r)
+        self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)
+        self.verify_seconds = Histogram("tether_verify_seconds", "target forward + verdict time per round",
+                                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+                                        registry=r)  # fmt: skip
+        self.batch_size = Histogram("tether_batch_size", "rounds verified in one target forward",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)  # fmt: skip
+
+
+def serve_metrics(metrics: ServiceMetrics, host: str, port: int):
+    """Start the HTTP exposition server in a daemon thread; returns (server, thread)."""
+    return start_http_server(port, addr=host, registry=metrics.registry)
