@@ -18,7 +18,7 @@ import torch
 
 from tether.server.generate import default_model_dir, load, pick_device
 from tether.server.metrics import serve_metrics
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.service import ServiceConfig, TetherService, TLSFiles, make_server
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -33,6 +33,9 @@ class ServeConfig:
     max_sessions: int = 256  # sessions held at once
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
+    tls_cert: str = ""  # PEM certificate: serve over TLS (with tls_key)
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
 
 
@@ -54,7 +57,10 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     torch.set_grad_enabled(False)
     config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys))
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
-    server, port = make_server(service, f"{cfg.host}:{cfg.port}")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
+        raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
+    tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+    server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:
         serve_metrics(service.metrics, cfg.host, cfg.metrics_port)
     stop = threading.Event()

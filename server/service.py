@@ -16,8 +16,9 @@ Every bad input gets a clear status and the server keeps serving everyone else.
 
 With API keys configured, every call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise),
 and a session is bound to the key that opened it: to other keys it does not exist.
-This version verifies each session's rounds on its own; batching rounds across sessions over a paged KV pool,
-TLS and metrics come with issue [3/7]'s remaining parts.
+TLS, or mutual TLS with a client CA, when certificates are given (make_server's `tls`).
+This version verifies each session's rounds on its own; batching rounds across sessions over a paged KV pool
+comes with issue [3/7]'s remaining parts.
 
     service = TetherService(target, drafter, tokenizer, ServiceConfig())
     server, port = make_server(service, "127.0.0.1:50051"); server.start()
@@ -432,13 +433,30 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         return pb.CloseReply()
 
 
-def make_server(service: TetherService, address: str, *, workers: int = 16) -> tuple[grpc.Server, int]:
-    """A gRPC server for `service` listening on `address` ("host:0" picks a free port); returns it and its port."""
+@dataclass(frozen=True)
+class TLSFiles:
+    cert: str  # PEM certificate chain of this server
+    key: str  # PEM private key
+    client_ca: str = ""  # PEM CA bundle: when given, clients must present a certificate it signed (mTLS)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        from pathlib import Path
+
+        pair = [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())]
+        ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=ca is not None)
+
+
+def make_server(
+    service: TetherService, address: str, *, workers: int = 16, tls: TLSFiles | None = None
+) -> tuple[grpc.Server, int]:
+    """A gRPC server for `service` listening on `address` ("host:0" picks a free port), over TLS when `tls` is
+    given; returns it and its port."""
     limit = service.config.max_message_bytes
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     tether_pb2_grpc.add_TetherServicer_to_server(service, server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     return server, port

@@ -261,3 +261,52 @@ def test_metrics_count_rounds_tokens_bytes_and_errors(served):
     for name in ("tether_accepted_tokens_total", "tether_tau_bucket", 'tether_bytes_out_total{kind="kv_delta"}',
                  "tether_verify_seconds_count", "tether_sessions "):  # fmt: skip
         assert name in text, name
+
+
+def _openssl(*args, cwd):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d):
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, all signed by the CA."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", "/CN=tether-test-ca", cwd=d)  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", "san.ext", cwd=d)  # fmt: skip
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_tls_and_mutual_tls(served, tmp_path, mutual):
+    from tether.server.service import TLSFiles
+
+    _, _, service, _ = served
+    make_pki(tmp_path)
+    tls = TLSFiles(str(tmp_path / "server.pem"), str(tmp_path / "server.key"),
+                   str(tmp_path / "ca.pem") if mutual else "")  # fmt: skip
+    server, port = make_server(service, "127.0.0.1:0", tls=tls)
+    server.start()
+    ca = (tmp_path / "ca.pem").read_bytes()
+    client_pair = {"private_key": (tmp_path / "client.key").read_bytes(),
+                   "certificate_chain": (tmp_path / "client.pem").read_bytes()}  # fmt: skip
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, **(client_pair if mutual else {}))
+        with grpc.secure_channel(f"localhost:{port}", creds) as channel:
+            info = tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert info.model_fingerprint == FP
+        refused = grpc.ssl_channel_credentials(root_certificates=ca) if mutual else None
+        with (grpc.secure_channel(f"localhost:{port}", refused) if mutual
+              else grpc.insecure_channel(f"127.0.0.1:{port}")) as channel:  # fmt: skip
+            with pytest.raises(grpc.RpcError) as e:
+                tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # no certificate / no TLS: no connection
+    finally:
+        server.stop(grace=None)
