@@ -12,6 +12,7 @@ Contract (DESIGN.md section 5; the messages are in proto/tether/v1/tether.proto)
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
   disagreement and the next token; a session the server lost is rebuilt from the full history.
 - Close frees a session.
+grpc.health.v1 health checking and server reflection are served beside it.
 Every bad input gets a clear status and the server keeps serving everyone else.
 
 With API keys configured, every call needs `authorization: Bearer KEY` metadata (UNAUTHENTICATED otherwise),
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from tether.server.metrics import ServiceMetrics
 from tether.server.verifier import SequenceVerifier, target_states
@@ -50,6 +53,7 @@ from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
 PROTOCOL_VERSION = 1
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tether"].full_name  # "tether.v1.Tether"
 log = logging.getLogger("tether.server")
 
 
@@ -433,6 +437,12 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         return pb.CloseReply()
 
 
+def health_servicer_for(server: grpc.Server) -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
 @dataclass(frozen=True)
 class TLSFiles:
     cert: str  # PEM certificate chain of this server
@@ -456,6 +466,12 @@ def make_server(
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     tether_pb2_grpc.add_TetherServicer_to_server(service, server)
+    # grpc.health.v1 (load balancers and Kubernetes probes ask it) and reflection (grpcurl, grpcui).
+    health = health_servicer_for(server)
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)  # fmt: skip
     port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")

@@ -310,3 +310,23 @@ def test_tls_and_mutual_tls(served, tmp_path, mutual):
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # no certificate / no TLS: no connection
     finally:
         server.stop(grace=None)
+
+
+def test_health_and_reflection(served):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _, _, service, _ = served
+    server, port = make_server(service, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(service="tether.v1.Tether")).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            req = reflection_pb2.ServerReflectionRequest(list_services="")
+            listed = next(stub.ServerReflectionInfo(iter([req]))).list_services_response.service
+            assert "tether.v1.Tether" in {s.name for s in listed}
+    finally:
+        server.stop(grace=None)
