@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import sys
 from collections.abc import Sequence
 
 
+def _version(distribution: str) -> str | None:
+    """An installed distribution's version; None when it is absent (or, for tether, run from a source tree)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    report: dict = {"tether": importlib.metadata.version("tether"), "python": sys.version.split()[0]}
-    for name in ("torch", "onnxruntime", "tokenizers"):
-        report[name] = importlib.metadata.version(name) if importlib.util.find_spec(name) else None
+    report: dict = {"tether": _version("tether"), "python": sys.version.split()[0]}
+    for name in ("torch", "onnxruntime", "tokenizers", "grpcio"):
+        report[name] = _version(name)
     if args.model:
         from tether.shared.checkpoint import fingerprint
         from tether.shared.model import Transformer
