@@ -30,7 +30,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # address to listen on
     port: int = 50051  # port to listen on (0 = any free port)
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
-    max_sessions: int = 256  # sessions held at once
+    max_sessions: int = 256  # sessions held at once (the least recently used is evicted past it)
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
     tls_cert: str = ""  # PEM certificate: serve over TLS (with tls_key)

@@ -24,6 +24,7 @@ class ServiceMetrics:
                              buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65), registry=r)  # fmt: skip
         self.bytes_out = Counter("tether_bytes_out", "payload bytes sent, by kind", ["kind"], registry=r)
         self.sessions = Gauge("tether_sessions", "sessions held", registry=r)
+        self.evictions = Counter("tether_evictions", "sessions evicted (least recently used)", registry=r)
         self.opened = Counter("tether_sessions_opened", "sessions opened (and rebuilt by resync)", registry=r)
         self.resyncs = Counter("tether_resyncs", "resyncs answered, by outcome", ["outcome"], registry=r)
         self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)

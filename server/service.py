@@ -32,6 +32,7 @@ import json
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ log = logging.getLogger("tether.server")
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    max_sessions: int = 256  # sessions held at once; more are refused with RESOURCE_EXHAUSTED
+    max_sessions: int = 256  # sessions held at once; past it the least recently used one is evicted
     max_prompt_tokens: int = 1536  # longest prompt accepted
     max_draft_tokens: int = 64  # draft tokens per round
     max_new_tokens: int = 1024  # default and upper bound of a session's generation length
@@ -87,6 +88,7 @@ class SessionState:
     owner: str = ""  # hash of the API key that opened it ("" without authentication)
     last_round: int = 0
     last_reply: pb.ServerMessage | None = None
+    last_used: float = field(default_factory=time.monotonic)  # for least-recently-used eviction
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -147,14 +149,20 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                 top_p=sampling.top_p or 1.0, generator=generator)  # fmt: skip
 
     def _check_room(self, caller: str) -> None:
+        """Refuse a key over its own session limit; at the global limit, evict the least recently used session
+        (clients that vanish without Close must not lock everyone out). An evicted session answers NOT_FOUND
+        and is rebuilt from the client's history on its next Resync, never silently wrong."""
         c = self.config
         with self.sessions_lock:
-            if len(self.sessions) >= c.max_sessions:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server holds {c.max_sessions} sessions")
             mine = sum(1 for s in self.sessions.values() if s.owner == caller)
-        if caller and mine >= c.max_sessions_per_key:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"this key holds {mine} sessions, the limit is {c.max_sessions_per_key}")  # fmt: skip
+            if caller and mine >= c.max_sessions_per_key:
+                msg = f"this key holds {mine} sessions, the limit is {c.max_sessions_per_key}"
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
+            while len(self.sessions) >= c.max_sessions:
+                oldest = min(self.sessions, key=lambda sid: self.sessions[sid].last_used)
+                del self.sessions[oldest]
+                self.metrics.evictions.inc()
+                log.info("evicted session %s (least recently used)", oldest[:8])
 
     def _codec(self, value: int) -> Codec:
         try:
@@ -306,6 +314,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def _round(self, state: SessionState, req: pb.DraftRound) -> pb.ServerMessage:
         with state.lock:
+            state.last_used = time.monotonic()
             if req.round == state.last_round and state.last_reply is not None:
                 return state.last_reply  # a round sent again after a reconnect: same answer, no second run
             if req.round != state.last_round + 1:
@@ -393,6 +402,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 self.metrics.sessions.set(len(self.sessions))
             self.metrics.opened.inc()
         with state.lock:
+            state.last_used = time.monotonic()
             ver = state.verifier
             if V > ver.length:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,

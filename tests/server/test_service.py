@@ -330,3 +330,30 @@ def test_health_and_reflection(served):
             assert "tether.v1.Tether" in {s.name for s in listed}
     finally:
         server.stop(grace=None)
+
+
+def test_least_recently_used_session_is_evicted_then_rebuilt_by_resync(served):
+    target, drafter, service, _ = served
+    small = TetherService(target, drafter, service.tokenizer, ServiceConfig(max_sessions=2), model_fingerprint=FP)
+    server, port = make_server(small, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = tether_pb2_grpc.TetherStub(channel)
+            first = Client(stub)
+            opened = first.send(open_msg([1, 2, 3])).opened
+            for prompt in ([2, 3], [3, 4]):  # two more sessions: the first one, least recently used, goes
+                other = Client(stub)
+                other.send(open_msg(prompt))
+                other.close()
+            lost = first.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=opened.first_token)))
+            assert lost.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            first.close()
+            req = pb.ResyncRequest(session_id=opened.session_id, resume_token=opened.resume_token, verified_length=3,
+                                   offline_tokens=[opened.first_token], history=[1, 2, 3])  # fmt: skip
+            reply = stub.Resync(req)
+            assert reply.rebuilt and reply.verified_length == 4
+            assert reply.target_token == plain(target, [1, 2, 3], 2)[1]
+        assert small.metrics.registry.get_sample_value("tether_evictions_total") >= 1
+    finally:
+        server.stop(grace=None)
