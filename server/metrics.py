@@ -28,7 +28,7 @@ class ServiceMetrics:
         self.opened = Counter("tether_sessions_opened", "sessions opened (and rebuilt by resync)", registry=r)
         self.resyncs = Counter("tether_resyncs", "resyncs answered, by outcome", ["outcome"], registry=r)
         self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)
-        self.verify_seconds = Histogram("tether_verify_seconds", "target forward + verdict time per round",
+        self.verify_seconds = Histogram("tether_verify_seconds", "round latency: batching wait + forward + verdict",
                                         buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
                                         registry=r)  # fmt: skip
         self.batch_size = Histogram("tether_batch_size", "rounds verified in one target forward",

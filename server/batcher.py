@@ -1,0 +1,150 @@
+"""Batched verification: rounds from many sessions that arrive within a short window run as one target forward.
+
+Contract:
+- `verify_batch(target, items)` takes [(SequenceVerifier, DraftTree)] of sequences with different cache
+  lengths and tree sizes, runs them through the target in ONE forward (ragged: queries padded to the largest
+  tree, each row's cache gathered into a padded prefix, one [B, Tq, Tk] visibility mask), then decides each
+  row's verdict with that sequence's own sampling settings and commits its accepted path. The results equal
+  running each SequenceVerifier.verify on its own; a row whose verdict fails comes back as its exception.
+- `RoundBatcher(target, window_s, max_batch)` is the scheduler: `submit(verifier, tree)` returns a Future;
+  a worker thread takes the first waiting round, gathers whatever else arrives within `window_s` (up to
+  `max_batch`), and runs them as one batch.
+
+This reference path copies each sequence's cached K/V into a padded prefix per layer; the paged KV pool and
+the Triton verify kernel (issue [5/7]) read the rows in place instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+from torch import Tensor
+
+from tether.server.verifier import SequenceVerifier, target_states
+from tether.shared.drafter import DraftDelta
+from tether.shared.kv_cache import KVCache
+from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree, Verdict, verify
+
+
+class BatchCacheView:
+    """Looks like a KVCache to the model for one ragged batch: `write` stores each row's new K/V as pending
+    rows of its own cache and returns [padded prefix ; new rows] for all rows: [B, Lmax + Tq, Hkv, D]."""
+
+    def __init__(self, caches: list[KVCache], new_lens: list[int]):
+        self.caches, self.new_lens = caches, new_lens
+        self.lens = [c.length for c in caches]
+        self.lmax = max(self.lens)
+        self.length = 0  # positions are always given explicitly for a batch
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, _, H, D = k.shape
+        pk = k.new_zeros(B, self.lmax, H, D)
+        pv = v.new_zeros(B, self.lmax, H, D)
+        for i, (c, L, n) in enumerate(zip(self.caches, self.lens, self.new_lens, strict=True)):
+            c.k[layer, 0, L : L + n] = k[i, :n]
+            c.v[layer, 0, L : L + n] = v[i, :n]
+            pk[i, :L] = c.k[layer, 0, :L]
+            pv[i, :L] = c.v[layer, 0, :L]
+        return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
+
+
+@torch.inference_mode()
+def verify_batch(
+    target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]]
+) -> list[tuple[Verdict, DraftDelta | None] | Exception]:
+    dev = target.device
+    for ver, tree in items:
+        if len(tree) > ver.room:
+            raise ValueError(f"a tree of {len(tree)} nodes does not fit the {ver.room} positions left")
+    B = len(items)
+    sizes = [len(tree) for _, tree in items]
+    tq = max(sizes)
+    view = BatchCacheView([ver.cache for ver, _ in items], sizes)
+    tokens = torch.zeros(B, tq, dtype=torch.long)
+    positions = torch.zeros(B, tq, dtype=torch.long)
+    mask = torch.zeros(B, tq, view.lmax + tq, dtype=torch.bool)
+    for i, ((_, tree), L, n) in enumerate(zip(items, view.lens, sizes, strict=True)):
+        tokens[i, :n] = tree.tokens
+        positions[i, :n] = tree.positions(L)
+        positions[i, n:] = L  # padding rows: any valid position; nobody sees them
+        mask[i, :, :L] = True
+        mask[i, :n, view.lmax : view.lmax + n] = tree.ancestor_mask()
+        mask[i, torch.arange(n, tq), view.lmax + torch.arange(n, tq)] = True  # padding sees itself only
+    want = any(ver.drafter is not None for ver, _ in items)
+    out = target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
+                     hidden_layers=(target.cfg.n_layers,), return_kv=want)  # fmt: skip
+    # Decide every verdict before committing any, so a row that fails (a malformed q) fails alone.
+    verdicts: list[Verdict | Exception] = []
+    for i, ((ver, tree), n) in enumerate(zip(items, sizes, strict=True)):
+        try:
+            verdicts.append(verify(tree, out.logits[i, :n], temperature=ver.temperature, top_p=ver.top_p,
+                                   generator=ver.generator))  # fmt: skip
+        except ValueError as e:
+            verdicts.append(e)
+    results: list[tuple[Verdict, DraftDelta | None] | Exception] = []
+    for i, ((ver, tree), L, verdict) in enumerate(zip(items, view.lens, verdicts, strict=True)):
+        if isinstance(verdict, Exception):
+            results.append(verdict)
+            continue
+        ver.cache.accept(verdict.path)
+        delta = None
+        if ver.drafter is not None:
+            row = type(out)(logits=out.logits[i : i + 1], k=out.k[:, i : i + 1], v=out.v[:, i : i + 1],
+                            hidden=(out.hidden[0][i : i + 1],))  # fmt: skip
+            states = target_states(row).select(verdict.path)
+            delta = ver.drafter.server_delta(states, L, tree.tokens[verdict.path].tolist())
+        results.append((verdict, delta))
+    return results
+
+
+class RoundBatcher:
+    def __init__(self, target: Transformer, *, window_s: float = 0.002, max_batch: int = 32, on_batch=None):
+        self.target, self.window_s, self.max_batch = target, window_s, max_batch
+        self.on_batch = on_batch  # called with each batch's size (metrics)
+        self.inbox: queue.Queue = queue.Queue()
+        self.worker = threading.Thread(target=self._run, name="tether-batcher", daemon=True)
+        self.worker.start()
+
+    def submit(self, verifier: SequenceVerifier, tree: DraftTree) -> Future:
+        fut: Future = Future()
+        self.inbox.put((verifier, tree, fut))
+        return fut
+
+    def close(self) -> None:
+        self.inbox.put(None)
+
+    def _run(self) -> None:
+        while (first := self.inbox.get()) is not None:
+            batch = [first]
+            deadline = time.monotonic() + self.window_s
+            while len(batch) < self.max_batch:
+                try:
+                    item = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.inbox.put(None)  # stop after this batch
+                    break
+                batch.append(item)
+            if self.on_batch:
+                self.on_batch(len(batch))
+            try:
+                results = verify_batch(self.target, [(v, t) for v, t, _ in batch])
+            except Exception:
+                # Nothing was committed: verify each on its own so one bad round fails alone.
+                for v, t, fut in batch:
+                    try:
+                        fut.set_result(v.verify(t))
+                    except Exception as e:
+                        fut.set_exception(e)
+                continue
+            for (_, _, fut), result in zip(batch, results, strict=True):
+                if isinstance(result, Exception):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)

@@ -1,0 +1,92 @@
+"""Batched verification of rounds from many sessions equals verifying each on its own."""
+
+import dataclasses
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tether.server.batcher import RoundBatcher, verify_batch
+from tether.server.verifier import SequenceVerifier
+from tether.shared.config import PRESETS
+from tether.shared.drafter import DrafterConfig, build_drafter
+from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree
+
+VOCAB = 7
+
+
+def setup():
+    torch.manual_seed(0)
+    target = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB)).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    drafter = build_drafter(target, DrafterConfig(kind="moa", tli=1, n_heads=4, n_kv_heads=2, head_dim=12)).eval()
+    return target, drafter
+
+
+def rounds_for(seed: int):
+    """A session: a prompt and a few random draft chains (or trees) of different sizes."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 20))]
+    drafts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 7))] for _ in range(4)]
+    return prompt, drafts
+
+
+def run(target, drafter, seed, batch_fn):
+    prompt, drafts = rounds_for(seed)
+    ver = SequenceVerifier(target, drafter, capacity=64)
+    root, _ = ver.open(prompt)
+    out = []
+    for d in drafts:
+        verdict, delta = batch_fn(ver, DraftTree.chain(root, d))
+        out.append((verdict.path, verdict.bonus, delta.tensors["lsa"], delta.tensors["tli_k"]))
+        root = verdict.bonus
+    return out
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for (pa, ba, la, ka), (pb, bb, lb, kb) in zip(a, b, strict=True):
+        assert pa == pb and ba == bb
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
+
+
+def test_32_concurrent_sessions_batched_equal_sequential():
+    target, drafter = setup()
+    sequential = [run(target, drafter, s, lambda v, t: v.verify(t)) for s in range(32)]
+    batches = []
+    batcher = RoundBatcher(target, window_s=0.05, max_batch=32, on_batch=batches.append)
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            batched = list(pool.map(lambda s: run(target, drafter, s, lambda v, t: batcher.submit(v, t).result()),
+                                    range(32)))  # fmt: skip
+    finally:
+        batcher.close()
+    for a, b in zip(sequential, batched, strict=True):
+        same(a, b)
+    assert max(batches) > 1  # rounds really were verified together
+
+
+def test_ragged_trees_in_one_forward_match_single_verification():
+    target, drafter = setup()
+    tree = DraftTree(tokens=torch.tensor([1, 2, 3, 4, 5]), parents=torch.tensor([-1, 0, 0, 1, 3]))
+    vers = [SequenceVerifier(target, drafter, capacity=64) for _ in range(3)]
+    singles = [SequenceVerifier(target, drafter, capacity=64) for _ in range(3)]
+    items = []
+    for i, (v, s) in enumerate(zip(vers, singles, strict=True)):
+        prompt = list(range(1, 3 + 4 * i))
+        prompt = [t % VOCAB for t in prompt]
+        r1, _ = v.open(prompt)
+        s.open(prompt)
+        items.append((v, tree if i != 1 else DraftTree.chain(r1, [0, 1])))
+    batched = verify_batch(target, items)
+    for (v, t), s, (verdict, delta) in zip(items, singles, batched, strict=True):
+        single_verdict, single_delta = s.verify(t)
+        assert verdict.path == single_verdict.path and verdict.bonus == single_verdict.bonus
+        torch.testing.assert_close(delta.tensors["lsa"], single_delta.tensors["lsa"], rtol=1e-4, atol=1e-4)
+        assert v.length == s.length
+        torch.testing.assert_close(v.cache.k[:, :, : v.length], s.cache.k[:, :, : s.length], rtol=1e-4, atol=1e-4)
