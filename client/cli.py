@@ -13,6 +13,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from tether.shared.cli_support import run_cli
+
 
 def _version(distribution: str) -> str | None:
     """An installed distribution's version; None when it is absent (or, for tether, run from a source tree)."""
@@ -57,12 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"tether-client {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 tether-server build-corpus --out data/corpus            # stdlib sources -> tokenizer + token files
 tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
-tether-server generate --prompt "def fib(n):"           # plain decoding with the default model
+tether-server generate --prompt "def fib(n):"           # speculative decoding with the default models
+tether-server serve --port 50051                        # the gRPC server (SIGTERM stops it gracefully)
 tether-server <command> --help
 """
 
@@ -10,41 +11,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
-import re
 import sys
 from collections.abc import Sequence
 
+from tether.shared.cli_support import add_dataclass_args, build_config, parse_overrides, run_cli
 from tether.shared.config import PRESETS
-
-
-def field_comments(cls) -> dict[str, str]:
-    """The trailing comment of each dataclass field, which is its documentation."""
-    pattern = re.compile(r"^\s+(\w+): [^#]*#\s*(.+)$")
-    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
-
-
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: Sequence[str] = (), helps: dict | None = None):
-    """One --flag per field; defaults from the dataclass; help from `helps`, else the field's comment."""
-    helps = field_comments(cls) | (helps or {})
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
-        elif isinstance(default, tuple):
-            parser.add_argument(flag, nargs="*", default=list(default), help=helps.get(f.name))
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=helps.get(f.name))
-
-
-def _build(cls, args: argparse.Namespace, **extra):
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return cls(**values, **extra)
 
 
 def cmd_build_corpus(args: argparse.Namespace) -> int:
@@ -64,11 +36,7 @@ def cmd_build_corpus(args: argparse.Namespace) -> int:
 def cmd_train_target(args: argparse.Namespace) -> int:
     from tether.server.train_target import TrainConfig, train_target
 
-    overrides = []
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides.append((key, json.loads(value)))
-    cfg = _build(TrainConfig, args, overrides=tuple(overrides))
+    cfg = build_config(TrainConfig, args, overrides=parse_overrides(args.set))
     summary = train_target(cfg)
     print(json.dumps(summary))
     return 0
@@ -77,8 +45,7 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from tether.server.train_drafter import DrafterTrainConfig, train_drafter
 
-    overrides = tuple((k, json.loads(v)) for k, _, v in (item.partition("=") for item in args.set))
-    summary = train_drafter(_build(DrafterTrainConfig, args, overrides=overrides))
+    summary = train_drafter(build_config(DrafterTrainConfig, args, overrides=parse_overrides(args.set)))
     print(json.dumps(summary))
     return 0
 
@@ -86,13 +53,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tether.server.daemon import ServeConfig, serve
 
-    return serve(_build(ServeConfig, args))
+    return serve(build_config(ServeConfig, args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.server.generate import GenerateConfig, generate_text
 
-    cfg = _build(GenerateConfig, args)
+    cfg = build_config(GenerateConfig, args)
     if args.json:
         print(json.dumps(generate_text(cfg)))
         return 0
@@ -131,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-target", help="train a target model from a preset")
     helps = {"preset": f"model preset: {', '.join(PRESETS)}"}
-    _add_dataclass_args(p, TrainConfig, skip=("overrides", "quiet"), helps=helps)
+    add_dataclass_args(p, TrainConfig, skip=("overrides", "quiet"), helps=helps)
     p.add_argument(
         "--set",
         action="append",
@@ -145,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tether.server.train_drafter import DrafterTrainConfig
 
     p = sub.add_parser("train-drafter", help="train a MoA or EAGLE drafter against a frozen target")
-    _add_dataclass_args(p, DrafterTrainConfig, skip=("overrides", "quiet"))
+    add_dataclass_args(p, DrafterTrainConfig, skip=("overrides", "quiet"))
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                    help="override a DrafterConfig field, e.g. --set ffn_dim=768")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -154,23 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     from tether.server.daemon import ServeConfig
 
     p = sub.add_parser("serve", help="serve the target and drafter over gRPC (tether.v1.Tether)")
-    _add_dataclass_args(p, ServeConfig)
+    add_dataclass_args(p, ServeConfig)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate text in-process with the target model")
-    _add_dataclass_args(p, GenerateConfig)
+    add_dataclass_args(p, GenerateConfig)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, wall_s, ...)")
     p.set_defaults(func=cmd_generate)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"tether-server {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(build_parser(), argv)
 
 
 if __name__ == "__main__":

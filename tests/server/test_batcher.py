@@ -1,30 +1,21 @@
 """Batched verification of rounds from many sessions equals verifying each on its own."""
 
-import dataclasses
 import random
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.server.batcher import RoundBatcher, verify_batch
 from tether.server.verifier import SequenceVerifier
-from tether.shared.config import PRESETS
-from tether.shared.drafter import DrafterConfig, build_drafter
-from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 
 VOCAB = 7
 
 
 def setup():
-    torch.manual_seed(0)
-    target = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB)).eval()
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    drafter = build_drafter(target, DrafterConfig(kind="moa", tli=1, n_heads=4, n_kv_heads=2, head_dim=12)).eval()
-    return target, drafter
+    target = tiny_target(vocab_size=VOCAB)
+    return target, tiny_moa_drafter(target)
 
 
 def rounds_for(seed: int):

@@ -1,9 +1,8 @@
 """Speculative decoding end to end in one process: greedy output equals plain greedy decoding, always."""
 
-import dataclasses
-
 import pytest
 import torch
+from tiny_models import tiny_target
 
 from tether.server.engine import SpeculativeEngine
 from tether.shared.config import PRESETS
@@ -17,13 +16,7 @@ DCFG = dict(n_heads=4, n_kv_heads=2, head_dim=12, ffn_dim=64, lsa_heads=4, lsa_k
 
 
 def make_target(seed=0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(dataclasses.replace(PRESETS["tiny"], **overrides)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    return model
+    return tiny_target(seed, **overrides)
 
 
 def make_drafter(target, kind: str, tli: int = 0, seed: int = 1):

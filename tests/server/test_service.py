@@ -1,18 +1,16 @@
 """The gRPC service on loopback, driven by a test client that speaks the protocol directly."""
 
-import dataclasses
 import queue
 
 import grpc
 import pytest
 import torch
+from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.weight_cache import WeightCache
 from tether.server.service import ServiceConfig, TetherService, make_server
 from tether.shared.codecs import decode_many
-from tether.shared.config import PRESETS
-from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter
-from tether.shared.model import Transformer
+from tether.shared.drafter import DraftDelta
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import TensorEntry, tensor_bytes
 from tether.v1 import tether_pb2 as pb
@@ -24,13 +22,8 @@ VOCAB = 7  # small, so random drafts are often right and acceptance paths run
 
 @pytest.fixture(scope="module")
 def served():
-    torch.manual_seed(0)
-    target = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=VOCAB)).eval()
-    with torch.no_grad():
-        for p in target.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    drafter = build_drafter(target, DrafterConfig(kind="moa", tli=1, n_heads=4, n_kv_heads=2, head_dim=12)).eval()
+    target = tiny_target(vocab_size=VOCAB)
+    drafter = tiny_moa_drafter(target)
     tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
     service = TetherService(target, drafter, tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8),
                             model_fingerprint=FP)  # fmt: skip

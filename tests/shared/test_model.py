@@ -1,12 +1,11 @@
 """The target model's forward modes agree with each other and with the definition of MoDA attention."""
 
-import dataclasses
-
 import pytest
 import torch
+from tiny_models import tiny_target
 
 from tether.shared.attention import attention_sdpa, moda_attention_bruteforce, moda_attention_reference
-from tether.shared.config import PRESETS, ModelConfig
+from tether.shared.config import ModelConfig
 from tether.shared.model import Transformer
 
 VARIANTS = [
@@ -18,15 +17,7 @@ VARIANTS = [
 
 
 def make_model(seed: int = 0, **overrides) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = dataclasses.replace(PRESETS["tiny"], **overrides)
-    model = Transformer(cfg).eval()
-    # Larger than the training init so that attention patterns are far from uniform and bugs show.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    return model
+    return tiny_target(seed, std=0.2, **overrides)
 
 
 def ids(B: int, T: int, vocab: int = 512, seed: int = 1) -> torch.Tensor:

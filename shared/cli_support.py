@@ -1,0 +1,72 @@
+"""What both command lines share: frozen config dataclasses as argparse flags, and one way to report errors.
+
+Contract:
+- `add_dataclass_args(parser, Cls)` adds one --flag per field (defaults from the dataclass, help from the
+  field's trailing comment); `build_config(Cls, args)` turns the parsed flags back into a frozen instance.
+- `parse_overrides(["field=JSON", ...])` reads `--set` overrides into (field, value) pairs.
+- `run_cli(parser, argv)` parses, runs the chosen subcommand and turns the errors a user can act on (a missing
+  file, a bad value) into one line on stderr and exit status 2, without a traceback.
+
+    run_cli(build_parser(), argv)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+
+def field_comments(cls) -> dict[str, str]:
+    """The trailing comment of each dataclass field, which is its documentation."""
+    pattern = re.compile(r"^\s+(\w+): [^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: Sequence[str] = (), helps: dict | None = None):
+    """One --flag per field; defaults from the dataclass; help from `helps`, else the field's comment."""
+    helps = field_comments(cls) | (helps or {})
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, nargs="*", default=list(default), help=helps.get(f.name))
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=helps.get(f.name))
+
+
+def build_config(cls, args: argparse.Namespace, **extra):
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**values, **extra)
+
+
+def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, object], ...]:
+    """`--set field=JSON` items -> ((field, value), ...); a bare word that is not JSON is taken as a string."""
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes FIELD=VALUE, got {item!r}")
+        try:
+            out.append((key, json.loads(raw)))
+        except json.JSONDecodeError:
+            out.append((key, raw))
+    return tuple(out)
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
