@@ -24,18 +24,19 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
+from tether.server.kv_pool import PagedCache, PoolExhausted
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.drafter import DraftDelta
-from tether.shared.kv_cache import KVCache
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree, Verdict, verify
 
 
 class BatchCacheView:
     """Looks like a KVCache to the model for one ragged batch: `write` stores each row's new K/V as pending
-    rows of its own cache and returns [padded prefix ; new rows] for all rows: [B, Lmax + Tq, Hkv, D]."""
+    rows of its own cache and returns [padded prefix ; new rows] for all rows: [B, Lmax + Tq, Hkv, D].
+    Works with any cache that has KVCache's `write` (contiguous or paged)."""
 
-    def __init__(self, caches: list[KVCache], new_lens: list[int]):
+    def __init__(self, caches: list, new_lens: list[int]):
         self.caches, self.new_lens = caches, new_lens
         self.lens = [c.length for c in caches]
         self.lmax = max(self.lens)
@@ -46,25 +47,67 @@ class BatchCacheView:
         pk = k.new_zeros(B, self.lmax, H, D)
         pv = v.new_zeros(B, self.lmax, H, D)
         for i, (c, L, n) in enumerate(zip(self.caches, self.lens, self.new_lens, strict=True)):
-            c.k[layer, 0, L : L + n] = k[i, :n]
-            c.v[layer, 0, L : L + n] = v[i, :n]
-            pk[i, :L] = c.k[layer, 0, :L]
-            pv[i, :L] = c.v[layer, 0, :L]
+            kk, vv = c.write(layer, k[i : i + 1, :n], v[i : i + 1, :n])  # [1, L + n, H, D]
+            pk[i, :L] = kk[0, :L]
+            pv[i, :L] = vv[0, :L]
         return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
+
+
+class PagedBatchView(BatchCacheView):
+    """The same for sequences of one KVPool, without a per-row loop: each layer is one scatter of the new rows
+    into their slots and one gather of every row's prefix through a padded slot table (what a paged kernel
+    reads in place)."""
+
+    def __init__(self, caches: list[PagedCache], new_lens: list[int]):
+        super().__init__(caches, new_lens)
+        self.pool = caches[0].pool
+        dev = self.pool.device
+        for c, n in zip(caches, new_lens, strict=True):
+            c.reserve(n)
+        self.write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, self.lens, new_lens, strict=True)])
+        self.write_rows = torch.cat([torch.arange(n, device=dev) + i * max(new_lens) for i, n in enumerate(new_lens)])
+        self.read_slots = torch.zeros(len(caches), self.lmax, dtype=torch.long, device=dev)  # padding reads slot 0
+        for i, (c, L) in enumerate(zip(caches, self.lens, strict=True)):
+            self.read_slots[i, :L] = c.slots(0, L)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
+        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
+        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
+        return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
+
+
+def cache_view(caches: list, new_lens: list[int]) -> BatchCacheView:
+    """The batch view for these caches: the paged one when they all live in one pool."""
+    if all(isinstance(c, PagedCache) for c in caches) and len({id(c.pool) for c in caches}) == 1:
+        return PagedBatchView(caches, new_lens)
+    return BatchCacheView(caches, new_lens)
 
 
 @torch.inference_mode()
 def verify_batch(
     target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]]
 ) -> list[tuple[Verdict, DraftDelta | None] | Exception]:
+    # A row that cannot get room (its cache is full, or the pool is) fails alone; the rest still run.
+    results: list = [None] * len(items)
+    for i, (ver, tree) in enumerate(items):
+        try:
+            ver.reserve(len(tree))
+        except (ValueError, PoolExhausted) as e:
+            results[i] = e
+    live = [i for i, r in enumerate(results) if r is None]
+    if live:
+        for i, r in zip(live, _verify_rows(target, [items[i] for i in live]), strict=True):
+            results[i] = r
+    return results
+
+
+def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]]) -> list:
     dev = target.device
-    for ver, tree in items:
-        if len(tree) > ver.room:
-            raise ValueError(f"a tree of {len(tree)} nodes does not fit the {ver.room} positions left")
     B = len(items)
     sizes = [len(tree) for _, tree in items]
     tq = max(sizes)
-    view = BatchCacheView([ver.cache for ver, _ in items], sizes)
+    view = cache_view([ver.cache for ver, _ in items], sizes)
     tokens = torch.zeros(B, tq, dtype=torch.long)
     positions = torch.zeros(B, tq, dtype=torch.long)
     mask = torch.zeros(B, tq, view.lmax + tq, dtype=torch.bool)

@@ -37,6 +37,8 @@ class ServeConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
+    kv_pool_mb: int = 256  # memory of the paged KV pool all sessions share (least recently used evicted past it)
+    kv_block_size: int = 16  # positions per KV block
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -55,7 +57,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     model_fp = fingerprint(cfg.model)
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     torch.set_grad_enabled(False)
-    config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys))
+    config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
+                           kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size)  # fmt: skip
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
     if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
         raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")

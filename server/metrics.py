@@ -24,7 +24,10 @@ class ServiceMetrics:
                              buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65), registry=r)  # fmt: skip
         self.bytes_out = Counter("tether_bytes_out", "payload bytes sent, by kind", ["kind"], registry=r)
         self.sessions = Gauge("tether_sessions", "sessions held", registry=r)
-        self.evictions = Counter("tether_evictions", "sessions evicted (least recently used)", registry=r)
+        self.evictions = Counter("tether_evictions", "sessions evicted (least recently used), by reason: the session "
+                                 "limit or KV memory", ["reason"], registry=r)  # fmt: skip
+        self.kv_blocks = Gauge("tether_kv_blocks", "blocks in the paged KV pool", registry=r)
+        self.kv_blocks_used = Gauge("tether_kv_blocks_used", "KV blocks held by sessions", registry=r)
         self.opened = Counter("tether_sessions_opened", "sessions opened (and rebuilt by resync)", registry=r)
         self.resyncs = Counter("tether_resyncs", "resyncs answered, by outcome", ["outcome"], registry=r)
         self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)

@@ -19,7 +19,9 @@ With API keys configured, every call needs `authorization: Bearer KEY` metadata 
 and a session is bound to the key that opened it: to other keys it does not exist.
 TLS, or mutual TLS with a client CA, when certificates are given (make_server's `tls`).
 Rounds from many sessions that arrive within `batch_window_s` are verified in one target forward
-(tether.server.batcher); the paged KV pool with a memory budget comes with issue [3/7]'s remaining parts.
+(tether.server.batcher). Sessions keep their K/V in one paged pool with a memory budget (tether.server.kv_pool);
+when it runs short, or the session limit is reached, the least recently used idle session is evicted: its next
+round answers NOT_FOUND and its next Resync rebuilds it from the client's history, never silently wrong.
 
     service = TetherService(target, drafter, tokenizer, ServiceConfig())
     server, port = make_server(service, "127.0.0.1:50051"); server.start()
@@ -43,6 +45,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tether.server.batcher import RoundBatcher
+from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, encode_many
@@ -71,6 +74,8 @@ class ServiceConfig:
     max_sessions_per_key: int = 64  # sessions one key may hold at once
     batch_window_s: float = 0.002  # rounds arriving within this window are verified in one target forward
     max_batch: int = 32  # rounds per batched forward at most
+    kv_pool_bytes: int = 256 << 20  # memory of the paged KV pool all sessions share
+    kv_block_size: int = 16  # positions per KV block
 
 
 class RequestError(Exception):
@@ -92,6 +97,7 @@ class SessionState:
     last_round: int = 0
     last_reply: pb.ServerMessage | None = None
     last_used: float = field(default_factory=time.monotonic)  # for least-recently-used eviction
+    evicted: bool = False  # set (under `lock`) when its KV blocks were given back
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -122,6 +128,12 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         self.sessions: dict[str, SessionState] = {}
         self.sessions_lock = threading.Lock()
         self.metrics = ServiceMetrics()
+        c = self.config
+        self.pool = KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
+                                      dtype=target.embed_tokens.weight.dtype)  # fmt: skip
+        self.pool.reclaim = self._reclaim
+        self.metrics.kv_blocks.set(self.pool.num_blocks)
+        self.metrics.kv_blocks_used.set_function(lambda: self.pool.used_blocks)
         self.batcher = RoundBatcher(target, window_s=self.config.batch_window_s, max_batch=self.config.max_batch,
                                     on_batch=self.metrics.batch_size.observe)  # fmt: skip
 
@@ -151,7 +163,44 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
         generator = torch.Generator().manual_seed(sampling.seed)
         return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
-                                top_p=sampling.top_p or 1.0, generator=generator)  # fmt: skip
+                                top_p=sampling.top_p or 1.0, generator=generator, pool=self.pool)  # fmt: skip
+
+    def _retire(self, session_id: str, state: SessionState, reason: str) -> None:
+        """Drop a session and give its KV blocks back. The caller holds `state.lock`, so no round of it is in
+        flight; a handler that fetched the state before this sees `evicted` once it gets the lock."""
+        with self.sessions_lock:
+            if self.sessions.get(session_id) is state:
+                del self.sessions[session_id]
+            self.metrics.sessions.set(len(self.sessions))
+        state.evicted = True
+        state.verifier.release()
+        if reason != "closed":
+            self.metrics.evictions.labels(reason=reason).inc()
+            log.info("evicted session %s (least recently used, %s)", session_id[:8], reason)
+
+    def _evict_one(self, reason: str, candidates: list[tuple[str, SessionState]]) -> bool:
+        """Evict the least recently used idle session among `candidates`; False when all are busy."""
+        for sid, st in sorted(candidates, key=lambda kv: kv[1].last_used):
+            if st.lock.acquire(blocking=False):  # busy sessions (a round in flight) are never evicted
+                try:
+                    if not st.evicted:
+                        self._retire(sid, st, reason)
+                        return True
+                finally:
+                    st.lock.release()
+        return False
+
+    def _reclaim(self, missing: int) -> bool:
+        """The pool's callback when `missing` more blocks are needed: evict idle sessions, oldest first."""
+        goal = self.pool.free_blocks + missing
+        freed = False
+        while self.pool.free_blocks < goal:
+            with self.sessions_lock:
+                candidates = list(self.sessions.items())
+            if not self._evict_one("memory", candidates):
+                break
+            freed = True
+        return freed
 
     def _check_room(self, caller: str) -> None:
         """Refuse a key over its own session limit; at the global limit, evict the least recently used session
@@ -163,11 +212,13 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             if caller and mine >= c.max_sessions_per_key:
                 msg = f"this key holds {mine} sessions, the limit is {c.max_sessions_per_key}"
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
-            while len(self.sessions) >= c.max_sessions:
-                oldest = min(self.sessions, key=lambda sid: self.sessions[sid].last_used)
-                del self.sessions[oldest]
-                self.metrics.evictions.inc()
-                log.info("evicted session %s (least recently used)", oldest[:8])
+        while True:
+            with self.sessions_lock:
+                if len(self.sessions) < c.max_sessions:
+                    return
+                candidates = list(self.sessions.items())
+            if not self._evict_one("sessions", candidates):
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {c.max_sessions} sessions are busy")
 
     def _codec(self, value: int) -> Codec:
         try:
@@ -305,7 +356,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         verifier = self._verifier(req.sampling, capacity)
         try:
             first, delta = verifier.open(prompt)
-        except ValueError as e:
+        except (ValueError, PoolExhausted) as e:
+            verifier.release()
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=first, owner=caller)
         session_id = secrets.token_hex(16)  # random 128 bits
@@ -319,6 +371,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def _round(self, state: SessionState, req: pb.DraftRound) -> pb.ServerMessage:
         with state.lock:
+            if state.evicted:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, "session evicted: resync with the full history")
             state.last_used = time.monotonic()
             if req.round == state.last_round and state.last_reply is not None:
                 return state.last_reply  # a round sent again after a reconnect: same answer, no second run
@@ -344,6 +398,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                     verdict, delta = self.batcher.submit(state.verifier, tree).result()
             except ValueError as e:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            except PoolExhausted as e:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             m = self.metrics
             m.rounds.inc()
             m.drafted.inc(len(drafts))
@@ -396,7 +452,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             verifier = self._verifier(req.sampling, capacity)
             try:
                 verifier.open(history)
-            except ValueError as e:
+            except (ValueError, PoolExhausted) as e:
+                verifier.release()
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             codec = self._codec(req.delta_codec)
             state = SessionState(verifier, secrets.token_hex(16), req.sampling, codec, root=0, owner=caller)
@@ -406,6 +463,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 self.metrics.sessions.set(len(self.sessions))
             self.metrics.opened.inc()
         with state.lock:
+            if state.evicted:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "session evicted meanwhile: resend with the full verified history")  # fmt: skip
             state.last_used = time.monotonic()
             ver = state.verifier
             if V > ver.length:
@@ -414,7 +474,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             if len(offline) > ver.cache.capacity - V:
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many offline tokens for this session")
             ver.cache.truncate(V)
-            disagreement, next_token, delta = self._absorb(ver, offline, rewind=req.rewind)
+            try:
+                disagreement, next_token, delta = self._absorb(ver, offline, rewind=req.rewind)
+            except PoolExhausted as e:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             state.root = next_token
             state.last_round, state.last_reply = 0, None  # round numbering restarts after a resync
             return pb.ResyncReply(session_id=req.session_id, resume_token=state.resume_token, rebuilt=rebuilt,
@@ -443,11 +506,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             context.abort(e.code, e.message)
         with self.sessions_lock:
             state = self._owned(self.sessions.get(request.session_id), caller)
-            if state is not None:
-                del self.sessions[request.session_id]
-                self.metrics.sessions.set(len(self.sessions))
         if state is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
+        with state.lock:
+            self._retire(request.session_id, state, "closed")
         return pb.CloseReply()
 
 

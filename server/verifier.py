@@ -6,13 +6,15 @@ the prompt positions. `verify(tree)` runs root + drafts through the target in on
 positions), decides the verdict (greedy or lossless rejection sampling, tether.shared.speculative.verify),
 commits the accepted path to the cache and returns the verdict and the delta for the newly verified positions
 (root + accepted drafts). The verifier never looks at who drafted: any DraftTree will do. It is what the
-in-process engine runs, and what each gRPC session will run; with drafter None no delta is produced.
+in-process engine runs, and what each gRPC session runs; with drafter None no delta is produced. With `pool`
+the sequence's KV lives in the server's paged pool (tether.server.kv_pool) instead of a contiguous cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tether.server.kv_pool import KVPool, PagedCache
 from tether.shared.drafter import DraftDelta, TargetStates
 from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.sampling import sample_token
@@ -34,16 +36,31 @@ class SequenceVerifier:
         temperature: float = 0.0,
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
+        pool: KVPool | None = None,
     ):
         self.target = target
         self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
-        self.cache = target.new_cache(1, min(capacity, target.cfg.max_seq_len))
+        capacity = min(capacity, target.cfg.max_seq_len)
+        self.cache = target.new_cache(1, capacity) if pool is None else pool.sequence(capacity)
 
     @property
     def length(self) -> int:
         """Verified positions held in the KV cache."""
         return self.cache.length
+
+    def reserve(self, n: int) -> None:
+        """Make sure the next forward can write n rows (ValueError when the sequence is full; a paged cache
+        takes its blocks now and raises PoolExhausted when the pool cannot give them)."""
+        if n > self.room:
+            raise ValueError(f"a tree of {n} nodes does not fit the {self.room} positions left")
+        if isinstance(self.cache, PagedCache):
+            self.cache.reserve(n)
+
+    def release(self) -> None:
+        """Give the KV memory back (a paged cache returns its blocks to the pool)."""
+        if isinstance(self.cache, PagedCache):
+            self.cache.release()
 
     @property
     def room(self) -> int:
@@ -69,8 +86,7 @@ class SequenceVerifier:
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree) -> tuple[Verdict, DraftDelta | None]:
-        if len(tree) > self.room:
-            raise ValueError(f"a tree of {len(tree)} nodes does not fit the {self.room} positions left")
+        self.reserve(len(tree))
         start = self.cache.length
         dev = self.target.device
         want = self.drafter is not None

@@ -3,10 +3,12 @@
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.server.batcher import RoundBatcher, verify_batch
+from tether.server.kv_pool import KVPool
 from tether.server.verifier import SequenceVerifier
 from tether.shared.speculative import DraftTree
 
@@ -26,9 +28,9 @@ def rounds_for(seed: int):
     return prompt, drafts
 
 
-def run(target, drafter, seed, batch_fn):
+def run(target, drafter, seed, batch_fn, pool=None):
     prompt, drafts = rounds_for(seed)
-    ver = SequenceVerifier(target, drafter, capacity=64)
+    ver = SequenceVerifier(target, drafter, capacity=64, pool=pool)
     root, _ = ver.open(prompt)
     out = []
     for d in drafts:
@@ -46,14 +48,17 @@ def same(a, b):
         torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
 
 
-def test_32_concurrent_sessions_batched_equal_sequential():
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_32_concurrent_sessions_batched_equal_sequential(paged):
     target, drafter = setup()
+    # Block size 5: rounds straddle block edges; 32 sessions x <= 44 positions fit in 300 blocks.
+    kv = KVPool(target.cfg, num_blocks=300, block_size=5) if paged else None
     sequential = [run(target, drafter, s, lambda v, t: v.verify(t)) for s in range(32)]
     batches = []
     batcher = RoundBatcher(target, window_s=0.05, max_batch=32, on_batch=batches.append)
     try:
         with ThreadPoolExecutor(32) as pool:
-            batched = list(pool.map(lambda s: run(target, drafter, s, lambda v, t: batcher.submit(v, t).result()),
+            batched = list(pool.map(lambda s: run(target, drafter, s, lambda v, t: batcher.submit(v, t).result(), kv),
                                     range(32)))  # fmt: skip
     finally:
         batcher.close()

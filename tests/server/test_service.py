@@ -347,6 +347,53 @@ def test_least_recently_used_session_is_evicted_then_rebuilt_by_resync(served):
             reply = stub.Resync(req)
             assert reply.rebuilt and reply.verified_length == 4
             assert reply.target_token == plain(target, [1, 2, 3], 2)[1]
-        assert small.metrics.registry.get_sample_value("tether_evictions_total") >= 1
+        assert small.metrics.registry.get_sample_value("tether_evictions_total", {"reason": "sessions"}) >= 1
+    finally:
+        server.stop(grace=None)
+
+
+def test_kv_memory_pressure_evicts_the_idle_session_and_resync_rebuilds_it_exactly(served):
+    target, drafter, service, _ = served
+    block = 4 * 2 * target.cfg.n_layers * target.cfg.n_kv_heads * target.cfg.head_dim * 4  # 4 rows, K+V, fp32
+    config = ServiceConfig(kv_pool_bytes=8 * block, kv_block_size=4, max_prompt_tokens=64)
+    small = TetherService(target, drafter, service.tokenizer, config, model_fingerprint=FP)
+    assert small.pool.num_blocks == 8
+    server, port = make_server(small, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = tether_pb2_grpc.TetherStub(channel)
+            prompt = [1, 2, 3, 4, 5, 6, 0, 1, 2, 3]
+            a = Client(stub)
+            opened = a.send(open_msg(prompt)).opened  # 3 blocks
+            drafter.begin(to_delta(opened.delta))
+            out, root = [opened.first_token], opened.first_token
+            drafts, _, _ = drafter.draft(root, 3)
+            v = a.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=root, tokens=drafts))).verdict
+            drafter.commit(to_delta(v.delta))
+            out += drafts[: v.accepted] + [v.bonus]
+            for p in ([3, 4, 5, 6, 0, 1, 2, 3], [5] * 14):  # 2 + 4 blocks: the second one pushes `a` out
+                other = Client(stub)
+                assert other.send(open_msg(p)).WhichOneof("body") == "opened"
+                other.close()
+            assert small.pool.used_blocks <= 8
+            lost = a.send(pb.ClientMessage(round=pb.DraftRound(round=2, root=v.bonus)))
+            assert lost.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            a.close()
+            history = prompt + out[:-1]
+            req = pb.ResyncRequest(session_id=opened.session_id, resume_token=opened.resume_token,
+                                   verified_length=len(history), offline_tokens=[out[-1]], history=history)  # fmt: skip
+            reply = stub.Resync(req)
+            assert reply.rebuilt and reply.verified_length == len(history) + 1
+            assert out + [reply.target_token] == plain(target, prompt, len(out) + 1)
+            # A prompt larger than the whole pool is refused with a clear status; the service goes on.
+            huge = Client(stub)
+            err = huge.send(open_msg([1] * 40)).error
+            assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "pool" in err.message
+            assert huge.send(open_msg([1, 2])).WhichOneof("body") == "opened"
+            huge.close()
+        get = small.metrics.registry.get_sample_value
+        assert get("tether_evictions_total", {"reason": "memory"}) >= 1
+        assert get("tether_kv_blocks") == 8 and 0 < get("tether_kv_blocks_used") <= 8
     finally:
         server.stop(grace=None)

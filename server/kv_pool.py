@@ -1,0 +1,222 @@
+"""The server's paged KV pool: fixed-size blocks of K/V shared by every session, a block table per session.
+
+Contract:
+- `KVPool(cfg, num_blocks, block_size)` (or `KVPool.for_budget(cfg, budget_bytes, ...)`) owns
+  `k` and `v`, each [n_layers, num_blocks, block_size, Hkv, D]: vLLM's per-layer layout, the one the paged
+  verify kernel (issue [5/7]) reads. Position p of a sequence with block table `bt` lives in block
+  bt[p // block_size] at offset p % block_size, i.e. flat slot bt[p // bs] * bs + p % bs of `k[layer].view(-1, Hkv,
+  D)`. `block_tables(seqs)` gives the kernel's inputs: an int32 [B, max_blocks] table and int32 [B] lengths.
+- `alloc(n)` hands out n free blocks; when too few are free it calls `reclaim(missing)` (the service evicts its
+  least recently used idle sessions there) and raises `PoolExhausted` only when nothing more can be freed.
+  `free(blocks)` returns them. Both are thread-safe; `reclaim` runs outside the pool's lock.
+- `pool.sequence(capacity)` makes a `PagedCache`: the same interface as tether.shared.kv_cache.KVCache for one
+  sequence (`length`, `capacity`, `write`, `advance`, `accept`, `truncate`), so the model and the verifier use
+  it unchanged. `capacity` is a logical limit (positions); memory is taken block by block as the sequence
+  grows, and blocks past its committed length are given back after `accept` and `truncate`. `release()` gives
+  back everything; a released cache refuses further use instead of reading blocks someone else now owns.
+
+    pool = KVPool.for_budget(model.cfg, 256 << 20, block_size=16, device="cuda", dtype=torch.bfloat16)
+    cache = pool.sequence(capacity=2048)
+    model.prefill(ids, cache)          # takes ceil(T / 16) blocks
+    cache.release()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from tether.shared.config import ModelConfig
+
+
+class PoolExhausted(RuntimeError):
+    """The pool has too few free blocks and nothing more can be reclaimed."""
+
+
+class KVPool:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs at least one block of at least one row ({num_blocks=}, {block_size=})")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, num_blocks, block_size, Hkv, D]
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Flat views share the storage: slot s = block * block_size + offset.
+        self.k_flat = self.k.view(cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.v_flat = self.v.view(cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
+        self._lock = threading.Lock()
+        self.reclaim: Callable[[int], bool] | None = None  # frees blocks on demand; False when it cannot
+
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes: K and V rows of every layer."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+    @classmethod
+    def for_budget(cls, cfg: ModelConfig, budget_bytes: int, block_size: int = 16, **kw) -> KVPool:
+        """As many blocks as fit in `budget_bytes`."""
+        per = cls.block_bytes(cfg, block_size, kw.get("dtype", torch.float32))
+        if budget_bytes < per:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {per} bytes")
+        return cls(cfg, budget_bytes // per, block_size, **kw)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > self.num_blocks:
+            raise PoolExhausted(f"{n} KV blocks needed, the whole pool holds {self.num_blocks}")
+        while True:
+            with self._lock:
+                if len(self._free) >= n:
+                    taken = self._free[len(self._free) - n :]
+                    del self._free[len(self._free) - n :]
+                    return taken[::-1]
+                missing = n - len(self._free)
+            # Outside the lock: reclaiming frees other sessions' blocks through free().
+            if self.reclaim is None or not self.reclaim(missing):
+                raise PoolExhausted(
+                    f"KV pool full: {n} blocks of {self.block_size} positions needed, {self.free_blocks} of "
+                    f"{self.num_blocks} free and no idle session to evict"
+                )
+
+    def free(self, blocks: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(reversed(blocks))
+
+    def sequence(self, capacity: int) -> PagedCache:
+        return PagedCache(self, capacity)
+
+    def block_tables(self, seqs: Sequence[PagedCache]) -> tuple[Tensor, Tensor]:
+        """The paged kernel's view of `seqs`: block table int32 [B, max_blocks] (-1 past each row's blocks) and
+        committed lengths int32 [B]."""
+        width = max((len(s.blocks) for s in seqs), default=0)
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+        lens = torch.tensor([s.length for s in seqs], dtype=torch.int32)
+        return table.to(self.device), lens.to(self.device)
+
+
+class PagedCache:
+    """One sequence's view of the pool, with KVCache's interface (batch size 1)."""
+
+    batch_size = 1
+
+    def __init__(self, pool: KVPool, capacity: int):
+        self.pool, self.capacity = pool, capacity
+        self.blocks: list[int] = []  # the block table
+        self.length = 0  # committed positions
+        self.released = False
+        self._slots = torch.empty(0, dtype=torch.long, device=pool.device)  # flat slot of every position held
+
+    # ---- block bookkeeping --------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self.released:
+            raise RuntimeError("this KV cache was released (its session was evicted or closed)")
+
+    def _set_blocks(self, blocks: list[int]) -> None:
+        self.blocks = blocks
+        bs = self.pool.block_size
+        base = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)[:, None] * bs
+        self._slots = (base + torch.arange(bs, device=self.pool.device)).flatten()  # [len(blocks) * bs]
+
+    def reserve(self, n: int) -> None:
+        """Make room for n rows past the committed length (taking blocks from the pool as needed)."""
+        self._check()
+        end = self.length + n
+        if end > self.capacity:
+            raise ValueError(f"KV cache full: {end} positions needed, capacity {self.capacity}")
+        need = -(-end // self.pool.block_size) - len(self.blocks)
+        if need > 0:
+            self._set_blocks(self.blocks + self.pool.alloc(need))
+
+    def _trim(self) -> None:
+        """Give back the blocks past the committed length."""
+        keep = -(-self.length // self.pool.block_size)
+        if keep < len(self.blocks):
+            self.pool.free(self.blocks[keep:])
+            self._set_blocks(self.blocks[:keep])
+
+    def release(self) -> None:
+        if not self.released:
+            self.pool.free(self.blocks)
+            self._set_blocks([])
+            self.length, self.released = 0, True
+
+    def slots(self, start: int, end: int) -> Tensor:
+        """Flat pool slots of positions [start, end): [end - start] long."""
+        return self._slots[start:end]
+
+    # ---- the KVCache interface ----------------------------------------------------------------------
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new rows [1, T, Hkv, D] as pending and return every visible row: [1, length + T, Hkv, D]."""
+        if k.shape[0] != 1:
+            raise ValueError("a paged cache holds one sequence; batch through tether.server.batcher")
+        end = self.length + k.shape[1]
+        self.reserve(k.shape[1])
+        new, seen = self._slots[self.length : end], self._slots[:end]
+        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
+        kf[new] = k[0].to(kf.dtype)
+        vf[new] = v[0].to(vf.dtype)
+        return kf[seen][None], vf[seen][None]
+
+    def advance(self, n: int) -> None:
+        """Commit the first n pending rows."""
+        self._check()
+        if self.length + n > min(self.capacity, len(self._slots)):
+            raise ValueError(f"cannot advance {n} rows past the {len(self._slots) - self.length} written")
+        self.length += n
+
+    def accept(self, path: Tensor | list[int]) -> None:
+        """Commit the pending rows at offsets `path` (increasing), moving them to consecutive positions."""
+        self._check()
+        idx = torch.as_tensor(path, dtype=torch.long, device=self.pool.device)
+        n = idx.numel()
+        if n and bool((idx[1:] <= idx[:-1]).any()):
+            raise ValueError("accepted path offsets must be strictly increasing")
+        if n and self.length + int(idx[-1]) >= len(self._slots):
+            raise ValueError("accepted path reaches past the rows written")
+        src, dst = self._slots[self.length + idx], self._slots[self.length : self.length + n]
+        # Gather before scattering: source and destination slots overlap.
+        self.pool.k_flat[:, dst] = self.pool.k_flat[:, src].clone()
+        self.pool.v_flat[:, dst] = self.pool.v_flat[:, src].clone()
+        self.length += n
+        self._trim()
+
+    def truncate(self, n: int) -> None:
+        """Forget everything from position n on."""
+        self._check()
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate({n}) outside [0, {self.length}]")
+        self.length = n
+        self._trim()
+
+    def rows(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The committed K and V of one layer: [length, Hkv, D] each (gathered copies)."""
+        seen = self._slots[: self.length]
+        return self.pool.k_flat[layer][seen], self.pool.v_flat[layer][seen]
