@@ -24,7 +24,7 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from tether.server.kv_pool import PagedCache, PoolExhausted
+from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.drafter import DraftDelta
 from tether.shared.model import Transformer
@@ -64,17 +64,15 @@ class PagedBatchView(BatchCacheView):
         dev = self.pool.device
         for c, n in zip(caches, new_lens, strict=True):
             c.reserve(n)
-        self.write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, self.lens, new_lens, strict=True)])
-        self.write_rows = torch.cat([torch.arange(n, device=dev) + i * max(new_lens) for i, n in enumerate(new_lens)])
-        self.read_slots = torch.zeros(len(caches), self.lmax, dtype=torch.long, device=dev)  # padding reads slot 0
+        write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, self.lens, new_lens, strict=True)])
+        write_rows = torch.cat([torch.arange(n, device=dev) + i * max(new_lens) for i, n in enumerate(new_lens)])
+        read_slots = torch.zeros(len(caches), self.lmax, dtype=torch.long, device=dev)  # padding reads slot 0
         for i, (c, L) in enumerate(zip(caches, self.lens, strict=True)):
-            self.read_slots[i, :L] = c.slots(0, L)
+            read_slots[i, :L] = c.slots(0, L)
+        self.slot_view = SlotView(self.pool, write_slots, write_rows, read_slots)
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
-        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
-        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
-        return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
+        return self.slot_view.write(layer, k, v)
 
 
 def cache_view(caches: list, new_lens: list[int]) -> BatchCacheView:

@@ -5,6 +5,7 @@ until SIGTERM/SIGINT, then stops taking new calls and gives the ones in flight `
 Defaults serve deploy/models on 127.0.0.1:50051.
 
     tether-server serve --port 50051 --max-sessions 64
+    tether-server serve --tp 2          # a tensor-parallel target over 2 GPUs (tether.server.tp_serve)
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch
 from tether.server.generate import default_model_dir, load, pick_device
 from tether.server.metrics import serve_metrics
 from tether.server.service import ServiceConfig, TetherService, TLSFiles, make_server
+from tether.server.tp import apply_tp
+from tether.server.tp_serve import TPTarget, join_rank0, start_followers
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
+from tether.shared.weights import client_part_tensors
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # address to listen on
     port: int = 50051  # port to listen on (0 = any free port)
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
+    dtype: str = ""  # "float32" / "bfloat16" / "float16"; empty = bfloat16 on CUDA, float32 on CPU
     max_sessions: int = 256  # sessions held at once (the least recently used is evicted past it)
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
@@ -39,6 +44,7 @@ class ServeConfig:
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
     kv_pool_mb: int = 256  # memory of the paged KV pool all sessions share (least recently used evicted past it)
     kv_block_size: int = 16  # positions per KV block
+    tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -53,15 +59,33 @@ def read_api_keys(path: str) -> frozenset[str]:
 
 def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     device = pick_device(cfg.device)
-    target, tokenizer = load(cfg.model, device)
+    if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
+        raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
+    if cfg.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {cfg.tp}")
+    if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
+    followers, tp_target = [], None
+    if cfg.tp > 1:
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        followers, port = start_followers(cfg.tp, cfg.model, kind, cfg.dtype, cfg.kv_pool_mb << 20,
+                                          cfg.kv_block_size)  # fmt: skip
+        cmd_group = join_rank0(cfg.tp, port, kind)
+        device = "cuda:0" if kind == "cuda" else "cpu"
+    target, tokenizer = load(cfg.model, device, cfg.dtype)
     model_fp = fingerprint(cfg.model)
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     torch.set_grad_enabled(False)
     config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
                            kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size)  # fmt: skip
-    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
-    if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
-        raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
+    extra = {}
+    if cfg.tp > 1:
+        # The client part ships whole weights: take them before this rank keeps only its shard.
+        extra["client_weights"] = {k: v.detach().cpu().clone() for k, v in client_part_tensors(target, drafter).items()}
+        tp_target = TPTarget(apply_tp(target, 0, cfg.tp), cmd_group)
+        extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
+        target = tp_target
+    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, **extra)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:
@@ -70,10 +94,16 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    print(f"listening on {cfg.host}:{port}", flush=True)
+    print(f"listening on {cfg.host}:{port}" + (f" (tensor-parallel over {cfg.tp} ranks)" if cfg.tp > 1 else ""),
+          flush=True)  # fmt: skip
     if ready is not None:
         ready.set()
     stop.wait()
     server.stop(grace=cfg.grace_s).wait()
+    service.batcher.close()
+    if tp_target is not None:
+        tp_target.stop()
+        for p in followers:
+            p.join(timeout=30)
     print("stopped", flush=True)
     return 0

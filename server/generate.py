@@ -52,11 +52,17 @@ def pick_device(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load(model_dir: str | Path, device: str) -> tuple[Transformer, Tokenizer]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load(model_dir: str | Path, device: str, dtype: str = "") -> tuple[Transformer, Tokenizer]:
+    """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    dtype = DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
     return Transformer.from_pretrained(model_dir, device=device, dtype=dtype), Tokenizer.from_pretrained(model_dir)
 
 

@@ -14,6 +14,8 @@ Contract:
   it unchanged. `capacity` is a logical limit (positions); memory is taken block by block as the sequence
   grows, and blocks past its committed length are given back after `accept` and `truncate`. `release()` gives
   back everything; a released cache refuses further use instead of reading blocks someone else now owns.
+- `SlotView(pool, write_slots, write_rows, read_slots)`: one forward's window on the pool as flat slot indices
+  (vLLM's slot mapping), the cache interface the model calls; the batcher and tensor-parallel ranks use it.
 
     pool = KVPool.for_budget(model.cfg, 256 << 20, block_size=16, device="cuda", dtype=torch.bfloat16)
     cache = pool.sequence(capacity=2048)
@@ -105,6 +107,12 @@ class KVPool:
     def free(self, blocks: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(reversed(blocks))
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy rows at flat slots `src` to `dst` in every layer (how an accepted tree path is compacted)."""
+        # Gather before scattering: source and destination slots may overlap.
+        self.k_flat[:, dst] = self.k_flat[:, src].clone()
+        self.v_flat[:, dst] = self.v_flat[:, src].clone()
 
     def sequence(self, capacity: int) -> PagedCache:
         return PagedCache(self, capacity)
@@ -201,10 +209,7 @@ class PagedCache:
             raise ValueError("accepted path offsets must be strictly increasing")
         if n and self.length + int(idx[-1]) >= len(self._slots):
             raise ValueError("accepted path reaches past the rows written")
-        src, dst = self._slots[self.length + idx], self._slots[self.length : self.length + n]
-        # Gather before scattering: source and destination slots overlap.
-        self.pool.k_flat[:, dst] = self.pool.k_flat[:, src].clone()
-        self.pool.v_flat[:, dst] = self.pool.v_flat[:, src].clone()
+        self.pool.copy_slots(self._slots[self.length + idx], self._slots[self.length : self.length + n])
         self.length += n
         self._trim()
 
@@ -220,3 +225,23 @@ class PagedCache:
         """The committed K and V of one layer: [length, Hkv, D] each (gathered copies)."""
         seen = self._slots[: self.length]
         return self.pool.k_flat[layer][seen], self.pool.v_flat[layer][seen]
+
+
+class SlotView:
+    """One forward's window on a pool shard: new rows go to flat `write_slots`; every row's keys are its
+    `read_slots` rows followed by the new ones. The cache interface the model calls (`write`, `length`)."""
+
+    length = 0  # positions are always given explicitly
+
+    def __init__(self, pool: KVPool, write_slots: Tensor, write_rows: Tensor, read_slots: Tensor):
+        dev = pool.device
+        self.pool = pool
+        self.write_slots = write_slots.to(dev)  # [N] flat slots of the new rows
+        self.write_rows = write_rows.to(dev)  # [N] their indices in the flattened [B * Tq] new rows
+        self.read_slots = read_slots.to(dev)  # [B, Lmax] flat slots of each row's prefix (padding: slot 0)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
+        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
+        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
+        return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)

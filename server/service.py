@@ -114,11 +114,15 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         config: ServiceConfig | None = None,
         *,
         model_fingerprint: str,
+        client_weights: dict[str, torch.Tensor] | None = None,
+        pool: KVPool | None = None,
     ):
+        """`client_weights` and `pool` are for a tensor-parallel target (tether.server.tp_serve), whose own
+        weights are sharded: the client part computed before sharding, and rank 0's mirrored pool shard."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.config = config or ServiceConfig()
         self.model_fingerprint = model_fingerprint
-        part = client_part_tensors(target, drafter)
+        part = client_weights if client_weights is not None else client_part_tensors(target, drafter)
         self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
                         for k, v in part.items()}  # fmt: skip
         self.manifest = build_manifest(self.weights)
@@ -129,8 +133,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         self.sessions_lock = threading.Lock()
         self.metrics = ServiceMetrics()
         c = self.config
-        self.pool = KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
-                                      dtype=target.embed_tokens.weight.dtype)  # fmt: skip
+        self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
+                                              dtype=target.embed_tokens.weight.dtype)  # fmt: skip
         self.pool.reclaim = self._reclaim
         self.metrics.kv_blocks.set(self.pool.num_blocks)
         self.metrics.kv_blocks_used.set_function(lambda: self.pool.used_blocks)

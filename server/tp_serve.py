@@ -1,0 +1,202 @@
+"""Serving a tensor-parallel target: `tether-server serve --tp N`.
+
+Contract: rank 0 is the gRPC server. It runs the ordinary TetherService over a `TPTarget`, a stand-in for the
+model whose every forward and every KV-pool copy is first broadcast, as a small command, to ranks 1..N-1
+(which run `follow` and nothing else), then executed by all ranks together: each rank computes its heads of
+the attention and its slice of the MLP (tether.server.tp.apply_tp), the all-reduces make logits and hidden
+states whole everywhere, and per-layer K/V are gathered to rank 0 when the drafter needs them.
+Each rank keeps its own shard (its KV heads) of one paged KV pool; block tables, allocation and eviction live
+on rank 0 only, and commands carry flat slot indices, so all shards stay the same shape and in step.
+Commands travel over a gloo group (CPU, pickled) and tensors over the device group (NCCL on GPUs).
+A lock on rank 0 keeps commands in one order: gRPC threads and the batcher never interleave collectives.
+
+    tether-server serve --tp 2                  # one process per GPU, rank 0 listens
+    tether-server serve --tp 2 --device cpu     # the same over gloo (tests)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from tether.server.kv_pool import KVPool, PagedCache, SlotView
+from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
+from tether.shared.model import ForwardOutput, Transformer
+
+log = logging.getLogger("tether.server")
+
+
+def _slots_of(cache, n_new: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(write_slots, write_rows, read_slots) of a PagedCache (one sequence) or a batcher's PagedBatchView."""
+    if isinstance(cache, PagedCache):
+        cache.reserve(n_new)
+        L = cache.length
+        return cache.slots(L, L + n_new), torch.arange(n_new), cache.slots(0, L)[None]
+    if hasattr(cache, "slot_view"):
+        v = cache.slot_view
+        return v.write_slots, v.write_rows, v.read_slots
+    raise TypeError(f"a tensor-parallel target needs its KV in the paged pool, not a {type(cache).__name__}")
+
+
+def _execute(model: Transformer, pool: KVPool, cmd: dict) -> ForwardOutput:
+    """Run one broadcast forward on this rank (every rank calls it with the same command)."""
+    dev = pool.device
+    view = SlotView(pool, cmd["write_slots"], cmd["write_rows"], cmd["read_slots"])
+    mask = cmd["tree_mask"]
+    out = model.run(cmd["ids"].to(dev), cache=view, positions=cmd["positions"].to(dev),
+                    tree_mask=None if mask is None else mask.to(dev), hidden_layers=cmd["hidden_layers"],
+                    return_kv=cmd["return_kv"], last_only=cmd["last_only"])  # fmt: skip
+    if cmd["return_kv"]:
+        out = dataclasses.replace(out, k=gather_heads(out.k, -2), v=gather_heads(out.v, -2))  # [L, B, T, Hkv, D]
+    return out
+
+
+class TPPool(KVPool):
+    """Rank 0's pool shard: slot copies (accepted tree paths) are mirrored on every rank."""
+
+    def __init__(self, *args, broadcast, **kw):
+        super().__init__(*args, **kw)
+        self._broadcast = broadcast
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        self._broadcast(
+            {"op": "copy", "src": src.cpu(), "dst": dst.cpu()}, lambda: super(TPPool, self).copy_slots(src, dst)
+        )
+
+
+class TPTarget:
+    """Rank 0's handle on the tensor-parallel model: the Transformer interface the service uses (run, prefill,
+    verify, cfg, device, ...), with every forward broadcast to the other ranks first."""
+
+    def __init__(self, model: Transformer, cmd_group):
+        self.model, self.cmd_group = model, cmd_group
+        self.lock = threading.Lock()
+        self.pool: KVPool | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def broadcast(self, cmd: dict, local):
+        """Send `cmd` to every follower and run `local` here, atomically with respect to other commands."""
+        with self.lock:
+            dist.broadcast_object_list([cmd], src=0, group=self.cmd_group)
+            return local()
+
+    def make_pool(self, budget_bytes: int, block_size: int) -> KVPool:
+        """The pool shard of rank 0; followers build theirs from the same arguments (`follow`)."""
+        self.pool = TPPool.for_budget(self.model.cfg, budget_bytes, block_size, device=self.model.device,
+                                      dtype=self.model.embed_tokens.weight.dtype, broadcast=self.broadcast)  # fmt: skip
+        return self.pool
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: Tensor,
+        *,
+        cache=None,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+        return_kv: bool = False,
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        B, T = input_ids.shape
+        with self.lock:  # slot reservation and the forward must not interleave with another thread's
+            write_slots, write_rows, read_slots = _slots_of(cache, T)
+            if positions is None:
+                positions = torch.arange(cache.length, cache.length + T)
+            cmd = {"op": "run", "ids": input_ids.cpu(), "positions": positions.cpu().view(-1, T),
+                   "tree_mask": None if tree_mask is None else tree_mask.cpu(), "write_slots": write_slots.cpu(),
+                   "write_rows": write_rows.cpu(), "read_slots": read_slots.cpu(),
+                   "hidden_layers": tuple(hidden_layers), "return_kv": return_kv, "last_only": last_only}  # fmt: skip
+            dist.broadcast_object_list([cmd], src=0, group=self.cmd_group)
+            return _execute(self.model, self.pool, cmd)
+
+    def prefill(self, input_ids: Tensor, cache, **kw) -> ForwardOutput:
+        out = self.run(input_ids, cache=cache, **kw)
+        cache.advance(input_ids.shape[1])
+        return out
+
+    def verify(self, input_ids: Tensor, cache, **kw) -> ForwardOutput:
+        return self.run(input_ids, cache=cache, **kw)
+
+    def stop(self) -> None:
+        with self.lock:
+            dist.broadcast_object_list([{"op": "stop"}], src=0, group=self.cmd_group)
+
+
+def follow(model: Transformer, pool: KVPool, cmd_group) -> None:
+    """Ranks 1..N-1: execute rank 0's commands until it says stop."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=cmd_group)
+        cmd = box[0]
+        if cmd["op"] == "stop":
+            return
+        with torch.inference_mode():
+            if cmd["op"] == "copy":
+                pool.copy_slots(cmd["src"].to(pool.device), cmd["dst"].to(pool.device))
+            else:
+                _execute(model, pool, cmd)
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, budget: int,
+                   block: int) -> None:  # fmt: skip
+    # Rank 0 decides when to stop (a terminal's Ctrl-C reaches the whole process group); if rank 0 dies without
+    # saying so, a follower must not linger holding a GPU.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    init_distributed("nccl" if device == "cuda" else "gloo")
+    cmd_group = dist.new_group(backend="gloo")
+    from tether.server.generate import load
+
+    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
+    model, _ = load(model_dir, dev, dtype)
+    apply_tp(model, rank, world)
+    torch.set_grad_enabled(False)
+    pool = KVPool.for_budget(model.cfg, budget, block, device=model.device, dtype=model.embed_tokens.weight.dtype)
+    try:
+        follow(model, pool, cmd_group)
+    finally:
+        dist.destroy_process_group()
+
+
+def start_followers(world: int, model_dir: str, device: str, dtype: str, budget: int, block: int) -> tuple[list, int]:
+    """Start ranks 1..world-1 as fresh processes; returns them and the rendezvous port rank 0 must use."""
+    disable_multicast()
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    args = (world, port, model_dir, device, dtype, budget, block)
+    procs = [ctx.Process(target=_follower_main, args=(r, *args), daemon=True) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    return procs, port
+
+
+def join_rank0(world: int, port: int, device: str) -> object:
+    """Rank 0 joins the group; returns the command group."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_distributed("nccl" if device == "cuda" else "gloo")
+    return dist.new_group(backend="gloo")
