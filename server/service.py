@@ -8,6 +8,7 @@ Contract (DESIGN.md section 5; the messages are in proto/tether/v1/tether.proto)
   (tether.server.verifier, batched with other sessions' rounds by tether.server.batcher) and answered with
   accepted count, bonus token and delta. Round numbers make a repeated round idempotent (the recorded
   answer is sent again); a bad message gets an inline Error with its gRPC status code and the stream goes on.
+- Session `attach`: a new stream takes over a held session (session id + resume token), e.g. after a Resync.
 - Resync: after a disconnection, truncate to the client's verified length, absorb its offline tokens (all of
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
   disagreement and the next token; a session the server lost is rebuilt from the full history.
@@ -324,6 +325,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                     if session_id is not None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "this stream already opened a session")
                     session_id, reply = self._open(message.open, caller)
+                elif kind == "attach":
+                    if session_id is not None:
+                        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "this stream already has a session")
+                    session_id, reply = self._attach(message.attach, caller)
                 elif kind == "round":
                     if session_id is None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "open a session before rounds")
@@ -372,6 +377,22 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         opened = pb.Opened(request_id=req.request_id, session_id=session_id, resume_token=state.resume_token,
                            first_token=first, delta=self._delta(delta, codec))  # fmt: skip
         return session_id, pb.ServerMessage(opened=opened)
+
+    def _attach(self, req: pb.AttachSession, caller: str) -> tuple[str, pb.ServerMessage]:
+        """A new stream takes over a held session (after a reconnect): rounds continue where it stands."""
+        with self.sessions_lock:
+            state = self._owned(self.sessions.get(req.session_id), caller)
+        if state is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"unknown session {req.session_id!r}: resync with history")
+        if not secrets.compare_digest(req.resume_token, state.resume_token):
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, "wrong resume token for this session")
+        with state.lock:
+            if state.evicted:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, "session evicted: resync with the full history")
+            state.last_used = time.monotonic()
+            attached = pb.Attached(session_id=req.session_id, verified_length=state.verifier.length, root=state.root,
+                                   last_round=state.last_round)  # fmt: skip
+        return req.session_id, pb.ServerMessage(attached=attached)
 
     def _round(self, state: SessionState, req: pb.DraftRound) -> pb.ServerMessage:
         with state.lock:

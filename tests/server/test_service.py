@@ -397,3 +397,33 @@ def test_kv_memory_pressure_evicts_the_idle_session_and_resync_rebuilds_it_exact
         assert get("tether_kv_blocks") == 8 and 0 < get("tether_kv_blocks_used") <= 8
     finally:
         server.stop(grace=None)
+
+
+def test_a_new_stream_attaches_to_the_held_session_after_resync(served):
+    target, drafter, _, stub = served
+    prompt = [3, 1, 4, 1, 5]
+    out, sid, token, verified, root = run_session(stub, drafter, prompt, 8)  # that stream is closed now
+    reply = stub.Resync(pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified,
+                                         offline_tokens=[root], model_fingerprint=FP))  # fmt: skip
+    drafter.commit(to_delta(reply.delta))
+    client = Client(stub)
+    assert (
+        client.send(pb.ClientMessage(attach=pb.AttachSession(session_id=sid, resume_token="x" * 32))).error.code
+        == (grpc.StatusCode.PERMISSION_DENIED.value[0])
+    )
+    other = Client(stub)
+    lost = other.send(pb.ClientMessage(attach=pb.AttachSession(session_id="0" * 32, resume_token=token)))
+    assert lost.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    other.close()
+    attached = client.send(pb.ClientMessage(attach=pb.AttachSession(session_id=sid, resume_token=token))).attached
+    assert attached.verified_length == verified + 1 and attached.root == reply.target_token
+    assert attached.last_round == 0  # numbering restarts after a resync
+    out, root = out + [reply.target_token], reply.target_token
+    for rnd in (1, 2, 3):
+        drafts, _, _ = drafter.draft(root, 3)
+        v = client.send(pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts))).verdict
+        drafter.commit(to_delta(v.delta))
+        out += drafts[: v.accepted] + [v.bonus]
+        root = v.bonus
+    client.close()
+    assert out == plain(target, prompt, len(out))

@@ -158,13 +158,23 @@ class DraftRound(_message.Message):
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     def __init__(self, round: _Optional[int] = ..., root: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
 
+class AttachSession(_message.Message):
+    __slots__ = ("session_id", "resume_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    resume_token: str
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ...) -> None: ...
+
 class ClientMessage(_message.Message):
-    __slots__ = ("open", "round")
+    __slots__ = ("open", "round", "attach")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     round: DraftRound
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
+    attach: AttachSession
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
     __slots__ = ("request_id", "session_id", "resume_token", "first_token", "delta")
@@ -202,15 +212,29 @@ class Error(_message.Message):
     round: int
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
+class Attached(_message.Message):
+    __slots__ = ("session_id", "verified_length", "root", "last_round")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    verified_length: int
+    root: int
+    last_round: int
+    def __init__(self, session_id: _Optional[str] = ..., verified_length: _Optional[int] = ..., root: _Optional[int] = ..., last_round: _Optional[int] = ...) -> None: ...
+
 class ServerMessage(_message.Message):
-    __slots__ = ("opened", "verdict", "error")
+    __slots__ = ("opened", "verdict", "error", "attached")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     opened: Opened
     verdict: Verdict
     error: Error
-    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    attached: Attached
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
     __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind")
