@@ -54,7 +54,7 @@ from tether.shared.drafter import DraftDelta
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
-from tether.shared.weights import MAX_CHUNK, build_manifest, client_part_tensors, iter_chunks
+from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -126,6 +126,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         part = client_weights if client_weights is not None else client_part_tensors(target, drafter)
         self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
                         for k, v in part.items()}  # fmt: skip
+        # The tokenizer travels with the weights (resumable, cached by hash): a client needs nothing but an address.
+        self.weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer.to_json().encode()), dtype=torch.uint8)
         self.manifest = build_manifest(self.weights)
         self.drafter_fingerprint = _sha256_json(
             {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}

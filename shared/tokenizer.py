@@ -171,6 +171,15 @@ class Tokenizer:
         """Load `directory`/tokenizer.json (a local folder; nothing is downloaded)."""
         return cls.from_file(Path(directory) / "tokenizer.json", eos_id=eos_id, pad_id=pad_id)
 
+    @classmethod
+    def from_json(cls, text: str, *, eos_id: int | None = None, pad_id: int | None = None) -> Tokenizer:
+        """A tokenizer from tokenizer.json text (how the client receives it from the server)."""
+        return cls.from_tokenizers(tokenizers.Tokenizer.from_str(text), eos_id=eos_id, pad_id=pad_id)
+
+    def to_json(self) -> str:
+        """tokenizer.json text (Hugging Face format)."""
+        return self._backend.to_str()
+
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as one tokenizer.json file (Hugging Face format)."""
         self._backend.save(str(path), pretty=True)

@@ -25,6 +25,7 @@ from torch import Tensor
 from tether.shared.checkpoint import to_hf_name
 
 MAX_CHUNK = 1 << 20  # 1 MiB: well under gRPC's 4 MiB default message limit
+TOKENIZER_TENSOR = "tokenizer.json"  # the stream's entry holding the tokenizer's JSON text as uint8 bytes
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ def test_serve_command_answers_then_stops_on_sigterm():
         assert line.startswith("listening on 127.0.0.1:"), line
         with grpc.insecure_channel(line.removeprefix("listening on ")) as channel:
             info = tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=120)
-        assert info.tli_layers == 1 and len(info.model_fingerprint) == 64
+        assert info.tli_layers == 3 and len(info.model_fingerprint) == 64
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         assert "stopped" in proc.stdout.read()
