@@ -1,5 +1,7 @@
 """`tether-client`: the edge end of tether.
 
+tether-client generate --server HOST:PORT --prompt TEXT [--policy keep|rewind] [--json]
+tether-client chat --server HOST:PORT    # interactive: each line you type, the model continues
 tether-client info                       # what this edge install can run (backends, versions)
 tether-client info --model DIR           # a model directory's config and fingerprint (what pairing checks)
 tether-client <command> --help
@@ -13,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from tether.shared.cli_support import run_cli
+from tether.shared.cli_support import add_dataclass_args, build_config, run_cli
 
 
 def _version(distribution: str) -> str | None:
@@ -43,6 +45,76 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session(args: argparse.Namespace):
+    from tether.client.session import ClientConfig, EdgeSession
+
+    return EdgeSession(build_config(ClientConfig, args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tether.client.live_view import LiveView, PlainStream
+    from tether.client.pairing import PairingError
+    from tether.client.session import ServerError
+
+    session = _session(args)
+    try:
+        session.pair()
+    except (ServerError, PairingError) as e:
+        session.close()
+        print(f"tether-client generate: {e}", file=sys.stderr)
+        return 1
+    try:
+        tok = session.models.tokenizer
+        live = not args.json and not args.plain and sys.stdout.isatty()
+        if live:
+            with LiveView(tok, args.prompt) as view:
+                session.on_event = view.on_event
+                result = session.run(args.prompt)
+            view.summary(result)
+        else:
+            if not args.json:
+                session.on_event = PlainStream(tok).on_event
+                sys.stdout.write(args.prompt)
+            result = session.run(args.prompt)
+            if args.json:
+                print(json.dumps(result.to_json()))
+            else:
+                print()
+    except ServerError as e:
+        print(f"tether-client generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        session.close()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tether.client.live_view import PlainStream
+    from tether.client.session import ClientConfig, EdgeSession
+
+    cfg = build_config(ClientConfig, args)
+    transcript = ""
+    print("tether chat: type a line and the model continues it; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line:
+            break
+        transcript += line + "\n"
+        session = EdgeSession(cfg)
+        try:
+            session.pair()
+            session.on_event = PlainStream(session.models.tokenizer).on_event
+            result = session.run(transcript)
+        finally:
+            session.close()
+        transcript += result.text
+        print()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether-client",
@@ -55,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a model directory to describe")
     p.add_argument("--json", action="store_true", help="one line of JSON")
     p.set_defaults(func=cmd_info)
+    from tether.client.session import ClientConfig
+
+    p = sub.add_parser("generate", help="generate from a prompt through a tether server, surviving outages")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end: text, token_ids, tags, stats")
+    p.add_argument("--plain", action="store_true", help="stream plain text even on a terminal (no live view)")
+    add_dataclass_args(p, ClientConfig)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="an interactive session: each line you type, the model continues")
+    add_dataclass_args(p, ClientConfig)
+    p.set_defaults(func=cmd_chat)
     return parser
 
 

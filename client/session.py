@@ -1,0 +1,532 @@
+"""The edge client's generation loop: draft, get verified over the tether, keep going alone when it snaps.
+
+States (DESIGN.md section 6): CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE.
+- CONNECTING: `pair()`: GetModelInfo, the client part from the weight cache or the server
+  (tether.client.pairing); then open the session with the prompt.
+- ONLINE: each round drafts k tokens after the root (the last token the target decided), sends them, and on
+  the verdict adopts the verified states (KV delta) and emits the accepted drafts and the bonus token, tagged
+  "verified". A round unanswered within `round_timeout_s`, or a broken stream, means OFFLINE.
+- OFFLINE: the drafter goes on alone from what it holds (SA over its own tokens, CA over the last verified
+  LSA vectors, TLI layers with their own KV cache); each token is emitted tagged "offline". Reconnection is
+  tried with exponential backoff and jitter.
+- RESYNCING: Resync sends the verified length and the tokens produced since (the root first). Policy `keep`:
+  the target absorbs them all. Policy `rewind`: it keeps those before the first one it disagrees with, the
+  rest are retracted, and the text then equals what the target alone would have produced (greedy). A server
+  that lost the session (restart, eviction, another replica) gets the full verified history and rebuilds it.
+  Then a new stream attaches to the session and rounds go on.
+Every emitted token is final except offline ones, which `rewind` may retract (Event "retract"). The client
+never depends on the server's memory to keep its text: tokens, tags and the verified length are its own.
+
+    result = generate(ClientConfig(server="127.0.0.1:50051", max_new_tokens=64), "def f(x):", on_event=print)
+    result.text, result.tags, result.stats
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import grpc
+import torch
+
+from tether.client.pairing import ClientModels, build_client_models, fetch_client_part
+from tether.shared.codecs import Codec, decode_many
+from tether.shared.drafter import DraftDelta
+from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
+
+CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
+
+
+class State(StrEnum):
+    CONNECTING = "connecting"
+    ONLINE = "online"
+    OFFLINE = "offline"
+    RESYNCING = "resyncing"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    server: str = "127.0.0.1:50051"  # HOST:PORT of tether-server (or of a proxy in front of it)
+    max_new_tokens: int = 128  # tokens to generate (verified and offline together)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling threshold
+    seed: int = 0  # sampling seed (drafter and server)
+    policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
+    backend: str = "torch"  # drafter runtime: "torch" or "onnx"
+    k: int = 5  # draft tokens per round
+    codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
+    api_key: str = ""  # bearer key, when the server asks for one
+    tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
+    tls_cert: str = ""  # PEM client certificate (mTLS)
+    tls_key: str = ""  # PEM key of tls_cert
+    cache_dir: str = "~/.cache/tether"  # downloaded client weights, by sha256
+    round_timeout_s: float = 5.0  # a round unanswered this long means the link is down
+    connect_timeout_s: float = 10.0  # deadline of GetModelInfo, open, resync and attach
+    backoff_initial_s: float = 0.2  # first reconnection delay
+    backoff_max_s: float = 5.0  # reconnection delay cap
+    backoff_jitter: float = 0.2  # +- fraction of random jitter on each delay
+    keepalive_s: float = 10.0  # gRPC keepalive ping interval (detects dead links without traffic)
+    pace_tokens_per_s: float = 0.0  # cap the output rate (a slower device, a reader); 0 = as fast as possible
+    max_offline_tokens: int = 0  # stop drafting alone after this many tokens in one outage; 0 = no limit
+    final_resync_s: float = 30.0  # rewind: how long to wait for the link when generation ends offline
+
+
+@dataclass
+class Event:
+    kind: str  # "state", "tokens", "retract", "info"
+    state: State | None = None
+    tokens: list[int] = field(default_factory=list)
+    tag: str = ""  # "verified" or "offline" for "tokens"
+    count: int = 0  # tokens retracted
+    detail: str = ""
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    offline_tokens: int = 0
+    retracted: int = 0
+    resyncs: int = 0
+    rebuilt: int = 0
+    outages: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    weights_bytes: int = 0
+    wall_s: float = 0.0
+    resync_s: list[float] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+
+@dataclass
+class Result:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    tags: list[str]
+    text: str
+    stats: Stats
+
+    def to_json(self) -> dict:
+        s = asdict(self.stats)
+        s["tau"] = self.stats.tau
+        return {"text": self.text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
+
+
+class LinkDown(Exception):
+    """The server did not answer in time, or the connection broke."""
+
+
+class SessionLost(Exception):
+    """The server no longer holds the session (restart, eviction): resync with the full history."""
+
+
+class ServerError(RuntimeError):
+    """The server refused a request for a reason reconnecting will not fix."""
+
+    def __init__(self, code: int | grpc.StatusCode, message: str):
+        name = code.name if isinstance(code, grpc.StatusCode) else _code_name(code)
+        super().__init__(f"{name}: {message}")
+        self.code = name
+
+
+def _code_name(value: int) -> str:
+    return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
+
+
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
+
+
+def _rpc_error(e: grpc.RpcError) -> Exception:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    if code in _TRANSIENT:
+        return LinkDown(f"{code.name}: {e.details() if hasattr(e, 'details') else e}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return SessionLost(e.details())
+    return ServerError(code, e.details())
+
+
+class _Stream:
+    """One Session stream; replies are read by a thread so a round can wait with a deadline."""
+
+    def __init__(self, stub, metadata: tuple):
+        self.outbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue = queue.Queue()
+        self.call = stub.Session(iter(self.outbox.get, None), metadata=metadata)
+        threading.Thread(target=self._read, daemon=True, name="tether-stream").start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self.call:
+                self.inbox.put(msg)
+            self.inbox.put(LinkDown("the server closed the stream"))
+        except grpc.RpcError as e:
+            self.inbox.put(_rpc_error(e))
+
+    def request(self, msg: pb.ClientMessage, timeout: float) -> pb.ServerMessage:
+        self.outbox.put(msg)
+        try:
+            reply = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise LinkDown(f"no answer within {timeout:.1f} s") from None
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.call.cancel()
+
+
+def _channel(cfg: ClientConfig) -> grpc.Channel:
+    ms = int(cfg.keepalive_s * 1000)
+    options = [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", max(1000, ms // 2)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Reconnect promptly once the link is back; our own backoff paces the attempts.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.enable_retries", 0),
+    ]
+    if not cfg.tls_ca:
+        return grpc.insecure_channel(cfg.server, options=options)
+    ca = Path(cfg.tls_ca).read_bytes()
+    key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
+    cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
+    return grpc.secure_channel(cfg.server, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+
+
+def _delta(kv: pb.KVDelta) -> DraftDelta:
+    return DraftDelta(start=kv.start, tokens=list(kv.tokens), tensors=decode_many(kv.payload))
+
+
+class EdgeSession:
+    """One generation: owns the channel, the drafter and the text. See the module docstring."""
+
+    def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None):
+        if cfg.policy not in ("keep", "rewind"):
+            raise ValueError(f"policy must be keep or rewind, not {cfg.policy!r}")
+        if cfg.codec not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {cfg.codec!r}")
+        if cfg.backend not in ("torch", "onnx"):
+            raise ValueError(f"backend must be torch or onnx, not {cfg.backend!r}")
+        self.cfg = cfg
+        self.on_event = on_event or (lambda e: None)
+        self.metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
+        self.channel = _channel(cfg)
+        self.stub = tether_pb2_grpc.TetherStub(self.channel)
+        self.stats = Stats()
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.rng = random.Random(cfg.seed)
+        self.state = State.CONNECTING
+        self.models: ClientModels | None = None
+        self.stream: _Stream | None = None
+        self.session_id = self.resume_token = ""
+        self.prompt: list[int] = []
+        self.tokens: list[int] = []  # generated, emitted tokens (the root included)
+        self.tags: list[str] = []
+        self.verified = 0  # positions whose verified states the drafter holds (prompt included)
+        self.round = 0
+        self.offline_run = 0
+        self._last_emit = 0.0
+
+    # ---- events and bookkeeping ------------------------------------------------------------------------
+
+    def _set_state(self, state: State, detail: str = "") -> None:
+        if state != self.state:
+            self.state = state
+            self.on_event(Event("state", state=state, detail=detail))
+
+    def _emit(self, tokens: list[int], tag: str) -> None:
+        room = self.cfg.max_new_tokens - len(self.tokens)
+        tokens = tokens[:room]
+        eos = self.models.tokenizer.eos_id
+        if eos is not None and eos in tokens:
+            tokens = tokens[: tokens.index(eos) + 1]
+        if not tokens:
+            return
+        if self.cfg.pace_tokens_per_s > 0:
+            for t in tokens:
+                wait = self._last_emit + 1.0 / self.cfg.pace_tokens_per_s - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                self._last_emit = time.monotonic()
+                self._append([t], tag)
+        else:
+            self._append(tokens, tag)
+
+    def _append(self, tokens: list[int], tag: str) -> None:
+        self.tokens += tokens
+        self.tags += [tag] * len(tokens)
+        self.on_event(Event("tokens", tokens=tokens, tag=tag))
+
+    @property
+    def done(self) -> bool:
+        eos = self.models.tokenizer.eos_id if self.models else None
+        return len(self.tokens) >= self.cfg.max_new_tokens or (eos is not None and eos in self.tokens[-1:])
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    def _sampling(self) -> pb.SamplingParams:
+        return pb.SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=self.cfg.seed)
+
+    def _count_down(self, kv: pb.KVDelta) -> None:
+        self.stats.bytes_down += len(kv.payload)
+
+    # ---- connecting ----------------------------------------------------------------------------------
+
+    def pair(self) -> ClientModels:
+        """Learn the server's model and get the client part (cached on disk by hash); builds the drafter.
+        Waits up to `connect_timeout_s` for a server that is not up yet."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        delay = cfg.backoff_initial_s
+        while True:
+            try:
+                info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
+                                              timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
+                break
+            except grpc.RpcError as e:
+                err = _rpc_error(e)
+                if not isinstance(err, LinkDown) or time.monotonic() + delay > deadline:
+                    raise ServerError(e.code(), f"{cfg.server}: {e.details()}") from None
+                time.sleep(self._jitter(delay))
+                delay = min(delay * 2, cfg.backoff_max_s)
+        tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata)
+        self.stats.weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.models = build_client_models(info, tensors)
+        if cfg.backend == "onnx":
+            from tether.client.onnx_backend import onnx_drafter_for
+
+            self.drafter = onnx_drafter_for(self.models, cfg.cache_dir)
+        else:
+            self.drafter = self.models.drafter
+        self.info = info
+        return self.models
+
+    def _open(self) -> None:
+        cfg = self.cfg
+        self.stream = _Stream(self.stub, self.metadata)
+        open_ = pb.OpenSession(prompt=self.prompt, sampling=self._sampling(), max_new_tokens=cfg.max_new_tokens,
+                               delta_codec=CODECS[cfg.codec],
+                               model_fingerprint=self.info.model_fingerprint)  # fmt: skip
+        self.stats.bytes_up += 4 * len(self.prompt)
+        reply = self._check(self.stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s))
+        o = reply.opened
+        self.session_id, self.resume_token = o.session_id, o.resume_token
+        self._count_down(o.delta)
+        self.drafter.begin(_delta(o.delta), capacity=self._capacity())
+        self.verified = len(self.prompt)
+        self._set_state(State.ONLINE)
+        self._emit([o.first_token], "verified")
+
+    def _capacity(self) -> int:
+        return len(self.prompt) + self.cfg.max_new_tokens + self.cfg.k + 2
+
+    def _check(self, reply: pb.ServerMessage) -> pb.ServerMessage:
+        if reply.WhichOneof("body") == "error":
+            code = _code_name(reply.error.code)
+            if code == "NOT_FOUND":
+                raise SessionLost(reply.error.message)
+            raise ServerError(reply.error.code, reply.error.message)
+        return reply
+
+    # ---- online ----------------------------------------------------------------------------------------
+
+    def _round(self) -> None:
+        cfg = self.cfg
+        root = self.tokens[-1]
+        k = max(0, min(cfg.k, cfg.max_new_tokens - len(self.tokens) - 1, self.info.max_draft_tokens))
+        drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=cfg.temperature, top_p=cfg.top_p,
+                                                    generator=self.generator)  # fmt: skip
+        msg = pb.DraftRound(round=self.round + 1, root=root, tokens=drafts)
+        if q_ids is not None:
+            rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
+            msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
+        self.stats.bytes_up += 4 * (1 + len(drafts)) + (8 * q_ids.numel() if q_ids is not None else 0)
+        reply = self._check(self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s))
+        v = reply.verdict
+        self.round += 1
+        self.stats.rounds += 1
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += v.accepted
+        self._count_down(v.delta)
+        self.drafter.commit(_delta(v.delta))
+        self.verified = v.delta.start + len(v.delta.tokens)
+        self._emit(drafts[: v.accepted] + [v.bonus], "verified")
+
+    # ---- offline and resync --------------------------------------------------------------------------
+
+    def _offline_step(self) -> None:
+        if self.cfg.max_offline_tokens and self.offline_run >= self.cfg.max_offline_tokens:
+            time.sleep(0.05)  # hold the text; keep trying to reconnect
+            return
+        tokens, _, _ = self.drafter.draft(self.tokens[-1], 1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                          generator=self.generator)  # fmt: skip
+        self.offline_run += 1
+        self.stats.offline_tokens += 1
+        self._emit(tokens, "offline")
+
+    def _resync(self) -> None:
+        """Resync from the verified length; on a lost session send the history too; then attach a new stream."""
+        cfg = self.cfg
+        self._set_state(State.RESYNCING)
+        t0 = time.monotonic()
+        seq = self.sequence
+        V = self.verified
+        offline = seq[V:]  # the root (the target's last token) first, then what was drafted alone
+        req = pb.ResyncRequest(session_id=self.session_id, resume_token=self.resume_token, verified_length=V,
+                               offline_tokens=offline, sampling=self._sampling(), delta_codec=CODECS[cfg.codec],
+                               model_fingerprint=self.info.model_fingerprint,
+                               rewind=cfg.policy == "rewind")  # fmt: skip
+        try:
+            reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "history" not in (e.details() or ""):
+                raise _rpc_error(e) from None
+            req.history.extend(seq[:V])  # the server lost the session: it rebuilds from the whole history
+            self.stats.bytes_up += 4 * V
+            try:
+                reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
+            except grpc.RpcError as e2:
+                raise _rpc_error(e2) from None
+        self.stats.bytes_up += 4 * len(offline)
+        self.stats.resyncs += 1
+        self.stats.rebuilt += int(reply.rebuilt)
+        self._count_down(reply.delta)
+        self.resume_token = reply.resume_token
+        kept = len(reply.delta.tokens)
+        if kept < len(offline):  # rewind: retract what the target would not have written
+            n = len(offline) - kept
+            del self.tokens[len(self.tokens) - n :]
+            del self.tags[len(self.tags) - n :]
+            self.stats.retracted += n
+            self.on_event(Event("retract", count=n))
+        self.drafter.commit(_delta(reply.delta))
+        self.verified = reply.verified_length
+        self._attach()
+        self.round = 0
+        self.offline_run = 0
+        self.stats.resync_s.append(time.monotonic() - t0)
+        self._set_state(State.ONLINE, "rebuilt" if reply.rebuilt else "")
+        self._emit([reply.target_token], "verified")
+
+    def _attach(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = _Stream(self.stub, self.metadata)
+        att = pb.AttachSession(session_id=self.session_id, resume_token=self.resume_token)
+        reply = self._check(self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s))
+        if reply.attached.verified_length != self.verified:
+            raise ServerError(grpc.StatusCode.INTERNAL, "the server's verified length differs after resync")
+
+    # ---- the loop --------------------------------------------------------------------------------------
+
+    def run(self, prompt_text: str) -> Result:
+        t0 = time.monotonic()
+        delay = self.cfg.backoff_initial_s
+        next_try = 0.0
+        while True:
+            try:
+                if self.models is None:
+                    self.pair()
+                if not self.prompt:
+                    self.prompt = self.models.tokenizer.encode(prompt_text)
+                    if not self.prompt:
+                        raise ValueError("the prompt encodes to no tokens")
+                self._open()
+                break
+            except (grpc.RpcError, LinkDown, ConnectionError) as e:
+                # Nothing to draft from before the first verified delta: wait for the server.
+                err = _rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                if isinstance(err, ServerError):
+                    raise err from None
+                self.on_event(Event("info", detail=f"connecting: {err}"))
+                time.sleep(self._jitter(delay))
+                delay = min(delay * 2, self.cfg.backoff_max_s)
+        delay = self.cfg.backoff_initial_s
+        give_up = None  # when generation ended offline under rewind: how long to wait for the link
+        while True:
+            if self.done and self.state == State.ONLINE:
+                break
+            if self.done and (self.cfg.policy == "keep" or (give_up is not None and time.monotonic() > give_up)):
+                if self.cfg.policy == "rewind":
+                    self.on_event(Event("info", detail="gave up waiting for the server: offline tokens stand"))
+                break
+            if self.done and give_up is None:
+                give_up = time.monotonic() + self.cfg.final_resync_s
+            try:
+                if self.state == State.ONLINE:
+                    self._round()
+                elif time.monotonic() >= next_try:
+                    self._resync()
+                    delay = self.cfg.backoff_initial_s
+                    give_up = None
+                elif not self.done:
+                    self._offline_step()
+                else:
+                    time.sleep(min(0.05, max(0.0, next_try - time.monotonic())))
+            except (LinkDown, SessionLost) as e:
+                lost = isinstance(e, SessionLost)
+                if self.state == State.ONLINE:
+                    self.stats.outages += int(not lost)
+                    if self.stream is not None:
+                        self.stream.close()
+                        self.stream = None
+                    self._set_state(State.OFFLINE, str(e))
+                    # A lost session answers at once: resync now. A dead link: draft alone, try again soon.
+                    next_try = time.monotonic() + (0.0 if lost else self._jitter(delay))
+                else:
+                    self._set_state(State.OFFLINE, str(e))
+                    next_try = time.monotonic() + self._jitter(delay)
+                    delay = min(delay * 2, self.cfg.backoff_max_s)
+        self._finish()
+        self.stats.wall_s = time.monotonic() - t0
+        tok = self.models.tokenizer
+        return Result(self.prompt, self.tokens, self.tags, tok.decode(self.tokens), self.stats)
+
+    def _jitter(self, delay: float) -> float:
+        j = self.cfg.backoff_jitter
+        return delay * (1 + self.rng.uniform(-j, j))
+
+    def _finish(self) -> None:
+        """Close the session if the server is reachable; the text is complete either way."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        if self.session_id:
+            try:
+                self.stub.Close(pb.CloseRequest(session_id=self.session_id), metadata=self.metadata, timeout=2.0)
+            except grpc.RpcError:
+                pass  # an offline finish: the server evicts the idle session in time
+        self._set_state(State.DONE)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] | None = None) -> Result:
+    """Run one generation to the end (see EdgeSession)."""
+    session = EdgeSession(cfg, on_event)
+    try:
+        return session.run(prompt)
+    finally:
+        session.close()
