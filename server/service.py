@@ -13,6 +13,7 @@ Contract (DESIGN.md section 5; the messages are in proto/tether/v1/tether.proto)
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
   disagreement and the next token; a session the server lost is rebuilt from the full history.
 - Close frees a session.
+- Generate: plain server-side decoding streamed token by token (no drafter): the baseline to compare with.
 grpc.health.v1 health checking and server reflection are served beside it.
 Every bad input gets a clear status and the server keeps serving everyone else.
 
@@ -52,6 +53,7 @@ from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.model import Transformer
+from tether.shared.sampling import sample_token
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
@@ -525,6 +527,40 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         next_token = ver.sample(out.logits[0, kept - 1])
         states = target_states(out).select(list(range(kept)))
         return disagreement, next_token, self.drafter.server_delta(states, start, offline[:kept])
+
+    def Generate(self, request: pb.OpenSession, context) -> Iterator[pb.GeneratedTokens]:
+        """Plain decoding on the server, streamed token by token (the baseline tether's drafting competes with)."""
+        try:
+            self._caller(context)
+            self._check_fingerprint(request.model_fingerprint)
+            prompt = self._check_tokens(request.prompt, "prompt")
+            if not prompt or len(prompt) > self.config.max_prompt_tokens:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"the prompt must hold 1 to {self.config.max_prompt_tokens} tokens")  # fmt: skip
+        except RequestError as e:
+            context.abort(e.code, e.message)
+        s = request.sampling
+        n = min(request.max_new_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
+        n = min(n, self.target.cfg.max_seq_len - len(prompt))
+        generator = torch.Generator().manual_seed(s.seed)
+        # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
+        cache = self.pool.sequence(len(prompt) + n)
+        dev = self.target.device
+        try:
+            with torch.inference_mode():
+                logits = self.target.prefill(torch.tensor([prompt], device=dev), cache, last_only=True).logits
+                for _ in range(n):
+                    token = sample_token(logits[0, -1], temperature=s.temperature, top_p=s.top_p or 1.0,
+                                         generator=generator)  # fmt: skip
+                    self.metrics.bytes_out.labels(kind="tokens").inc(4)
+                    yield pb.GeneratedTokens(tokens=[token])
+                    if not context.is_active() or cache.length >= cache.capacity:
+                        return
+                    logits = self.target.prefill(torch.tensor([[token]], device=dev), cache).logits
+        except PoolExhausted as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        finally:
+            cache.release()
 
     def Close(self, request, context):
         try:

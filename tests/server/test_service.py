@@ -427,3 +427,16 @@ def test_a_new_stream_attaches_to_the_held_session_after_resync(served):
         root = v.bonus
     client.close()
     assert out == plain(target, prompt, len(out))
+
+
+def test_server_only_generate_streams_plain_decoding(served):
+    target, _, service, stub = served
+    prompt = [2, 6, 1, 3]
+    held = service.pool.used_blocks
+    req = pb.OpenSession(prompt=prompt, max_new_tokens=12, model_fingerprint=FP)
+    tokens = [t for msg in stub.Generate(req) for t in msg.tokens]
+    assert tokens == plain(target, prompt, 12)
+    assert service.pool.used_blocks == held  # its KV blocks went back when the stream ended
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.OpenSession(prompt=[1, 99], model_fingerprint=FP)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -285,3 +285,9 @@ class CloseRequest(_message.Message):
 class CloseReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GeneratedTokens(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...

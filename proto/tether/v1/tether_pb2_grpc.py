@@ -59,6 +59,11 @@ class TetherStub:
                 request_serializer=tether_dot_v1_dot_tether__pb2.CloseRequest.SerializeToString,
                 response_deserializer=tether_dot_v1_dot_tether__pb2.CloseReply.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/tether.v1.Tether/Generate',
+                request_serializer=tether_dot_v1_dot_tether__pb2.OpenSession.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_tether__pb2.GeneratedTokens.FromString,
+                _registered_method=True)
 
 
 class TetherServicer:
@@ -100,6 +105,13 @@ class TetherServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Server-only generation: the target decodes alone and streams its tokens (no drafter, no session to keep).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TetherServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +139,11 @@ def add_TetherServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=tether_dot_v1_dot_tether__pb2.CloseRequest.FromString,
                     response_serializer=tether_dot_v1_dot_tether__pb2.CloseReply.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=tether_dot_v1_dot_tether__pb2.OpenSession.FromString,
+                    response_serializer=tether_dot_v1_dot_tether__pb2.GeneratedTokens.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +281,33 @@ class Tether:
             '/tether.v1.Tether/Close',
             tether_dot_v1_dot_tether__pb2.CloseRequest.SerializeToString,
             tether_dot_v1_dot_tether__pb2.CloseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tether.v1.Tether/Generate',
+            tether_dot_v1_dot_tether__pb2.OpenSession.SerializeToString,
+            tether_dot_v1_dot_tether__pb2.GeneratedTokens.FromString,
             options,
             channel_credentials,
             insecure,
