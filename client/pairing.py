@@ -61,31 +61,24 @@ def fetch_client_part(
 ) -> dict[str, Tensor]:
     """Download (or find in the cache) the client part of `info`'s model; see the module docstring."""
     cache = WeightCache(Path(cache_dir).expanduser())
-    req = pb.FetchWeightsRequest(model_fingerprint=info.model_fingerprint)
-    stream = stub.FetchWeights(req, metadata=metadata, timeout=timeout_s)
-    first = next(stream)
-    man = first.manifest
+    # The manifest alone first: a client whose cache holds everything downloads nothing more.
+    req = pb.FetchWeightsRequest(model_fingerprint=info.model_fingerprint, manifest_only=True)
+    man = next(iter(stub.FetchWeights(req, metadata=metadata, timeout=timeout_s))).manifest
     if man.model_fingerprint != info.model_fingerprint or man.drafter_fingerprint != info.drafter_fingerprint:
-        stream.cancel()
         raise PairingError("the weight manifest belongs to another model than the server described")
     manifest = [TensorEntry(e.name, e.dtype, tuple(e.shape), e.nbytes, e.sha256) for e in man.tensors]
     want = _sha256_json({"config": json.loads(info.drafter_config_json), "tensors": [e.sha256 for e in manifest]})
     if want != info.drafter_fingerprint:
-        stream.cancel()
         raise PairingError(f"drafter fingerprint {info.drafter_fingerprint[:12]} does not match its manifest")
     by_name = {e.name: e for e in manifest}
     total = sum(e.nbytes for e in manifest)
     point = cache.resume_point(manifest)
-    if point is None:
-        stream.cancel()
-    elif point != (manifest[0].name, 0):
-        # Part of it is cached already: ask again from where the cache stops.
-        stream.cancel()
+    if point is not None:
+        # From where the cache stops (the start, or the middle of a download a dropped link broke).
         req = pb.FetchWeightsRequest(model_fingerprint=info.model_fingerprint, resume_tensor=point[0],
                                      resume_offset=point[1])  # fmt: skip
         stream = stub.FetchWeights(req, metadata=metadata, timeout=timeout_s)
-        next(stream)
-    if point is not None:
+        next(stream)  # the manifest again
         done = sum(cache.held_bytes(e) for e in manifest)
         for msg in stream:
             c = msg.chunk

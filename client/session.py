@@ -23,6 +23,7 @@ never depends on the server's memory to keep its text: tokens, tags and the veri
 
 from __future__ import annotations
 
+import json
 import queue
 import random
 import threading
@@ -77,6 +78,7 @@ class ClientConfig:
     pace_tokens_per_s: float = 0.0  # cap the output rate (a slower device, a reader); 0 = as fast as possible
     max_offline_tokens: int = 0  # stop drafting alone after this many tokens in one outage; 0 = no limit
     final_resync_s: float = 30.0  # rewind: how long to wait for the link when generation ends offline
+    session_file: str = ""  # save the session here as it goes; a restarted client resumes from it
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Stats:
     bytes_down: int = 0
     weights_bytes: int = 0
     wall_s: float = 0.0
-    resync_s: list[float] = field(default_factory=list)
+    resync_s: list[float] = field(default_factory=list)  # each resync's duration
+    resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each resync's payload bytes (up, down)
 
     @property
     def tau(self) -> float:
@@ -274,7 +277,57 @@ class EdgeSession:
     def _append(self, tokens: list[int], tag: str) -> None:
         self.tokens += tokens
         self.tags += [tag] * len(tokens)
+        self._save()
         self.on_event(Event("tokens", tokens=tokens, tag=tag))
+
+    # ---- the session file: what a restarted client needs to go on ------------------------------------------
+
+    def _save(self, done: bool = False) -> None:
+        # Only consistent points: the root (position `verified`) emitted, i.e. not halfway through a paced round.
+        if not self.cfg.session_file or len(self.sequence) <= self.verified:
+            return
+        path = Path(self.cfg.session_file)
+        record = {"server": self.cfg.server, "model_fingerprint": self.info.model_fingerprint,
+                  "session_id": self.session_id, "resume_token": self.resume_token, "prompt": self.prompt,
+                  "tokens": self.tokens, "tags": self.tags, "verified": self.verified, "done": done}  # fmt: skip
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)  # atomic: a client killed mid-write leaves the previous record
+
+    def _load(self) -> dict | None:
+        path = Path(self.cfg.session_file) if self.cfg.session_file else None
+        if path is None or not path.exists():
+            return None
+        record = json.loads(path.read_text())
+        if record["model_fingerprint"] != self.info.model_fingerprint:
+            raise ServerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{path} was written for another model than the server's")  # fmt: skip
+        return record
+
+    def _restore(self, record: dict) -> None:
+        """Go on from a saved session: a new server session over the verified history gives the drafter its
+        states back; the loop then resyncs the root and any offline tail from there, as after an outage."""
+        self.prompt, self.tokens, self.tags = record["prompt"], record["tokens"], record["tags"]
+        self.verified = record["verified"]
+        if record["session_id"]:
+            try:
+                self.stub.Close(pb.CloseRequest(session_id=record["session_id"]), metadata=self.metadata, timeout=2.0)
+            except grpc.RpcError:
+                pass  # gone already (or unreachable): nothing is lost, it held only what we re-send now
+        self.stream = _Stream(self.stub, self.metadata)
+        history = self.sequence[: self.verified]
+        open_ = pb.OpenSession(prompt=history, sampling=self._sampling(), max_new_tokens=self.cfg.max_new_tokens,
+                               delta_codec=CODECS[self.cfg.codec],
+                               model_fingerprint=self.info.model_fingerprint)  # fmt: skip
+        self.stats.bytes_up += 4 * len(history)
+        o = self._check(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s)).opened
+        self.session_id, self.resume_token = o.session_id, o.resume_token
+        self._count_down(o.delta)
+        self.drafter.begin(_delta(o.delta), capacity=self._capacity())
+        self.stream.close()
+        self.stream = None
+        self.on_event(Event("info", detail=f"resumed a saved session: {len(self.tokens)} tokens"))
+        self._set_state(State.OFFLINE, "restored")
 
     @property
     def done(self) -> bool:
@@ -310,7 +363,17 @@ class EdgeSession:
                     raise ServerError(e.code(), f"{cfg.server}: {e.details()}") from None
                 time.sleep(self._jitter(delay))
                 delay = min(delay * 2, cfg.backoff_max_s)
-        tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata)
+        for attempt in range(20):  # a download a flaky link breaks resumes where the cache stops
+            try:
+                tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata)
+                break
+            except (grpc.RpcError, ConnectionError) as e:
+                err = _rpc_error(e) if isinstance(e, grpc.RpcError) else LinkDown(str(e))
+                if not isinstance(err, LinkDown) or attempt == 19:
+                    raise err from None
+                self.on_event(Event("info", detail=f"weight download interrupted ({err}); resuming"))
+                time.sleep(self._jitter(delay))
+                delay = min(delay * 2, cfg.backoff_max_s)
         self.stats.weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self.models = build_client_models(info, tensors)
         if cfg.backend == "onnx":
@@ -409,6 +472,9 @@ class EdgeSession:
             except grpc.RpcError as e2:
                 raise _rpc_error(e2) from None
         self.stats.bytes_up += 4 * len(offline)
+        self.stats.resync_bytes.append(
+            (4 * len(offline) + (4 * V if len(req.history) else 0), len(reply.delta.payload))
+        )
         self.stats.resyncs += 1
         self.stats.rebuilt += int(reply.rebuilt)
         self._count_down(reply.delta)
@@ -448,6 +514,14 @@ class EdgeSession:
             try:
                 if self.models is None:
                     self.pair()
+                record = self._load()
+                if record is not None and record["done"]:
+                    self.prompt, self.tokens, self.tags = record["prompt"], record["tokens"], record["tags"]
+                    self._set_state(State.DONE, "already finished")
+                    return self._result(t0)
+                if record is not None:
+                    self._restore(record)
+                    break
                 if not self.prompt:
                     self.prompt = self.models.tokenizer.encode(prompt_text)
                     if not self.prompt:
@@ -499,9 +573,12 @@ class EdgeSession:
                     next_try = time.monotonic() + self._jitter(delay)
                     delay = min(delay * 2, self.cfg.backoff_max_s)
         self._finish()
+        self._save(done=True)
+        return self._result(t0)
+
+    def _result(self, t0: float) -> Result:
         self.stats.wall_s = time.monotonic() - t0
-        tok = self.models.tokenizer
-        return Result(self.prompt, self.tokens, self.tags, tok.decode(self.tokens), self.stats)
+        return Result(self.prompt, self.tokens, self.tags, self.models.tokenizer.decode(self.tokens), self.stats)
 
     def _jitter(self, delay: float) -> float:
         j = self.cfg.backoff_jitter
@@ -530,3 +607,28 @@ def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] |
         return session.run(prompt)
     finally:
         session.close()
+
+
+def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
+    """The baseline: the server decodes alone and streams its tokens; nothing is drafted on the edge, and an
+    outage simply stops the text until the server can be asked again."""
+    channel = _channel(cfg)
+    stub = tether_pb2_grpc.TetherStub(channel)
+    metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
+    stats = Stats()
+    t0 = time.monotonic()
+    try:
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=cfg.connect_timeout_s)
+        ids = tokenizer.encode(prompt)
+        req = pb.OpenSession(prompt=ids, sampling=pb.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                             seed=cfg.seed), max_new_tokens=cfg.max_new_tokens,
+                             model_fingerprint=info.model_fingerprint)  # fmt: skip
+        stats.bytes_up += 4 * len(ids)
+        tokens: list[int] = []
+        for msg in stub.Generate(req, metadata=metadata, timeout=max(60.0, cfg.connect_timeout_s)):
+            tokens += list(msg.tokens)
+            stats.bytes_down += 4 * len(msg.tokens)
+    finally:
+        channel.close()
+    stats.wall_s = time.monotonic() - t0
+    return Result(ids, tokens, ["verified"] * len(tokens), tokenizer.decode(tokens), stats)

@@ -308,6 +308,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 ],  # fmt: skip
             )
         )
+        if request.manifest_only:
+            return
         sent = self.metrics.bytes_out.labels(kind="weights")
         if first is not None:
             sent.inc(len(first[2]))

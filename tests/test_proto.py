@@ -30,5 +30,12 @@ def test_messages_round_trip_and_service_is_complete():
     back = tether_pb2.ClientMessage.FromString(msg.SerializeToString())
     assert back.WhichOneof("body") == "round" and list(back.round.tokens) == [1, 2, 3]
     service = tether_pb2.DESCRIPTOR.services_by_name["Tether"]
-    assert {m.name for m in service.methods} == {"GetModelInfo", "FetchWeights", "Session", "Resync", "Close"}
+    assert {m.name for m in service.methods} == {
+        "GetModelInfo",
+        "FetchWeights",
+        "Session",
+        "Resync",
+        "Close",
+        "Generate",
+    }
     assert hasattr(tether_pb2_grpc, "TetherServicer") and hasattr(tether_pb2_grpc, "TetherStub")

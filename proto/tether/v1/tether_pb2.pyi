@@ -73,16 +73,18 @@ class WeightManifest(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
-    __slots__ = ("model_fingerprint", "resume_tensor", "resume_offset", "max_chunk_bytes")
+    __slots__ = ("model_fingerprint", "resume_tensor", "resume_offset", "max_chunk_bytes", "manifest_only")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TENSOR_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     resume_tensor: str
     resume_offset: int
     max_chunk_bytes: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    manifest_only: bool
+    def __init__(self, model_fingerprint: _Optional[str] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., manifest_only: _Optional[bool] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("manifest", "chunk")
