@@ -1,4 +1,4 @@
-# Quick start: `make demo` (generate text from the default model), `make test` (the whole suite, as CI runs it).
+# Quick start: `make demo` (server, netsim and client on this machine, two network drops), `make test` (as CI runs it).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -30,8 +30,7 @@ proto: $(STAMP)
 		proto/tether/v1/tether.proto
 
 demo: $(STAMP)
-	$(BIN)/tether-server generate --model deploy/models/target --max-new-tokens 120 --temperature 0.7 --top-p 0.95 \
-		--seed 1 --prompt "$$(printf 'def read_file(path):\n    with open(path')"
+	$(BIN)/python -m tether.netsim.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -31,7 +31,7 @@ def test_wheel_holds_only_the_tether_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"tether", next(t for t in top if t.endswith(".dist-info"))}, top
-    for sub in ("shared", "server", "client", "kernels", "v1"):
+    for sub in ("shared", "server", "client", "kernels", "netsim", "v1"):
         assert f"tether/{sub}/__init__.py" in names
     assert "tether/v1/tether_pb2_grpc.py" in names and "tether/v1/tether.proto" in names
     assert "tether/__init__.py" not in names  # an implicit namespace package

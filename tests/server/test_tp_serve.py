@@ -31,7 +31,7 @@ def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly():
     drafter = load_drafter(default_model_dir("drafter"), target)
     prompt = tok.encode("def parse_header(line):\n    ")
     n_new = 24
-    plain = list(ref.generate(torch.tensor([prompt], device=ref.device), n_new + 1))
+    plain = list(ref.generate(torch.tensor([prompt], device=ref.device), n_new + 12))  # a round may overshoot
     cmd = [
         sys.executable,
         "-m",
