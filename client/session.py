@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import queue
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from enum import StrEnum
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 
 from tether.client.pairing import ClientModels, build_client_models, fetch_client_part
@@ -42,6 +44,7 @@ from tether.shared.drafter import DraftDelta
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
+AFFINITY_HEADER = "x-tether-affinity"  # per-generation key for load balancers' session affinity
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
 
 
@@ -55,7 +58,7 @@ class State(StrEnum):
 
 @dataclass(frozen=True)
 class ClientConfig:
-    server: str = "127.0.0.1:50051"  # HOST:PORT of tether-server (or of a proxy in front of it)
+    server: str = "127.0.0.1:50051"  # HOST:PORT of tether-server or a load balancer; a comma list = replicas
     max_new_tokens: int = 128  # tokens to generate (verified and offline together)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling threshold
@@ -101,6 +104,7 @@ class Stats:
     resyncs: int = 0
     rebuilt: int = 0
     outages: int = 0
+    failovers: int = 0  # switches to another endpoint of --server's list
     bytes_up: int = 0
     bytes_down: int = 0
     weights_bytes: int = 0
@@ -193,7 +197,7 @@ class _Stream:
         self.call.cancel()
 
 
-def _channel(cfg: ClientConfig) -> grpc.Channel:
+def _channel(cfg: ClientConfig, address: str) -> grpc.Channel:
     ms = int(cfg.keepalive_s * 1000)
     options = [
         ("grpc.keepalive_time_ms", ms),
@@ -208,11 +212,11 @@ def _channel(cfg: ClientConfig) -> grpc.Channel:
         ("grpc.enable_retries", 0),
     ]
     if not cfg.tls_ca:
-        return grpc.insecure_channel(cfg.server, options=options)
+        return grpc.insecure_channel(address, options=options)
     ca = Path(cfg.tls_ca).read_bytes()
     key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
     cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
-    return grpc.secure_channel(cfg.server, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
 
 
 def _delta(kv: pb.KVDelta) -> DraftDelta:
@@ -231,8 +235,16 @@ class EdgeSession:
             raise ValueError(f"backend must be torch or onnx, not {cfg.backend!r}")
         self.cfg = cfg
         self.on_event = on_event or (lambda e: None)
-        self.metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
-        self.channel = _channel(cfg)
+        self.endpoints = [e.strip() for e in cfg.server.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ValueError("--server needs at least one HOST:PORT")
+        # A random key of this generation, sent with every call: a load balancer hashing it (Envoy ring hash)
+        # keeps the session on one replica. It also picks this client's first endpoint, which spreads clients.
+        self.affinity = secrets.token_hex(8)
+        self.endpoint = int(self.affinity, 16) % len(self.endpoints)
+        auth = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
+        self.metadata = (*auth, (AFFINITY_HEADER, self.affinity))
+        self.channel = _channel(cfg, self.endpoints[self.endpoint])
         self.stub = tether_pb2_grpc.TetherStub(self.channel)
         self.stats = Stats()
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -380,8 +392,10 @@ class EdgeSession:
             from tether.client.onnx_backend import onnx_drafter_for
 
             self.drafter = onnx_drafter_for(self.models, cfg.cache_dir)
+            self._draft_rng = np.random.default_rng(cfg.seed)  # onnxruntime's drafter samples with numpy
         else:
             self.drafter = self.models.drafter
+            self._draft_rng = self.generator
         self.info = info
         return self.models
 
@@ -419,12 +433,12 @@ class EdgeSession:
         root = self.tokens[-1]
         k = max(0, min(cfg.k, cfg.max_new_tokens - len(self.tokens) - 1, self.info.max_draft_tokens))
         drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                    generator=self.generator)  # fmt: skip
+                                                    generator=self._draft_rng)  # fmt: skip
         msg = pb.DraftRound(round=self.round + 1, root=root, tokens=drafts)
         if q_ids is not None:
             rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
             msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
-        self.stats.bytes_up += 4 * (1 + len(drafts)) + (8 * q_ids.numel() if q_ids is not None else 0)
+        self.stats.bytes_up += 4 * (1 + len(drafts)) + (8 * int(np.prod(q_ids.shape)) if q_ids is not None else 0)
         reply = self._check(self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s))
         v = reply.verdict
         self.round += 1
@@ -443,7 +457,7 @@ class EdgeSession:
             time.sleep(0.05)  # hold the text; keep trying to reconnect
             return
         tokens, _, _ = self.drafter.draft(self.tokens[-1], 1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                          generator=self.generator)  # fmt: skip
+                                          generator=self._draft_rng)  # fmt: skip
         self.offline_run += 1
         self.stats.offline_tokens += 1
         self._emit(tokens, "offline")
@@ -570,6 +584,8 @@ class EdgeSession:
                     next_try = time.monotonic() + (0.0 if lost else self._jitter(delay))
                 else:
                     self._set_state(State.OFFLINE, str(e))
+                    if len(self.endpoints) > 1 and not lost:
+                        self._next_endpoint()  # its replica is unreachable: fail over (a full-history resync)
                     next_try = time.monotonic() + self._jitter(delay)
                     delay = min(delay * 2, self.cfg.backoff_max_s)
         self._finish()
@@ -579,6 +595,14 @@ class EdgeSession:
     def _result(self, t0: float) -> Result:
         self.stats.wall_s = time.monotonic() - t0
         return Result(self.prompt, self.tokens, self.tags, self.models.tokenizer.decode(self.tokens), self.stats)
+
+    def _next_endpoint(self) -> None:
+        self.channel.close()
+        self.endpoint = (self.endpoint + 1) % len(self.endpoints)
+        self.channel = _channel(self.cfg, self.endpoints[self.endpoint])
+        self.stub = tether_pb2_grpc.TetherStub(self.channel)
+        self.stats.failovers += 1
+        self.on_event(Event("info", detail=f"trying replica {self.endpoints[self.endpoint]}"))
 
     def _jitter(self, delay: float) -> float:
         j = self.cfg.backoff_jitter
@@ -612,7 +636,7 @@ def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] |
 def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
     """The baseline: the server decodes alone and streams its tokens; nothing is drafted on the edge, and an
     outage simply stops the text until the server can be asked again."""
-    channel = _channel(cfg)
+    channel = _channel(cfg, cfg.server.split(",")[0].strip())
     stub = tether_pb2_grpc.TetherStub(channel)
     metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
     stats = Stats()

@@ -1,0 +1,27 @@
+"""The onnxruntime drafting backend for the edge client: export the paired drafter once, then draft with it.
+
+Contract: `onnx_drafter_for(models, cache_dir)` returns an OnnxDrafter (tether.client.onnx_drafter) for the
+drafter that pairing built, exporting its client part (tether.client.onnx_export) into
+`cache_dir/onnx/<drafter fingerprint>` the first time and reusing that export afterwards. The drafter it returns
+has the torch drafter's begin/commit/draft interface and gives the same greedy drafts.
+
+    drafter = onnx_drafter_for(build_client_models(info, tensors), "~/.cache/tether")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tether.client.onnx_drafter import MANIFEST, OnnxDrafter
+from tether.client.pairing import ClientModels
+
+
+def onnx_drafter_for(models: ClientModels, cache_dir: str | Path) -> OnnxDrafter:
+    out = Path(cache_dir).expanduser() / "onnx" / models.info.drafter_fingerprint
+    if not (out / MANIFEST).exists():
+        from tether.client.onnx_export import export_client_onnx
+
+        tmp = out.with_name(out.name + ".partial")
+        export_client_onnx(models.drafter, tmp)
+        tmp.replace(out)  # a complete export or none: an interrupted one is redone
+    return OnnxDrafter.load(out)

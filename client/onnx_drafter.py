@@ -1,0 +1,480 @@
+"""The onnxruntime drafting backend: the torch drafters' begin / commit / draft / draft_tree, on exported graphs.
+
+Runs the graphs tether.client.onnx_export writes (MoA with any TLI N, and EAGLE) and gives the same greedy
+drafts as tether.shared.drafter_runtime.DrafterBase over the same deltas. At run time it imports numpy,
+onnxruntime and the standard library only, never torch, so an edge install can leave torch out.
+
+Contract (as DrafterBase; the differences are marked *):
+- `OnnxDrafter.load(dir, threads=1)` reads onnx_drafter.json, checks each graph's sha256 and returns the MoA or
+  EAGLE runtime. `threads` is onnxruntime's intra-op thread count (0: one per core); the graphs are so small
+  that one thread drafts about as fast as a pool (measured on 2 cores) and leaves a core to the rest of the client.
+- `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
+  states of the round's root and accepted drafts and drops the drafted rows after them.
+  * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
+  tensors are numpy arrays or torch tensors (converted through their own methods, so torch is not imported
+  here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.client.codecs_np.decode_many.
+- `draft(root, k, temperature=0.0, top_p=1.0, support=8, generator=None)` -> (tokens, q_ids, q_probs): a chain
+  of k tokens after `root`; greedy returns (tokens, None, None).
+  * When sampling, q_ids / q_probs are numpy arrays, int64 / float32 [k, min(support, V)], and tokens are
+  drawn with a numpy Generator (`generator`: np.random.Generator or an int seed): the same truncated
+  distributions as the torch backend, not the same random stream. DraftTree.chain wants torch tensors:
+  torch.from_numpy(q_ids).
+- `draft_tree(root, depth=, top_k=, total_tokens=)`: the EAGLE-2 dynamic tree of
+  tether.shared.speculative.expand_dynamic_tree (ported to numpy here; tests check both agree).
+  * It returns a TreeDraft of plain lists; `TreeDraft.to_draft_tree()` builds the torch DraftTree.
+
+Caches are numpy buffers sized `capacity` rows; each graph call takes the committed rows and returns the new
+ones (onnx_export's docstring has the graph contract), so rolling back drafted rows is just a shorter length.
+One cost the torch drafter does not pay: feeding MoA's SA the verified tokens it has not seen (the prompt at
+begin, the last draft after a fully accepted chain, the whole delta after a tree) runs the step graph, whose
+TLI layers then run too, their rows discarded (no logits are computed). A separate SA graph would avoid that
+but store the embedding table twice.
+
+Tests: tests/client/test_onnx_backend.py (parity with torch, a run with torch blocked) and test_codecs_np.py.
+
+    drafter = OnnxDrafter.load("build/onnx-drafter")
+    drafter.begin(prompt_delta)
+    tokens, _, _ = drafter.draft(root, k=5)
+    drafter.commit(delta_for_root_and_accepted)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+FORMAT_VERSION = 1
+MANIFEST = "onnx_drafter.json"
+
+
+@dataclass
+class ArrayDelta:
+    """A DraftDelta with numpy tensors: verified positions [start, start + n) of one sequence."""
+
+    start: int
+    tokens: list[int]
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class TreeDraft:
+    """A draft tree as plain lists, in DraftTree's order: node 0 is the root, parents come first."""
+
+    tokens: list[int]
+    parents: list[int]  # parents[0] == -1
+    source_ids: list[int]  # the id each node had while the tree grew
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def to_draft_tree(self):
+        """The torch DraftTree the verifier takes (imports torch)."""
+        import torch
+
+        from tether.shared.speculative import DraftTree
+
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        return DraftTree(as_long(self.tokens), as_long(self.parents), source_ids=as_long(self.source_ids))
+
+
+def _f32(x: Any) -> np.ndarray:
+    """A delta tensor as fp32 numpy; a torch tensor (bf16 included) goes through its own methods."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().float().numpy()
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def probabilities(logits: np.ndarray, temperature: float, top_p: float = 1.0) -> np.ndarray:
+    """tether.shared.sampling.probabilities for temperature > 0, in numpy: logits [V] -> fp32 [V]."""
+    if temperature <= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    x = logits.astype(np.float32) / np.float32(temperature)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        sorted_p = p[order]
+        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        sorted_p[(np.cumsum(sorted_p) - sorted_p) >= top_p] = 0
+        p = np.zeros_like(p)
+        p[order] = sorted_p
+        p /= p.sum()
+    return p
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float32)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class _Grown:
+    """The candidate tree while it grows: ids in creation order (tether.shared.speculative.GrowingTree)."""
+
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.scores, self.depths = [root], [-1], [0.0], [0]
+
+    def add(self, parent: int, token: int, logprob: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(self.scores[parent] + logprob)
+        self.depths.append(self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def path_to(self, i: int) -> list[int]:
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+
+def expand_tree(root: int, step, *, depth: int, top_k: int, total_tokens: int) -> TreeDraft:
+    """tether.shared.speculative.expand_dynamic_tree without torch (the rules are documented there):
+    step(frontier, grown) -> (ids, logprobs), each [len(frontier), top_k]."""
+    if depth < 1 or top_k < 1 or total_tokens < 1:
+        raise ValueError(f"need depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
+    grown = _Grown(root)
+    frontier = [0]
+    for level in range(depth):
+        ids, logps = step(frontier, grown)
+        logps = np.minimum(np.asarray(logps, dtype=np.float64), 0.0)  # a rounded-up log-prob breaks closure
+        if np.isnan(logps).any():
+            raise ValueError("step returned NaN log-probabilities")
+        new = [
+            grown.add(parent, token, lp)
+            for parent, row_ids, row_lp in zip(frontier, ids.tolist(), logps.tolist(), strict=True)
+            for token, lp in zip(row_ids, row_lp, strict=True)
+        ]
+        if level + 1 < depth:
+            frontier = sorted(new, key=lambda i: (-grown.scores[i], i))[:top_k]
+    ranked = sorted(range(1, len(grown.tokens)), key=lambda i: (-grown.scores[i], i))
+    kept = {0, *ranked[: total_tokens - 1]}
+    kids: dict[int, list[int]] = {i: [] for i in kept}
+    for i in sorted(kept)[1:]:
+        kids[grown.parents[i]].append(i)
+    order, head = [0], 0
+    while head < len(order):
+        order.extend(sorted(kids[order[head]], key=lambda c: (-grown.scores[c], c)))
+        head += 1
+    index = {src: out for out, src in enumerate(order)}
+    parents = [-1] + [index[grown.parents[i]] for i in order[1:]]
+    return TreeDraft([grown.tokens[i] for i in order], parents, order)
+
+
+def _causal_mask(past: int, t: int) -> np.ndarray:
+    """[t, past + t] bool: every committed row, then the new rows causally."""
+    mask = np.ones((t, past + t), dtype=bool)
+    mask[:, past:] = np.tri(t, dtype=bool)
+    return mask
+
+
+class OnnxDrafter:
+    """Common driver: chain and tree drafting over a subclass's _reset/_adopt/_step/_tree_step/_drop_drafted,
+    the same contract as DrafterBase's."""
+
+    kind = ""
+
+    def __init__(self, path: str | Path, manifest: dict, *, threads: int = 1):
+        self.path = Path(path)
+        self.manifest = manifest
+        sh = manifest["shapes"]
+        self.vocab_size, self.dim, self.max_seq_len = sh["vocab_size"], sh["dim"], sh["max_seq_len"]
+        self.draft_kv = (sh["draft_kv_heads"], sh["draft_head_dim"])  # (Hs, Ds)
+        self.target_kv = (sh["target_kv_heads"], sh["target_head_dim"])  # (Hkv, D)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        # Idle pool threads would otherwise busy-wait after every call, taking cores from the rest of the client.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.sessions = {
+            name: ort.InferenceSession(str(self.path / g["file"]), opts, providers=["CPUExecutionProvider"])
+            for name, g in manifest["graphs"].items()
+        }
+
+    @classmethod
+    def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True) -> OnnxDrafter:
+        path = Path(path)
+        f = path / MANIFEST
+        if not f.exists():
+            raise FileNotFoundError(f"{path} holds no {MANIFEST}: export one with tether.client.onnx_export")
+        manifest = json.loads(f.read_text())
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{f}: format version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}")
+        if check_hashes:
+            for g in manifest["graphs"].values():
+                digest = hashlib.sha256((path / g["file"]).read_bytes()).hexdigest()
+                if digest != g["sha256"]:
+                    raise ValueError(f"{path / g['file']}: sha256 {digest[:12]} does not match the manifest's")
+        kinds = {"moa": OnnxMoADrafter, "eagle": OnnxEagleDrafter}
+        if manifest["kind"] not in kinds:
+            raise ValueError(f"unknown drafter kind {manifest['kind']!r} in {f}")
+        return kinds[manifest["kind"]](path, manifest, threads=threads)
+
+    # ---- the public loop (DrafterBase's, in numpy) ------------------------------------------------------
+
+    def begin(self, delta, capacity: int | None = None) -> None:
+        """Start a sequence from the verified prompt (delta.start must be 0)."""
+        if delta.start != 0:
+            raise ValueError("begin() takes the prompt's delta, which starts at position 0")
+        self._reset(capacity or self.max_seq_len)
+        self._adopt(delta)
+
+    def commit(self, delta) -> None:
+        """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped."""
+        self._adopt(delta)
+
+    def draft(
+        self,
+        root: int,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        support: int = 8,
+        generator: np.random.Generator | int | None = None,
+    ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+        """A chain of k draft tokens after `root`. Returns the tokens and, when sampling, q_ids (int64) and
+        q_probs (fp32), both [k, support]: the truncated distributions the tokens were drawn from. Pass one
+        np.random.Generator across rounds for one random stream (an int seed starts a new one every call)."""
+        rng = np.random.default_rng(generator) if temperature > 0 else None
+        tokens: list[int] = []
+        q_ids, q_probs = [], []
+        token = root
+        for _ in range(k):
+            logits = self._step(token)
+            if rng is None:
+                token = int(logits.argmax())
+            else:
+                p = probabilities(logits, temperature, top_p)
+                top = np.argsort(-p, kind="stable")[: min(support, p.size)]
+                q = p[top] / p[top].sum()
+                token = int(top[rng.choice(top.size, p=q.astype(np.float64) / q.sum(dtype=np.float64))])
+                q_ids.append(top.astype(np.int64))
+                q_probs.append(q.astype(np.float32))
+            tokens.append(token)
+        if rng is None:
+            return tokens, None, None
+        width = min(support, self.vocab_size)
+        return tokens, np.asarray(q_ids, np.int64).reshape(k, width), np.asarray(q_probs, np.float32).reshape(k, width)
+
+    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> TreeDraft:
+        """An EAGLE-2 dynamic draft tree after `root`: each level feeds the frontier nodes as new cache rows
+        (one graph call per level), then the most probable `total_tokens` nodes are kept."""
+        base = self.verified_length()
+        rows: dict[int, int] = {}  # grown id -> drafted row offset (position base + offset in the caches)
+
+        def step(frontier: list[int], grown: _Grown) -> tuple[np.ndarray, np.ndarray]:
+            n_rows, F = len(rows), len(frontier)
+            mask = np.zeros((F, base + n_rows + F), dtype=bool)
+            mask[:, :base] = True  # every node sees the verified prefix
+            for j, node in enumerate(frontier):
+                for a in grown.path_to(node)[:-1]:
+                    mask[j, base + rows[a]] = True
+                mask[j, base + n_rows + j] = True
+            tokens = [grown.tokens[i] for i in frontier]
+            positions = [base + grown.depths[i] for i in frontier]
+            parent_rows = [rows.get(grown.parents[i]) for i in frontier]
+            logp = _log_softmax(self._tree_step(tokens, positions, mask, parent_rows))  # [F, V]
+            for j, node in enumerate(frontier):
+                rows[node] = n_rows + j
+            ids = np.argsort(-logp, axis=-1, kind="stable")[:, :top_k]
+            return ids, np.take_along_axis(logp, ids, -1)
+
+        tree = expand_tree(root, step, depth=depth, top_k=top_k, total_tokens=total_tokens)
+        self._drop_drafted(base)
+        return tree
+
+    # ---- subclass contract -------------------------------------------------------------------------------
+
+    def verified_length(self) -> int:
+        raise NotImplementedError
+
+    def _reset(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _adopt(self, delta) -> None:
+        raise NotImplementedError
+
+    def _step(self, token: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _tree_step(self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list) -> np.ndarray:
+        raise NotImplementedError
+
+    def _drop_drafted(self, base: int) -> None:
+        raise NotImplementedError
+
+    def _check_room(self, end: int) -> None:
+        if end > self.capacity:
+            raise ValueError(f"drafter cache full: {end} positions needed, capacity {self.capacity}")
+
+
+def _ids(xs: list[int]) -> np.ndarray:
+    return np.asarray([xs], dtype=np.int64)  # [1, T]
+
+
+class OnnxMoADrafter(OnnxDrafter):
+    """MoA: SA cache [cap, Hs, Ds], CA context K/V [cap, Hs, Ds], TLI caches [N, cap, Hkv, D]."""
+
+    kind = "moa"
+
+    def __init__(self, path: str | Path, manifest: dict, *, threads: int = 1):
+        super().__init__(path, manifest, threads=threads)
+        self.tli = manifest["shapes"]["tli"]
+        self.step_inputs = manifest["graphs"]["step"]["inputs"]
+
+    def verified_length(self) -> int:
+        return self.n_ctx
+
+    def _reset(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.sa_k = np.zeros((capacity, *self.draft_kv), dtype=np.float32)
+        self.sa_v = np.zeros_like(self.sa_k)
+        self.ctx_k = np.zeros_like(self.sa_k)
+        self.ctx_v = np.zeros_like(self.sa_k)
+        self.tli_k = np.zeros((self.tli, capacity, *self.target_kv), dtype=np.float32)
+        self.tli_v = np.zeros_like(self.tli_k)
+        self.sa_len = self.tli_len = self.n_ctx = 0
+
+    def _run(self, tokens: list[int], positions: list[int], mask: np.ndarray, logit_rows, *, sa_only=False):
+        """The step graph over new tokens at rows [sa_len, sa_len + T); commits their SA rows and, unless
+        `sa_only`, their TLI rows. Returns logits [R, V] for `logit_rows`."""
+        P, T = self.sa_len, len(tokens)
+        self._check_room(P + T)
+        # One mask serves SA and TLI, so the TLI layers must see as many committed rows as SA.
+        if not sa_only and self.tli and self.tli_len != P:
+            raise RuntimeError(f"TLI cache holds {self.tli_len} rows, SA {P}")
+        feeds = [
+            _ids(tokens),
+            _ids(positions),
+            mask,
+            np.asarray(logit_rows, dtype=np.int64),
+            self.sa_k[None, :P],
+            self.sa_v[None, :P],
+            self.ctx_k[None, : self.n_ctx],
+            self.ctx_v[None, : self.n_ctx],
+        ]
+        for i in range(self.tli):
+            feeds += [self.tli_k[i, None, :P], self.tli_v[i, None, :P]]
+        logits, sa_k, sa_v, *tli = self.sessions["step"].run(None, dict(zip(self.step_inputs, feeds, strict=True)))
+        self.sa_k[P : P + T], self.sa_v[P : P + T] = sa_k[0], sa_v[0]
+        self.sa_len = P + T
+        if not sa_only:
+            for i in range(self.tli):
+                self.tli_k[i, P : P + T], self.tli_v[i, P : P + T] = tli[2 * i][0], tli[2 * i + 1][0]
+            self.tli_len = P + T
+        return logits[0]
+
+    def _adopt(self, delta) -> None:
+        """Take the verified states of positions [delta.start, delta.start + n) into the caches."""
+        P, n = delta.start, len(delta.tokens)
+        if self.n_ctx != P:
+            raise ValueError(f"delta starts at {P} but {self.n_ctx} positions are verified")
+        self._check_room(P + n)
+        feed = {"lsa": _f32(delta.tensors["lsa"])[None], "positions": np.arange(P, P + n, dtype=np.int64)[None]}
+        ctx_k, ctx_v = self.sessions["context"].run(None, feed)
+        self.ctx_k[P : P + n], self.ctx_v[P : P + n] = ctx_k[0], ctx_v[0]
+        self.n_ctx = P + n
+        if self.tli:
+            # The server's exact K/V replace whatever the drafter computed for these positions.
+            self.tli_k[:, P : P + n] = _f32(delta.tensors["tli_k"])  # [N, n, Hkv, D]
+            self.tli_v[:, P : P + n] = _f32(delta.tensors["tli_v"])
+            self.tli_len = P + n
+        # SA depends on tokens alone, so its rows for accepted drafts stay valid; feed what it has not seen.
+        self.sa_len = min(self.sa_len, P + n)
+        if self.sa_len < P:
+            raise ValueError(f"SA holds {self.sa_len} rows, short of the delta's start {P}")
+        missing = list(delta.tokens[self.sa_len - P :])
+        if missing:
+            S = self.sa_len
+            self._run(missing, list(range(S, S + len(missing))), _causal_mask(S, len(missing)), [], sa_only=True)
+
+    def _drop_drafted(self, base: int) -> None:
+        self.sa_len = self.tli_len = base
+
+    def _step(self, token: int) -> np.ndarray:
+        P = self.sa_len
+        return self._run([token], [P], np.ones((1, P + 1), dtype=bool), [0])[0]
+
+    def _tree_step(self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list) -> np.ndarray:
+        return self._run(tokens, positions, mask, list(range(len(tokens))))
+
+
+class OnnxEagleDrafter(OnnxDrafter):
+    """EAGLE: one layer's cache [cap, Hs, Ds] and the last exact target feature (tether.shared.eagle)."""
+
+    kind = "eagle"
+
+    def verified_length(self) -> int:
+        return self.n_verified
+
+    def _reset(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.k = np.zeros((capacity, *self.draft_kv), dtype=np.float32)
+        self.v = np.zeros_like(self.k)
+        self.length = 0
+        self.last_feat = np.zeros((1, self.dim), dtype=np.float32)  # [1, dim]
+        self.prev_feat = self.last_feat
+        self.n_verified = 0
+
+    def _run(self, tokens, positions, mask, logit_rows, prev_feat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step graph over new tokens with prev_feat [T, dim]; commits their cache rows.
+        Returns logits [R, V] and the predicted features [T, dim]."""
+        P, T = self.length, len(tokens)
+        self._check_room(P + T)
+        feed = {
+            "tokens": _ids(tokens),
+            "positions": _ids(positions),
+            "mask": mask,
+            "logit_rows": np.asarray(logit_rows, dtype=np.int64),
+            "prev_feat": np.ascontiguousarray(prev_feat, dtype=np.float32)[None],
+            "k": self.k[None, :P],
+            "v": self.v[None, :P],
+        }
+        logits, feat, k, v = self.sessions["step"].run(None, feed)
+        self.k[P : P + T], self.v[P : P + T] = k[0], v[0]
+        self.length = P + T
+        return logits[0], feat[0]
+
+    def _adopt(self, delta) -> None:
+        P, n = delta.start, len(delta.tokens)
+        if self.n_verified != P:
+            raise ValueError(f"delta starts at {P} but {self.n_verified} positions are verified")
+        feats = _f32(delta.tensors["hidden"])  # [n, dim]
+        # Re-run the layer over the verified tokens with the exact features, so no drafted feature stays.
+        self.length = P
+        prev = np.concatenate([self.last_feat, feats[:-1]])
+        self._run(list(delta.tokens), list(range(P, P + n)), _causal_mask(P, n), [], prev)
+        self.last_feat = feats[-1:]
+        self.prev_feat = self.last_feat
+        self.n_verified = P + n
+
+    def _drop_drafted(self, base: int) -> None:
+        self.length = base
+
+    def _step(self, token: int) -> np.ndarray:
+        P = self.length
+        if P == self.n_verified:
+            self.prev_feat = self.last_feat  # a new round starts from the last exact feature
+        logits, feat = self._run([token], [P], np.ones((1, P + 1), dtype=bool), [0], self.prev_feat)
+        self.prev_feat = feat
+        return logits[0]
+
+    def _tree_step(self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list) -> np.ndarray:
+        if not parent_rows or parent_rows[0] is None:
+            self.row_feat: list[np.ndarray] = []  # a new tree: features of drafted rows, by row offset
+        prev = np.stack([self.last_feat[0] if r is None else self.row_feat[r] for r in parent_rows])
+        logits, feat = self._run(tokens, positions, mask, list(range(len(tokens))), prev)
+        self.row_feat += list(feat)
+        return logits

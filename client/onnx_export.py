@@ -1,0 +1,291 @@
+"""Export the edge client's drafting step to ONNX, for the onnxruntime backend (tether.client.onnx_drafter).
+
+Only the client part is exported (DESIGN.md section 3; LSA stays on the server). The caches never live inside
+a graph: each call takes the committed cache rows as inputs and returns the new rows, so the runtime keeps the
+caches as numpy buffers and rolls drafted rows back by keeping a shorter length.
+
+- MoA: `context.onnx` turns a delta's LSA vectors into CA keys/values; `step.onnx` runs T new tokens through
+  SA -> CA -> TLI(N) -> final norm -> LM head. Adopting the server's exact TLI K/V is an array copy (numpy).
+- EAGLE: `step.onnx` runs fc -> layer -> final norm -> LM head over (token, previous feature) pairs.
+
+Graph contract (fp32, batch 1; T new tokens, P committed cache rows, S verified context rows, R logit rows;
+Hs/Ds: the drafter's own KV heads/width, Hkv/D: the target's):
+  step.onnx, MoA
+    in   tokens int64 [1, T], positions int64 [1, T] (RoPE positions of the new tokens),
+         mask bool [T, P + T] (row i sees key j: the committed rows, then the new ones; SA and TLI share it),
+         logit_rows int64 [R] (which new rows get logits; R = 0 when only the cache rows are wanted),
+         sa_k, sa_v [1, P, Hs, Ds], ctx_k, ctx_v [1, S, Hs, Ds], then tli_k.i, tli_v.i [1, P, Hkv, D] for i < N
+    out  logits [1, R, V], sa_k_new, sa_v_new [1, T, Hs, Ds], then tli_k_new.i, tli_v_new.i [1, T, Hkv, D]
+  context.onnx, MoA
+    in   lsa [1, n, dim], positions int64 [1, n]      out  ctx_k, ctx_v [1, n, Hs, Ds]
+  step.onnx, EAGLE
+    in   tokens, positions, mask, logit_rows (as above), prev_feat [1, T, dim], k, v [1, P, Hs, Ds]
+    out  logits [1, R, V], feat [1, T, dim], k_new, v_new [1, T, Hs, Ds]
+`onnx_drafter.json` beside the graphs holds the format version, the drafter kind and config, the shapes the
+runtime allocates, and per graph its file, sha256, input and output names in order, and signature
+(name -> [dtype, shape], dynamic axes named as above).
+
+Exporter: torch.onnx.export's TorchScript exporter (dynamo=False); the dynamo exporter needs onnxscript. The
+TorchScript one imports the `onnx` package only to splice onnxscript custom functions into the model, which
+these graphs do not use, so when `onnx` is missing that step is skipped (see _skip_onnxscript_step).
+
+    from tether.client.onnx_export import export_client_onnx
+    export_client_onnx(load_drafter("deploy/models/drafter", target), "build/onnx-drafter")
+
+    python -m tether.client.onnx_export --target deploy/models/target --drafter deploy/models/drafter \\
+        --out build/onnx-drafter
+
+Tests: tests/client/test_onnx_backend.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import json
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from tether.shared.model import DepthStream, rope_cos_sin, rope_frequencies
+
+FORMAT_VERSION = 1
+MANIFEST = "onnx_drafter.json"
+OPSET = 17
+
+
+class _MoAStep(nn.Module):
+    """T new tokens through SA -> CA -> TLI -> norm -> head, the caches passed in and the new rows out."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter, self.target = drafter, drafter.target
+        self.n_tli = drafter.dcfg.tli
+        # Fresh fp32 frequencies: a drafter cast to bf16 also cast its inv_freq buffers.
+        self.register_buffer("inv_freq", rope_frequencies(drafter.layer_cfg), persistent=False)
+        self.register_buffer("tli_inv_freq", rope_frequencies(drafter.target.cfg), persistent=False)
+
+    def forward(self, tokens, positions, mask, logit_rows, sa_k, sa_v, ctx_k, ctx_v, *tli_kv):
+        d, t = self.drafter, self.target
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        x = t.embed_tokens(tokens)  # [1, T, dim]
+        x, sk, sv = d.sa(x, cos, sin, DepthStream(x, 0, grad=True), None, 0, mask, "reference", prefix_kv=(sa_k, sa_v))
+        visible = torch.ones(tokens.shape[1], ctx_k.shape[1], dtype=torch.bool)  # CA sees every verified row
+        h = d.ca(x, ctx_k, ctx_v, visible, cos, sin)
+        new_tli = []
+        if self.n_tli:
+            tcos, tsin = rope_cos_sin(self.tli_inv_freq, positions)
+            # As MoADrafter.run_tli; grad=True picks DepthStream's list form, which traces without in-place writes.
+            depth = DepthStream(h, max(0, self.n_tli - 1) * t.cfg.depth_per_layer, grad=True)
+            for i, block in enumerate(d.tli_layers):
+                past = (tli_kv[2 * i], tli_kv[2 * i + 1])
+                h, k, v = block(h, tcos, tsin, depth, None, 0, mask, "reference", prefix_kv=past)
+                new_tli += [k, v]
+        h = h.index_select(1, logit_rows)  # [1, R, dim]
+        return (t.head(t.norm(h)), sk, sv, *new_tli)
+
+
+class _MoAContext(nn.Module):
+    """LSA vectors of verified positions -> the CA keys (RoPE'd at their positions) and values."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.ca = drafter.ca
+        self.register_buffer("inv_freq", rope_frequencies(drafter.layer_cfg), persistent=False)
+
+    def forward(self, lsa: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        return self.ca.context_kv(lsa, cos, sin)
+
+
+class _EagleStep(nn.Module):
+    """T new (token, previous feature) pairs through fc -> layer -> norm -> head, the cache passed in."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter, self.target = drafter, drafter.target
+        self.register_buffer("inv_freq", rope_frequencies(drafter.layer_cfg), persistent=False)
+
+    def forward(self, tokens, positions, mask, logit_rows, prev_feat, k, v):
+        d, t = self.drafter, self.target
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        x = d.fc(torch.cat([t.embed_tokens(tokens), d.feat_norm(prev_feat)], -1))
+        feat, nk, nv = d.layer(x, cos, sin, DepthStream(x, 0, grad=True), None, 0, mask, "reference", prefix_kv=(k, v))
+        return t.head(t.norm(feat.index_select(1, logit_rows))), feat, nk, nv
+
+
+@contextlib.contextmanager
+def _skip_onnxscript_step() -> Iterator[None]:
+    """Without the `onnx` package, make the TorchScript exporter's onnxscript-function splice a no-op.
+
+    That step (torch.onnx ... onnx_proto_utils._add_onnxscript_fn) parses the finished model with `onnx` only
+    to append custom onnxscript functions; graphs made of standard ops, like ours, come out byte-identical.
+    With `onnx` installed nothing is patched."""
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        yield
+        return
+    from torch.onnx._internal.torchscript_exporter import onnx_proto_utils as opu
+
+    original = opu._add_onnxscript_fn
+    opu._add_onnxscript_fn = lambda model_bytes, custom_opsets: model_bytes
+    try:
+        yield
+    finally:
+        opu._add_onnxscript_fn = original
+
+
+def _export(module: nn.Module, args: tuple, path: Path, inputs: list[str], outputs: list[str], axes: dict) -> dict:
+    """Write one graph; returns its manifest entry with the signature: name -> [dtype, shape with named axes]."""
+    with _skip_onnxscript_step(), warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        results = module(*args)
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes={name: axes[name] for name in inputs + outputs if name in axes},
+            # Folding would store the LM head's transposed copy of the tied embeddings beside the embeddings
+            # (+30% file size); onnxruntime folds it in memory when it loads the graph instead.
+            do_constant_folding=False,
+        )
+    signature = {
+        name: [str(t.dtype).removeprefix("torch."), [axes.get(name, {}).get(i, n) for i, n in enumerate(t.shape)]]
+        for name, t in zip(inputs + outputs, [*args, *results], strict=True)
+    }
+    return {"file": path.name, "inputs": inputs, "outputs": outputs, "signature": signature}
+
+
+def _fp32_cpu(drafter):
+    """The drafter (and its target) in fp32 on the CPU; a copy when a cast is needed, so the caller's stays put."""
+    # A paired client's target has its unused layers on the meta device (never materialised): ignore them.
+    params = [p for p in (*drafter.parameters(), *drafter.target.parameters()) if p.device.type != "meta"]
+    if all(p.dtype == torch.float32 and p.device.type == "cpu" for p in params):
+        return drafter
+    drafter = copy.deepcopy(drafter)  # copies the target too: the drafter holds it as a plain attribute
+    drafter.target.to("cpu", torch.float32)
+    return drafter.to("cpu", torch.float32)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _dummy_step_inputs(T: int, P: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """tokens, positions, mask, logit_rows for tracing T new tokens after P cache rows."""
+    mask = torch.ones(T, P + T, dtype=torch.bool)
+    mask[:, P:] = torch.ones(T, T, dtype=torch.bool).tril()
+    return torch.arange(1, T + 1)[None], torch.arange(P, P + T)[None], mask, torch.tensor([0, T - 1])
+
+
+def export_client_onnx(drafter, out_dir: str | Path) -> dict:
+    """Export `drafter`'s client part (MoA or EAGLE, with its target attached) to `out_dir`.
+
+    Writes the graphs and onnx_drafter.json (module docstring) and returns that manifest. Weights are exported
+    in fp32 whatever the drafter's dtype (a cast copy is made when needed)."""
+    drafter = _fp32_cpu(drafter).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dcfg, tcfg, lcfg = drafter.dcfg, drafter.target.cfg, drafter.layer_cfg
+    hs, ds = lcfg.n_kv_heads, lcfg.head_dim
+    # Distinct trace sizes (T, P, S and R = 2 all differ), so that no size is mistaken for another.
+    T, P, S = 3, 4, 5
+    tokens, positions, mask, logit_rows = _dummy_step_inputs(T, P)
+    step_axes = {
+        "tokens": {1: "T"},
+        "positions": {1: "T"},
+        "mask": {0: "T", 1: "P_plus_T"},
+        "logit_rows": {0: "R"},
+        "logits": {1: "R"},
+    }
+    graphs: dict[str, dict] = {}
+    if dcfg.kind == "moa":
+        n = dcfg.tli
+        tli_in = [f"tli_{kv}.{i}" for i in range(n) for kv in "kv"]
+        tli_out = [f"tli_{kv}_new.{i}" for i in range(n) for kv in "kv"]
+        inputs = ["tokens", "positions", "mask", "logit_rows", "sa_k", "sa_v", "ctx_k", "ctx_v", *tli_in]
+        outputs = ["logits", "sa_k_new", "sa_v_new", *tli_out]
+        axes = dict(step_axes, ctx_k={1: "S"}, ctx_v={1: "S"})
+        axes.update({name: {1: "P"} for name in ["sa_k", "sa_v", *tli_in]})
+        axes.update({name: {1: "T"} for name in ["sa_k_new", "sa_v_new", *tli_out]})
+        args = (
+            tokens,
+            positions,
+            mask,
+            logit_rows,
+            torch.randn(1, P, hs, ds),
+            torch.randn(1, P, hs, ds),
+            torch.randn(1, S, hs, ds),
+            torch.randn(1, S, hs, ds),
+            *[torch.randn(1, P, tcfg.n_kv_heads, tcfg.head_dim) for _ in tli_in],
+        )
+        graphs["step"] = _export(_MoAStep(drafter).eval(), args, out / "step.onnx", inputs, outputs, axes)
+        ctx_in, ctx_out = ["lsa", "positions"], ["ctx_k", "ctx_v"]
+        ctx_axes = {"lsa": {1: "n"}, "positions": {1: "n"}, "ctx_k": {1: "n"}, "ctx_v": {1: "n"}}
+        ctx_args = (torch.randn(1, S, tcfg.dim), torch.arange(2, 2 + S)[None])
+        graphs["context"] = _export(
+            _MoAContext(drafter).eval(), ctx_args, out / "context.onnx", ctx_in, ctx_out, ctx_axes
+        )
+    elif dcfg.kind == "eagle":
+        inputs = ["tokens", "positions", "mask", "logit_rows", "prev_feat", "k", "v"]
+        outputs = ["logits", "feat", "k_new", "v_new"]
+        axes = dict(step_axes, prev_feat={1: "T"}, k={1: "P"}, v={1: "P"}, feat={1: "T"})
+        axes.update(k_new={1: "T"}, v_new={1: "T"})
+        args = (tokens, positions, mask, logit_rows, torch.randn(1, T, tcfg.dim), *torch.randn(2, 1, P, hs, ds))
+        graphs["step"] = _export(_EagleStep(drafter).eval(), args, out / "step.onnx", inputs, outputs, axes)
+    else:
+        raise ValueError(f"cannot export a drafter of kind {dcfg.kind!r} (supported: moa, eagle)")
+    for g in graphs.values():
+        g["sha256"] = _sha256(out / g["file"])
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "kind": dcfg.kind,
+        "dtype": "float32",
+        "opset": OPSET,
+        "drafter_config": dcfg.to_dict(),
+        "shapes": {
+            "vocab_size": tcfg.vocab_size,
+            "dim": tcfg.dim,
+            "max_seq_len": tcfg.max_seq_len,
+            "tli": dcfg.tli if dcfg.kind == "moa" else 0,
+            "draft_kv_heads": hs,  # Hs: SA / CA / EAGLE cache rows are [Hs, Ds]
+            "draft_head_dim": ds,
+            "target_kv_heads": tcfg.n_kv_heads,  # Hkv: TLI cache rows are [Hkv, D]
+            "target_head_dim": tcfg.head_dim,
+        },
+        "target_fingerprint": dcfg.target_fingerprint,
+        "graphs": graphs,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tether.shared.drafter import load_drafter
+    from tether.shared.model import Transformer
+
+    p = argparse.ArgumentParser(prog="python -m tether.client.onnx_export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--drafter", required=True, help="drafter directory (MoA or EAGLE)")
+    p.add_argument("--out", required=True, help="output directory for the graphs and onnx_drafter.json")
+    args = p.parse_args(argv)
+    target = Transformer.from_pretrained(args.target, dtype=torch.float32)
+    manifest = export_client_onnx(load_drafter(args.drafter, target), args.out)
+    print(json.dumps({name: g["sha256"] for name, g in manifest["graphs"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,309 @@
+"""The onnxruntime drafting backend drafts what the torch drafters draft, from exported graphs, without torch.
+
+Both backends get the same server deltas for several rounds of chain and tree drafting, with logits compared at
+every step. Accepted lengths run from none to all, so drafted rows after a rejection are rolled back, and a
+fully accepted chain makes SA catch up on its last draft.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import tiny_moa_drafter, tiny_target
+
+from tether.client.onnx_drafter import OnnxDrafter
+from tether.client.onnx_export import export_client_onnx
+from tether.server.verifier import SequenceVerifier, target_states
+from tether.shared.codecs import Codec, decode_many, encode_many
+from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter, load_drafter
+from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree
+from tether.shared.tokenizer import Tokenizer
+
+MODELS = Path(__file__).resolve().parents[2] / "deploy" / "models"
+VOCAB = 7  # random tiny drafts then agree with the random tiny target often enough to accept 0..k tokens
+PROMPT = [1, 2, 3, 4, 5, 6, 0, 1, 3]
+
+
+def tiny(kind: str, tli: int = 1):
+    target = tiny_target(vocab_size=VOCAB)
+    if kind == "moa":
+        drafter = tiny_moa_drafter(target, tli=tli)
+    else:
+        torch.manual_seed(1)
+        drafter = build_drafter(target, DrafterConfig(kind="eagle", n_heads=4, n_kv_heads=2, head_dim=12)).eval()
+    with torch.no_grad():  # far from the near-zero init, so that a wrong row or position shows in the logits
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(kind, tli) -> (target, torch drafter, export dir); exported once per module."""
+    made: dict = {}
+
+    def get(kind: str, tli: int = 1):
+        if (kind, tli) not in made:
+            target, drafter = tiny(kind, tli)
+            out = tmp_path_factory.mktemp(f"{kind}{tli}")
+            export_client_onnx(drafter, out)
+            made[kind, tli] = target, drafter, out
+        return made[kind, tli]
+
+    return get
+
+
+def recording(monkeypatch, drafter, log: list) -> None:
+    """Log every logits row the drafter's _step / _tree_step return, as numpy."""
+    for name in ("_step", "_tree_step"):
+        inner = getattr(drafter, name)
+
+        def wrapped(*args, _inner=inner):
+            out = _inner(*args)
+            log.append(out.float().numpy() if isinstance(out, torch.Tensor) else out)
+            return out
+
+        monkeypatch.setattr(drafter, name, wrapped)
+
+
+class ForcedServer:
+    """The target's side of each round with the verdict chosen by the test: the deltas hold the target's real
+    states for the positions the test declares accepted, so none, some and all drafts get accepted on schedule
+    (random tiny models alone would mostly accept none)."""
+
+    def __init__(self, target, drafter, capacity: int = 256):
+        self.target, self.drafter = target, drafter
+        self.cache = target.new_cache(1, capacity)
+
+    def _run(self, tokens, **kw):
+        return self.target.verify(
+            tokens[None], self.cache, hidden_layers=(self.target.cfg.n_layers,), return_kv=True, **kw
+        )
+
+    @torch.inference_mode()
+    def open(self, prompt: list[int]) -> tuple[int, DraftDelta]:
+        out = self._run(torch.tensor(prompt))
+        self.cache.advance(len(prompt))
+        return int(out.logits[0, -1].argmax()), self.drafter.server_delta(target_states(out), 0, prompt)
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree, path: list[int]) -> tuple[int, DraftDelta]:
+        start = self.cache.length
+        out = self._run(tree.tokens, tree_mask=tree.ancestor_mask(), positions=tree.positions(start))
+        self.cache.accept(path)
+        delta = self.drafter.server_delta(target_states(out).select(path), start, tree.tokens[path].tolist())
+        return int(out.logits[0, path[-1]].argmax()), delta
+
+
+def rounds(target, ref, onnx, prompt, *, n_rounds, k, tree_every=0, forced=True) -> list[int]:
+    """Draft with both backends on identical deltas; assert identical drafts. Returns accepted counts.
+    forced: chains accept 0, k, 1, k - 1, ... drafts in turn and trees alternate between rejecting everything and
+    accepting their deepest path; otherwise the target decides (SequenceVerifier)."""
+    server = ForcedServer(target, ref) if forced else SequenceVerifier(target, ref, capacity=256)
+    root, delta = server.open(prompt)
+    ref.begin(delta)
+    onnx.begin(delta)
+    accepted = []
+    for r in range(n_rounds):
+        if tree_every and r % tree_every == tree_every - 1:
+            tree = ref.draft_tree(root, depth=3, top_k=2, total_tokens=6)
+            got = onnx.draft_tree(root, depth=3, top_k=2, total_tokens=6)
+            assert (got.tokens, got.parents) == (tree.tokens.tolist(), tree.parents.tolist()), f"round {r}"
+            assert got.source_ids == tree.source_ids.tolist()
+            path = [0] if r % 2 else tree.path_to(int(tree.depths.argmax()))
+        else:
+            want, _, _ = ref.draft(root, k)
+            got, _, _ = onnx.draft(root, k)
+            assert got == want, f"round {r}"
+            tree = DraftTree.chain(root, want)
+            path = list(range(1 + [0, k, 1, k - 1][r % 4]))
+        if forced:
+            root, delta = server.verify(tree, path)
+            accepted.append(len(path) - 1)
+        else:
+            verdict, delta = server.verify(tree)
+            root = verdict.bonus
+            accepted.append(verdict.accepted)
+        ref.commit(delta)
+        onnx.commit(delta)
+    assert onnx.verified_length() == ref.verified_length() == server.cache.length
+    return accepted
+
+
+def check_logits(ref_log: list, onnx_log: list) -> None:
+    assert len(ref_log) == len(onnx_log) > 0
+    for a, b in zip(ref_log, onnx_log, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tli", [0, 1, 2, 3])
+def test_moa_drafts_match_torch(exported, monkeypatch, tli):
+    target, ref, out = exported("moa", tli)
+    onnx = OnnxDrafter.load(out)
+    ref_log, onnx_log = [], []
+    recording(monkeypatch, ref, ref_log)
+    recording(monkeypatch, onnx, onnx_log)
+    rounds(target, ref, onnx, PROMPT, n_rounds=10, k=4, tree_every=5)
+    check_logits(ref_log, onnx_log)
+
+
+def test_eagle_drafts_match_torch(exported, monkeypatch):
+    target, ref, out = exported("eagle")
+    onnx = OnnxDrafter.load(out)
+    ref_log, onnx_log = [], []
+    recording(monkeypatch, ref, ref_log)
+    recording(monkeypatch, onnx, onnx_log)
+    rounds(target, ref, onnx, PROMPT, n_rounds=10, k=3, tree_every=5)
+    check_logits(ref_log, onnx_log)
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    return Transformer.from_pretrained(MODELS / "target", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", ["drafter", "drafter-eagle"])
+def test_default_drafters_match_torch(default_target, tmp_path, monkeypatch, name):
+    ref = load_drafter(MODELS / name, default_target)
+    export_client_onnx(ref, tmp_path)
+    onnx = OnnxDrafter.load(tmp_path)
+    ref_log, onnx_log = [], []
+    recording(monkeypatch, ref, ref_log)
+    recording(monkeypatch, onnx, onnx_log)
+    prompt = Tokenizer.from_pretrained(MODELS / "target").encode("import os\nimport sys\n\n\ndef main(argv):\n")
+    k = 5
+    accepted = rounds(default_target, ref, onnx, prompt, n_rounds=10, k=k, tree_every=3, forced=False)
+    check_logits(ref_log, onnx_log)
+    assert k in accepted and any(a < k for a in accepted), accepted  # the target accepts all, and not all
+
+
+def test_sampled_draft_carries_the_torch_distribution(exported):
+    target, ref, out = exported("moa", 2)
+    onnx = OnnxDrafter.load(out)
+    _, delta = SequenceVerifier(target, ref, capacity=64).open(PROMPT)
+    settings = dict(temperature=0.7, top_p=0.9, support=4)
+    ref.begin(delta)
+    _, want_ids, want_probs = ref.draft(PROMPT[-1], 1, **settings, generator=torch.Generator().manual_seed(0))
+    draws = []
+    for seed in (0, 0, 1):
+        onnx.begin(delta)
+        tokens, q_ids, q_probs = onnx.draft(PROMPT[-1], 1, **settings, generator=seed)
+        assert q_ids.dtype == np.int64 and q_probs.dtype == np.float32 and q_ids.shape == q_probs.shape == (1, 4)
+        # top-p keeps a prefix: the truncated support matches wherever the torch drafter gave mass.
+        kept = want_probs[0].numpy() > 0
+        assert q_ids[0][kept].tolist() == want_ids[0][kept].tolist()
+        np.testing.assert_allclose(q_probs[0], want_probs[0].numpy(), rtol=1e-4, atol=1e-5)
+        assert q_probs[0][q_ids[0].tolist().index(tokens[0])] > 0
+        draws.append(tokens)
+    assert draws[0] == draws[1]  # a seed makes the draw repeatable
+    onnx.begin(delta)
+    tokens, q_ids, q_probs = onnx.draft(PROMPT[-1], 3, temperature=1.0, generator=np.random.default_rng(5))
+    assert len(tokens) == 3 and q_ids.shape == (3, VOCAB) and np.allclose(q_probs.sum(-1), 1)
+
+
+def test_cache_capacity_and_delta_order_are_checked(exported):
+    target, ref, out = exported("moa", 1)
+    onnx = OnnxDrafter.load(out)
+    ver = SequenceVerifier(target, ref, capacity=64)
+    _, delta = ver.open(PROMPT)
+    onnx.begin(delta, capacity=len(PROMPT) + 2)
+    with pytest.raises(ValueError, match="cache full"):
+        onnx.draft(PROMPT[-1], 5)
+    onnx.begin(delta)
+    with pytest.raises(ValueError, match="starts at 0"):
+        onnx.commit(delta)
+    with pytest.raises(ValueError, match="position 0"):
+        onnx.begin(DraftDelta(start=3, tokens=[1], tensors=delta.tensors))
+
+
+def test_manifest_and_tampered_graphs(exported, tmp_path):
+    _, ref, out = exported("moa", 3)
+    manifest = json.loads((out / "onnx_drafter.json").read_text())
+    assert manifest["kind"] == "moa" and manifest["shapes"]["tli"] == 3
+    assert manifest["graphs"]["step"]["inputs"][-2:] == ["tli_k.2", "tli_v.2"]
+    assert set(manifest["graphs"]) == {"step", "context"} and all(
+        len(g["sha256"]) == 64 for g in manifest["graphs"].values()
+    )
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    with open(bad / "context.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="sha256"):
+        OnnxDrafter.load(bad)
+    with pytest.raises(FileNotFoundError):
+        OnnxDrafter.load(tmp_path)
+
+
+def test_a_bf16_drafter_exports_in_fp32_and_stays_bf16(tmp_path):
+    target, drafter = tiny("moa", 2)
+    target.to(torch.bfloat16)
+    drafter.to(torch.bfloat16)
+    export_client_onnx(drafter, tmp_path / "bf16")
+    assert drafter.sa.attn.q_proj.weight.dtype == target.embed_tokens.weight.dtype == torch.bfloat16
+    target.float()
+    drafter.float()
+    export_client_onnx(drafter, tmp_path / "fp32")
+    # The same graphs as exporting the bf16 values widened to fp32 by hand.
+    digests = [json.loads((tmp_path / d / "onnx_drafter.json").read_text())["graphs"] for d in ("bf16", "fp32")]
+    assert digests[0] == digests[1]
+    assert OnnxDrafter.load(tmp_path / "bf16").kind == "moa"
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["torch"] = None  # any import of torch now fails
+    from pathlib import Path
+
+    from tether.client.codecs_np import decode_many
+    from tether.client.onnx_drafter import ArrayDelta, OnnxDrafter
+
+    work = Path(sys.argv[1])
+    rounds = json.loads((work / "rounds.json").read_text())
+    drafter = OnnxDrafter.load(work / "onnx")
+    deltas = [ArrayDelta(r["start"], r["tokens"], decode_many((work / f"delta{i}.bin").read_bytes()))
+              for i, r in enumerate(rounds)]
+    drafts = []
+    for i, (r, delta) in enumerate(zip(rounds, deltas)):
+        drafter.begin(delta) if i == 0 else drafter.commit(delta)
+        drafts.append(drafter.draft(r["root"], 4)[0])
+    drafter.begin(deltas[0])
+    tree = drafter.draft_tree(rounds[0]["root"], depth=2, top_k=2, total_tokens=4)
+    sampled, q_ids, q_probs = drafter.draft(rounds[0]["root"], 2, temperature=0.8, generator=0)
+    loaded = sorted(m for m, mod in sys.modules.items() if m.split(".")[0] == "torch" and mod is not None)
+    print(json.dumps({"drafts": drafts, "tree": len(tree), "q": q_probs.shape, "torch": loaded}))
+    """
+)
+
+
+def test_onnx_backend_runs_without_torch(exported, tmp_path):
+    """Deltas cross a wire codec (INT8, lossy), then a child process with torch blocked decodes and drafts."""
+    target, ref, out = exported("moa", 2)
+    shutil.copytree(out, tmp_path / "onnx")
+    ver = SequenceVerifier(target, ref, capacity=64)
+    root, delta = ver.open(PROMPT)
+    meta, want = [], []
+    for i in range(4):
+        wire = encode_many(delta.tensors, Codec.INT8_ZSTD)
+        (tmp_path / f"delta{i}.bin").write_bytes(wire)
+        received = DraftDelta(delta.start, delta.tokens, decode_many(wire))  # what a torch client would adopt
+        ref.begin(received) if i == 0 else ref.commit(received)
+        meta.append({"start": delta.start, "tokens": delta.tokens, "root": root})
+        want.append(ref.draft(root, 4)[0])
+        verdict, delta = ver.verify(DraftTree.chain(root, want[-1]))
+        root = verdict.bonus
+    (tmp_path / "rounds.json").write_text(json.dumps(meta))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"drafts": want, "tree": 4, "q": [2, VOCAB], "torch": []}
