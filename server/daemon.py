@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tether.server.generate import default_model_dir, load, pick_device
+from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
 from tether.server.service import ServiceConfig, TetherService, TLSFiles, make_server
 from tether.server.tp import apply_tp
@@ -45,6 +46,8 @@ class ServeConfig:
     kv_pool_mb: int = 256  # memory of the paged KV pool all sessions share (least recently used evicted past it)
     kv_block_size: int = 16  # positions per KV block
     tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
+    log_format: str = "text"  # "json": one JSON object per line with session ids (for log pipelines); "text"
+    log_level: str = "info"  # debug / info / warning / error
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -58,6 +61,7 @@ def read_api_keys(path: str) -> frozenset[str]:
 
 
 def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
+    configure_logging(cfg.log_format, cfg.log_level)
     device = pick_device(cfg.device)
     if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
         raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")

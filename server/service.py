@@ -181,11 +181,14 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             if self.sessions.get(session_id) is state:
                 del self.sessions[session_id]
             self.metrics.sessions.set(len(self.sessions))
+        length = state.verifier.length
         state.evicted = True
         state.verifier.release()
         if reason != "closed":
             self.metrics.evictions.labels(reason=reason).inc()
-            log.info("evicted session %s (least recently used, %s)", session_id[:8], reason)
+        log.info(f"session {'closed' if reason == 'closed' else 'evicted'}",
+                 extra={"event": "close" if reason == "closed" else "evict", "session": session_id, "reason": reason,
+                        "length": length})  # fmt: skip
 
     def _evict_one(self, reason: str, candidates: list[tuple[str, SessionState]]) -> bool:
         """Evict the least recently used idle session among `candidates`; False when all are busy."""
@@ -344,12 +347,13 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             except RequestError as e:
                 reply = self._error(message, e.code, e.message)
             except Exception as e:  # a bug must cost one message, not the stream or the server
-                log.exception("session %s: internal error", session_id)
+                log.exception("internal error", extra={"event": "error", "session": session_id})
                 reply = self._error(message, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
             yield reply
 
     def _error(self, message: pb.ClientMessage, code: grpc.StatusCode, text: str) -> pb.ServerMessage:
         self.metrics.errors.labels(code=code.name).inc()
+        log.info("request refused", extra={"event": "refused", "code": code.name, "detail": text})
         round_no = message.round.round if message.WhichOneof("body") == "round" else 0
         return pb.ServerMessage(error=pb.Error(code=code.value[0], message=text, round=round_no))
 
@@ -380,6 +384,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             self.sessions[session_id] = state
             self.metrics.sessions.set(len(self.sessions))
         self.metrics.opened.inc()
+        log.info(
+            "session opened",
+            extra={
+                "event": "open",
+                "session": session_id,
+                "key": caller[:12],
+                "prompt_tokens": len(prompt),
+                "temperature": req.sampling.temperature,
+            },
+        )
         opened = pb.Opened(request_id=req.request_id, session_id=session_id, resume_token=state.resume_token,
                            first_token=first, delta=self._delta(delta, codec))  # fmt: skip
         return session_id, pb.ServerMessage(opened=opened)
@@ -453,8 +467,23 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             reply = self._resync(request, self._caller(context))
         except RequestError as e:
             self.metrics.errors.labels(code=e.code.name).inc()
+            log.info(
+                "resync refused",
+                extra={"event": "refused", "session": request.session_id, "code": e.code.name, "detail": e.message},
+            )
             context.abort(e.code, e.message)
         self.metrics.resyncs.labels(outcome="rebuilt" if reply.rebuilt else "extended").inc()
+        log.info(
+            "session resynced",
+            extra={
+                "event": "resync",
+                "session": request.session_id,
+                "rebuilt": reply.rebuilt,
+                "offline_tokens": len(request.offline_tokens),
+                "first_disagreement": reply.first_disagreement,
+                "verified_length": reply.verified_length,
+            },
+        )
         return reply
 
     def _resync(self, req: pb.ResyncRequest, caller: str) -> pb.ResyncReply:

@@ -440,3 +440,22 @@ def test_server_only_generate_streams_plain_decoding(served):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.OpenSession(prompt=[1, 99], model_fingerprint=FP)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_json_logs_carry_session_ids(served, capsys):
+    import json
+    import logging
+
+    from tether.server.logs import configure_logging
+
+    _, drafter, _, stub = served
+    configure_logging("json")
+    try:
+        _, sid, *_ = run_session(stub, drafter, [1, 2, 3], 6)
+        stub.Close(pb.CloseRequest(session_id=sid))
+    finally:
+        logging.getLogger("tether").handlers.clear()
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    mine = [r for r in lines if r.get("session") == sid]
+    assert [r["event"] for r in mine] == ["open", "close"]
+    assert mine[0]["prompt_tokens"] == 3 and mine[1]["length"] >= 9 and mine[0]["level"] == "info"

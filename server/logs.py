@@ -1,0 +1,53 @@
+"""Server logging for operators: one JSON object per line (for a log pipeline), or plain text for a terminal.
+
+Contract: `configure_logging(fmt="json"|"text", level="info")` sets up the "tether" logger tree on stderr.
+In JSON each record is {"ts", "level", "logger", "msg"} plus the structured fields the call passed in `extra`
+(the service passes `event`, `session` and more: a session id is the thread that ties a session's lines
+together). Exceptions come as an "exc" string.
+
+    configure_logging("json")
+    logging.getLogger("tether.server").info("session opened", extra={"event": "open", "session": sid})
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+# Attributes every LogRecord has; anything else on a record came from `extra` and is a structured field.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD)
+        line = f"{self.formatTime(record)} {record.levelname.lower():7s} {record.getMessage()}"
+        line = f"{line}  {fields}" if fields else line
+        return line + (f"\n{self.formatException(record.exc_info)}" if record.exc_info else "")
+
+
+def configure_logging(fmt: str = "text", level: str = "info") -> None:
+    if fmt not in ("json", "text"):
+        raise ValueError(f"log format must be json or text, not {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger("tether")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
