@@ -633,7 +633,17 @@ def make_server(
     """A gRPC server for `service` listening on `address` ("host:0" picks a free port), over TLS when `tls` is
     given; returns it and its port."""
     limit = service.config.max_message_bytes
-    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    options = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # Edge clients ping every few seconds to notice dead links (tether.client.session keepalive_s); accept
+        # that instead of answering GOAWAY "too_many_pings", and ping idle clients ourselves to reap dead ones.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     tether_pb2_grpc.add_TetherServicer_to_server(service, server)
     # grpc.health.v1 (load balancers and Kubernetes probes ask it) and reflection (grpcurl, grpcui).
