@@ -184,6 +184,9 @@ class _Stream:
 
     def request(self, msg: pb.ClientMessage, timeout: float) -> pb.ServerMessage:
         self.outbox.put(msg)
+        return self.receive(timeout)
+
+    def receive(self, timeout: float) -> pb.ServerMessage:
         try:
             reply = self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -334,8 +337,7 @@ class EdgeSession:
         self.stats.bytes_up += 4 * len(history)
         o = self._check(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s)).opened
         self.session_id, self.resume_token = o.session_id, o.resume_token
-        self._count_down(o.delta)
-        self.drafter.begin(_delta(o.delta), capacity=self._capacity())
+        self._begin(o)
         self.stream.close()
         self.stream = None
         self.on_event(Event("info", detail=f"resumed a saved session: {len(self.tokens)} tokens"))
@@ -409,11 +411,19 @@ class EdgeSession:
         reply = self._check(self.stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s))
         o = reply.opened
         self.session_id, self.resume_token = o.session_id, o.resume_token
-        self._count_down(o.delta)
-        self.drafter.begin(_delta(o.delta), capacity=self._capacity())
+        self._begin(o)
         self.verified = len(self.prompt)
         self._set_state(State.ONLINE)
         self._emit([o.first_token], "verified")
+
+    def _begin(self, o: pb.Opened) -> None:
+        """Start the drafter from the prompt's delta, which a long prompt sends in several parts."""
+        self._count_down(o.delta)
+        self.drafter.begin(_delta(o.delta), capacity=self._capacity())
+        for _ in range(o.delta_parts):
+            part = self._check(self.stream.receive(self.cfg.connect_timeout_s)).delta
+            self._count_down(part)
+            self.drafter.commit(_delta(part))
 
     def _capacity(self) -> int:
         return len(self.prompt) + self.cfg.max_new_tokens + self.cfg.k + 2

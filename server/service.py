@@ -333,23 +333,24 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 if kind == "open":
                     if session_id is not None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "this stream already opened a session")
-                    session_id, reply = self._open(message.open, caller)
+                    session_id, replies = self._open(message.open, caller)
                 elif kind == "attach":
                     if session_id is not None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "this stream already has a session")
                     session_id, reply = self._attach(message.attach, caller)
+                    replies = [reply]
                 elif kind == "round":
                     if session_id is None:
                         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "open a session before rounds")
-                    reply = self._round(self._session(session_id), message.round)
+                    replies = [self._round(self._session(session_id), message.round)]
                 else:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty client message")
             except RequestError as e:
-                reply = self._error(message, e.code, e.message)
+                replies = [self._error(message, e.code, e.message)]
             except Exception as e:  # a bug must cost one message, not the stream or the server
                 log.exception("internal error", extra={"event": "error", "session": session_id})
-                reply = self._error(message, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
-            yield reply
+                replies = [self._error(message, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")]
+            yield from replies
 
     def _error(self, message: pb.ClientMessage, code: grpc.StatusCode, text: str) -> pb.ServerMessage:
         self.metrics.errors.labels(code=code.name).inc()
@@ -357,7 +358,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         round_no = message.round.round if message.WhichOneof("body") == "round" else 0
         return pb.ServerMessage(error=pb.Error(code=code.value[0], message=text, round=round_no))
 
-    def _open(self, req: pb.OpenSession, caller: str) -> tuple[str, pb.ServerMessage]:
+    def _open(self, req: pb.OpenSession, caller: str) -> tuple[str, list[pb.ServerMessage]]:
         c = self.config
         self._check_fingerprint(req.model_fingerprint)
         prompt = self._check_tokens(req.prompt, "prompt")
@@ -394,9 +395,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 "temperature": req.sampling.temperature,
             },
         )
+        # A long prompt's delta goes in parts, each well under the message limit.
+        parts = [self._delta(d, codec) for d in delta.split(self.config.max_message_bytes // 4)]
         opened = pb.Opened(request_id=req.request_id, session_id=session_id, resume_token=state.resume_token,
-                           first_token=first, delta=self._delta(delta, codec))  # fmt: skip
-        return session_id, pb.ServerMessage(opened=opened)
+                           first_token=first, delta=parts[0], delta_parts=len(parts) - 1)  # fmt: skip
+        return session_id, [pb.ServerMessage(opened=opened)] + [pb.ServerMessage(delta=p) for p in parts[1:]]
 
     def _attach(self, req: pb.AttachSession, caller: str) -> tuple[str, pb.ServerMessage]:
         """A new stream takes over a held session (after a reconnect): rounds continue where it stands."""

@@ -84,6 +84,11 @@ class TargetStates:
         return TargetStates(self.k[:, idx], self.v[:, idx], self.hidden[idx])
 
 
+# The positions axis of each delta tensor: MoA's LSA vectors [n, dim] and TLI K/V [N, n, Hkv, D]; EAGLE's
+# hidden states [n, dim].
+POSITION_AXIS = {"lsa": 0, "tli_k": 1, "tli_v": 1, "hidden": 0}
+
+
 @dataclass
 class DraftDelta:
     """What the client side needs for verified positions [start, start + n) (the wire payload)."""
@@ -98,6 +103,20 @@ class DraftDelta:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def split(self, max_bytes: int) -> list[DraftDelta]:
+        """Consecutive deltas covering the same positions, each at most about `max_bytes` of raw tensor data
+        (so that a long prompt's delta travels in messages under the transport's size limit)."""
+        per = max(1, self.nbytes() // max(self.n, 1))
+        step = max(1, max_bytes // per)
+        if self.n <= step:
+            return [self]
+        parts = []
+        for a in range(0, self.n, step):
+            b = min(a + step, self.n)
+            tensors = {k: t.narrow(POSITION_AXIS[k], a, b - a) for k, t in self.tensors.items()}
+            parts.append(DraftDelta(self.start + a, self.tokens[a:b], tensors))
+        return parts
 
 
 def save_drafter(drafter: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None) -> None:

@@ -459,3 +459,34 @@ def test_json_logs_carry_session_ids(served, capsys):
     mine = [r for r in lines if r.get("session") == sid]
     assert [r["event"] for r in mine] == ["open", "close"]
     assert mine[0]["prompt_tokens"] == 3 and mine[1]["length"] >= 9 and mine[0]["level"] == "info"
+
+
+def test_a_long_prompts_delta_arrives_in_parts_under_the_message_limit(served):
+    target, drafter, service, _ = served
+    small = TetherService(target, drafter, service.tokenizer, ServiceConfig(max_message_bytes=8192),
+                          model_fingerprint=FP)  # fmt: skip
+    server, port = make_server(small, "127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = Client(tether_pb2_grpc.TetherStub(channel))
+            prompt = [(i * 5 + 1) % VOCAB for i in range(50)]
+            opened = client.send(open_msg(prompt)).opened
+            assert opened.delta_parts >= 2
+            parts = [opened.delta] + [next(client.replies).delta for _ in range(opened.delta_parts)]
+            assert all(len(p.SerializeToString()) < 8192 for p in parts)
+            assert [t for p in parts for t in p.tokens] == prompt
+            drafter.begin(to_delta(parts[0]))
+            for p in parts[1:]:
+                drafter.commit(to_delta(p))
+            out, root = [opened.first_token], opened.first_token
+            for rnd in (1, 2, 3):
+                drafts, _, _ = drafter.draft(root, 3)
+                v = client.send(pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts))).verdict
+                drafter.commit(to_delta(v.delta))
+                out += drafts[: v.accepted] + [v.bonus]
+                root = v.bonus
+            client.close()
+        assert out == plain(target, prompt, len(out))
+    finally:
+        server.stop(None)

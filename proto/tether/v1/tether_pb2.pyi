@@ -179,18 +179,20 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("request_id", "session_id", "resume_token", "first_token", "delta")
+    __slots__ = ("request_id", "session_id", "resume_token", "first_token", "delta", "delta_parts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_PARTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     resume_token: str
     first_token: int
     delta: KVDelta
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., first_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
+    delta_parts: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., first_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ..., delta_parts: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("round", "accepted", "bonus", "delta")
@@ -227,16 +229,18 @@ class Attached(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., verified_length: _Optional[int] = ..., root: _Optional[int] = ..., last_round: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("opened", "verdict", "error", "attached")
+    __slots__ = ("opened", "verdict", "error", "attached", "delta")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     opened: Opened
     verdict: Verdict
     error: Error
     attached: Attached
-    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ...) -> None: ...
+    delta: KVDelta
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
     __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind")
