@@ -631,10 +631,10 @@ class TLSFiles:
 
 
 def make_server(
-    service: TetherService, address: str, *, workers: int = 16, tls: TLSFiles | None = None
+    service: TetherService, address: str, *, workers: int = 0, tls: TLSFiles | None = None
 ) -> tuple[grpc.Server, int]:
     """A gRPC server for `service` listening on `address` ("host:0" picks a free port), over TLS when `tls` is
-    given; returns it and its port."""
+    given; returns it and its port. `workers` = 0 sizes the thread pool from max_sessions."""
     limit = service.config.max_message_bytes
     options = [
         ("grpc.max_receive_message_length", limit),
@@ -647,6 +647,9 @@ def make_server(
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
     ]
+    # Every open Session stream holds a worker thread for its whole life: size the pool for a full house of
+    # sessions plus headroom, or health checks and new calls queue behind the streams (and probes fail).
+    workers = workers or service.config.max_sessions + 32
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     tether_pb2_grpc.add_TetherServicer_to_server(service, server)
     # grpc.health.v1 (load balancers and Kubernetes probes ask it) and reflection (grpcurl, grpcui).

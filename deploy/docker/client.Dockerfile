@@ -1,0 +1,54 @@
+# syntax=docker/dockerfile:1
+# tether-client on a CPU (an edge box, a CI job): drafts with onnxruntime by default (`--backend onnx`).
+#
+# Build from the repository root:
+#   docker build -f deploy/docker/client.Dockerfile -t tether-client:0.1.0 .
+# Run (the cache volume keeps the downloaded client weights and the ONNX export between runs):
+#   docker run --rm -v tether-cache:/var/cache/tether tether-client:0.1.0 generate \
+#       --server tether.example.com:443 --tls-ca /certs/ca.pem --api-key "$KEY" --prompt "def main():" --json
+# generate and chat get `--backend onnx --cache-dir /var/cache/tether` first; flags you pass come later and win.
+#
+# torch stays (the ONNX export of the paired drafter runs once per drafter with torch), but as the CPU wheel from
+# the PyTorch CPU index, pinned: PyPI's default torch wheel for Linux is a multi-GB CUDA build.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- build ---------------------------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PATH=/opt/tether/bin:$PATH
+RUN python -m venv /opt/tether \
+    && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY deploy/docker/client-constraints.txt ./constraints.txt
+COPY shared ./shared
+COPY server ./server
+COPY client ./client
+COPY kernels ./kernels
+COPY netsim ./netsim
+COPY proto ./proto
+# The project itself; every dependency is pinned by the constraints file (deploy/docker/lock.py).
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir --constraint constraints.txt ".[client]" \
+    && python -c "import onnxruntime, tether.client.session, tether.client.onnx_drafter"
+
+# ---- runtime ---------------------------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+ENV PATH=/opt/tether/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/home/tether
+RUN groupadd --system --gid 10001 tether \
+    && useradd --system --uid 10001 --gid tether --home-dir /home/tether --create-home --shell /usr/sbin/nologin tether \
+    && install -d -o tether -g tether -m 0750 /var/cache/tether
+COPY --from=build /opt/tether /opt/tether
+COPY --chmod=0755 deploy/docker/client-entrypoint.sh /usr/local/bin/tether-client-entrypoint
+USER 10001:10001
+WORKDIR /home/tether
+VOLUME ["/var/cache/tether"]
+ENTRYPOINT ["tether-client-entrypoint"]
+CMD ["info"]
