@@ -1,0 +1,399 @@
+"""MoDA verify/decode attention over the paged KV pool (Triton), flash-decoding style (split-K over the cache).
+
+One softmax per query over (tether.shared.attention has the definition):
+- the row's committed prefix: cache positions [0, cache_lens[b] - q_lens[b]), read in place through the block table;
+- the row's new tokens: cache positions [cache_lens[b] - q_lens[b], cache_lens[b]), causal among themselves, or as
+  `tree_mask` says;
+- the query's own depth keys depth_k[b, i] (same position only, L of them; L may be 0).
+
+Conventions:
+- `cache_lens` counts the new tokens too: their K/V are ALREADY in the cache, scattered into their slots before
+  attention (what server/kv_pool.py's SlotView and PagedCache.write do), so the table covers positions
+  [0, cache_lens[b]). `KVPool.block_tables(seqs)` gives committed lengths; pass `lens + q_lens` while the round's
+  rows are pending.
+- Row b uses its first q_lens[b] queries (1 <= q_lens[b] <= min(Kmax, cache_lens[b])). Padded query rows
+  (i >= q_lens[b]) are never read and their output rows are left untouched (whatever `out` held: pass your own
+  `out=` to choose). Lengths are not checked on the device (that would cost a sync); out-of-range values are
+  undefined behaviour.
+- A query that sees no key at all (an all-False tree row, no prefix, L = 0) gets zeros, not NaN.
+
+Split-K design (flash-decoding): grid (m tiles, B * Hkv, num_splits). Every row's prefix is cut into num_splits equal
+chunks (per row, so a ragged batch stays balanced); program s runs one online softmax over its chunk and writes an
+fp32 partial (acc / l and lse = m + log2 l, base 2). The LAST split also takes the row's new-token block (<= Kmax
+keys, masked) and the depth keys: both are small next to a prefix chunk (the heuristic, `moda_verify_num_splits`,
+splits only to fill the GPU and keeps >= 256 keys of the longest possible prefix per split, bounded by the table's
+width x block size so it needs no device sync) and keeping them in a split needs no extra partial slot or program.
+`moda_verify_combine_kernel` then merges the partials per (row, query, head) with a log-sum-exp weighting. With
+num_splits == 1 everything runs in one program that writes the normalised output directly (no partials, no second
+launch).
+
+GQA is group-aware: a program owns one (row, KV head) and a tile of BLOCK_M = up to 64 query rows r = i * G + g
+(new token i, head g of the group), so each K/V tile of the cache is loaded once for all G heads and all k tokens
+(G * k <= 64 in one tile: k = 8 drafts with G = 8; larger products take more m tiles).
+
+fp16 / bf16 / fp32 inputs, fp32 softmax and accumulation (q is cast to the cache's dtype for the dots; an fp32 cache
+gets exact fp32 dots, no TF32); head dims up to 256 (non powers of two are masked).
+
+    o = moda_verify(q, pool.k[layer], pool.v[layer], table, lens + q_lens, q_lens, depth_k, depth_v,
+                    tree_mask=mask)  # [B, Kmax, Hq, D]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_step(
+    q_tile,  # [BLOCK_M, BLOCK_D]
+    k_head,  # k_cache + hkv * stride_kh
+    v_head,
+    bt_row,  # block_table + b * stride_bt
+    pos,  # [BLOCK_N] sequence positions
+    kv_ok,  # [BLOCK_N] positions to load
+    vis,  # [BLOCK_M, BLOCK_N] visibility
+    offs_d,
+    d_ok,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    stride_kn,
+    stride_ks,
+    stride_vn,
+    stride_vs,
+    BS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One online-softmax step over a tile of cache positions read through the block table: position p lives in
+    block bt_row[p // BS] at offset p % BS."""
+    dtype = k_head.dtype.element_ty
+    blk = tl.load(bt_row + pos // BS, mask=kv_ok, other=0).to(tl.int64)
+    off = pos % BS
+    nd_ok = kv_ok[:, None] & d_ok[None, :]
+    kt = tl.load(k_head + blk[:, None] * stride_kn + off[:, None] * stride_ks + offs_d[None, :], mask=nd_ok, other=0.0)
+    vt = tl.load(v_head + blk[:, None] * stride_vn + off[:, None] * stride_vs + offs_d[None, :], mask=nd_ok, other=0.0)
+    s = tl.dot(q_tile, tl.trans(kt.to(dtype)), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0 / 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vt.to(dtype), input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def moda_verify_fwd_kernel(
+    q,  # [B, Kmax, Hq, D]
+    k_cache,  # [num_blocks, block_size, Hkv, D]
+    v_cache,  # [num_blocks, block_size, Hkv, D]
+    block_table,  # [B, max_blocks] int32
+    cache_lens,  # [B] int32: prefix + new tokens
+    q_lens,  # [B] int32
+    depth_k,  # [B, Kmax, L, Hkv, D]
+    depth_v,  # [B, Kmax, L, Hkv, D]
+    tree_mask,  # [B, Kmax, Kmax] uint8 (batch stride 0 for a shared mask)
+    o,  # [B, Kmax, Hq, D]                 (num_splits == 1)
+    o_part,  # [B, Kmax, Hq, S, D] fp32    (num_splits > 1)
+    lse_part,  # [B, Kmax, Hq, S] fp32, base 2
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_ks,
+    stride_kh,
+    stride_vn,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_dkb,
+    stride_dkt,
+    stride_dkl,
+    stride_dkh,
+    stride_dvb,
+    stride_dvt,
+    stride_dvl,
+    stride_dvh,
+    stride_mb,
+    stride_mi,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    Kmax,
+    L,
+    S,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,  # cache block size (positions per block)
+    TREE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,  # dot input precision: "ieee" for an fp32 cache (no TF32), else "tf32" (unused for 16 bit)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hkv = pid_bh // HKV, pid_bh % HKV
+    q_len = tl.load(q_lens + b)
+    prefix = tl.load(cache_lens + b) - q_len
+    if pid_m * BLOCK_M < q_len * G:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # r = i * G + g
+        qi, head = rows // G, hkv * G + rows % G  # [BLOCK_M] new-token index, query head
+        row_ok = qi < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        rd_ok = row_ok[:, None] & d_ok[None, :]
+        b64 = b.to(tl.int64)
+        q_ptrs = q + b64 * stride_qb + qi[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q_tile = tl.load(q_ptrs, mask=rd_ok, other=0.0).to(k_cache.dtype.element_ty)  # [BLOCK_M, BLOCK_D]
+        k_head, v_head = k_cache + hkv * stride_kh, v_cache + hkv * stride_vh
+        bt_row = block_table + b64 * stride_bt
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        # 1. This split's chunk of the committed prefix: every query sees all of it.
+        chunk = tl.cdiv(tl.cdiv(prefix, S), BLOCK_N) * BLOCK_N
+        start = pid_s * chunk
+        end = tl.minimum(start + chunk, prefix)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            kv_ok = pos < end
+            m_i, l_i, acc = _paged_step(
+                q_tile, k_head, v_head, bt_row, pos, kv_ok, kv_ok[None, :], offs_d, d_ok, m_i, l_i, acc, qk_scale,
+                stride_kn, stride_ks, stride_vn, stride_vs, BS, PREC,
+            )  # fmt: skip
+
+        if pid_s == S - 1:
+            # 2. The new tokens (cache positions [prefix, prefix + q_len)): causal, or the tree mask.
+            for j0 in range(0, q_len, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                kv_ok = j < q_len
+                vis = row_ok[:, None] & kv_ok[None, :]
+                if TREE:
+                    m_ptrs = tree_mask + b64 * stride_mb + qi[:, None] * stride_mi + j[None, :]
+                    vis = vis & (tl.load(m_ptrs, mask=vis, other=0) != 0)
+                else:
+                    vis = vis & (j[None, :] <= qi[:, None])
+                m_i, l_i, acc = _paged_step(
+                    q_tile, k_head, v_head, bt_row, prefix + j, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc, qk_scale,
+                    stride_kn, stride_ks, stride_vn, stride_vs, BS, PREC,
+                )  # fmt: skip
+
+            # 3. Each query's own depth keys: one score column per depth entry, same softmax.
+            qf = q_tile.to(tl.float32)
+            dk_row = depth_k + b64 * stride_dkb + hkv * stride_dkh + qi[:, None] * stride_dkt + offs_d[None, :]
+            dv_row = depth_v + b64 * stride_dvb + hkv * stride_dvh + qi[:, None] * stride_dvt + offs_d[None, :]
+            for layer in range(0, L):
+                dk = tl.load(dk_row + layer * stride_dkl, mask=rd_ok, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
+                dv = tl.load(dv_row + layer * stride_dvl, mask=rd_ok, other=0.0).to(tl.float32)
+                sd = tl.sum(qf * dk, 1) * qk_scale  # [BLOCK_M], finite
+                m_new = tl.maximum(m_i, sd)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sd - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * dv
+                m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if SPLIT:
+            row_off = b64 * Kmax * HKV * G + qi * (HKV * G) + head  # [B, Kmax, Hq] flat index
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(lse_part + row_off * S + pid_s, lse, mask=row_ok)
+            tl.store(o_part + (row_off * S + pid_s)[:, None] * D + offs_d[None, :], out, mask=rd_ok)
+        else:
+            o_ptrs = o + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=rd_ok)
+
+
+@triton.jit
+def moda_verify_combine_kernel(
+    o_part,  # [B, Kmax, Hq, S, D] fp32
+    lse_part,  # [B, Kmax, Hq, S] fp32, base 2
+    o,  # [B, Kmax, Hq, D]
+    q_lens,  # [B] int32
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    Kmax,
+    S,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_bt, h = tl.program_id(0), tl.program_id(1)
+    b, i = pid_bt // Kmax, pid_bt % Kmax
+    if i < tl.load(q_lens + b):
+        row = pid_bt.to(tl.int64) * HQ + h  # flat [B, Kmax, Hq] index
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < S
+        lse = tl.load(lse_part + row * S + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+        parts = tl.load(
+            o_part + (row * S + offs_s)[:, None] * D + offs_d[None, :],
+            mask=s_ok[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
+        out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        b64 = b.to(tl.int64)
+        tl.store(
+            o + b64 * stride_ob + i * stride_ot + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=offs_d < D
+        )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def moda_verify_num_splits(
+    programs: int, max_prefix: int, num_sms: int, *, min_keys: int = 256, max_splits: int = 32
+) -> int:
+    """How many chunks to split each row's cache into: enough programs for about two waves over `num_sms`
+    (`programs` = programs without splitting: m tiles x B x Hkv), each split keeping >= `min_keys` prefix keys
+    so its fixed cost (q load, partial write, the combine) stays small; at most `max_splits`."""
+    if max_prefix < 2 * min_keys or programs >= 2 * num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, max(programs, 1))
+    return max(1, min(want, max_prefix // min_keys, max_splits))
+
+
+def _tile_m(G: int, kmax: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(G * kmax)))
+
+
+def moda_verify_fwd(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    q_lens: Tensor,
+    depth_k: Tensor | None,
+    depth_v: Tensor | None,
+    tree_mask: Tensor | None,
+    scale: float,
+    num_splits: int,
+    out: Tensor,
+) -> Tensor:
+    B, kmax, Hq, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    L = 0 if depth_k is None else depth_k.shape[2]
+    if L == 0:
+        depth_k = depth_v = q.new_empty(1, 1, 1, 1, 1)
+    if tree_mask is None:
+        mask, stride_mb, stride_mi = q_lens, 0, 0  # never read
+    else:
+        mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.to(torch.uint8)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        stride_mb, stride_mi = (0, mask.stride(0)) if mask.dim() == 2 else (mask.stride(0), mask.stride(1))
+    block_m, block_n, block_d = _tile_m(G, kmax), 64, max(16, triton.next_power_of_2(D))
+    prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # an fp32 cache gets exact fp32 dots
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(B, kmax, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(B, kmax, Hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out  # never read
+    grid = (triton.cdiv(G * kmax, block_m), B * Hkv, num_splits)
+    moda_verify_fwd_kernel[grid](
+        q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, mask, out, o_part, lse_part,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        depth_k.stride(0), depth_k.stride(1), depth_k.stride(2), depth_k.stride(3),
+        depth_v.stride(0), depth_v.stride(1), depth_v.stride(2), depth_v.stride(3),
+        stride_mb, stride_mi,
+        out.stride(0), out.stride(1), out.stride(2),
+        kmax, L, num_splits,
+        HKV=Hkv, G=G, D=D, BS=bs, TREE=tree_mask is not None, SPLIT=split, PREC=prec,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if split:
+        moda_verify_combine_kernel[(B * kmax, Hq)](
+            o_part, lse_part, out, q_lens, out.stride(0), out.stride(1), out.stride(2), kmax, num_splits,
+            HQ=Hq, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+def _last_unit(x: Tensor | None) -> Tensor | None:
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def moda_verify(
+    q: Tensor,  # [B, Kmax, Hq, D]
+    k_cache: Tensor,  # [num_blocks, block_size, Hkv, D]: one layer of the pool
+    v_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_table: Tensor,  # [B, max_blocks] int32 (-1 past each row's blocks)
+    cache_lens: Tensor,  # [B] int32: committed prefix + new tokens (the new tokens' K/V are already in the cache)
+    q_lens: Tensor,  # [B] int32: new tokens per row, 1 <= q_lens[b] <= min(Kmax, cache_lens[b])
+    depth_k: Tensor | None = None,  # [B, Kmax, L, Hkv, D] each query's own depth keys (L may be 0; None: none)
+    depth_v: Tensor | None = None,  # [B, Kmax, L, Hkv, D]
+    *,
+    tree_mask: Tensor | None = None,  # [B, Kmax, Kmax] or [Kmax, Kmax] bool, True: new query i sees new key j
+    scale: float | None = None,  # default D ** -0.5, for both parts
+    num_splits: int | None = None,  # split-K chunks per row's prefix; None: moda_verify_num_splits
+    out: Tensor | None = None,  # [B, Kmax, Hq, D] q.dtype; padded rows are left untouched
+) -> Tensor:
+    """MoDA attention of each row's new tokens over its paged cache and depth keys; returns [B, Kmax, Hq, D] in
+    q's dtype. See the module docstring for the conventions and the split-K design."""
+    B, kmax, Hq, D = q.shape
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[-1] != D:
+        raise ValueError(f"k/v cache must be [num_blocks, block_size, Hkv, {D}], got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")  # fmt: skip
+    Hkv = k_cache.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if D > 256:
+        raise ValueError(f"head dim {D} > 256 is not supported")
+    if block_table.dim() != 2 or block_table.shape[0] != B or cache_lens.shape != (B,) or q_lens.shape != (B,):
+        raise ValueError(f"block_table must be [{B}, max_blocks] and cache_lens, q_lens [{B}], got "
+                         f"{tuple(block_table.shape)}, {tuple(cache_lens.shape)}, {tuple(q_lens.shape)}")  # fmt: skip
+    if (depth_k is None) != (depth_v is None):
+        raise ValueError("depth_k and depth_v come together")
+    if depth_k is not None and (depth_k.shape != depth_v.shape or depth_k.dim() != 5
+                                or depth_k.shape[:2] != (B, kmax) or depth_k.shape[3:] != (Hkv, D)):  # fmt: skip
+        raise ValueError(f"depth_k/depth_v must be [{B}, {kmax}, L, {Hkv}, {D}], got {tuple(depth_k.shape)}, "
+                         f"{tuple(depth_v.shape)}")  # fmt: skip
+    if tree_mask is not None and tree_mask.shape[-2:] != (kmax, kmax):
+        raise ValueError(f"tree_mask must be [{B}, {kmax}, {kmax}] or [{kmax}, {kmax}], got {tuple(tree_mask.shape)}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a unit last stride, got {tuple(out.shape)}")
+    if B == 0 or kmax == 0:
+        return out
+    scale = D**-0.5 if scale is None else float(scale)
+    if num_splits is None:
+        # Upper bound of the longest prefix from the table's width: no device sync on the decode path.
+        sms = _num_sms(q.device.index or 0) if q.is_cuda else 1
+        programs = triton.cdiv(Hq // Hkv * kmax, _tile_m(Hq // Hkv, kmax)) * B * Hkv
+        num_splits = moda_verify_num_splits(programs, block_table.shape[1] * k_cache.shape[1], sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    q, k_cache, v_cache, depth_k, depth_v = map(_last_unit, (q, k_cache, v_cache, depth_k, depth_v))
+    block_table, cache_lens, q_lens = (t.to(torch.int32).contiguous() for t in (block_table, cache_lens, q_lens))
+    return moda_verify_fwd(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask,
+                           scale, num_splits, out)  # fmt: skip

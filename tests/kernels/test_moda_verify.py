@@ -1,0 +1,188 @@
+"""The paged MoDA verify kernel (tether.kernels.moda_verify) against its naive reference: ragged batches over a paged
+cache with awkward block sizes, GQA groups, depth lengths and tree masks; split-K agrees with one split; and a real
+KVPool filled by the tiny model. On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+import os
+
+import pytest
+import torch
+from tiny_models import tiny_target
+
+import tether.shared.attention as attention
+from tether.kernels.moda_verify import moda_verify, moda_verify_num_splits
+from tether.kernels.naive_verify import moda_verify_naive
+from tether.server.batcher import PagedBatchView
+from tether.server.kv_pool import KVPool
+from tether.shared.speculative import DraftTree
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_tree_mask(kmax: int, g: torch.Generator) -> torch.Tensor:
+    """Ancestor mask [kmax, kmax] of a random tree (node 0 the root, parents[i] < i)."""
+    parents = [-1] + [int(torch.randint(i, (1,), generator=g)) for i in range(1, kmax)]
+    return DraftTree(tokens=torch.zeros(kmax, dtype=torch.long), parents=torch.tensor(parents)).ancestor_mask()
+
+
+def make_batch(cache_lens, q_lens, *, hkv, G, D, L, block_size, dtype, tree, kmax=None, seed=0):
+    """A ragged batch in the pool layout: rows' blocks scattered over a shuffled pool, -1 past each row's blocks,
+    NaN in every slot no row may read (unused blocks, slots past a row's length, padded queries and depth rows)."""
+    g = torch.Generator().manual_seed(seed)
+    B, kmax = len(cache_lens), kmax or max(q_lens)
+    nblocks = [-(-n // block_size) for n in cache_lens]
+    num_blocks = sum(nblocks) + 3
+    table = torch.full((B, max(nblocks) + 2), -1, dtype=torch.int32)
+    perm, used = torch.randperm(num_blocks, generator=g), 0
+    for b, n in enumerate(nblocks):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, hkv, D, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, hkv, D, generator=g)
+    readable = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, n in enumerate(cache_lens):
+        pos = torch.arange(n)
+        readable[table[b, pos // block_size].long() * block_size + pos % block_size] = True
+    k_cache.view(-1, hkv, D)[~readable] = float("nan")
+    v_cache.view(-1, hkv, D)[~readable] = float("nan")
+    q = torch.randn(B, kmax, hkv * G, D, generator=g)
+    depth_k = torch.randn(B, kmax, L, hkv, D, generator=g)
+    depth_v = torch.randn(B, kmax, L, hkv, D, generator=g)
+    for b, k in enumerate(q_lens):
+        q[b, k:] = depth_k[b, k:] = depth_v[b, k:] = float("nan")
+    mask = torch.stack([random_tree_mask(kmax, g) for _ in range(B)]) if tree else None
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, depth_k=depth_k, depth_v=depth_v)
+    batch = {name: t.to(DEV, dtype) for name, t in tensors.items()}
+    batch.update(
+        block_table=table.to(DEV),
+        cache_lens=torch.tensor(cache_lens, dtype=torch.int32, device=DEV),
+        q_lens=torch.tensor(q_lens, dtype=torch.int32, device=DEV),
+        tree_mask=None if mask is None else mask.to(DEV),
+    )
+    return batch
+
+
+def assert_rows_close(o, ref, q_lens, tol=5e-3):
+    """Relative RMS error of every row's valid queries below `tol`."""
+    for b, k in enumerate(q_lens):
+        got, want = o[b, :k].float(), ref[b, :k].float()
+        assert torch.isfinite(got).all(), f"row {b}: non-finite output"
+        err = ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+        assert err < tol, f"row {b}: relative RMS error {err:.2e}"
+
+
+# cache_lens count the new tokens: row prefixes of 0, 58, 122 and 1020 positions.
+CACHE_LENS, Q_LENS = [1, 63, 130, 1025], [1, 5, 8, 5]
+CASES = [
+    # D, G, L, block_size, dtype, tree, num_splits
+    (64, 1, 0, 16, torch.float32, False, 1),
+    (64, 2, 3, 5, torch.float32, True, 3),
+    (128, 4, 13, 16, torch.float16, False, 2),
+    (128, 8, 3, 5, torch.float16, True, 1),
+    (32, 2, 13, 16, torch.float16, True, 4),
+    (64, 8, 0, 5, torch.float32, True, None),
+]
+
+
+@pytest.mark.parametrize(("D", "G", "L", "block_size", "dtype", "tree", "num_splits"), CASES)
+def test_matches_naive_reference(D, G, L, block_size, dtype, tree, num_splits):
+    batch = make_batch(CACHE_LENS, Q_LENS, hkv=2, G=G, D=D, L=L, block_size=block_size, dtype=dtype, tree=tree)
+    out = torch.full_like(batch["q"], float("nan"))
+    o = moda_verify(**batch, num_splits=num_splits, out=out)
+    assert o is out and o.dtype == dtype
+    assert_rows_close(o, moda_verify_naive(**batch), Q_LENS)
+    for b, k in enumerate(Q_LENS):  # padded query rows are left as they were
+        assert torch.isnan(o[b, k:]).all()
+
+
+def test_splits_agree_and_padding_kmax():
+    """Any number of splits (more than some rows have blocks, too) gives one split's result; Kmax beyond every row's
+    q_len, a shared [Kmax, Kmax] tree mask and a custom scale are honoured."""
+    q_lens = [3, 7, 1]
+    batch = make_batch([9, 200, 700], q_lens, hkv=1, G=4, D=64, L=3, block_size=16, dtype=torch.float32,
+                       tree=False, kmax=9)  # fmt: skip
+    batch["tree_mask"] = random_tree_mask(9, torch.Generator().manual_seed(5)).to(DEV)
+    outs = [moda_verify(**batch, scale=0.3, num_splits=s) for s in (1, 2, 5, 16)]
+    assert_rows_close(outs[0], moda_verify_naive(**batch, scale=0.3), q_lens)
+    for o in outs[1:]:
+        for b, k in enumerate(q_lens):
+            torch.testing.assert_close(o[b, :k], outs[0][b, :k], rtol=1e-5, atol=1e-5)
+
+
+def test_num_splits_heuristic():
+    sms = 132
+    assert moda_verify_num_splits(programs=8, max_prefix=100, num_sms=sms) == 1  # short context: no split
+    assert moda_verify_num_splits(programs=512, max_prefix=32768, num_sms=sms) == 1  # the batch fills the GPU
+    s = moda_verify_num_splits(programs=8, max_prefix=32768, num_sms=sms)
+    assert 8 * s >= sms and s <= 32  # a lone long row: enough programs for the GPU, at most 32 chunks
+    assert moda_verify_num_splits(programs=8, max_prefix=1024, num_sms=sms) == 1024 // 256  # >= 256 keys a split
+
+
+def test_rejects_bad_shapes():
+    batch = make_batch([4], [2], hkv=2, G=2, D=16, L=1, block_size=4, dtype=torch.float32, tree=False)
+    with pytest.raises(ValueError, match="multiple"):
+        moda_verify(**{**batch, "q": batch["q"][:, :, :3]})
+    with pytest.raises(ValueError, match="depth_k"):
+        moda_verify(**{**batch, "depth_k": batch["depth_k"][..., :8]})
+    with pytest.raises(ValueError, match="tree_mask"):
+        moda_verify(**batch | {"tree_mask": torch.ones(1, 3, 3, dtype=torch.bool, device=DEV)})
+    with pytest.raises(ValueError, match="num_splits"):
+        moda_verify(**batch, num_splits=0)
+
+
+@torch.inference_mode()
+def test_real_kv_pool_round(monkeypatch):
+    """The tiny MoDA model prefills three sessions into a KVPool (block size 5, head dim 12), then one ragged
+    batched verify round (chains and a tree) runs as the batcher runs it, with every layer's attention captured:
+    the kernel, reading pool.k[layer] in place through pool.block_tables, reproduces each layer's output."""
+    model = tiny_target().to(DEV)
+    pool = KVPool(model.cfg, num_blocks=40, block_size=5, device=DEV)
+    g = torch.Generator().manual_seed(1)
+    V = model.cfg.vocab_size
+    caches = [pool.sequence(capacity=96) for _ in range(3)]
+    for cache, n in zip(caches, [2, 17, 61], strict=True):
+        model.prefill(torch.randint(V, (1, n), generator=g).to(DEV), cache)
+    trees = [
+        DraftTree.chain(5, []),
+        DraftTree.chain(7, [1, 2, 3, 4]),
+        DraftTree(tokens=torch.randint(V, (6,), generator=g), parents=torch.tensor([-1, 0, 0, 1, 1, 3])),
+    ]
+    q_lens = [len(t) for t in trees]
+    view = PagedBatchView(caches, q_lens)  # scatters the new rows into their slots, layer by layer
+    tq = max(q_lens)
+    tokens = torch.zeros(3, tq, dtype=torch.long)
+    positions = torch.zeros(3, tq, dtype=torch.long)
+    mask = torch.zeros(3, tq, view.lmax + tq, dtype=torch.bool)
+    for i, (tree, L, n) in enumerate(zip(trees, view.lens, q_lens, strict=True)):
+        tokens[i, :n], positions[i, :n], positions[i, n:] = tree.tokens, tree.positions(L), L
+        mask[i, :, :L] = True
+        mask[i, :n, view.lmax : view.lmax + n] = tree.ancestor_mask()
+        mask[i, torch.arange(n, tq), view.lmax + torch.arange(n, tq)] = True  # padding sees itself only
+
+    captured = []
+
+    def capture(q, k, v, depth_k=None, depth_v=None, *, scale=None, tree_mask=None):
+        o = attention.moda_attention_reference(q, k, v, depth_k, depth_v, scale=scale, tree_mask=tree_mask)
+        captured.append((q, depth_k, depth_v, scale, o))
+        return o
+
+    monkeypatch.setitem(attention._BACKENDS, "capture", capture)
+    model.backend = "capture"
+    mask = mask.to(DEV)
+    model.run(tokens.to(DEV), cache=view, positions=positions.to(DEV), tree_mask=mask)
+    assert len(captured) == model.cfg.n_layers
+
+    table, lens = pool.block_tables(caches)  # committed lengths: the round's rows are still pending
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int32, device=DEV)
+    args = dict(block_table=table, cache_lens=lens + q_lens_t, q_lens=q_lens_t, tree_mask=mask[:, :, view.lmax :])
+    for layer, (q, depth_k, depth_v, scale, o_model) in enumerate(captured):
+        kc, vc = pool.k[layer], pool.v[layer]
+        o = moda_verify(q, kc, vc, depth_k=depth_k, depth_v=depth_v, scale=scale, num_splits=2, **args)
+        assert_rows_close(o, o_model, q_lens, tol=1e-4)
+        assert_rows_close(
+            o, moda_verify_naive(q, kc, vc, depth_k=depth_k, depth_v=depth_v, scale=scale, **args), q_lens
+        )
