@@ -36,6 +36,7 @@ class ServeConfig:
     port: int = 50051  # port to listen on (0 = any free port)
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
     dtype: str = ""  # "float32" / "bfloat16" / "float16"; empty = bfloat16 on CUDA, float32 on CPU
+    attention: str = "auto"  # "auto" (Triton MoDA kernels on CUDA, reference elsewhere), "triton", "reference", "sdpa"
     max_sessions: int = 256  # sessions held at once (the least recently used is evicted past it)
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
@@ -76,7 +77,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
                                           cfg.kv_block_size)  # fmt: skip
         cmd_group = join_rank0(cfg.tp, port, kind)
         device = "cuda:0" if kind == "cuda" else "cpu"
-    target, tokenizer = load(cfg.model, device, cfg.dtype)
+    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention)
     model_fp = fingerprint(cfg.model)
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     torch.set_grad_enabled(False)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tether.server.engine import SpeculativeEngine
+from tether.shared.attention import register_backend
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
@@ -55,15 +56,31 @@ def pick_device(requested: str) -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load(model_dir: str | Path, device: str, dtype: str = "") -> tuple[Transformer, Tokenizer]:
-    """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere."""
+def attention_backend(device: str, requested: str = "auto") -> str:
+    """The attention backend for a model on `device`: "auto" is the Triton MoDA kernels on CUDA (registered
+    here: the server is the only place that imports them) and the PyTorch reference elsewhere."""
+    name = ("triton" if device.startswith("cuda") else "reference") if requested == "auto" else requested
+    if name == "triton":
+        if not device.startswith("cuda"):
+            raise ValueError("the triton attention backend needs a CUDA device")
+        from tether.kernels.moda import moda_backend
+
+        register_backend("triton", moda_backend)
+    return name
+
+
+def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "auto") -> tuple[Transformer, Tokenizer]:
+    """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere; attention as in
+    `attention_backend`."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
     if dtype and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     dtype = DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return Transformer.from_pretrained(model_dir, device=device, dtype=dtype), Tokenizer.from_pretrained(model_dir)
+    model = Transformer.from_pretrained(model_dir, device=device, dtype=dtype)
+    model.backend = attention_backend(device, attention)
+    return model, Tokenizer.from_pretrained(model_dir)
 
 
 def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None) -> dict:

@@ -136,3 +136,13 @@ def test_eagle_budget_matches_moa():
     moa = MoADrafter(target, DrafterConfig(kind="moa"))
     eagle = EagleDrafter(target, DrafterConfig(kind="eagle"))
     assert abs(moa.num_trainable() - eagle.num_trainable()) / moa.num_trainable() < 0.01
+
+
+def test_attention_backend_is_the_kernels_on_cuda_and_the_reference_elsewhere():
+    import pytest
+
+    from tether.server.generate import attention_backend
+
+    assert attention_backend("cpu") == "reference" and attention_backend("cpu", "sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="CUDA"):
+        attention_backend("cpu", "triton")
