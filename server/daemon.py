@@ -10,6 +10,8 @@ Defaults serve deploy/models on 127.0.0.1:50051.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from tether.server.tp_serve import TPTarget, join_rank0, start_followers
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.weights import client_part_tensors
+
+log = logging.getLogger("tether.server")
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,17 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if ready is not None:
         ready.set()
     stop.wait()
-    server.stop(grace=cfg.grace_s).wait()
+    if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
+        log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
     service.batcher.close()
     if tp_target is not None:
-        tp_target.stop()
+        stopped = tp_target.stop()
         for p in followers:
-            p.join(timeout=30)
+            p.join(timeout=30 if stopped else 0)
+            if p.is_alive():
+                p.terminate()
     print("stopped", flush=True)
+    if tp_target is not None:
+        # A handler stuck in a collective would block the interpreter's exit (it joins the gRPC worker threads).
+        os._exit(0)
     return 0

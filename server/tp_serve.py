@@ -130,9 +130,17 @@ class TPTarget:
     def verify(self, input_ids: Tensor, cache, **kw) -> ForwardOutput:
         return self.run(input_ids, cache=cache, **kw)
 
-    def stop(self) -> None:
-        with self.lock:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Tell the followers to exit. False when a forward still holds the lock after `timeout_s` (a call that
+        never finished): then the caller ends them instead, since a command now could interleave a collective."""
+        if not self.lock.acquire(timeout=timeout_s):
+            log.warning("a forward is still running at shutdown; stopping the followers without a command")
+            return False
+        try:
             dist.broadcast_object_list([{"op": "stop"}], src=0, group=self.cmd_group)
+            return True
+        finally:
+            self.lock.release()
 
 
 def follow(model: Transformer, pool: KVPool, cmd_group) -> None:
