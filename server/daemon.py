@@ -107,7 +107,10 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
           flush=True)  # fmt: skip
     if ready is not None:
         ready.set()
-    stop.wait()
+    # Wake up now and then: a signal the kernel hands to another thread (gloo's, gRPC's) only sets a flag that
+    # the main thread acts on when it runs, and a plain wait() would sleep through it.
+    while not stop.wait(0.5):
+        pass
     if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
     service.batcher.close()
