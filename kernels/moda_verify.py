@@ -17,15 +17,19 @@ Conventions:
   undefined behaviour.
 - A query that sees no key at all (an all-False tree row, no prefix, L = 0) gets zeros, not NaN.
 
-Split-K design (flash-decoding): grid (m tiles, B * Hkv, num_splits). Every row's prefix is cut into num_splits equal
-chunks (per row, so a ragged batch stays balanced); program s runs one online softmax over its chunk and writes an
-fp32 partial (acc / l and lse = m + log2 l, base 2). The LAST split also takes the row's new-token block (<= Kmax
-keys, masked) and the depth keys: both are small next to a prefix chunk (the heuristic, `moda_verify_num_splits`,
-splits only to fill the GPU and keeps >= 256 keys of the longest possible prefix per split, bounded by the table's
-width x block size so it needs no device sync) and keeping them in a split needs no extra partial slot or program.
-`moda_verify_combine_kernel` then merges the partials per (row, query, head) with a log-sum-exp weighting. With
-num_splits == 1 everything runs in one program that writes the normalised output directly (no partials, no second
-launch).
+Split-K design (flash-decoding): grid (m tiles, B * Hkv, num_splits). With num_splits == S > 1, split 0 takes the
+row's new-token block (<= Kmax keys, masked) and its depth keys, and splits 1..S-1 each take one of S - 1 equal chunks
+of the committed prefix (per row, so a ragged batch stays balanced); every program runs one online softmax and writes
+an fp32 partial (acc / l and lse = m + log2 l, base 2), and `moda_verify_combine_kernel` merges the partials per (row,
+query, head) with a log-sum-exp weighting. The new tokens and depth get their own program, the first launched,
+because that serial work at the end of a prefix chunk made every chunk's program wait for the slowest one (measured:
+a 20-100 us tail with L = 32). With num_splits == 1 one program does everything and writes the normalised output
+directly (no partials, no second launch). `moda_verify_num_splits` picks S from the GPU's size without a device sync
+(the longest prefix is bounded by the table's width x block size).
+
+Depth keys are chunk-aware, as in the prefill kernel: a tile's queries own a contiguous run of depth rows of the
+position-major [Kmax * L] layout, scored with tensor-core dots and masked to each row's own L (a per-layer loop of
+row dot products was latency-bound).
 
 GQA is group-aware: a program owns one (row, KV head) and a tile of BLOCK_M = up to 64 query rows r = i * G + g
 (new token i, head g of the group), so each K/V tile of the cache is loaded once for all G heads and all k tokens
@@ -51,13 +55,11 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_step(
+def _attend_tile(
     q_tile,  # [BLOCK_M, BLOCK_D]
-    k_head,  # k_cache + hkv * stride_kh
-    v_head,
-    bt_row,  # block_table + b * stride_bt
-    pos,  # [BLOCK_N] sequence positions
-    kv_ok,  # [BLOCK_N] positions to load
+    k_rows,  # [BLOCK_N] pointers to the first element of each key row
+    v_rows,  # [BLOCK_N] pointers to the first element of each value row
+    kv_ok,  # [BLOCK_N] rows to load
     vis,  # [BLOCK_M, BLOCK_N] visibility
     offs_d,
     d_ok,
@@ -65,30 +67,30 @@ def _paged_step(
     l_i,
     acc,
     qk_scale,
-    stride_kn,
-    stride_ks,
-    stride_vn,
-    stride_vs,
-    BS: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """One online-softmax step over a tile of cache positions read through the block table: position p lives in
-    block bt_row[p // BS] at offset p % BS."""
-    dtype = k_head.dtype.element_ty
-    blk = tl.load(bt_row + pos // BS, mask=kv_ok, other=0).to(tl.int64)
-    off = pos % BS
+    """One online-softmax step over BLOCK_N key rows given by their addresses (paged cache rows, or depth rows)."""
+    dtype = q_tile.dtype
     nd_ok = kv_ok[:, None] & d_ok[None, :]
-    kt = tl.load(k_head + blk[:, None] * stride_kn + off[:, None] * stride_ks + offs_d[None, :], mask=nd_ok, other=0.0)
-    vt = tl.load(v_head + blk[:, None] * stride_vn + off[:, None] * stride_vs + offs_d[None, :], mask=nd_ok, other=0.0)
-    s = tl.dot(q_tile, tl.trans(kt.to(dtype)), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+    kt = tl.load(k_rows[:, None] + offs_d[None, :], mask=nd_ok, other=0.0).to(dtype)
+    vt = tl.load(v_rows[:, None] + offs_d[None, :], mask=nd_ok, other=0.0).to(dtype)
+    s = tl.dot(q_tile, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
     s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0 / 0
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vt.to(dtype), input_precision=PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vt, input_precision=PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_rows(k_head, v_head, bt_row, pos, kv_ok, stride_kn, stride_ks, stride_vn, stride_vs, BS: tl.constexpr):
+    """Addresses of cache positions `pos` [BLOCK_N]: position p lives in block bt_row[p // BS] at offset p % BS."""
+    blk = tl.load(bt_row + pos // BS, mask=kv_ok, other=0).to(tl.int64)
+    off = pos % BS
+    return k_head + blk * stride_kn + off * stride_ks, v_head + blk * stride_vn + off * stride_vs
 
 
 @triton.jit
@@ -164,19 +166,24 @@ def moda_verify_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # 1. This split's chunk of the committed prefix: every query sees all of it.
-        chunk = tl.cdiv(tl.cdiv(prefix, S), BLOCK_N) * BLOCK_N
-        start = pid_s * chunk
-        end = tl.minimum(start + chunk, prefix)
+        # 1. The committed prefix: all of it with one split, else chunk pid_s - 1 of S - 1 (split 0 takes the
+        # new tokens and the depth keys instead: it is launched first, so that serial work never trails a wave).
+        if SPLIT:
+            chunk = tl.cdiv(tl.cdiv(prefix, S - 1), BLOCK_N) * BLOCK_N
+            start = tl.maximum(pid_s - 1, 0) * chunk
+            end = tl.where(pid_s == 0, 0, tl.minimum(start + chunk, prefix))
+        else:
+            start = 0
+            end = prefix
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             kv_ok = pos < end
-            m_i, l_i, acc = _paged_step(
-                q_tile, k_head, v_head, bt_row, pos, kv_ok, kv_ok[None, :], offs_d, d_ok, m_i, l_i, acc, qk_scale,
-                stride_kn, stride_ks, stride_vn, stride_vs, BS, PREC,
-            )  # fmt: skip
+            k_rows, v_rows = _paged_rows(k_head, v_head, bt_row, pos, kv_ok, stride_kn, stride_ks, stride_vn,
+                                         stride_vs, BS)  # fmt: skip
+            m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, kv_ok[None, :], offs_d, d_ok, m_i, l_i, acc,
+                                         qk_scale, PREC)  # fmt: skip
 
-        if pid_s == S - 1:
+        if pid_s == 0:
             # 2. The new tokens (cache positions [prefix, prefix + q_len)): causal, or the tree mask.
             for j0 in range(0, q_len, BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
@@ -187,25 +194,26 @@ def moda_verify_fwd_kernel(
                     vis = vis & (tl.load(m_ptrs, mask=vis, other=0) != 0)
                 else:
                     vis = vis & (j[None, :] <= qi[:, None])
-                m_i, l_i, acc = _paged_step(
-                    q_tile, k_head, v_head, bt_row, prefix + j, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc, qk_scale,
-                    stride_kn, stride_ks, stride_vn, stride_vs, BS, PREC,
-                )  # fmt: skip
+                k_rows, v_rows = _paged_rows(k_head, v_head, bt_row, prefix + j, kv_ok, stride_kn, stride_ks,
+                                             stride_vn, stride_vs, BS)  # fmt: skip
+                m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc,
+                                             qk_scale, PREC)  # fmt: skip
 
-            # 3. Each query's own depth keys: one score column per depth entry, same softmax.
-            qf = q_tile.to(tl.float32)
-            dk_row = depth_k + b64 * stride_dkb + hkv * stride_dkh + qi[:, None] * stride_dkt + offs_d[None, :]
-            dv_row = depth_v + b64 * stride_dvb + hkv * stride_dvh + qi[:, None] * stride_dvt + offs_d[None, :]
-            for layer in range(0, L):
-                dk = tl.load(dk_row + layer * stride_dkl, mask=rd_ok, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_D]
-                dv = tl.load(dv_row + layer * stride_dvl, mask=rd_ok, other=0.0).to(tl.float32)
-                sd = tl.sum(qf * dk, 1) * qk_scale  # [BLOCK_M], finite
-                m_new = tl.maximum(m_i, sd)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(sd - m_new)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * dv
-                m_i = m_new
+            # 3. Depth keys, chunk-aware: the tile's queries own the contiguous depth rows [q_lo * L, q_hi * L) of
+            # the position-major [Kmax * L] layout; score them with tensor-core dots, each row masked to its own L.
+            q_lo = (pid_m * BLOCK_M) // G
+            q_hi = tl.minimum(((pid_m + 1) * BLOCK_M - 1) // G + 1, q_len)
+            dk_base = depth_k + b64 * stride_dkb + hkv * stride_dkh
+            dv_base = depth_v + b64 * stride_dvb + hkv * stride_dvh
+            for j0 in range(q_lo * L, q_hi * L, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                kv_ok = j < q_hi * L
+                owner, layer = j // L, j % L
+                vis = row_ok[:, None] & (qi[:, None] == owner[None, :])
+                k_rows = dk_base + owner * stride_dkt + layer * stride_dkl
+                v_rows = dv_base + owner * stride_dvt + layer * stride_dvl
+                m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc,
+                                             qk_scale, PREC)  # fmt: skip
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -263,15 +271,23 @@ def _num_sms(device_index: int) -> int:
 
 
 def moda_verify_num_splits(
-    programs: int, max_prefix: int, num_sms: int, *, min_keys: int = 256, max_splits: int = 32
+    programs: int, max_prefix: int, num_sms: int, *, min_keys: int = 256, max_splits: int = 64, per_sm: int = 2
 ) -> int:
-    """How many chunks to split each row's cache into: enough programs for about two waves over `num_sms`
-    (`programs` = programs without splitting: m tiles x B x Hkv), each split keeping >= `min_keys` prefix keys
-    so its fixed cost (q load, partial write, the combine) stays small; at most `max_splits`."""
-    if max_prefix < 2 * min_keys or programs >= 2 * num_sms:
+    """How many split slots (split 0 for the new tokens and depth, S - 1 prefix chunks) to launch: one wave of
+    `per_sm` programs per SM over `num_sms` (`programs` = programs without splitting: m tiles x B x Hkv; the default
+    tiles keep 96 KB of shared memory, two programs per H200 SM), each chunk keeping >= `min_keys` prefix keys so
+    its fixed cost (q load, partial write, the combine) stays small; at most `max_splits`. Chosen from a sweep on
+    the H200 (BENCHMARKS.md): within ~10% of the best split count from 4K to 128K, k = 1 to 32, B = 1 to 32."""
+    if max_prefix < 2 * min_keys or programs >= num_sms:
         return 1
-    want = triton.cdiv(2 * num_sms, max(programs, 1))
-    return max(1, min(want, max_prefix // min_keys, max_splits))
+    want = per_sm * num_sms // max(programs, 1)
+    return max(1, min(want, max_prefix // min_keys + 1, max_splits))
+
+
+def verify_config(device: torch.device) -> dict:
+    """Tile and launch settings of the verify kernel for this device: the best on average of a sweep on the H200
+    (BLOCK_N 16-128, 2-8 warps, 1-4 stages; BENCHMARKS.md), also a sound default elsewhere."""
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _tile_m(G: int, kmax: int) -> int:
@@ -291,7 +307,10 @@ def moda_verify_fwd(
     scale: float,
     num_splits: int,
     out: Tensor,
+    config: dict | None = None,
 ) -> Tensor:
+    """Launch the kernels (no checks: `moda_verify` does them). config: {"BLOCK_N", "num_warps", "num_stages"},
+    default `verify_config`."""
     B, kmax, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -305,7 +324,9 @@ def moda_verify_fwd(
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         stride_mb, stride_mi = (0, mask.stride(0)) if mask.dim() == 2 else (mask.stride(0), mask.stride(1))
-    block_m, block_n, block_d = _tile_m(G, kmax), 64, max(16, triton.next_power_of_2(D))
+    cfg = verify_config(q.device) if config is None else config
+    block_m, block_n = cfg.get("BLOCK_M") or _tile_m(G, kmax), cfg["BLOCK_N"]
+    block_d = max(16, triton.next_power_of_2(D))
     prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # an fp32 cache gets exact fp32 dots
     split = num_splits > 1
     if split:
@@ -328,7 +349,7 @@ def moda_verify_fwd(
         kmax, L, num_splits,
         HKV=Hkv, G=G, D=D, BS=bs, TREE=tree_mask is not None, SPLIT=split, PREC=prec,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split:
         moda_verify_combine_kernel[(B * kmax, Hq)](

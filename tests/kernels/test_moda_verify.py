@@ -99,6 +99,18 @@ def test_matches_naive_reference(D, G, L, block_size, dtype, tree, num_splits):
         assert torch.isnan(o[b, k:]).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="larger bf16 shapes run on a GPU")
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_bf16_large_on_gpu(tree):
+    """Long ragged rows (a 32K prefix among them) in bf16, the server's dtype, with the default split heuristic."""
+    cache_lens, q_lens = [32776, 4100, 1030, 70], [8, 32, 1, 63]
+    batch = make_batch(cache_lens, q_lens, hkv=8, G=4, D=128, L=32, block_size=16, dtype=torch.bfloat16, tree=tree)
+    out = torch.full_like(batch["q"], float("nan"))
+    ref = moda_verify_naive(**{k: v.float() if v is not None and v.is_floating_point() else v
+                               for k, v in batch.items()})  # fmt: skip
+    assert_rows_close(moda_verify(**batch, out=out), ref, q_lens)
+
+
 def test_splits_agree_and_padding_kmax():
     """Any number of splits (more than some rows have blocks, too) gives one split's result; Kmax beyond every row's
     q_len, a shared [Kmax, Kmax] tree mask and a custom scale are honoured."""
@@ -116,10 +128,11 @@ def test_splits_agree_and_padding_kmax():
 def test_num_splits_heuristic():
     sms = 132
     assert moda_verify_num_splits(programs=8, max_prefix=100, num_sms=sms) == 1  # short context: no split
-    assert moda_verify_num_splits(programs=512, max_prefix=32768, num_sms=sms) == 1  # the batch fills the GPU
+    assert moda_verify_num_splits(programs=256, max_prefix=32768, num_sms=sms) == 1  # the batch fills the GPU
     s = moda_verify_num_splits(programs=8, max_prefix=32768, num_sms=sms)
-    assert 8 * s >= sms and s <= 32  # a lone long row: enough programs for the GPU, at most 32 chunks
-    assert moda_verify_num_splits(programs=8, max_prefix=1024, num_sms=sms) == 1024 // 256  # >= 256 keys a split
+    assert s == 2 * sms // 8  # a lone long row: one wave of two programs per SM
+    assert moda_verify_num_splits(programs=8, max_prefix=1024, num_sms=sms) == 1024 // 256 + 1  # >= 256 keys a chunk
+    assert moda_verify_num_splits(programs=1, max_prefix=1 << 20, num_sms=sms) == 64  # capped
 
 
 def test_rejects_bad_shapes():
