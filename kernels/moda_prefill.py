@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -42,6 +43,9 @@ from tether.shared.attention import moda_attention_reference
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+_AUTOTUNE_LOCK = threading.Lock()
 
 
 def _autotune_configs() -> list[triton.Config]:
@@ -341,7 +345,10 @@ def moda_attention_fwd(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if config is None:
-        moda_attention_fwd_kernel_autotuned[grid](*args, **consts)
+        # Triton's autotuner keeps the call's arguments on the shared kernel object while it benchmarks: two
+        # threads tuning at once (the server prefills from its gRPC threads) crash it (triton-lang/triton#11494).
+        with _AUTOTUNE_LOCK:
+            moda_attention_fwd_kernel_autotuned[grid](*args, **consts)
     else:
         cfg = dict(config)
         launch = {name: cfg.pop(name) for name in ("num_warps", "num_stages") if name in cfg}

@@ -10,8 +10,10 @@ Contract:
   a worker thread takes the first waiting round, gathers whatever else arrives within `window_s` (up to
   `max_batch`), and runs them as one batch.
 
-This reference path copies each sequence's cached K/V into a padded prefix per layer; the paged KV pool and
-the Triton verify kernel (issue [5/7]) read the rows in place instead.
+Views: on the "triton" backend with the sessions in the paged pool, `PagedKernelView` lets the paged MoDA verify
+kernel read every row's cache in place through block tables (the GPU server's path); otherwise `PagedBatchView`
+gathers each row's prefix from the pool through a slot table (and tensor-parallel ranks replay those slots), and
+`BatchCacheView` copies from per-sequence caches.
 """
 
 from __future__ import annotations
@@ -75,8 +77,61 @@ class PagedBatchView(BatchCacheView):
         return self.slot_view.write(layer, k, v)
 
 
-def cache_view(caches: list, new_lens: list[int]) -> BatchCacheView:
-    """The batch view for these caches: the paged one when they all live in one pool."""
+class PagedKernelView:
+    """Sequences of one KVPool read IN PLACE by the paged MoDA verify kernel (tether.kernels.moda_verify): each
+    layer scatters the new rows into their slots and attends through the rows' block tables; no prefix is gathered
+    and no [B, Tq, Lmax + Tq] mask is built. The model calls `attend` instead of `write` + its backend; the
+    tree_mask it passes is the new tokens' own [B, Tq, Tq] visibility (padded queries are not computed: their
+    output rows are zeros)."""
+
+    length = 0  # positions are always given explicitly for a batch
+
+    def __init__(self, caches: list[PagedCache], new_lens: list[int]):
+        from tether.kernels.moda_verify import moda_verify  # the server is the only importer of the kernels
+
+        self.verify_op = moda_verify
+        self.caches, self.new_lens = caches, new_lens
+        self.lens = [c.length for c in caches]
+        self.lmax = max(self.lens)
+        self.pool = pool = caches[0].pool
+        dev = pool.device
+        for c, n in zip(caches, new_lens, strict=True):
+            c.reserve(n)
+        self.write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, self.lens, new_lens, strict=True)])
+        tq = max(new_lens)
+        self.write_rows = torch.cat([torch.arange(n, device=dev) + i * tq for i, n in enumerate(new_lens)])
+        self.block_table, committed = pool.block_tables(caches)  # [B, max_blocks] int32, [B] int32
+        self.q_lens = torch.tensor(new_lens, dtype=torch.int32, device=dev)
+        self.cache_lens = committed + self.q_lens  # the kernel counts the round's rows as cached (just written)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
+               *, scale: float, tree_mask: Tensor | None) -> Tensor:  # fmt: skip
+        """q [B, Tq, Hq, D], k/v [B, Tq, Hkv, D] (new rows), depth [B, Tq, L, Hkv, D] -> [B, Tq, Hq, D]."""
+        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
+        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
+        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
+        out = torch.zeros_like(q)
+        return self.verify_op(q, self.pool.k[layer], self.pool.v[layer], self.block_table, self.cache_lens,
+                              self.q_lens, depth_k, depth_v, tree_mask=tree_mask, scale=scale, out=out)  # fmt: skip
+
+
+def attends_in_place(target: Transformer, caches: list) -> bool:
+    """Whether a batch of these caches runs through the paged verify kernel: a single-process target on the
+    "triton" backend with every sequence in one pool (a tensor-parallel target still gathers: its followers
+    replay slot commands)."""
+    return (
+        isinstance(target, Transformer)
+        and target.backend == "triton"
+        and all(isinstance(c, PagedCache) for c in caches)
+        and len({id(c.pool) for c in caches}) == 1
+    )
+
+
+def cache_view(caches: list, new_lens: list[int], *, in_place: bool = False) -> BatchCacheView | PagedKernelView:
+    """The batch view for these caches: the in-place kernel view when asked, else the gathering paged one when
+    they all live in one pool, else the per-row one."""
+    if in_place:
+        return PagedKernelView(caches, new_lens)
     if all(isinstance(c, PagedCache) for c in caches) and len({id(c.pool) for c in caches}) == 1:
         return PagedBatchView(caches, new_lens)
     return BatchCacheView(caches, new_lens)
@@ -105,17 +160,22 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
     B = len(items)
     sizes = [len(tree) for _, tree in items]
     tq = max(sizes)
-    view = cache_view([ver.cache for ver, _ in items], sizes)
+    caches = [ver.cache for ver, _ in items]
+    in_place = attends_in_place(target, caches)
+    view = cache_view(caches, sizes, in_place=in_place)
     tokens = torch.zeros(B, tq, dtype=torch.long)
     positions = torch.zeros(B, tq, dtype=torch.long)
-    mask = torch.zeros(B, tq, view.lmax + tq, dtype=torch.bool)
+    # In place: the new tokens' own visibility [B, Tq, Tq]; gathered: the whole [B, Tq, Lmax + Tq].
+    base = 0 if in_place else view.lmax
+    mask = torch.zeros(B, tq, base + tq, dtype=torch.bool)
     for i, ((_, tree), L, n) in enumerate(zip(items, view.lens, sizes, strict=True)):
         tokens[i, :n] = tree.tokens
         positions[i, :n] = tree.positions(L)
         positions[i, n:] = L  # padding rows: any valid position; nobody sees them
-        mask[i, :, :L] = True
-        mask[i, :n, view.lmax : view.lmax + n] = tree.ancestor_mask()
-        mask[i, torch.arange(n, tq), view.lmax + torch.arange(n, tq)] = True  # padding sees itself only
+        if not in_place:
+            mask[i, :, :L] = True
+        mask[i, :n, base : base + n] = tree.ancestor_mask()
+        mask[i, torch.arange(n, tq), base + torch.arange(n, tq)] = True  # padding sees itself only
     want = any(ver.drafter is not None for ver, _ in items)
     out = target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
                      hidden_layers=(target.cfg.n_layers,), return_kv=want)  # fmt: skip
@@ -141,6 +201,32 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
             delta = ver.drafter.server_delta(states, L, tree.tokens[verdict.path].tolist())
         results.append((verdict, delta))
     return results
+
+
+@torch.inference_mode()
+def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32)) -> None:
+    """Run the kernels a server will need once, so Triton compiles (and autotunes) them before the first client
+    instead of inside its open or round deadline: prefills with and without a cached prefix, and batched verify
+    rounds of every tile class in `sizes` (chains and a branching tree, short and split-K contexts)."""
+    vocab, room, grow = target.cfg.vocab_size, target.cfg.max_seq_len, 2 * max(sizes) + 2
+    lens = [n for n in (24, 600) if n + grow <= room]
+    vers = [SequenceVerifier(target, None, capacity=n + grow, pool=pool) for n in lens]
+    try:
+        for v, n in zip(vers, lens, strict=True):
+            v.open([(7 * i + 1) % vocab for i in range(n)])
+        for n in sizes:
+            if not vers:
+                break
+            tree = DraftTree(
+                tokens=torch.arange(n) % vocab, parents=torch.arange(n) // 2 - (torch.arange(n) == 0).long()
+            )
+            verify_batch(target, [(v, DraftTree.chain(1 % vocab, [i % vocab for i in range(n - 1)])) for v in vers])
+            verify_batch(target, [(v, tree) for v in vers])
+            for v, n0 in zip(vers, lens, strict=True):
+                v.cache.truncate(n0)
+    finally:
+        for v in vers:
+            v.release()
 
 
 class RoundBatcher:

@@ -14,11 +14,13 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tether.server.batcher import warm_up
 from tether.server.generate import default_model_dir, load, pick_device
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
@@ -27,6 +29,7 @@ from tether.server.tp import apply_tp
 from tether.server.tp_serve import TPTarget, join_rank0, start_followers
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
+from tether.shared.model import Transformer
 from tether.shared.weights import client_part_tensors
 
 log = logging.getLogger("tether.server")
@@ -95,6 +98,10 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
         target = tp_target
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, **extra)
+    if isinstance(target, Transformer) and target.backend == "triton":
+        t0 = time.perf_counter()
+        warm_up(target, service.pool)
+        log.info("attention kernels compiled and tuned in %.1f s", time.perf_counter() - t0)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:

@@ -179,18 +179,26 @@ class Block(nn.Module):
         prefix_kv: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One block over new tokens. Keys are the cache's rows plus the new ones, or `prefix_kv` rows
-        [B, S, Hkv, D] plus the new ones (drafter training feeds the target's exact K/V that way)."""
+        [B, S, Hkv, D] plus the new ones (drafter training feeds the target's exact K/V that way).
+
+        A cache that attends in place (it has `attend(layer, q, k, v, depth_k, depth_v, *, scale, tree_mask)`,
+        e.g. the server's paged pool read by a paged kernel) stores the new K/V and computes the attention itself,
+        with the backend's contract; no keys are gathered for it."""
         c, pre = self.cfg, self.cfg.norm_position == "pre"
         h = self.attn_norm(x) if pre else x
         q, k, v = self.attn.qkv(h, cos, sin)  # [B, T, H, D]
-        if cache is not None:
-            keys, vals = cache.write(cache_layer, k, v)
-        elif prefix_kv is not None:
-            keys, vals = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
-        else:
-            keys, vals = k, v
         depth_k, depth_v = depth.read()
-        o = get_backend(backend)(q, keys, vals, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
+        attend = getattr(cache, "attend", None)
+        if attend is not None:
+            o = attend(cache_layer, q, k, v, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
+        else:
+            if cache is not None:
+                keys, vals = cache.write(cache_layer, k, v)
+            elif prefix_kv is not None:
+                keys, vals = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
+            else:
+                keys, vals = k, v
+            o = get_backend(backend)(q, keys, vals, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
         if c.moda:
             depth.append(k, v)
         x = x + self.attn.o_proj(o.flatten(2))

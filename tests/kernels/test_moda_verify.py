@@ -199,3 +199,80 @@ def test_real_kv_pool_round(monkeypatch):
         assert_rows_close(
             o, moda_verify_naive(q, kc, vc, depth_k=depth_k, depth_v=depth_v, scale=scale, **args), q_lens
         )
+
+
+@pytest.fixture
+def in_place_calls(monkeypatch) -> list:
+    """The "triton" backend registered (the kernels, here under the interpreter on CPU) and a list that grows by
+    one for every in-place attention the batcher's PagedKernelView runs."""
+    from tether.kernels.moda import moda_backend
+    from tether.server import batcher
+
+    monkeypatch.setitem(attention._BACKENDS, "triton", moda_backend)
+    calls = []
+    attend = batcher.PagedKernelView.attend
+    monkeypatch.setattr(
+        batcher.PagedKernelView, "attend", lambda self, *a, **kw: calls.append(1) or attend(self, *a, **kw)
+    )
+    return calls
+
+
+def test_batcher_reads_the_pool_in_place(in_place_calls):
+    """verify_batch on the "triton" backend runs every layer through the paged kernel over the pool in place
+    (PagedKernelView) and gives what the gathering reference path gives: the same verdicts, deltas and pool rows,
+    over ragged chains and trees that straddle block edges, for three rounds of five sessions."""
+    from tiny_models import tiny_moa_drafter
+
+    from tether.server import batcher
+    from tether.server.verifier import SequenceVerifier
+
+    target = tiny_target(vocab_size=7).to(DEV)
+    drafter = tiny_moa_drafter(target)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(7, (n,), generator=g).tolist() for n in (2, 4, 9, 13, 21)]
+    rounds = []
+    for _ in range(3):
+        trees = []
+        for i in range(5):
+            if i % 2:
+                n = int(torch.randint(1, 7, (1,), generator=g))
+                parents = [-1] + [int(torch.randint(j, (1,), generator=g)) for j in range(1, n)]
+                trees.append(DraftTree(tokens=torch.randint(7, (n,), generator=g), parents=torch.tensor(parents)))
+            else:
+                trees.append(DraftTree.chain(0, torch.randint(7, (i + 1,), generator=g).tolist()))
+        rounds.append(trees)
+
+    def session_run(backend):
+        target.backend = backend
+        pool = KVPool(target.cfg, num_blocks=60, block_size=5, device=DEV)
+        vers = [SequenceVerifier(target, drafter, capacity=64, pool=pool) for _ in prompts]
+        for v, p in zip(vers, prompts, strict=True):
+            v.open(p)
+        results = [batcher.verify_batch(target, list(zip(vers, trees, strict=True))) for trees in rounds]
+        rows = [(pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length], v.length) for v in vers]
+        return results, rows
+
+    got, got_rows = session_run("triton")
+    assert len(in_place_calls) == 3 * target.cfg.n_layers  # one in-place attention per layer per batch
+    want, want_rows = session_run("reference")
+    for gr, wr in zip(got, want, strict=True):
+        for (gv, gd), (wv, wd) in zip(gr, wr, strict=True):
+            assert gv.path == wv.path and gv.bonus == wv.bonus
+            for name in wd.tensors:
+                torch.testing.assert_close(gd.tensors[name], wd.tensors[name], rtol=1e-4, atol=1e-4)
+    for (gk, gl), (wk, wl) in zip(got_rows, want_rows, strict=True):
+        assert gl == wl
+        torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-4)
+
+
+def test_server_warm_up_leaves_the_pool_as_it_found_it(in_place_calls):
+    """warm_up runs prefills and verify rounds of every tile class through the kernels, then gives every block
+    back."""
+    from tether.server import batcher
+
+    target = tiny_target(vocab_size=7).to(DEV)
+    target.backend = "triton"
+    pool = KVPool(target.cfg, num_blocks=200, block_size=16, device=DEV)
+    batcher.warm_up(target, pool, sizes=(1, 9))
+    assert len(in_place_calls) == 2 * 2 * target.cfg.n_layers  # two sizes x (chain, tree), one batch each
+    assert pool.used_blocks == 0
