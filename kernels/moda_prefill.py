@@ -28,6 +28,7 @@ Layout choices (the MoDA paper's "flash layout, chunk-aware, group-aware" kernel
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import threading
@@ -237,8 +238,11 @@ def moda_attention_fwd_kernel(
     )
 
 
+# Tuning results go to Triton's disk cache where this Triton can (3.2+): a restarted server then skips the
+# benchmarking (the compiled kernels are cached anyway), which took most of a cold warm-up on the H200.
+_CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 moda_attention_fwd_kernel_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=["G", "D", "CAUSAL", "HAS_DEPTH", "IS_VARLEN"]
+    configs=_autotune_configs(), key=["G", "D", "CAUSAL", "HAS_DEPTH", "IS_VARLEN"], **_CACHE_RESULTS
 )(moda_attention_fwd_kernel)
 
 
