@@ -38,8 +38,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tether.shared.attention import moda_attention_reference
-
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
@@ -341,7 +339,7 @@ def moda_attention_fwd(
     consts = dict(
         G=G,
         D=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_D=max(16, 1 << max(0, D - 1).bit_length()),
         CAUSAL=causal,
         HAS_DEPTH=L > 0,
         IS_VARLEN=cu_seqlens is not None,
@@ -400,33 +398,3 @@ def kernel_supports(q: Tensor) -> bool:
         torch.bfloat16,
         torch.float32,
     )
-
-
-def moda_backend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    depth_k: Tensor | None = None,
-    depth_v: Tensor | None = None,
-    *,
-    scale: float | None = None,
-    tree_mask: Tensor | None = None,
-) -> Tensor:
-    """The model's attention backend contract (tether.shared.attention) served by the Triton kernel.
-
-    The kernel takes causal attention over k, v (a prefix of Tk - Tq cached rows included) plus depth. A tree
-    mask, a device the kernel cannot run on, unsupported shapes/dtypes, or inputs that need gradients (the
-    kernel has no backward) fall back to the reference implementation.
-    """
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, depth_k, depth_v))
-    same_dtype = all(t is None or t.dtype == q.dtype for t in (k, v, depth_k, depth_v))
-    if (
-        tree_mask is None
-        and not needs_grad
-        and same_dtype
-        and kernel_supports(q)
-        and q.shape[-1] <= 256
-        and k.shape[1] >= q.shape[1]
-    ):
-        return moda_attention(q, k, v, depth_k, depth_v, causal=True, scale=scale)
-    return moda_attention_reference(q, k, v, depth_k, depth_v, scale=scale, tree_mask=tree_mask)

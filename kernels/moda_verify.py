@@ -265,6 +265,16 @@ def moda_verify_combine_kernel(
         )
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (host side: triton.next_power_of_2 / triton.cdiv are JIT functions whose
+    Python calls cost microseconds, and this wrapper runs once per layer per verify step)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -291,7 +301,7 @@ def verify_config(device: torch.device) -> dict:
 
 
 def _tile_m(G: int, kmax: int) -> int:
-    return max(16, min(64, triton.next_power_of_2(G * kmax)))
+    return max(16, min(64, _pow2(G * kmax)))
 
 
 def moda_verify_fwd(
@@ -326,7 +336,7 @@ def moda_verify_fwd(
         stride_mb, stride_mi = (0, mask.stride(0)) if mask.dim() == 2 else (mask.stride(0), mask.stride(1))
     cfg = verify_config(q.device) if config is None else config
     block_m, block_n = cfg.get("BLOCK_M") or _tile_m(G, kmax), cfg["BLOCK_N"]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, _pow2(D))
     prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # an fp32 cache gets exact fp32 dots
     split = num_splits > 1
     if split:
@@ -334,7 +344,7 @@ def moda_verify_fwd(
         lse_part = torch.empty(B, kmax, Hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # never read
-    grid = (triton.cdiv(G * kmax, block_m), B * Hkv, num_splits)
+    grid = (_cdiv(G * kmax, block_m), B * Hkv, num_splits)
     moda_verify_fwd_kernel[grid](
         q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, mask, out, o_part, lse_part,
         scale * LOG2E,
@@ -354,7 +364,7 @@ def moda_verify_fwd(
     if split:
         moda_verify_combine_kernel[(B * kmax, Hq)](
             o_part, lse_part, out, q_lens, out.stride(0), out.stride(1), out.stride(2), kmax, num_splits,
-            HQ=Hq, D=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=1,
+            HQ=Hq, D=D, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d, num_warps=1,
         )  # fmt: skip
     return out
 
@@ -410,11 +420,14 @@ def moda_verify(
     if num_splits is None:
         # Upper bound of the longest prefix from the table's width: no device sync on the decode path.
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 1
-        programs = triton.cdiv(Hq // Hkv * kmax, _tile_m(Hq // Hkv, kmax)) * B * Hkv
+        programs = _cdiv(Hq // Hkv * kmax, _tile_m(Hq // Hkv, kmax)) * B * Hkv
         num_splits = moda_verify_num_splits(programs, block_table.shape[1] * k_cache.shape[1], sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q, k_cache, v_cache, depth_k, depth_v = map(_last_unit, (q, k_cache, v_cache, depth_k, depth_v))
-    block_table, cache_lens, q_lens = (t.to(torch.int32).contiguous() for t in (block_table, cache_lens, q_lens))
+    block_table, cache_lens, q_lens = (
+        t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+        for t in (block_table, cache_lens, q_lens)
+    )
     return moda_verify_fwd(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask,
                            scale, num_splits, out)  # fmt: skip

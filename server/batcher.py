@@ -206,10 +206,12 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
 @torch.inference_mode()
 def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32)) -> None:
     """Run the kernels a server will need once, so Triton compiles (and autotunes) them before the first client
-    instead of inside its open or round deadline: prefills with and without a cached prefix, and batched verify
-    rounds of every tile class in `sizes` (chains and a branching tree, short and split-K contexts)."""
+    instead of inside its open or round deadline: prefills with and without a cached prefix, batched verify rounds
+    of every tile class in `sizes` (chains and a branching tree, short and split-K contexts), and the same trees
+    verified one sequence at a time (a resync's absorb, the batcher's fallback: the verify kernel over gathered
+    rows)."""
     vocab, room, grow = target.cfg.vocab_size, target.cfg.max_seq_len, 2 * max(sizes) + 2
-    lens = [n for n in (24, 600) if n + grow <= room]
+    lens = [n for n in (24, 600) if n + grow <= room]  # 600: past moda_backend's VERIFY_MIN_PREFIX
     vers = [SequenceVerifier(target, None, capacity=n + grow, pool=pool) for n in lens]
     try:
         for v, n in zip(vers, lens, strict=True):
@@ -220,10 +222,13 @@ def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32
             tree = DraftTree(
                 tokens=torch.arange(n) % vocab, parents=torch.arange(n) // 2 - (torch.arange(n) == 0).long()
             )
-            verify_batch(target, [(v, DraftTree.chain(1 % vocab, [i % vocab for i in range(n - 1)])) for v in vers])
-            verify_batch(target, [(v, tree) for v in vers])
-            for v, n0 in zip(vers, lens, strict=True):
-                v.cache.truncate(n0)
+            chain = DraftTree.chain(1 % vocab, [i % vocab for i in range(n - 1)])
+            for batch in ([(v, chain) for v in vers], [(v, tree) for v in vers]):
+                verify_batch(target, batch)
+                for v, n0 in zip(vers, lens, strict=True):
+                    v.cache.truncate(n0)
+                    v.verify(batch[0][1])
+                    v.cache.truncate(n0)
     finally:
         for v in vers:
             v.release()

@@ -14,7 +14,6 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from tether.kernels import moda_prefill  # noqa: E402
 from tether.kernels.moda import moda_attention, moda_attention_fwd, moda_backend  # noqa: E402
 from tether.kernels.naive import moda_attention_naive  # noqa: E402
 from tether.shared import attention  # noqa: E402
@@ -197,30 +196,40 @@ def test_backend_contract(prefix):
 
 
 def test_backend_falls_back():
+    """A mask over the whole key range and inputs that need gradients go to the reference."""
     q, k, v, dk, dv = inputs(1, 12, 4, 2, 16, 3, torch.float32, Tk=20, seed=6)
-    tree = torch.rand(12, 12, generator=torch.Generator().manual_seed(0)) < 0.5
-    tree |= torch.eye(12, dtype=torch.bool)
-    tree = tree.to(DEVICE)
-    o = moda_backend(q, k, v, dk, dv, scale=0.25, tree_mask=tree)
-    torch.testing.assert_close(o, moda_attention_reference(q, k, v, dk, dv, scale=0.25, tree_mask=tree))
+    full = torch.rand(12, 20, generator=torch.Generator().manual_seed(0)) < 0.5
+    full[:, 8:] |= torch.eye(12, dtype=torch.bool)
+    full = full.to(DEVICE)
+    o = moda_backend(q, k, v, dk, dv, scale=0.25, tree_mask=full)
+    torch.testing.assert_close(o, moda_attention_reference(q, k, v, dk, dv, scale=0.25, tree_mask=full))
     qg = q.clone().requires_grad_()
     moda_backend(qg, k, v, dk, dv, scale=0.25).sum().backward()  # the kernel has no backward: reference
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
 
 
 def test_model_with_kernel_backend(monkeypatch):
-    """The tiny MoDA model gives the same logits with the kernel as its "triton" backend: prefill into a cache,
-    then a causal continuation against the cache (kernel) and a tree verify (reference fallback)."""
+    """The tiny MoDA model gives the same logits with the kernels as its "triton" backend: prefill into a cache
+    and a causal continuation against it (the prefill kernel), then a tree verify (the verify kernel, reading the
+    cache's rows in place)."""
     from tiny_models import tiny_target
+
+    from tether.kernels import moda as moda_ops
+    from tether.kernels.moda_verify import moda_verify
 
     monkeypatch.setitem(attention._BACKENDS, "triton", moda_backend)
     kernel_calls = []
 
-    def counted(*args, **kw):
-        kernel_calls.append(args[3] is not None)  # whether this layer had depth keys
+    def counted_prefill(*args, **kw):
+        kernel_calls.append(("prefill", args[3] is not None))  # whether this layer had depth keys
         return moda_attention(*args, **kw)
 
-    monkeypatch.setattr(moda_prefill, "moda_attention", counted)
+    def counted_verify(*args, **kw):
+        kernel_calls.append(("verify", args[6] is not None))
+        return moda_verify(*args, **kw)
+
+    monkeypatch.setattr(moda_ops, "moda_attention", counted_prefill)
+    monkeypatch.setattr(moda_ops, "moda_verify", counted_verify)
     model = tiny_target(seed=1).to(DEVICE)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 29), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     tree = torch.ones(4, 4, dtype=torch.bool, device=DEVICE).tril()
@@ -236,5 +245,6 @@ def test_model_with_kernel_backend(monkeypatch):
         logits[backend] = (pre, more, ver)
     for ref, got in zip(logits["reference"], logits["triton"], strict=True):
         assert rel_rms(got, ref) < 1e-4
-    # prefill and continuation ran the kernel in every layer (layer 0 without depth); the tree verify did not
-    assert kernel_calls == [False, True, True] * 2
+    # every layer of every forward ran a kernel (layer 0 without depth)
+    depth = [False, True, True]
+    assert kernel_calls == [("prefill", d) for d in depth] * 2 + [("verify", d) for d in depth]
