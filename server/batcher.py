@@ -26,7 +26,7 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
+from tether.server.kv_pool import PagedCache, PagedKernelView, PoolExhausted, SlotView
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.drafter import DraftDelta
 from tether.shared.model import Transformer
@@ -77,51 +77,31 @@ class PagedBatchView(BatchCacheView):
         return self.slot_view.write(layer, k, v)
 
 
-class PagedKernelView:
-    """Sequences of one KVPool read IN PLACE by the paged MoDA verify kernel (tether.kernels.moda_verify): each
-    layer scatters the new rows into their slots and attends through the rows' block tables; no prefix is gathered
-    and no [B, Tq, Lmax + Tq] mask is built. The model calls `attend` instead of `write` + its backend; the
-    tree_mask it passes is the new tokens' own [B, Tq, Tq] visibility (padded queries are not computed: their
-    output rows are zeros)."""
-
-    length = 0  # positions are always given explicitly for a batch
-
-    def __init__(self, caches: list[PagedCache], new_lens: list[int]):
-        from tether.kernels.moda_verify import moda_verify  # the server is the only importer of the kernels
-
-        self.verify_op = moda_verify
-        self.caches, self.new_lens = caches, new_lens
-        self.lens = [c.length for c in caches]
-        self.lmax = max(self.lens)
-        self.pool = pool = caches[0].pool
-        dev = pool.device
-        for c, n in zip(caches, new_lens, strict=True):
-            c.reserve(n)
-        self.write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, self.lens, new_lens, strict=True)])
-        tq = max(new_lens)
-        self.write_rows = torch.cat([torch.arange(n, device=dev) + i * tq for i, n in enumerate(new_lens)])
-        self.block_table, committed = pool.block_tables(caches)  # [B, max_blocks] int32, [B] int32
-        self.q_lens = torch.tensor(new_lens, dtype=torch.int32, device=dev)
-        self.cache_lens = committed + self.q_lens  # the kernel counts the round's rows as cached (just written)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> Tensor:  # fmt: skip
-        """q [B, Tq, Hq, D], k/v [B, Tq, Hkv, D] (new rows), depth [B, Tq, L, Hkv, D] -> [B, Tq, Hq, D]."""
-        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
-        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
-        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
-        out = torch.zeros_like(q)
-        return self.verify_op(q, self.pool.k[layer], self.pool.v[layer], self.block_table, self.cache_lens,
-                              self.q_lens, depth_k, depth_v, tree_mask=tree_mask, scale=scale, out=out)  # fmt: skip
+def paged_kernel_view(caches: list[PagedCache], new_lens: list[int]) -> PagedKernelView:
+    """The in-place kernel view of one ragged batch of pool sequences: reserves each row's new slots, then
+    hands the kernel the rows' block tables (with `lens` / `lmax`, the committed lengths, for the caller)."""
+    lens = [c.length for c in caches]
+    pool = caches[0].pool
+    dev = pool.device
+    for c, n in zip(caches, new_lens, strict=True):
+        c.reserve(n)
+    write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, lens, new_lens, strict=True)])
+    tq = max(new_lens)
+    write_rows = torch.cat([torch.arange(n, device=dev) + i * tq for i, n in enumerate(new_lens)])
+    table, committed = pool.block_tables(caches)  # [B, max_blocks] int32, [B] int32
+    q_lens = torch.tensor(new_lens, dtype=torch.int32, device=dev)
+    # The kernel counts the round's rows as cached: attend writes them into their slots first.
+    view = PagedKernelView(pool, write_slots, write_rows, table, committed + q_lens, q_lens)
+    view.lens, view.lmax = lens, max(lens)
+    return view
 
 
 def attends_in_place(target: Transformer, caches: list) -> bool:
-    """Whether a batch of these caches runs through the paged verify kernel: a single-process target on the
-    "triton" backend with every sequence in one pool (a tensor-parallel target still gathers: its followers
-    replay slot commands)."""
+    """Whether a batch of these caches runs through the paged verify kernel: a target on the "triton" backend
+    (single process, or tensor-parallel: every rank then attends over its shard of the pool) with every sequence
+    in one pool."""
     return (
-        isinstance(target, Transformer)
-        and target.backend == "triton"
+        getattr(target, "backend", None) == "triton"
         and all(isinstance(c, PagedCache) for c in caches)
         and len({id(c.pool) for c in caches}) == 1
     )
@@ -131,7 +111,7 @@ def cache_view(caches: list, new_lens: list[int], *, in_place: bool = False) -> 
     """The batch view for these caches: the in-place kernel view when asked, else the gathering paged one when
     they all live in one pool, else the per-row one."""
     if in_place:
-        return PagedKernelView(caches, new_lens)
+        return paged_kernel_view(caches, new_lens)
     if all(isinstance(c, PagedCache) for c in caches) and len({id(c.pool) for c in caches}) == 1:
         return PagedBatchView(caches, new_lens)
     return BatchCacheView(caches, new_lens)

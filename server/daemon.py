@@ -81,7 +81,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if cfg.tp > 1:
         kind = "cuda" if device.startswith("cuda") else "cpu"
         followers, port = start_followers(cfg.tp, cfg.model, kind, cfg.dtype, cfg.kv_pool_mb << 20,
-                                          cfg.kv_block_size)  # fmt: skip
+                                          cfg.kv_block_size, cfg.attention)  # fmt: skip
         cmd_group = join_rank0(cfg.tp, port, kind)
         device = "cuda:0" if kind == "cuda" else "cpu"
     target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention)

@@ -58,12 +58,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def attention_backend(device: str, requested: str = "auto") -> str:
     """The attention backend for a model on `device`: "auto" is the Triton MoDA kernels on CUDA (registered
-    here: the server is the only place that imports them) and the PyTorch reference elsewhere."""
+    here: the server is the only place that imports them) and the PyTorch reference elsewhere. "triton" on the
+    CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): slow, for tests."""
     name = ("triton" if device.startswith("cuda") else "reference") if requested == "auto" else requested
     if name == "triton":
-        if not device.startswith("cuda"):
-            raise ValueError("the triton attention backend needs a CUDA device")
         from tether.kernels.moda import moda_backend
+        from tether.kernels.moda_prefill import interpreting
+
+        if not device.startswith("cuda") and not interpreting():
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
 
         register_backend("triton", moda_backend)
     return name

@@ -16,6 +16,8 @@ Contract:
   back everything; a released cache refuses further use instead of reading blocks someone else now owns.
 - `SlotView(pool, write_slots, write_rows, read_slots)`: one forward's window on the pool as flat slot indices
   (vLLM's slot mapping), the cache interface the model calls; the batcher and tensor-parallel ranks use it.
+- `PagedKernelView(pool, write_slots, write_rows, block_table, cache_lens, q_lens)`: the same window for the
+  paged verify kernel, which reads the rows in place (the model calls its `attend`).
 
     pool = KVPool.for_budget(model.cfg, 256 << 20, block_size=16, device="cuda", dtype=torch.bfloat16)
     cache = pool.sequence(capacity=2048)
@@ -245,3 +247,37 @@ class SlotView:
         kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
         vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
         return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
+
+
+class PagedKernelView:
+    """One verify forward's window on a pool shard, read IN PLACE by the paged MoDA verify kernel
+    (tether.kernels.moda_verify): each layer scatters the new rows into `write_slots` and attends through the rows'
+    block tables; no prefix is gathered and no [B, Tq, Lmax + Tq] mask is built. The model calls `attend` instead
+    of `write` + its backend; the tree_mask it passes is the new tokens' own [B, Tq, Tq] visibility (padded
+    queries are not computed: their output rows are zeros). The batcher builds it (`paged_kernel_view`), and
+    tensor-parallel ranks rebuild it from rank 0's tensors."""
+
+    length = 0  # positions are always given explicitly
+
+    def __init__(self, pool: KVPool, write_slots: Tensor, write_rows: Tensor, block_table: Tensor,
+                 cache_lens: Tensor, q_lens: Tensor):  # fmt: skip
+        from tether.kernels.moda_verify import moda_verify  # only the server imports the kernels, and only here
+
+        dev = pool.device
+        self.verify_op = moda_verify
+        self.pool = pool
+        self.write_slots = write_slots.to(dev)  # [N] flat slots of the new rows
+        self.write_rows = write_rows.to(dev)  # [N] their indices in the flattened [B * Tq] new rows
+        self.block_table = block_table.to(dev, torch.int32)  # [B, max_blocks]
+        self.cache_lens = cache_lens.to(dev, torch.int32)  # [B] committed + new rows
+        self.q_lens = q_lens.to(dev, torch.int32)  # [B] new rows
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
+               *, scale: float, tree_mask: Tensor | None) -> Tensor:  # fmt: skip
+        """q [B, Tq, Hq, D], k/v [B, Tq, Hkv, D] (new rows), depth [B, Tq, L, Hkv, D] -> [B, Tq, Hq, D]."""
+        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
+        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
+        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
+        out = torch.zeros_like(q)
+        return self.verify_op(q, self.pool.k[layer], self.pool.v[layer], self.block_table, self.cache_lens,
+                              self.q_lens, depth_k, depth_v, tree_mask=tree_mask, scale=scale, out=out)  # fmt: skip

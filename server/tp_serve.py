@@ -29,29 +29,40 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from tether.server.kv_pool import KVPool, PagedCache, SlotView
+from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
 from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
 from tether.shared.model import ForwardOutput, Transformer
 
 log = logging.getLogger("tether.server")
 
 
-def _slots_of(cache, n_new: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(write_slots, write_rows, read_slots) of a PagedCache (one sequence) or a batcher's PagedBatchView."""
+def _window_of(cache, n_new: int) -> dict:
+    """The pool window of a forward as tensors every rank can rebuild it from: write_slots, write_rows and either
+    read_slots (a gathering SlotView) or the paged kernel's block_table, cache_lens and q_lens (PagedKernelView).
+    `cache` is a PagedCache (one sequence), a batcher's PagedBatchView or its PagedKernelView."""
     if isinstance(cache, PagedCache):
         cache.reserve(n_new)
         L = cache.length
-        return cache.slots(L, L + n_new), torch.arange(n_new), cache.slots(0, L)[None]
+        return {"write_slots": cache.slots(L, L + n_new), "write_rows": torch.arange(n_new),
+                "read_slots": cache.slots(0, L)[None]}  # fmt: skip
+    if isinstance(cache, PagedKernelView):
+        return {"write_slots": cache.write_slots, "write_rows": cache.write_rows, "block_table": cache.block_table,
+                "cache_lens": cache.cache_lens, "q_lens": cache.q_lens}  # fmt: skip
     if hasattr(cache, "slot_view"):
         v = cache.slot_view
-        return v.write_slots, v.write_rows, v.read_slots
+        return {"write_slots": v.write_slots, "write_rows": v.write_rows, "read_slots": v.read_slots}
     raise TypeError(f"a tensor-parallel target needs its KV in the paged pool, not a {type(cache).__name__}")
 
 
 def _execute(model: Transformer, pool: KVPool, cmd: dict) -> ForwardOutput:
     """Run one broadcast forward on this rank (every rank calls it with the same command)."""
     dev = pool.device
-    view = SlotView(pool, cmd["write_slots"], cmd["write_rows"], cmd["read_slots"])
+    w = cmd["window"]
+    if "block_table" in w:
+        view = PagedKernelView(pool, w["write_slots"], w["write_rows"], w["block_table"], w["cache_lens"],
+                               w["q_lens"])  # fmt: skip
+    else:
+        view = SlotView(pool, w["write_slots"], w["write_rows"], w["read_slots"])
     mask = cmd["tree_mask"]
     out = model.run(cmd["ids"].to(dev), cache=view, positions=cmd["positions"].to(dev),
                     tree_mask=None if mask is None else mask.to(dev), hidden_layers=cmd["hidden_layers"],
@@ -112,12 +123,11 @@ class TPTarget:
     ) -> ForwardOutput:
         B, T = input_ids.shape
         with self.lock:  # slot reservation and the forward must not interleave with another thread's
-            write_slots, write_rows, read_slots = _slots_of(cache, T)
+            window = {name: t.cpu() for name, t in _window_of(cache, T).items()}
             if positions is None:
                 positions = torch.arange(cache.length, cache.length + T)
             cmd = {"op": "run", "ids": input_ids.cpu(), "positions": positions.cpu().view(-1, T),
-                   "tree_mask": None if tree_mask is None else tree_mask.cpu(), "write_slots": write_slots.cpu(),
-                   "write_rows": write_rows.cpu(), "read_slots": read_slots.cpu(),
+                   "tree_mask": None if tree_mask is None else tree_mask.cpu(), "window": window,
                    "hidden_layers": tuple(hidden_layers), "return_kv": return_kv, "last_only": last_only}  # fmt: skip
             dist.broadcast_object_list([cmd], src=0, group=self.cmd_group)
             return _execute(self.model, self.pool, cmd)
@@ -165,7 +175,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, budget: int,
-                   block: int) -> None:  # fmt: skip
+                   block: int, attention: str) -> None:  # fmt: skip
     # Rank 0 decides when to stop (a terminal's Ctrl-C reaches the whole process group); if rank 0 dies without
     # saying so, a follower must not linger holding a GPU.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -180,7 +190,7 @@ def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str
     from tether.server.generate import load
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
-    model, _ = load(model_dir, dev, dtype)
+    model, _ = load(model_dir, dev, dtype, attention)
     apply_tp(model, rank, world)
     torch.set_grad_enabled(False)
     pool = KVPool.for_budget(model.cfg, budget, block, device=model.device, dtype=model.embed_tokens.weight.dtype)
@@ -190,12 +200,14 @@ def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str
         dist.destroy_process_group()
 
 
-def start_followers(world: int, model_dir: str, device: str, dtype: str, budget: int, block: int) -> tuple[list, int]:
-    """Start ranks 1..world-1 as fresh processes; returns them and the rendezvous port rank 0 must use."""
+def start_followers(world: int, model_dir: str, device: str, dtype: str, budget: int, block: int,
+                    attention: str = "auto") -> tuple[list, int]:  # fmt: skip
+    """Start ranks 1..world-1 as fresh processes (the same model, dtype and attention backend as rank 0); returns
+    them and the rendezvous port rank 0 must use."""
     disable_multicast()
     port = free_port()
     ctx = mp.get_context("spawn")
-    args = (world, port, model_dir, device, dtype, budget, block)
+    args = (world, port, model_dir, device, dtype, budget, block, attention)
     procs = [ctx.Process(target=_follower_main, args=(r, *args), daemon=True) for r in range(1, world)]
     for p in procs:
         p.start()

@@ -138,11 +138,14 @@ def test_eagle_budget_matches_moa():
     assert abs(moa.num_trainable() - eagle.num_trainable()) / moa.num_trainable() < 0.01
 
 
-def test_attention_backend_is_the_kernels_on_cuda_and_the_reference_elsewhere():
+def test_attention_backend_is_the_kernels_on_cuda_and_the_reference_elsewhere(monkeypatch):
     import pytest
 
     from tether.server.generate import attention_backend
 
     assert attention_backend("cpu") == "reference" and attention_backend("cpu", "sdpa") == "sdpa"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
         attention_backend("cpu", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels in Triton's CPU interpreter: allowed, for tests
+    assert attention_backend("cpu", "triton") == "triton"

@@ -1,12 +1,14 @@
 """`tether-server serve --tp 2` on CPU (gloo): rank 0 speaks gRPC, rank 1 follows; a session's greedy output,
 its KV deltas and a full-history resync match the single-process model, and SIGTERM stops both ranks."""
 
+import os
 import queue
 import signal
 import subprocess
 import sys
 
 import grpc
+import pytest
 import torch
 
 from tether.server.generate import default_model_dir, load
@@ -22,7 +24,18 @@ def to_delta(kv: pb.KVDelta) -> DraftDelta:
     return DraftDelta(start=kv.start, tokens=list(kv.tokens), tensors=decode_many(kv.payload))
 
 
-def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly():
+@pytest.mark.parametrize(
+    "attention",
+    [
+        "auto",
+        pytest.param("triton", marks=pytest.mark.skipif(
+            not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+            reason="the Triton kernels need CUDA or TRITON_INTERPRET=1")),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly(attention):
+    """With "triton", every rank verifies through the paged kernel over its own pool shard (PagedKernelView
+    rebuilt from rank 0's block tables) and prefills through the prefill kernel."""
     # Two GPUs: NCCL ranks, otherwise gloo ranks on the CPU; fp32 both ways, so that the only difference from
     # the single-process model is the order of the all-reduce sums (in bf16 that rounding can flip a near tie).
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
@@ -45,6 +58,8 @@ def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly():
         "0",
         "--kv-pool-mb",
         "8",
+        "--attention",
+        attention,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
