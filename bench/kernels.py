@@ -12,11 +12,14 @@ Prints the tables, then one JSON line.
 
     python bench/kernels.py
     python bench/kernels.py --prefill-t 4096 --contexts 32768 --depths 32        # a quick look
+    python bench/kernels.py --prefill-t --contexts 32768 --verify-k 8 --verify-tiles 64,4,3 128,4,2 \
+        --verify-splits 17 33 49                                                 # tune the verify tiles
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -148,6 +151,16 @@ def verify_rows(args, copy_gbs: float) -> list[dict]:
             gbs = read / (ms * 1e-3) / 1e9
             rows.append({"ctx": ctx, "k": k, "us": 1000 * ms, "GB_s": gbs, "of_copy": gbs / copy_gbs,
                          "eager_us": 1000 * eager_ms})  # fmt: skip
+            for tile, splits in itertools.product(args.verify_tiles, args.verify_splits or [None]):
+                bn, nw, ns = (int(x) for x in tile.split(","))
+                cfg = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
+                sweep = lambda q=q, kc=kc, vc=vc, t=table, ln=lens, ql=q_lens, dk=dk, dv=dv, o=out, c=cfg, s=splits: (  # noqa: E731
+                    moda_verify(q, kc, vc, t, ln, ql, dk, dv, out=o, num_splits=s, config=c)
+                )
+                ms = graph_timed(sweep)
+                gbs = read / (ms * 1e-3) / 1e9
+                rows.append({"ctx": ctx, "k": k, "tile": tile, "splits": splits, "us": 1000 * ms, "GB_s": gbs,
+                             "of_copy": gbs / copy_gbs})  # fmt: skip
             del kc, vc
             torch.cuda.empty_cache()
     return rows
@@ -200,6 +213,10 @@ def main() -> int:
     ap.add_argument("--depths", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768, 131072])
     ap.add_argument("--verify-k", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--verify-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES",
+                    help="also time these verify tile configs (tuning), e.g. 64,4,3 128,4,2")  # fmt: skip
+    ap.add_argument("--verify-splits", type=int, nargs="*", default=[],
+                    help="split counts for --verify-tiles (default: the heuristic's)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
@@ -227,9 +244,22 @@ def main() -> int:
     for c in ("context", "k", "GPU us (graph)", "GB/s", "of copy bw", "eager us per call"):
         t.add_column(c, justify="right")
     for r in ver:
+        if "tile" in r:
+            continue
         t.add_row(str(r["ctx"]), str(r["k"]), f"{r['us']:.1f}", f"{r['GB_s']:.0f}", f"{r['of_copy']:.2f}",
                   f"{r['eager_us']:.1f}")  # fmt: skip
     console.print(t)
+    tuned = [r for r in ver if "tile" in r]
+    if tuned:
+        t = Table(title="verify tile sweep: the fastest per shape (all in the JSON line)")
+        for c in ("context", "k", "tile", "splits", "GPU us", "of copy bw", "x default"):
+            t.add_column(c, justify="right")
+        for ctx, k in sorted({(r["ctx"], r["k"]) for r in tuned}):
+            best = min((r for r in tuned if (r["ctx"], r["k"]) == (ctx, k)), key=lambda r: r["us"])
+            default = next(r["us"] for r in ver if (r["ctx"], r["k"]) == (ctx, k) and "tile" not in r)
+            t.add_row(str(ctx), str(k), best["tile"], str(best["splits"] or "auto"), f"{best['us']:.1f}",
+                      f"{best['of_copy']:.2f}", f"{default / best['us']:.2f}")  # fmt: skip
+        console.print(t)
     record = {
         "bench": "kernels",
         "gpu": torch.cuda.get_device_name(),

@@ -387,6 +387,7 @@ def moda_verify(
     scale: float | None = None,  # default D ** -0.5, for both parts
     num_splits: int | None = None,  # split-K chunks per row's prefix; None: moda_verify_num_splits
     out: Tensor | None = None,  # [B, Kmax, Hq, D] q.dtype; padded rows are left untouched
+    config: dict | None = None,  # {"BLOCK_N", "num_warps", "num_stages"[, "BLOCK_M"]}: bypass verify_config (tuning)
 ) -> Tensor:
     """MoDA attention of each row's new tokens over its paged cache and depth keys; returns [B, Kmax, Hq, D] in
     q's dtype. See the module docstring for the conventions and the split-K design."""
@@ -430,4 +431,4 @@ def moda_verify(
         for t in (block_table, cache_lens, q_lens)
     )
     return moda_verify_fwd(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask,
-                           scale, num_splits, out)  # fmt: skip
+                           scale, num_splits, out, config)  # fmt: skip

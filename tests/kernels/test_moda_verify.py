@@ -112,13 +112,14 @@ def test_bf16_large_on_gpu(tree):
 
 
 def test_splits_agree_and_padding_kmax():
-    """Any number of splits (more than some rows have blocks, too) gives one split's result; Kmax beyond every row's
-    q_len, a shared [Kmax, Kmax] tree mask and a custom scale are honoured."""
+    """Any number of splits (more than some rows have blocks, too) or tile config gives one split's result; Kmax
+    beyond every row's q_len, a shared [Kmax, Kmax] tree mask and a custom scale are honoured."""
     q_lens = [3, 7, 1]
     batch = make_batch([9, 200, 700], q_lens, hkv=1, G=4, D=64, L=3, block_size=16, dtype=torch.float32,
                        tree=False, kmax=9)  # fmt: skip
     batch["tree_mask"] = random_tree_mask(9, torch.Generator().manual_seed(5)).to(DEV)
     outs = [moda_verify(**batch, scale=0.3, num_splits=s) for s in (1, 2, 5, 16)]
+    outs.append(moda_verify(**batch, scale=0.3, num_splits=3, config={"BLOCK_N": 16, "num_warps": 2, "num_stages": 1}))
     assert_rows_close(outs[0], moda_verify_naive(**batch, scale=0.3), q_lens)
     for o in outs[1:]:
         for b, k in enumerate(q_lens):
