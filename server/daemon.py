@@ -53,6 +53,7 @@ class ServeConfig:
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
     kv_pool_mb: int = 256  # memory of the paged KV pool all sessions share (least recently used evicted past it)
     kv_block_size: int = 16  # positions per KV block
+    prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
     log_format: str = "text"  # "json": one JSON object per line with session ids (for log pipelines); "text"
     log_level: str = "info"  # debug / info / warning / error
@@ -75,6 +76,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
     if cfg.tp < 1:
         raise ValueError(f"--tp must be at least 1, got {cfg.tp}")
+    if cfg.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be at least 1, got {cfg.prefill_chunk}")
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
     followers, tp_target = [], None
@@ -89,7 +92,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     torch.set_grad_enabled(False)
     config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
-                           kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size)  # fmt: skip
+                           kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
+                           prefill_chunk=cfg.prefill_chunk)  # fmt: skip
     extra = {}
     if cfg.tp > 1:
         # The client part ships whole weights: take them before this rank keeps only its shard.

@@ -79,6 +79,7 @@ class ServiceConfig:
     max_batch: int = 32  # rounds per batched forward at most
     kv_pool_bytes: int = 256 << 20  # memory of the paged KV pool all sessions share
     kv_block_size: int = 16  # positions per KV block
+    prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
 
 
 class RequestError(Exception):
@@ -172,7 +173,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
         generator = torch.Generator().manual_seed(sampling.seed)
         return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
-                                top_p=sampling.top_p or 1.0, generator=generator, pool=self.pool)  # fmt: skip
+                                top_p=sampling.top_p or 1.0, generator=generator, pool=self.pool,
+                                prefill_chunk=self.config.prefill_chunk)  # fmt: skip
 
     def _retire(self, session_id: str, state: SessionState, reason: str) -> None:
         """Drop a session and give its KV blocks back. The caller holds `state.lock`, so no round of it is in

@@ -1,13 +1,14 @@
 """The server half of speculative decoding for one sequence: prefill, then verify a draft tree per round.
 
 Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_p=..., generator=...)`.
-`open(prompt)` prefills the target's KV cache and returns the target's first token and the drafter's delta for
-the prompt positions. `verify(tree)` runs root + drafts through the target in one forward (tree mask, tree
-positions), decides the verdict (greedy or lossless rejection sampling, tether.shared.speculative.verify),
-commits the accepted path to the cache and returns the verdict and the delta for the newly verified positions
-(root + accepted drafts). The verifier never looks at who drafted: any DraftTree will do. It is what the
-in-process engine runs, and what each gRPC session runs; with drafter None no delta is produced. With `pool`
-the sequence's KV lives in the server's paged pool (tether.server.kv_pool) instead of a contiguous cache.
+`open(prompt)` prefills the target's KV cache (in chunks of `prefill_chunk` positions) and returns the target's
+first token and the drafter's delta for the prompt positions. `verify(tree)` runs root + drafts through the target
+in one forward (tree mask, tree positions), decides the verdict (greedy or lossless rejection sampling,
+tether.shared.speculative.verify), commits the accepted path to the cache and returns the verdict and the delta for
+the newly verified positions (root + accepted drafts). The verifier never looks at who drafted: any DraftTree will
+do. It is what the in-process engine runs, and what each gRPC session runs; with drafter None no delta is
+produced. With `pool` the sequence's KV lives in the server's paged pool (tether.server.kv_pool) instead of a
+contiguous cache.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ class SequenceVerifier:
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
         pool: KVPool | None = None,
+        prefill_chunk: int = 2048,
     ):
         self.target = target
         self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk  # prompt positions per prefill forward
         capacity = min(capacity, target.cfg.max_seq_len)
         self.cache = target.new_cache(1, capacity) if pool is None else pool.sequence(capacity)
 
@@ -79,7 +84,24 @@ class SequenceVerifier:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a {self.cache.capacity} cache")
         prompt = torch.tensor([prompt_ids], device=self.target.device)
         want = self.drafter is not None
-        out = self.target.prefill(prompt, self.cache, hidden_layers=(self.target.cfg.n_layers,), return_kv=want)
+        # In chunks, each against the cache so far: attention memory grows with chunk x prompt, not prompt^2
+        # (the reference path on a long resync history), and only the last position's logits are computed.
+        outs = [
+            self.target.prefill(
+                prompt[:, i : i + self.prefill_chunk],
+                self.cache,
+                last_only=True,
+                hidden_layers=(self.target.cfg.n_layers,),
+                return_kv=want,
+            )  # fmt: skip
+            for i in range(0, prompt.shape[1], self.prefill_chunk)
+        ]
+        out = outs[0] if len(outs) == 1 else ForwardOutput(
+            logits=outs[-1].logits,
+            k=torch.cat([o.k for o in outs], 2) if want else None,
+            v=torch.cat([o.v for o in outs], 2) if want else None,
+            hidden=(torch.cat([o.hidden[0] for o in outs], 1),),
+        )  # fmt: skip
         first = self.sample(out.logits[0, -1])
         delta = self.drafter.server_delta(target_states(out), 0, prompt_ids) if want else None
         return first, delta

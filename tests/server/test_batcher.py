@@ -86,3 +86,28 @@ def test_ragged_trees_in_one_forward_match_single_verification():
         torch.testing.assert_close(delta.tensors["lsa"], single_delta.tensors["lsa"], rtol=1e-4, atol=1e-4)
         assert v.length == s.length
         torch.testing.assert_close(v.cache.k[:, :, : v.length], s.cache.k[:, :, : s.length], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_chunked_prefill_equals_one_forward(paged):
+    """open() prefills in chunks (here of 5 positions, not a divisor of the prompt): the same first token, the same
+    delta for every prompt position, the same cache, and the same verdict after it."""
+    target, drafter = setup()
+    prompt = [(3 * i + 1) % VOCAB for i in range(23)]
+    results = []
+    for chunk in (5, 4096):
+        kv = KVPool(target.cfg, num_blocks=20, block_size=5) if paged else None
+        ver = SequenceVerifier(target, drafter, capacity=64, pool=kv, prefill_chunk=chunk)
+        first, delta = ver.open(prompt)
+        verdict, after = ver.verify(DraftTree.chain(first, [1, 2, 3]))
+        k = ver.cache.rows(0)[0] if paged else ver.cache.k[0, 0, : ver.length]
+        results.append((first, delta, verdict, after, k))
+    (f1, d1, v1, a1, k1), (f2, d2, v2, a2, k2) = results
+    assert f1 == f2 and v1.path == v2.path and v1.bonus == v2.bonus
+    assert d1.start == d2.start and d1.tokens == d2.tokens == prompt
+    for name in d2.tensors:
+        torch.testing.assert_close(d1.tensors[name], d2.tensors[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a1.tensors[name], a2.tensors[name], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        SequenceVerifier(target, drafter, capacity=64, prefill_chunk=0)
