@@ -80,6 +80,7 @@ class ClientConfig:
     keepalive_s: float = 10.0  # gRPC keepalive ping interval (detects dead links without traffic)
     pace_tokens_per_s: float = 0.0  # cap the output rate (a slower device, a reader); 0 = as fast as possible
     max_offline_tokens: int = 0  # stop drafting alone after this many tokens in one outage; 0 = no limit
+    resync_piece_tokens: int = 1024  # offline tokens per Resync call (each reply's KV delta stays well under 4 MiB)
     final_resync_s: float = 30.0  # rewind: how long to wait for the link when generation ends offline
     session_file: str = ""  # save the session here as it goes; a restarted client resumes from it
 
@@ -110,7 +111,7 @@ class Stats:
     weights_bytes: int = 0
     wall_s: float = 0.0
     resync_s: list[float] = field(default_factory=list)  # each resync's duration
-    resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each resync's payload bytes (up, down)
+    resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each Resync call's payload bytes (up, down)
 
     @property
     def tau(self) -> float:
@@ -473,15 +474,47 @@ class EdgeSession:
         self._emit(tokens, "offline")
 
     def _resync(self) -> None:
-        """Resync from the verified length; on a lost session send the history too; then attach a new stream."""
-        cfg = self.cfg
+        """Resync from the verified length, then attach a new stream. The offline tokens go in pieces of at most
+        `resync_piece_tokens` (a reply carries the KV delta of what it absorbed, ~1 KB a token); each piece
+        starts where the server's verified length now ends. Under rewind a piece that disagrees with the target,
+        inside or at its first token (the target's token after the piece before), ends the resync there: exactly
+        what one Resync of all of them would keep."""
         self._set_state(State.RESYNCING)
         t0 = time.monotonic()
-        seq = self.sequence
+        rebuilt = False
+        while True:
+            offline = self.sequence[self.verified :]  # the root (the target's last token) first, then our drafts
+            piece = offline[: max(1, self.cfg.resync_piece_tokens)]
+            reply = self._resync_piece(piece)
+            rebuilt |= reply.rebuilt
+            kept = len(reply.delta.tokens)
+            rest = offline[len(piece) :]
+            disagrees = kept < len(piece) or (self.cfg.policy == "rewind" and rest and rest[0] != reply.target_token)
+            if rest and not disagrees:
+                continue
+            if kept < len(offline):  # rewind: retract what the target would not have written
+                n = len(offline) - kept
+                del self.tokens[len(self.tokens) - n :]
+                del self.tags[len(self.tags) - n :]
+                self.stats.retracted += n
+                self.on_event(Event("retract", count=n))
+            break
+        self._attach()
+        self.round = 0
+        self.offline_run = 0
+        self.stats.resyncs += 1
+        self.stats.rebuilt += int(rebuilt)
+        self.stats.resync_s.append(time.monotonic() - t0)
+        self._set_state(State.ONLINE, "rebuilt" if rebuilt else "")
+        self._emit([reply.target_token], "verified")
+
+    def _resync_piece(self, piece: list[int]) -> pb.ResyncReply:
+        """One Resync call absorbing `piece` (the server's last token first); on a lost session it is sent again
+        with the whole verified history. Commits the reply's delta."""
+        cfg = self.cfg
         V = self.verified
-        offline = seq[V:]  # the root (the target's last token) first, then what was drafted alone
         req = pb.ResyncRequest(session_id=self.session_id, resume_token=self.resume_token, verified_length=V,
-                               offline_tokens=offline, sampling=self._sampling(), delta_codec=CODECS[cfg.codec],
+                               offline_tokens=piece, sampling=self._sampling(), delta_codec=CODECS[cfg.codec],
                                model_fingerprint=self.info.model_fingerprint,
                                rewind=cfg.policy == "rewind")  # fmt: skip
         try:
@@ -489,35 +522,19 @@ class EdgeSession:
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "history" not in (e.details() or ""):
                 raise _rpc_error(e) from None
-            req.history.extend(seq[:V])  # the server lost the session: it rebuilds from the whole history
+            req.history.extend(self.sequence[:V])  # the server lost the session: it rebuilds from the whole history
             self.stats.bytes_up += 4 * V
             try:
                 reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
             except grpc.RpcError as e2:
                 raise _rpc_error(e2) from None
-        self.stats.bytes_up += 4 * len(offline)
-        self.stats.resync_bytes.append(
-            (4 * len(offline) + (4 * V if len(req.history) else 0), len(reply.delta.payload))
-        )
-        self.stats.resyncs += 1
-        self.stats.rebuilt += int(reply.rebuilt)
+        self.stats.bytes_up += 4 * len(piece)
+        self.stats.resync_bytes.append((4 * len(piece) + (4 * V if len(req.history) else 0), len(reply.delta.payload)))
         self._count_down(reply.delta)
         self.resume_token = reply.resume_token
-        kept = len(reply.delta.tokens)
-        if kept < len(offline):  # rewind: retract what the target would not have written
-            n = len(offline) - kept
-            del self.tokens[len(self.tokens) - n :]
-            del self.tags[len(self.tags) - n :]
-            self.stats.retracted += n
-            self.on_event(Event("retract", count=n))
         self.drafter.commit(_delta(reply.delta))
         self.verified = reply.verified_length
-        self._attach()
-        self.round = 0
-        self.offline_run = 0
-        self.stats.resync_s.append(time.monotonic() - t0)
-        self._set_state(State.ONLINE, "rebuilt" if reply.rebuilt else "")
-        self._emit([reply.target_token], "verified")
+        return reply
 
     def _attach(self) -> None:
         if self.stream is not None:

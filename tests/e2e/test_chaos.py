@@ -42,10 +42,11 @@ def start_server(models, port: int = 0):
     return service, server, port
 
 
-def client_config(address: str, tmp_path, policy: str) -> ClientConfig:
+def client_config(address: str, tmp_path, policy: str, piece: int = 1024) -> ClientConfig:
+    """piece: offline tokens per Resync call; a small one makes every resync take several calls."""
     return ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, cache_dir=str(tmp_path / "cache"),
                         round_timeout_s=0.6, connect_timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.4,
-                        pace_tokens_per_s=120, final_resync_s=20)  # fmt: skip
+                        pace_tokens_per_s=120, final_resync_s=20, resync_piece_tokens=piece)  # fmt: skip
 
 
 def chaos(sim: NetSimThread, stop: threading.Event, seed: int) -> list[str]:
@@ -64,14 +65,14 @@ def chaos(sim: NetSimThread, stop: threading.Event, seed: int) -> list[str]:
     return done
 
 
-def run_with_chaos(models, tmp_path, policy: str, seed: int, on_event=None):
+def run_with_chaos(models, tmp_path, policy: str, seed: int, on_event=None, piece: int = 1024):
     service, server, port = start_server(models)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
     stop = threading.Event()
     outages: list[str] = []
     chaos_thread = threading.Thread(target=lambda: outages.extend(chaos(sim, stop, seed)), daemon=True)
-    session = EdgeSession(client_config(sim.address, tmp_path, policy))
+    session = EdgeSession(client_config(sim.address, tmp_path, policy, piece))
     try:
         session.pair()  # the weights come over a clean link; the chaos starts with generation
         if on_event:
@@ -87,9 +88,11 @@ def run_with_chaos(models, tmp_path, policy: str, seed: int, on_event=None):
     return result, outages
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_rewind_under_random_cuts_and_stalls_equals_plain_greedy(models, tmp_path, seed):
-    result, outages = run_with_chaos(models, tmp_path, "rewind", seed)
+@pytest.mark.parametrize(("seed", "piece"), [(1, 1024), (2, 1)], ids=["one_call", "pieces_of_1"])
+def test_rewind_under_random_cuts_and_stalls_equals_plain_greedy(models, tmp_path, seed, piece):
+    # Pieces of one token: every piece keeps its root, so whether the next call happens is decided by the
+    # piece-boundary check alone (the next offline token against the target's token after the piece).
+    result, outages = run_with_chaos(models, tmp_path, "rewind", seed, piece=piece)
     assert outages, "the chaos never struck"
     assert result.stats.outages >= 1 and result.stats.resyncs >= 1
     assert result.token_ids == models[3]
@@ -112,8 +115,9 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
                 assert torch.equal(session.drafter.tli_cache.v[i, 0, :L], server_v.to(torch.bfloat16).float())
             checked.append(L)
 
-    result, outages = run_with_chaos(models, tmp_path, "keep", 3, after_resync)
+    result, outages = run_with_chaos(models, tmp_path, "keep", 3, after_resync, piece=4)
     assert outages and checked, "no resync happened"
+    assert len(result.stats.resync_bytes) > result.stats.resyncs  # keep absorbs every piece: several calls
     assert len(result.token_ids) == N_NEW and result.stats.retracted == 0
     target, _, tok, _ = models
     seq = tok.encode(PROMPT) + result.token_ids
@@ -130,7 +134,7 @@ def test_server_restart_mid_generation_is_recovered_by_a_full_history_resync(mod
     service, server, port = start_server(models)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
-    session = EdgeSession(client_config(sim.address, tmp_path, "rewind"))
+    session = EdgeSession(client_config(sim.address, tmp_path, "rewind", piece=5))  # the rebuild, then pieces
     restarted = []
 
     def killer():
