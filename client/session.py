@@ -475,17 +475,24 @@ class EdgeSession:
 
     def _resync(self) -> None:
         """Resync from the verified length, then attach a new stream. The offline tokens go in pieces of at most
-        `resync_piece_tokens` (a reply carries the KV delta of what it absorbed, ~1 KB a token); each piece
-        starts where the server's verified length now ends. Under rewind a piece that disagrees with the target,
-        inside or at its first token (the target's token after the piece before), ends the resync there: exactly
-        what one Resync of all of them would keep."""
+        `resync_piece_tokens` (a reply carries the KV delta of what it absorbed, ~1 KB a token), halved while the
+        server says a reply would pass its message limit; each piece starts where the server's verified length
+        now ends. Under rewind a piece that disagrees with the target, inside or at its first token (the target's
+        token after the piece before), ends the resync there: exactly what one Resync of all of them would keep."""
         self._set_state(State.RESYNCING)
         t0 = time.monotonic()
         rebuilt = False
+        size = max(1, self.cfg.resync_piece_tokens)
         while True:
             offline = self.sequence[self.verified :]  # the root (the target's last token) first, then our drafts
-            piece = offline[: max(1, self.cfg.resync_piece_tokens)]
-            reply = self._resync_piece(piece)
+            piece = offline[:size]
+            try:
+                reply = self._resync_piece(piece)
+            except ServerError as e:
+                if e.code != "RESOURCE_EXHAUSTED" or "smaller pieces" not in str(e) or len(piece) == 1:
+                    raise
+                size = len(piece) // 2  # the reply would pass the server's message limit: halve and retry
+                continue
             rebuilt |= reply.rebuilt
             kept = len(reply.delta.tokens)
             rest = offline[len(piece) :]

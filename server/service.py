@@ -545,9 +545,17 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
             state.root = next_token
             state.last_round, state.last_reply = 0, None  # round numbering restarts after a resync
-            return pb.ResyncReply(session_id=req.session_id, resume_token=state.resume_token, rebuilt=rebuilt,
-                                  first_disagreement=disagreement, target_token=next_token,
-                                  verified_length=ver.length, delta=self._delta(delta, state.codec))  # fmt: skip
+            reply = pb.ResyncReply(session_id=req.session_id, resume_token=state.resume_token, rebuilt=rebuilt,
+                                   first_disagreement=disagreement, target_token=next_token,
+                                   verified_length=ver.length, delta=self._delta(delta, state.codec))  # fmt: skip
+            # Refused here rather than failing in gRPC's send: a client that retries from its verified length with
+            # fewer tokens gets the same state (the cache is truncated to that length first).
+            if reply.ByteSize() > self.config.max_message_bytes - 1024:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"the reply for {len(offline)} offline tokens would take {reply.ByteSize()} bytes, "
+                                   f"over the {self.config.max_message_bytes}-byte message limit: resync them in "
+                                   "smaller pieces (tether-client --resync-piece-tokens)")  # fmt: skip
+            return reply
 
     @torch.inference_mode()
     def _absorb(self, ver: SequenceVerifier, offline: list[int], *, rewind: bool) -> tuple[int, int, DraftDelta]:

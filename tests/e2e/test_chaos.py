@@ -8,6 +8,7 @@
   from the full history and rewind still reproduces plain decoding.
 """
 
+import dataclasses
 import random
 import threading
 import time
@@ -65,8 +66,11 @@ def chaos(sim: NetSimThread, stop: threading.Event, seed: int) -> list[str]:
     return done
 
 
-def run_with_chaos(models, tmp_path, policy: str, seed: int, on_event=None, piece: int = 1024):
+def run_with_chaos(models, tmp_path, policy: str, seed: int, on_event=None, piece: int = 1024, limit: int = 0):
+    """limit: the message size the server's resync replies must fit (0: its default, 4 MiB)."""
     service, server, port = start_server(models)
+    if limit:
+        service.config = dataclasses.replace(service.config, max_message_bytes=limit)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
     stop = threading.Event()
@@ -128,6 +132,16 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
         if tag == "verified":
             assert seq[P + i] == greedy[P + i - 1], f"token {i} tagged verified is not the target's choice"
     assert "offline" in result.tags
+
+
+def test_keep_halves_its_resync_pieces_when_a_reply_would_pass_the_message_limit(models, tmp_path):
+    """A server whose replies must fit ~4 tokens' delta: the client's first pieces are refused (RESOURCE_EXHAUSTED,
+    "smaller pieces"), it halves them until they fit, and nothing is lost or doubled."""
+    result, outages = run_with_chaos(models, tmp_path, "keep", 3, limit=1024 + 4 * 1300)
+    assert outages and result.stats.resyncs >= 1
+    assert len(result.stats.resync_bytes) > result.stats.resyncs
+    assert max(down for _, down in result.stats.resync_bytes) <= 4 * 1300
+    assert len(result.token_ids) == N_NEW and result.stats.retracted == 0
 
 
 def test_server_restart_mid_generation_is_recovered_by_a_full_history_resync(models, tmp_path):

@@ -182,6 +182,32 @@ def test_resync_after_a_cut(served, rewind, lost):
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
+def test_a_resync_reply_over_the_message_limit_is_refused_and_a_smaller_piece_works(served):
+    """The delta of many offline tokens could exceed the gRPC message limit: the server says RESOURCE_EXHAUSTED
+    with what to do, and the same resync in a smaller piece (from the same verified length) succeeds."""
+    import dataclasses
+
+    _, drafter, service, stub = served
+    out, sid, token, verified, root = run_session(stub, drafter, [4, 4, 1, 2, 5], 10)
+    offline = [root] + drafter.draft(root, 6)[0]
+    req = pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified, offline_tokens=offline,
+                           model_fingerprint=FP)  # fmt: skip
+    size = stub.Resync(req).ByteSize()
+    one = stub.Resync(pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified,
+                                       offline_tokens=offline[:1], model_fingerprint=FP)).ByteSize()  # fmt: skip
+    config = service.config
+    service.config = dataclasses.replace(config, max_message_bytes=1024 + (size + one) // 2)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Resync(req)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "smaller pieces" in e.value.details()
+        reply = stub.Resync(pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified,
+                                             offline_tokens=offline[:1], model_fingerprint=FP))  # fmt: skip
+        assert reply.verified_length == verified + 1
+    finally:
+        service.config = config
+
+
 def test_serve_command_answers_then_stops_on_sigterm():
     import signal
     import subprocess
