@@ -55,6 +55,18 @@ class BatchCacheView:
         return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
 
 
+def _new_rows(caches: list[PagedCache], new_lens: list[int]) -> tuple[Tensor, Tensor]:
+    """Reserve each row's new positions and map them: (flat pool slots [N], their indices in the flattened
+    [B * Tq] new rows [N])."""
+    dev = caches[0].pool.device
+    lens = [c.length for c in caches]
+    for c, n in zip(caches, new_lens, strict=True):
+        c.reserve(n)
+    slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, lens, new_lens, strict=True)])
+    rows = torch.cat([torch.arange(n, device=dev) + i * max(new_lens) for i, n in enumerate(new_lens)])
+    return slots, rows
+
+
 class PagedBatchView(BatchCacheView):
     """The same for sequences of one KVPool, without a per-row loop: each layer is one scatter of the new rows
     into their slots and one gather of every row's prefix through a padded slot table (what a paged kernel
@@ -64,10 +76,7 @@ class PagedBatchView(BatchCacheView):
         super().__init__(caches, new_lens)
         self.pool = caches[0].pool
         dev = self.pool.device
-        for c, n in zip(caches, new_lens, strict=True):
-            c.reserve(n)
-        write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, self.lens, new_lens, strict=True)])
-        write_rows = torch.cat([torch.arange(n, device=dev) + i * max(new_lens) for i, n in enumerate(new_lens)])
+        write_slots, write_rows = _new_rows(caches, new_lens)
         read_slots = torch.zeros(len(caches), self.lmax, dtype=torch.long, device=dev)  # padding reads slot 0
         for i, (c, L) in enumerate(zip(caches, self.lens, strict=True)):
             read_slots[i, :L] = c.slots(0, L)
@@ -82,14 +91,9 @@ def paged_kernel_view(caches: list[PagedCache], new_lens: list[int]) -> PagedKer
     hands the kernel the rows' block tables (with `lens` / `lmax`, the committed lengths, for the caller)."""
     lens = [c.length for c in caches]
     pool = caches[0].pool
-    dev = pool.device
-    for c, n in zip(caches, new_lens, strict=True):
-        c.reserve(n)
-    write_slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, lens, new_lens, strict=True)])
-    tq = max(new_lens)
-    write_rows = torch.cat([torch.arange(n, device=dev) + i * tq for i, n in enumerate(new_lens)])
+    write_slots, write_rows = _new_rows(caches, new_lens)
     table, committed = pool.block_tables(caches)  # [B, max_blocks] int32, [B] int32
-    q_lens = torch.tensor(new_lens, dtype=torch.int32, device=dev)
+    q_lens = torch.tensor(new_lens, dtype=torch.int32, device=pool.device)
     # The kernel counts the round's rows as cached: attend writes them into their slots first.
     view = PagedKernelView(pool, write_slots, write_rows, table, committed + q_lens, q_lens)
     view.lens, view.lmax = lens, max(lens)
