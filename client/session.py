@@ -506,14 +506,17 @@ class EdgeSession:
                 self.stats.retracted += n
                 self.on_event(Event("retract", count=n))
             break
-        self._attach()
-        self.round = 0
         self.offline_run = 0
         self.stats.resyncs += 1
         self.stats.rebuilt += int(rebuilt)
+        # The target's next token is decided now, whatever happens to the link next: were the attach to fail and
+        # the client draft on from the last absorbed token instead, the next resync would hand the server a
+        # drafted token as its own root (under rewind, a token the target never chose kept in the text).
+        self._emit([reply.target_token], "verified")
+        self._attach()
+        self.round = 0
         self.stats.resync_s.append(time.monotonic() - t0)
         self._set_state(State.ONLINE, "rebuilt" if rebuilt else "")
-        self._emit([reply.target_token], "verified")
 
     def _resync_piece(self, piece: list[int]) -> pb.ResyncReply:
         """One Resync call absorbing `piece` (the server's last token first); on a lost session it is sent again

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tether.client.session import ClientConfig, EdgeSession, State
+from tether.client.session import ClientConfig, EdgeSession, LinkDown, State
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
 from tether.server.service import ServiceConfig, TetherService, make_server
@@ -99,6 +99,28 @@ def test_rewind_under_random_cuts_and_stalls_equals_plain_greedy(models, tmp_pat
     result, outages = run_with_chaos(models, tmp_path, "rewind", seed, piece=piece)
     assert outages, "the chaos never struck"
     assert result.stats.outages >= 1 and result.stats.resyncs >= 1
+    assert result.token_ids == models[3]
+
+
+def test_rewind_survives_the_link_dropping_between_resync_and_attach(models, tmp_path, monkeypatch):
+    """The Resync succeeds but the stream after it cannot be attached (every other time): the target's token from
+    the resync must already be the client's, or it drafts on from a token the target never chose and the next
+    resync hands that to the server as its root."""
+    real, dropped, beyond = EdgeSession._attach, [], []
+
+    def attach_once_in_two(self):
+        if self.state == State.RESYNCING and len(self.tokens) < self.cfg.max_new_tokens:
+            beyond.append(len(self.sequence) - self.verified)  # the decided token is in the text: exactly 1
+        if self.state == State.RESYNCING and len(dropped) % 2 == 0:
+            dropped.append(1)
+            raise LinkDown("the link dropped right after the resync (test)")
+        dropped.append(0)
+        return real(self)
+
+    monkeypatch.setattr(EdgeSession, "_attach", attach_once_in_two)
+    result, outages = run_with_chaos(models, tmp_path, "rewind", 2)
+    assert sum(dropped) >= 1, "no attach was dropped"
+    assert beyond and set(beyond) == {1}
     assert result.token_ids == models[3]
 
 
