@@ -35,11 +35,14 @@ PROMPT = "import os\n\n\ndef read_config(path):\n    "
 def scenario(pace: float) -> list[dict]:
     """Two drops, timed from the start of generation: a cut and, later, a stall."""
     t = 40 / pace  # after ~40 tokens online
+    # At least 3 s between the two: the client must reconnect (gRPC's own reconnect backoff reaches 1 s during
+    # the cut, the client's 0.5 s) and resync before the stall, or the stall only prolongs the first outage.
+    gap = max(3.0, 60 / pace)
     return [
         {"at": t, "event": "cut"},
         {"at": t + 2.0, "event": "restore"},
-        {"at": t + 2.0 + 60 / pace, "event": "stall"},
-        {"at": t + 5.0 + 60 / pace, "event": "restore"},  # 3 s: well past the client's 1 s round timeout
+        {"at": t + 2.0 + gap, "event": "stall"},
+        {"at": t + 5.0 + gap, "event": "restore"},  # 3 s: well past the client's 1 s round timeout
     ]
 
 

@@ -7,7 +7,7 @@ import sys
 
 
 def test_demo_runs_through_two_drops_and_rewind_reproduces_the_target():
-    cmd = [sys.executable, "-m", "tether.netsim.demo", "--policy", "rewind", "--max-new-tokens", "120", "--pace", "40"]
+    cmd = [sys.executable, "-m", "tether.netsim.demo", "--policy", "rewind", "--max-new-tokens", "200", "--pace", "40"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={"COLUMNS": "100", "PATH": ""})
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
