@@ -116,16 +116,14 @@ def attention_sdpa(
     if depth_k is not None and depth_k.shape[2] > 0:
         return moda_attention_reference(q, k, v, depth_k, depth_v, scale=scale, tree_mask=tree_mask)
     Tq, Tk = q.shape[1], k.shape[1]
-    G = q.shape[2] // k.shape[2]
+    gqa = q.shape[2] != k.shape[2]  # SDPA shares each KV head with its query group itself: no repeated K/V copy
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if G > 1:
-        kt, vt = kt.repeat_interleave(G, dim=1), vt.repeat_interleave(G, dim=1)
     if tree_mask is None and Tq == Tk:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         mask = new_key_mask(Tq, Tk, tree_mask, q.device)
         mask = mask[:, None] if mask.dim() == 3 else mask
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)
 
 

@@ -128,9 +128,14 @@ def test_depth_keys_change_the_output():
 
 
 @pytest.mark.parametrize("Tq,Tk", [(9, 9), (4, 12)])
-def test_sdpa_backend_matches_reference_without_depth(Tq, Tk):
-    q, k, v, _, _ = random_attention_inputs(2, Tq, Tk, 6, 2, 16, 0)
+@pytest.mark.parametrize("Hq,Hkv", [(6, 2), (4, 4)], ids=["gqa", "mha"])
+def test_sdpa_backend_matches_reference_without_depth(Tq, Tk, Hq, Hkv):
+    q, k, v, _, _ = random_attention_inputs(2, Tq, Tk, Hq, Hkv, 16, 0)
     torch.testing.assert_close(attention_sdpa(q, k, v), moda_attention_reference(q, k, v), rtol=1e-4, atol=1e-4)
+    tree = torch.rand(Tq, Tq, generator=torch.Generator().manual_seed(1)) < 0.5
+    tree |= torch.eye(Tq, dtype=torch.bool)
+    torch.testing.assert_close(attention_sdpa(q, k, v, tree_mask=tree),
+                               moda_attention_reference(q, k, v, tree_mask=tree), rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 @torch.no_grad()
