@@ -152,8 +152,8 @@ def verify_rows(args, copy_gbs: float) -> list[dict]:
             rows.append({"ctx": ctx, "k": k, "us": 1000 * ms, "GB_s": gbs, "of_copy": gbs / copy_gbs,
                          "eager_us": 1000 * eager_ms})  # fmt: skip
             for tile, splits in itertools.product(args.verify_tiles, args.verify_splits or [None]):
-                bn, nw, ns = (int(x) for x in tile.split(","))
-                cfg = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
+                bn, nw, ns, cw = (int(x) for x in (tile + ",1").split(",")[:4])
+                cfg = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns, "combine_warps": cw}
                 sweep = lambda q=q, kc=kc, vc=vc, t=table, ln=lens, ql=q_lens, dk=dk, dv=dv, o=out, c=cfg, s=splits: (  # noqa: E731
                     moda_verify(q, kc, vc, t, ln, ql, dk, dv, out=o, num_splits=s, config=c)
                 )
@@ -213,8 +213,8 @@ def main() -> int:
     ap.add_argument("--depths", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 32768, 131072])
     ap.add_argument("--verify-k", type=int, nargs="*", default=[1, 8, 32])
-    ap.add_argument("--verify-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES",
-                    help="also time these verify tile configs (tuning), e.g. 64,4,3 128,4,2")  # fmt: skip
+    ap.add_argument("--verify-tiles", nargs="*", default=[], metavar="BLOCK_N,WARPS,STAGES[,COMBINE_WARPS]",
+                    help="also time these verify configs (tuning), e.g. 64,4,3 128,4,2,4")  # fmt: skip
     ap.add_argument("--verify-splits", type=int, nargs="*", default=[],
                     help="split counts for --verify-tiles (default: the heuristic's)")  # fmt: skip
     args = ap.parse_args()

@@ -175,13 +175,21 @@ def moda_verify_fwd_kernel(
         else:
             start = 0
             end = prefix
+        # The block ids of the next tile are loaded one step ahead: the K/V addresses depend on them, and a table
+        # load in the same step put a dependent memory round trip in front of every tile's K/V loads (measured on
+        # the H200: 15-30% of the kernel's time at 16K-128K with 64-key tiles).
+        pos = start + tl.arange(0, BLOCK_N)
+        blk = tl.load(bt_row + pos // BS, mask=pos < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             kv_ok = pos < end
-            k_rows, v_rows = _paged_rows(k_head, v_head, bt_row, pos, kv_ok, stride_kn, stride_ks, stride_vn,
-                                         stride_vs, BS)  # fmt: skip
+            blk_next = tl.load(bt_row + (pos + BLOCK_N) // BS, mask=pos + BLOCK_N < end, other=0)
+            off = (pos % BS).to(tl.int64)
+            k_rows = k_head + blk.to(tl.int64) * stride_kn + off * stride_ks
+            v_rows = v_head + blk.to(tl.int64) * stride_vn + off * stride_vs
             m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, kv_ok[None, :], offs_d, d_ok, m_i, l_i, acc,
                                          qk_scale, PREC)  # fmt: skip
+            blk = blk_next
 
         if pid_s == 0:
             # 2. The new tokens (cache positions [prefix, prefix + q_len)): causal, or the tree mask.
@@ -245,24 +253,28 @@ def moda_verify_combine_kernel(
 ):
     pid_bt, h = tl.program_id(0), tl.program_id(1)
     b, i = pid_bt // Kmax, pid_bt % Kmax
-    if i < tl.load(q_lens + b):
-        row = pid_bt.to(tl.int64) * HQ + h  # flat [B, Kmax, Hq] index
-        offs_s = tl.arange(0, BLOCK_S)
-        offs_d = tl.arange(0, BLOCK_D)
-        s_ok = offs_s < S
-        lse = tl.load(lse_part + row * S + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-        m = tl.max(lse, 0)
-        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-        parts = tl.load(
-            o_part + (row * S + offs_s)[:, None] * D + offs_d[None, :],
-            mask=s_ok[:, None] & (offs_d < D)[None, :],
-            other=0.0,
-        )  # [BLOCK_S, BLOCK_D]
-        out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-        b64 = b.to(tl.int64)
-        tl.store(
-            o + b64 * stride_ob + i * stride_ot + h * stride_oh + offs_d, out.to(o.dtype.element_ty), mask=offs_d < D
-        )
+    row = pid_bt.to(tl.int64) * HQ + h  # flat [B, Kmax, Hq] index
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < S
+    # The row's length is loaded beside the partials, not before them (one memory round trip less): a padded row's
+    # partials were never written, so its result is garbage, and its store is masked off.
+    q_len = tl.load(q_lens + b)
+    lse = tl.load(lse_part + row * S + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+    parts = tl.load(
+        o_part + (row * S + offs_s)[:, None] * D + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    b64 = b.to(tl.int64)
+    tl.store(
+        o + b64 * stride_ob + i * stride_ot + h * stride_oh + offs_d,
+        out.to(o.dtype.element_ty),
+        mask=(offs_d < D) & (offs_d * 0 + i < q_len),
+    )
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -285,9 +297,9 @@ def moda_verify_num_splits(
 ) -> int:
     """How many split slots (split 0 for the new tokens and depth, S - 1 prefix chunks) to launch: one wave of
     `per_sm` programs per SM over `num_sms` (`programs` = programs without splitting: m tiles x B x Hkv; the default
-    tiles keep 96 KB of shared memory, two programs per H200 SM), each chunk keeping >= `min_keys` prefix keys so
-    its fixed cost (q load, partial write, the combine) stays small; at most `max_splits`. Chosen from a sweep on
-    the H200 (BENCHMARKS.md): within ~10% of the best split count from 4K to 128K, k = 1 to 32, B = 1 to 32."""
+    tiles fit two programs on an H200 SM, by registers and shared memory), each chunk keeping >= `min_keys` prefix
+    keys so its fixed cost (q load, partial write, the combine) stays small; at most `max_splits`. Chosen from
+    sweeps on the H200 (BENCHMARKS.md): a wave of exactly `per_sm` programs per SM beat other split counts."""
     if max_prefix < 2 * min_keys or programs >= num_sms:
         return 1
     want = per_sm * num_sms // max(programs, 1)
@@ -295,9 +307,12 @@ def moda_verify_num_splits(
 
 
 def verify_config(device: torch.device) -> dict:
-    """Tile and launch settings of the verify kernel for this device: the best on average of a sweep on the H200
-    (BLOCK_N 16-128, 2-8 warps, 1-4 stages; BENCHMARKS.md), also a sound default elsewhere."""
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    """Tile and launch settings of the verify kernel on this device: BLOCK_N (keys per step), num_warps,
+    num_stages, per_sm (programs per SM the split heuristic fills one wave with) and combine_warps. The best of
+    sweeps on the H200 (BENCHMARKS.md: BLOCK_N 32-128, 4-8 warps, 2-4 stages, 8-65 splits, k = 1 to 32, 4K-128K):
+    64-key tiles in 3 stages keep two programs per SM for every query tile (<= 64 rows), and a wave of exactly two
+    programs per SM beat the other split counts; also a sound default elsewhere."""
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "per_sm": 2, "combine_warps": 1}
 
 
 def _tile_m(G: int, kmax: int) -> int:
@@ -317,10 +332,9 @@ def moda_verify_fwd(
     scale: float,
     num_splits: int,
     out: Tensor,
-    config: dict | None = None,
+    config: dict,
 ) -> Tensor:
-    """Launch the kernels (no checks: `moda_verify` does them). config: {"BLOCK_N", "num_warps", "num_stages"},
-    default `verify_config`."""
+    """Launch the kernels (no checks: `moda_verify` does them); config: see `verify_config`."""
     B, kmax, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -334,8 +348,7 @@ def moda_verify_fwd(
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         stride_mb, stride_mi = (0, mask.stride(0)) if mask.dim() == 2 else (mask.stride(0), mask.stride(1))
-    cfg = verify_config(q.device) if config is None else config
-    block_m, block_n = cfg.get("BLOCK_M") or _tile_m(G, kmax), cfg["BLOCK_N"]
+    block_m, block_n = config.get("BLOCK_M") or _tile_m(G, kmax), config["BLOCK_N"]
     block_d = max(16, _pow2(D))
     prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # an fp32 cache gets exact fp32 dots
     split = num_splits > 1
@@ -359,12 +372,12 @@ def moda_verify_fwd(
         kmax, L, num_splits,
         HKV=Hkv, G=G, D=D, BS=bs, TREE=tree_mask is not None, SPLIT=split, PREC=prec,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if split:
         moda_verify_combine_kernel[(B * kmax, Hq)](
             o_part, lse_part, out, q_lens, out.stride(0), out.stride(1), out.stride(2), kmax, num_splits,
-            HQ=Hq, D=D, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d, num_warps=1,
+            HQ=Hq, D=D, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
         )  # fmt: skip
     return out
 
@@ -387,7 +400,7 @@ def moda_verify(
     scale: float | None = None,  # default D ** -0.5, for both parts
     num_splits: int | None = None,  # split-K chunks per row's prefix; None: moda_verify_num_splits
     out: Tensor | None = None,  # [B, Kmax, Hq, D] q.dtype; padded rows are left untouched
-    config: dict | None = None,  # {"BLOCK_N", "num_warps", "num_stages"[, "BLOCK_M"]}: bypass verify_config (tuning)
+    config: dict | None = None,  # verify_config's keys (and an optional BLOCK_M): bypass it, for tuning
 ) -> Tensor:
     """MoDA attention of each row's new tokens over its paged cache and depth keys; returns [B, Kmax, Hq, D] in
     q's dtype. See the module docstring for the conventions and the split-K design."""
@@ -418,11 +431,15 @@ def moda_verify(
     if B == 0 or kmax == 0:
         return out
     scale = D**-0.5 if scale is None else float(scale)
+    G = Hq // Hkv
+    config = verify_config(q.device) if config is None else config
+    block_m = config.get("BLOCK_M") or _tile_m(G, kmax)
     if num_splits is None:
         # Upper bound of the longest prefix from the table's width: no device sync on the decode path.
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 1
-        programs = _cdiv(Hq // Hkv * kmax, _tile_m(Hq // Hkv, kmax)) * B * Hkv
-        num_splits = moda_verify_num_splits(programs, block_table.shape[1] * k_cache.shape[1], sms)
+        programs = _cdiv(G * kmax, block_m) * B * Hkv
+        num_splits = moda_verify_num_splits(programs, block_table.shape[1] * k_cache.shape[1], sms,
+                                            per_sm=config.get("per_sm", 2))  # fmt: skip
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q, k_cache, v_cache, depth_k, depth_v = map(_last_unit, (q, k_cache, v_cache, depth_k, depth_v))

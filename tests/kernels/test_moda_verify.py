@@ -101,14 +101,16 @@ def test_matches_naive_reference(D, G, L, block_size, dtype, tree, num_splits):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="larger bf16 shapes run on a GPU")
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
-def test_bf16_large_on_gpu(tree):
-    """Long ragged rows (a 32K prefix among them) in bf16, the server's dtype, with the default split heuristic."""
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 4, "combine_warps": 2}])
+def test_bf16_large_on_gpu(tree, config):
+    """Long ragged rows (a 32K prefix among them) in bf16, the server's dtype, with the default split heuristic
+    and tiles, and with other tiles."""
     cache_lens, q_lens = [32776, 4100, 1030, 70], [8, 32, 1, 63]
     batch = make_batch(cache_lens, q_lens, hkv=8, G=4, D=128, L=32, block_size=16, dtype=torch.bfloat16, tree=tree)
     out = torch.full_like(batch["q"], float("nan"))
     ref = moda_verify_naive(**{k: v.float() if v is not None and v.is_floating_point() else v
                                for k, v in batch.items()})  # fmt: skip
-    assert_rows_close(moda_verify(**batch, out=out), ref, q_lens)
+    assert_rows_close(moda_verify(**batch, out=out, config=config), ref, q_lens)
 
 
 def test_splits_agree_and_padding_kmax():
@@ -120,6 +122,8 @@ def test_splits_agree_and_padding_kmax():
     batch["tree_mask"] = random_tree_mask(9, torch.Generator().manual_seed(5)).to(DEV)
     outs = [moda_verify(**batch, scale=0.3, num_splits=s) for s in (1, 2, 5, 16)]
     outs.append(moda_verify(**batch, scale=0.3, num_splits=3, config={"BLOCK_N": 16, "num_warps": 2, "num_stages": 1}))
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "per_sm": 3, "combine_warps": 4}
+    outs.append(moda_verify(**batch, scale=0.3, config=cfg))
     assert_rows_close(outs[0], moda_verify_naive(**batch, scale=0.3), q_lens)
     for o in outs[1:]:
         for b, k in enumerate(q_lens):
@@ -228,7 +232,7 @@ def test_batcher_reads_the_pool_in_place(in_place_calls):
     from tether.server.verifier import SequenceVerifier
 
     target = tiny_target(vocab_size=7).to(DEV)
-    drafter = tiny_moa_drafter(target)
+    drafter = tiny_moa_drafter(target).to(DEV)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(7, (n,), generator=g).tolist() for n in (2, 4, 9, 13, 21)]
     rounds = []
