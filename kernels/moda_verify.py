@@ -93,7 +93,13 @@ def _paged_rows(k_head, v_head, bt_row, pos, kv_ok, stride_kn, stride_ks, stride
     return k_head + blk * stride_kn + off * stride_ks, v_head + blk * stride_vn + off * stride_vs
 
 
-@triton.jit
+# Arguments that change with a round's shape (Kmax, the split count, the table's width, the tree mask's strides) are
+# not specialised on: Triton would compile a new variant whenever one became 1 or a multiple of 16, and a compile
+# inside a client's round is an outage (a server warms its kernels up before it listens: server.batcher.warm_up).
+# Batch strides stay specialised: they are Kmax x Hq x D and the like, multiples of 16 for real head sizes, and
+# without that the compiler cannot vectorise the q, depth and output rows (measured: 4K-16K verifies 1.3-1.8x
+# slower on the H200).
+@triton.jit(do_not_specialize=["stride_bt", "stride_mb", "stride_mi", "Kmax", "L", "S"])
 def moda_verify_fwd_kernel(
     q,  # [B, Kmax, Hq, D]
     k_cache,  # [num_blocks, block_size, Hkv, D]
@@ -235,7 +241,7 @@ def moda_verify_fwd_kernel(
             tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=rd_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Kmax", "S"])
 def moda_verify_combine_kernel(
     o_part,  # [B, Kmax, Hq, S, D] fp32
     lse_part,  # [B, Kmax, Hq, S] fp32, base 2
@@ -288,8 +294,9 @@ def _pow2(n: int) -> int:
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs one by one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def moda_verify_num_splits(
@@ -375,9 +382,11 @@ def moda_verify_fwd(
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if split:
+        # One combine variant for up to 64 splits (the heuristic's cap): a power of two per split count meant a
+        # compile each time a growing context crossed one.
         moda_verify_combine_kernel[(B * kmax, Hq)](
             o_part, lse_part, out, q_lens, out.stride(0), out.stride(1), out.stride(2), kmax, num_splits,
-            HQ=Hq, D=D, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
+            HQ=Hq, D=D, BLOCK_S=max(64, _pow2(num_splits)), BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
         )  # fmt: skip
     return out
 
@@ -436,7 +445,7 @@ def moda_verify(
     block_m = config.get("BLOCK_M") or _tile_m(G, kmax)
     if num_splits is None:
         # Upper bound of the longest prefix from the table's width: no device sync on the decode path.
-        sms = _num_sms(q.device.index or 0) if q.is_cuda else 1
+        sms = _num_sms(q.device)
         programs = _cdiv(G * kmax, block_m) * B * Hkv
         num_splits = moda_verify_num_splits(programs, block_table.shape[1] * k_cache.shape[1], sms,
                                             per_sm=config.get("per_sm", 2))  # fmt: skip

@@ -188,31 +188,41 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
 
 
 @torch.inference_mode()
-def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32)) -> None:
-    """Run the kernels a server will need once, so Triton compiles (and autotunes) them before the first client
-    instead of inside its open or round deadline: prefills with and without a cached prefix, batched verify rounds
-    of every tile class in `sizes` (chains and a branching tree, short and split-K contexts), and the same trees
-    verified one sequence at a time (a resync's absorb, the batcher's fallback: the verify kernel over gathered
-    rows)."""
-    vocab, room, grow = target.cfg.vocab_size, target.cfg.max_seq_len, 2 * max(sizes) + 2
+def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32), absorb_max: int = 64) -> None:
+    """Run every kernel variant a server will need once, so Triton compiles (and autotunes) them before the first
+    client instead of inside its open or round deadline (a compile there costs seconds: an outage on a healthy
+    link). Covered, for short and split-K contexts: prefills with and without a cached prefix; batched verify
+    rounds of every tile class in `sizes` (chains and a branching tree), each sequence alone and all together
+    (one split or several); the same trees verified one sequence at a time (the batcher's fallback); and a
+    resync's absorb, a causal chain of up to `absorb_max` offline tokens. tests/kernels/test_kernel_variants.py
+    checks that a session launches nothing else."""
+    vocab, room = target.cfg.vocab_size, target.cfg.max_seq_len
+    grow = 2 * max(*sizes, absorb_max) + 2
     lens = [n for n in (24, 600) if n + grow <= room]  # 600: past moda_backend's VERIFY_MIN_PREFIX
     vers = [SequenceVerifier(target, None, capacity=n + grow, pool=pool) for n in lens]
     try:
         for v, n in zip(vers, lens, strict=True):
             v.open([(7 * i + 1) % vocab for i in range(n)])
-        for n in sizes:
-            if not vers:
-                break
+        for n in sizes if vers else ():
             tree = DraftTree(
                 tokens=torch.arange(n) % vocab, parents=torch.arange(n) // 2 - (torch.arange(n) == 0).long()
             )
             chain = DraftTree.chain(1 % vocab, [i % vocab for i in range(n - 1)])
-            for batch in ([(v, chain) for v in vers], [(v, tree) for v in vers]):
-                verify_batch(target, batch)
+            for t in (chain, tree):
+                for batch in [[(v, t)] for v in vers] + [[(v, t) for v in vers]]:
+                    verify_batch(target, batch)
+                    for v, n0 in zip(vers, lens, strict=True):
+                        v.cache.truncate(n0)
                 for v, n0 in zip(vers, lens, strict=True):
+                    v.verify(t)
                     v.cache.truncate(n0)
-                    v.verify(batch[0][1])
-                    v.cache.truncate(n0)
+        for n in sorted({*sizes, absorb_max}) if vers else ():
+            ids = torch.tensor([[i % vocab for i in range(n)]], device=target.device)
+            for v, n0 in zip(vers, lens, strict=True):
+                v.reserve(n)
+                with torch.inference_mode():
+                    target.verify(ids, v.cache, hidden_layers=(target.cfg.n_layers,), return_kv=True)
+                v.cache.truncate(n0)
     finally:
         for v in vers:
             v.release()

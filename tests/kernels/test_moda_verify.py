@@ -278,6 +278,7 @@ def test_server_warm_up_leaves_the_pool_as_it_found_it(in_place_calls):
     target = tiny_target(vocab_size=7).to(DEV)
     target.backend = "triton"
     pool = KVPool(target.cfg, num_blocks=200, block_size=16, device=DEV)
-    batcher.warm_up(target, pool, sizes=(1, 9))
-    assert len(in_place_calls) == 2 * 2 * target.cfg.n_layers  # two sizes x (chain, tree), one batch each
+    batcher.warm_up(target, pool, sizes=(1, 9), absorb_max=9)
+    # two sizes x (chain, tree) x (each of the two sequences alone, both together), one in-place call per layer
+    assert len(in_place_calls) == 2 * 2 * 3 * target.cfg.n_layers
     assert pool.used_blocks == 0
