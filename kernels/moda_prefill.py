@@ -389,12 +389,3 @@ def moda_attention(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return moda_attention_fwd(q, k, v, depth_k, depth_v, scale, causal, cu_seqlens, out)
-
-
-def kernel_supports(q: Tensor) -> bool:
-    """Whether moda_attention can run on q's device in this process (CUDA, or the Triton CPU interpreter)."""
-    return (q.is_cuda or (interpreting() and q.device.type == "cpu")) and q.dtype in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-    )

@@ -220,8 +220,7 @@ def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32
             ids = torch.tensor([[i % vocab for i in range(n)]], device=target.device)
             for v, n0 in zip(vers, lens, strict=True):
                 v.reserve(n)
-                with torch.inference_mode():
-                    target.verify(ids, v.cache, hidden_layers=(target.cfg.n_layers,), return_kv=True)
+                target.verify(ids, v.cache, hidden_layers=(target.cfg.n_layers,), return_kv=True)
                 v.cache.truncate(n0)
     finally:
         for v in vers:

@@ -229,6 +229,15 @@ class PagedCache:
         return self.pool.k_flat[layer][seen], self.pool.v_flat[layer][seen]
 
 
+def _store_new_rows(pool: KVPool, layer: int, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor):
+    """Scatter a forward's new K/V rows (k, v [B, Tq, Hkv, D]; `rows` index the flattened [B * Tq]) into their
+    flat pool `slots`; returns the layer's flat K and V buffers [num_slots, Hkv, D]."""
+    kf, vf = pool.k_flat[layer], pool.v_flat[layer]
+    kf[slots] = k.flatten(0, 1)[rows].to(kf.dtype)
+    vf[slots] = v.flatten(0, 1)[rows].to(vf.dtype)
+    return kf, vf
+
+
 class SlotView:
     """One forward's window on a pool shard: new rows go to flat `write_slots`; every row's keys are its
     `read_slots` rows followed by the new ones. The cache interface the model calls (`write`, `length`)."""
@@ -243,9 +252,7 @@ class SlotView:
         self.read_slots = read_slots.to(dev)  # [B, Lmax] flat slots of each row's prefix (padding: slot 0)
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
-        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
-        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
+        kf, vf = _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
 
 
@@ -275,9 +282,7 @@ class PagedKernelView:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
                *, scale: float, tree_mask: Tensor | None) -> Tensor:  # fmt: skip
         """q [B, Tq, Hq, D], k/v [B, Tq, Hkv, D] (new rows), depth [B, Tq, L, Hkv, D] -> [B, Tq, Hq, D]."""
-        kf, vf = self.pool.k_flat[layer], self.pool.v_flat[layer]
-        kf[self.write_slots] = k.flatten(0, 1)[self.write_rows].to(kf.dtype)
-        vf[self.write_slots] = v.flatten(0, 1)[self.write_rows].to(vf.dtype)
+        _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         out = torch.zeros_like(q)
         return self.verify_op(q, self.pool.k[layer], self.pool.v[layer], self.block_table, self.cache_lens,
                               self.q_lens, depth_k, depth_v, tree_mask=tree_mask, scale=scale, out=out)  # fmt: skip
