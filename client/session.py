@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from tether.client.pairing import ClientModels, build_client_models, fetch_client_part
+from tether.client.refusals import LOST, Refusal
 from tether.shared.codecs import Codec, decode_many
 from tether.shared.drafter import DraftDelta
 from tether.v1 import tether_pb2 as pb
@@ -136,17 +137,27 @@ class LinkDown(Exception):
     """The server did not answer in time, or the connection broke."""
 
 
+class ServerBusy(LinkDown):
+    """The server is full right now (sessions, KV memory, streams, this key's quota): like an outage, the client
+    drafts alone and tries again, after at least `retry_after_s` (the server's advice)."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(f"server busy ({refusal.reason_name}): {refusal.message}")
+        self.retry_after_s = refusal.retry_after_s
+
+
 class SessionLost(Exception):
-    """The server no longer holds the session (restart, eviction): resync with the full history."""
+    """The server no longer holds the session (restart, eviction, lease): resync with the full history."""
 
 
 class ServerError(RuntimeError):
     """The server refused a request for a reason reconnecting will not fix."""
 
-    def __init__(self, code: int | grpc.StatusCode, message: str):
+    def __init__(self, code: int | grpc.StatusCode, message: str, reason: int = pb.REASON_UNSPECIFIED):
         name = code.name if isinstance(code, grpc.StatusCode) else _code_name(code)
         super().__init__(f"{name}: {message}")
         self.code = name
+        self.reason = reason  # a tether.v1.ErrorReason value
 
 
 def _code_name(value: int) -> str:
@@ -157,13 +168,19 @@ _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
               grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
 
 
+def _refused(r: Refusal) -> Exception:
+    """The exception the session loop acts on for a refusal: by its reason first, then by its status code."""
+    if r.retryable:
+        return ServerBusy(r)
+    if r.reason in LOST or r.code == grpc.StatusCode.NOT_FOUND:
+        return SessionLost(r.message)
+    if r.code in _TRANSIENT:
+        return LinkDown(f"{r.code.name}: {r.message}")
+    return ServerError(r.code, r.message, r.reason)
+
+
 def _rpc_error(e: grpc.RpcError) -> Exception:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    if code in _TRANSIENT:
-        return LinkDown(f"{code.name}: {e.details() if hasattr(e, 'details') else e}")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return SessionLost(e.details())
-    return ServerError(code, e.details())
+    return _refused(Refusal.of_rpc_error(e))
 
 
 class _Stream:
@@ -431,10 +448,7 @@ class EdgeSession:
 
     def _check(self, reply: pb.ServerMessage) -> pb.ServerMessage:
         if reply.WhichOneof("body") == "error":
-            code = _code_name(reply.error.code)
-            if code == "NOT_FOUND":
-                raise SessionLost(reply.error.message)
-            raise ServerError(reply.error.code, reply.error.message)
+            raise _refused(Refusal.of_inline(reply.error))
         return reply
 
     # ---- online ----------------------------------------------------------------------------------------
@@ -489,7 +503,7 @@ class EdgeSession:
             try:
                 reply = self._resync_piece(piece)
             except ServerError as e:
-                if e.code != "RESOURCE_EXHAUSTED" or "smaller pieces" not in str(e) or len(piece) == 1:
+                if e.reason != pb.REASON_REPLY_TOO_LARGE or len(piece) == 1:
                     raise
                 size = len(piece) // 2  # the reply would pass the server's message limit: halve and retry
                 continue
@@ -530,7 +544,7 @@ class EdgeSession:
         try:
             reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or "history" not in (e.details() or ""):
+            if Refusal.of_rpc_error(e).reason != pb.REASON_HISTORY_REQUIRED:
                 raise _rpc_error(e) from None
             req.history.extend(self.sequence[:V])  # the server lost the session: it rebuilds from the whole history
             self.stats.bytes_up += 4 * V
@@ -541,7 +555,7 @@ class EdgeSession:
         self.stats.bytes_up += 4 * len(piece)
         self.stats.resync_bytes.append((4 * len(piece) + (4 * V if len(req.history) else 0), len(reply.delta.payload)))
         self._count_down(reply.delta)
-        self.resume_token = reply.resume_token
+        self.session_id, self.resume_token = reply.session_id, reply.resume_token  # a rebuilt session has a new id
         self.drafter.commit(_delta(reply.delta))
         self.verified = reply.verified_length
         return reply
@@ -585,7 +599,7 @@ class EdgeSession:
                 if isinstance(err, ServerError):
                     raise err from None
                 self.on_event(Event("info", detail=f"connecting: {err}"))
-                time.sleep(self._jitter(delay))
+                time.sleep(self._wait(delay, err))
                 delay = min(delay * 2, self.cfg.backoff_max_s)
         delay = self.cfg.backoff_initial_s
         give_up = None  # when generation ended offline under rewind: how long to wait for the link
@@ -617,13 +631,14 @@ class EdgeSession:
                         self.stream.close()
                         self.stream = None
                     self._set_state(State.OFFLINE, str(e))
-                    # A lost session answers at once: resync now. A dead link: draft alone, try again soon.
-                    next_try = time.monotonic() + (0.0 if lost else self._jitter(delay))
+                    # A lost session answers at once: resync now. A dead link or a full server: draft alone, try
+                    # again soon (a full server says when).
+                    next_try = time.monotonic() + (0.0 if lost else self._wait(delay, e))
                 else:
                     self._set_state(State.OFFLINE, str(e))
                     if len(self.endpoints) > 1 and not lost:
-                        self._next_endpoint()  # its replica is unreachable: fail over (a full-history resync)
-                    next_try = time.monotonic() + self._jitter(delay)
+                        self._next_endpoint()  # its replica is unreachable or full: fail over (a full-history resync)
+                    next_try = time.monotonic() + self._wait(delay, e)
                     delay = min(delay * 2, self.cfg.backoff_max_s)
         self._finish()
         self._save(done=True)
@@ -644,6 +659,11 @@ class EdgeSession:
     def _jitter(self, delay: float) -> float:
         j = self.cfg.backoff_jitter
         return delay * (1 + self.rng.uniform(-j, j))
+
+    def _wait(self, delay: float, error: Exception) -> float:
+        """How long to wait before the next try: our backoff, or longer when a full server advises it."""
+        advised = error.retry_after_s if isinstance(error, ServerBusy) else 0.0
+        return max(self._jitter(delay), self._jitter(advised))
 
     def _finish(self) -> None:
         """Close the session if the server is reachable; the text is complete either way."""

@@ -24,7 +24,8 @@ from tether.server.batcher import warm_up
 from tether.server.generate import default_model_dir, load, pick_device
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
-from tether.server.service import ServiceConfig, TetherService, TLSFiles, make_server
+from tether.server.rpc_server import TLSFiles, make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.server.tp import apply_tp
 from tether.server.tp_serve import TPTarget, join_rank0, start_followers
 from tether.shared.checkpoint import fingerprint
@@ -44,7 +45,11 @@ class ServeConfig:
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
     dtype: str = ""  # "float32" / "bfloat16" / "float16"; empty = bfloat16 on CUDA, float32 on CPU
     attention: str = "auto"  # "auto" (Triton MoDA kernels on CUDA, reference elsewhere), "triton", "reference", "sdpa"
-    max_sessions: int = 256  # sessions held at once (the least recently used is evicted past it)
+    max_sessions: int = 256  # sessions held at once (the least recently used idle one is evicted past it)
+    max_sessions_per_key: int = 64  # sessions one API key may hold at once
+    session_lease_s: float = 300.0  # a session idle this long expires: its quota and KV memory go back
+    stream_idle_s: float = 120.0  # a Session stream that sends nothing this long is closed (its session stays)
+    max_streams: int = 4096  # Session and Generate streams open at once, over all callers
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
     tls_cert: str = ""  # PEM certificate: serve over TLS (with tls_key)
@@ -91,7 +96,12 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     model_fp = fingerprint(cfg.model)
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     torch.set_grad_enabled(False)
+    for name in ("max_sessions", "max_sessions_per_key", "max_streams", "session_lease_s", "stream_idle_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
+                           max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
+                           stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
                            kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
                            prefill_chunk=cfg.prefill_chunk)  # fmt: skip
     extra = {}
@@ -124,7 +134,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         pass
     if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
-    service.batcher.close()
+    service.close()
     if tp_target is not None:
         stopped = tp_target.stop()
         for p in followers:

@@ -20,7 +20,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -32,7 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tether.client.session import AFFINITY_HEADER, ClientConfig, EdgeSession
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
-from tether.server.service import SERVICE_NAME, ServiceConfig, TetherService, health_servicer_for
+from tether.server.rpc_server import SERVICE_NAME, make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.v1 import tether_pb2 as pb
@@ -204,17 +204,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Recorder(grpc.ServerInterceptor):
+class Recorder(grpc.aio.ServerInterceptor):
     """Which calls (method, affinity key) reached this replica."""
 
     def __init__(self):
         self.calls: list[tuple[str, str]] = []
 
-    def intercept_service(self, continuation, details):
+    async def intercept_service(self, continuation, details):
         meta = dict(details.invocation_metadata)
         if not details.method.startswith("/grpc.health."):
             self.calls.append((details.method, meta.get(AFFINITY_HEADER, "")))
-        return continuation(details)
+        return await continuation(details)
 
     def keys(self) -> set[str]:
         return {k for _, k in self.calls}
@@ -226,13 +226,7 @@ class Replica:
         self.service = TetherService(target, drafter, tok, ServiceConfig(api_keys=frozenset({API_KEY})),
                                      model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
         self.recorder = Recorder()
-        # make_server's wiring plus an interceptor, and threads enough for every stream the tests open.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[self.recorder])
-        tether_pb2_grpc.add_TetherServicer_to_server(self.service, self.server)
-        health = health_servicer_for(self.server)
-        health.set("", health_pb2.HealthCheckResponse.SERVING)
-        health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server, self.port = make_server(self.service, "127.0.0.1:0", interceptors=[self.recorder])
         self.server.start()
 
     def stop(self):
@@ -391,7 +385,7 @@ def test_ring_hash_keeps_each_affinity_key_on_one_replica_and_spreads_keys(fleet
         for key in keys * 2:  # Close of an unknown session: the cheapest call (NOT_FOUND)
             meta = (("authorization", f"Bearer {API_KEY}"), (AFFINITY_HEADER, key))
             with pytest.raises(grpc.RpcError) as e:
-                stub.Close(pb.CloseRequest(session_id="none"), metadata=meta, timeout=5)
+                stub.Close(pb.CloseRequest(session_id="0" * 32), metadata=meta, timeout=5)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
     homes = {k: [i for i, r in enumerate(replicas) if k in r.recorder.keys()] for k in keys}
     assert all(len(h) == 1 for h in homes.values()), homes

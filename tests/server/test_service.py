@@ -7,8 +7,10 @@ import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
+from tether.client.refusals import Refusal
 from tether.client.weight_cache import WeightCache
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.codecs import decode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.tokenizer import Tokenizer
@@ -122,28 +124,35 @@ def test_weight_download_resumed_halfway_has_identical_sha256(served, tmp_path):
 def test_bad_inputs_get_their_status_and_service_goes_on(served):
     target, drafter, _, stub = served
     with pytest.raises(grpc.RpcError) as e:
-        stub.Close(pb.CloseRequest(session_id="nope"))
+        stub.Close(pb.CloseRequest(session_id="nope"))  # not an id this server hands out: refused before use
+    assert Refusal.of_rpc_error(e.value).reason == pb.REASON_INVALID_REQUEST
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Close(pb.CloseRequest(session_id="0" * 32))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert Refusal.of_rpc_error(e.value).reason == pb.REASON_UNKNOWN_SESSION
     with pytest.raises(grpc.RpcError) as e:
         list(stub.FetchWeights(pb.FetchWeightsRequest(model_fingerprint="0" * 64)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert Refusal.of_rpc_error(e.value).reason == pb.REASON_MODEL_MISMATCH
     client = Client(stub)
-    codes = [
-        client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=0))).error.code,  # before open
-        client.send(open_msg([1, 99])).error.code,  # token out of range
-        client.send(open_msg([1] * 65)).error.code,  # oversize prompt
-        client.send(open_msg([1, 2], model_fingerprint="0" * 64)).error.code,  # another model
-        client.send(open_msg([1, 2], delta_codec=42)).error.code,  # a codec from a newer protocol
+    errors = [
+        client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=0))).error,  # before open
+        client.send(open_msg([1, 99])).error,  # token out of range
+        client.send(open_msg([1] * 65)).error,  # oversize prompt
+        client.send(open_msg([1, 2], model_fingerprint="0" * 64)).error,  # another model
+        client.send(open_msg([1, 2], delta_codec=42)).error,  # a codec from a newer protocol
     ]
     S = grpc.StatusCode
     expected = (S.FAILED_PRECONDITION, S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED, S.FAILED_PRECONDITION,
                 S.INVALID_ARGUMENT)  # fmt: skip
-    assert codes == [s.value[0] for s in expected]
+    assert [e.code for e in errors] == [s.value[0] for s in expected]
+    assert [e.reason for e in errors] == [pb.REASON_OUT_OF_ORDER, pb.REASON_INVALID_REQUEST, pb.REASON_TOO_LONG,
+                                          pb.REASON_MODEL_MISMATCH, pb.REASON_INVALID_REQUEST]  # fmt: skip
     opened = client.send(open_msg([1, 2, 3])).opened  # the same stream still opens a good session
     bad_round = client.send(pb.ClientMessage(round=pb.DraftRound(round=2, root=opened.first_token)))
     assert bad_round.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and bad_round.error.round == 2
     wrong_root = client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=(opened.first_token + 1) % VOCAB)))
-    assert wrong_root.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert wrong_root.error.reason == pb.REASON_OUT_OF_ORDER
     client.close()
     out, *_ = run_session(stub, drafter, [3, 2, 1], 12)
     assert out == plain(target, [3, 2, 1], len(out))
@@ -165,6 +174,7 @@ def test_resync_after_a_cut(served, rewind, lost):
                            history=history if lost else [], model_fingerprint=FP, rewind=rewind)  # fmt: skip
     reply = stub.Resync(req)
     assert reply.rebuilt == lost
+    assert (reply.session_id != sid) == lost  # a rebuilt session gets a new id from the server
     reference = plain(target, prompt, len(out) + len(offline) + 1)
     agreed = reference[len(out) - 1 :]  # the root onwards, as the target alone continues
     d = reply.first_disagreement
@@ -177,7 +187,7 @@ def test_resync_after_a_cut(served, rewind, lost):
         full = torch.tensor([history + kept])
         assert reply.target_token == int(target(full)[0, -1].argmax())
     with pytest.raises(grpc.RpcError) as e:
-        stub.Resync(pb.ResyncRequest(session_id=sid, resume_token="x" * 32, verified_length=verified,
+        stub.Resync(pb.ResyncRequest(session_id=reply.session_id, resume_token="0" * 32, verified_length=verified,
                                      offline_tokens=offline, model_fingerprint=FP))  # fmt: skip
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
@@ -200,7 +210,8 @@ def test_a_resync_reply_over_the_message_limit_is_refused_and_a_smaller_piece_wo
     try:
         with pytest.raises(grpc.RpcError) as e:
             stub.Resync(req)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "smaller pieces" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert Refusal.of_rpc_error(e.value).reason == pb.REASON_REPLY_TOO_LARGE
         reply = stub.Resync(pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified,
                                              offline_tokens=offline[:1], model_fingerprint=FP))  # fmt: skip
         assert reply.verified_length == verified + 1
@@ -253,7 +264,9 @@ def test_api_keys_authenticate_and_bind_sessions(served):
             second: queue.Queue = queue.Queue()
             other = stub.Session(iter(second.get, None), metadata=a)
             second.put(open_msg([1, 2]))
-            assert next(other).error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # one session per key
+            refused = next(other).error  # one session per key
+            assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and refused.reason == pb.REASON_KEY_QUOTA
+            assert refused.retry_after_ms > 0
             second.put(None)
             with pytest.raises(grpc.RpcError) as e:
                 stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=b)
@@ -261,8 +274,8 @@ def test_api_keys_authenticate_and_bind_sessions(served):
             resync = pb.ResyncRequest(session_id=opened.session_id, resume_token=opened.resume_token,
                                       verified_length=3, offline_tokens=[opened.first_token])  # fmt: skip
             with pytest.raises(grpc.RpcError) as e:
-                stub.Resync(resync, metadata=b)
-            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                stub.Resync(resync, metadata=b)  # the same answer as for a session nobody holds
+            assert Refusal.of_rpc_error(e.value).reason == pb.REASON_HISTORY_REQUIRED
             assert stub.Resync(resync, metadata=a).verified_length == 4
             stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=a)
     finally:
@@ -305,7 +318,7 @@ def make_pki(d):
 
 @pytest.mark.parametrize("mutual", [False, True])
 def test_tls_and_mutual_tls(served, tmp_path, mutual):
-    from tether.server.service import TLSFiles
+    from tether.server.rpc_server import TLSFiles
 
     _, _, service, _ = served
     make_pki(tmp_path)
@@ -415,7 +428,7 @@ def test_kv_memory_pressure_evicts_the_idle_session_and_resync_rebuilds_it_exact
             # A prompt larger than the whole pool is refused with a clear status; the service goes on.
             huge = Client(stub)
             err = huge.send(open_msg([1] * 40)).error
-            assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "pool" in err.message
+            assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and err.reason == pb.REASON_TOO_LONG
             assert huge.send(open_msg([1, 2])).WhichOneof("body") == "opened"
             huge.close()
         get = small.metrics.registry.get_sample_value
@@ -433,10 +446,8 @@ def test_a_new_stream_attaches_to_the_held_session_after_resync(served):
                                          offline_tokens=[root], model_fingerprint=FP))  # fmt: skip
     drafter.commit(to_delta(reply.delta))
     client = Client(stub)
-    assert (
-        client.send(pb.ClientMessage(attach=pb.AttachSession(session_id=sid, resume_token="x" * 32))).error.code
-        == (grpc.StatusCode.PERMISSION_DENIED.value[0])
-    )
+    wrong = client.send(pb.ClientMessage(attach=pb.AttachSession(session_id=sid, resume_token="0" * 32))).error
+    assert wrong.code == grpc.StatusCode.PERMISSION_DENIED.value[0] and wrong.reason == pb.REASON_WRONG_RESUME_TOKEN
     other = Client(stub)
     lost = other.send(pb.ClientMessage(attach=pb.AttachSession(session_id="0" * 32, resume_token=token)))
     assert lost.error.code == grpc.StatusCode.NOT_FOUND.value[0]

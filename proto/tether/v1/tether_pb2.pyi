@@ -7,14 +7,57 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    REASON_CAPACITY: _ClassVar[ErrorReason]
+    REASON_KEY_QUOTA: _ClassVar[ErrorReason]
+    REASON_HISTORY_REQUIRED: _ClassVar[ErrorReason]
+    REASON_SESSION_EVICTED: _ClassVar[ErrorReason]
+    REASON_REPLY_TOO_LARGE: _ClassVar[ErrorReason]
+    REASON_UNKNOWN_SESSION: _ClassVar[ErrorReason]
+    REASON_INVALID_REQUEST: _ClassVar[ErrorReason]
+    REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
+    REASON_WRONG_RESUME_TOKEN: _ClassVar[ErrorReason]
+    REASON_MODEL_MISMATCH: _ClassVar[ErrorReason]
+    REASON_OUT_OF_ORDER: _ClassVar[ErrorReason]
+    REASON_TOO_LONG: _ClassVar[ErrorReason]
+    REASON_STREAM_IDLE: _ClassVar[ErrorReason]
+    REASON_INTERNAL: _ClassVar[ErrorReason]
+    REASON_SESSION_FULL: _ClassVar[ErrorReason]
+
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CODEC_RAW: _ClassVar[Codec]
     CODEC_FP16_SHUFFLE_ZSTD: _ClassVar[Codec]
     CODEC_INT8_ZSTD: _ClassVar[Codec]
+REASON_UNSPECIFIED: ErrorReason
+REASON_CAPACITY: ErrorReason
+REASON_KEY_QUOTA: ErrorReason
+REASON_HISTORY_REQUIRED: ErrorReason
+REASON_SESSION_EVICTED: ErrorReason
+REASON_REPLY_TOO_LARGE: ErrorReason
+REASON_UNKNOWN_SESSION: ErrorReason
+REASON_INVALID_REQUEST: ErrorReason
+REASON_UNAUTHENTICATED: ErrorReason
+REASON_WRONG_RESUME_TOKEN: ErrorReason
+REASON_MODEL_MISMATCH: ErrorReason
+REASON_OUT_OF_ORDER: ErrorReason
+REASON_TOO_LONG: ErrorReason
+REASON_STREAM_IDLE: ErrorReason
+REASON_INTERNAL: ErrorReason
+REASON_SESSION_FULL: ErrorReason
 CODEC_RAW: Codec
 CODEC_FP16_SHUFFLE_ZSTD: Codec
 CODEC_INT8_ZSTD: Codec
+
+class ErrorDetail(_message.Message):
+    __slots__ = ("reason", "retry_after_ms")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    reason: ErrorReason
+    retry_after_ms: int
+    def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -207,14 +250,18 @@ class Verdict(_message.Message):
     def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "round")
+    __slots__ = ("code", "message", "round", "reason", "retry_after_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     round: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    reason: ErrorReason
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class Attached(_message.Message):
     __slots__ = ("session_id", "verified_length", "root", "last_round")
