@@ -91,8 +91,9 @@ class ServerHandle:
 
     async def _build(self) -> grpc.aio.Server:
         c = self.service.config
-        auth = AuthInterceptor(c.api_keys, max_calls_per_key=c.max_calls_per_key, max_streams=c.max_streams)
-        server = grpc.aio.server(interceptors=[auth, *self._interceptors], options=channel_options(c.max_message_bytes))
+        self.auth = AuthInterceptor(c.api_keys, max_calls_per_key=c.max_calls_per_key, max_streams=c.max_streams)
+        server = grpc.aio.server(interceptors=[self.auth, *self._interceptors],
+                                 options=channel_options(c.max_message_bytes))  # fmt: skip
         tether_pb2_grpc.add_TetherServicer_to_server(self.service, server)
         # grpc.health.v1 (load balancers and Kubernetes probes ask it) and reflection (grpcurl, grpcui).
         self.health = HealthServicer()

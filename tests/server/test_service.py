@@ -48,9 +48,9 @@ def plain(target, prompt, n):
 class Client:
     """A minimal protocol client: one Session stream, driven message by message."""
 
-    def __init__(self, stub):
+    def __init__(self, stub, metadata=None):
         self.outbox: queue.Queue = queue.Queue()
-        self.replies = stub.Session(iter(self.outbox.get, None))
+        self.replies = stub.Session(iter(self.outbox.get, None), metadata=metadata)
 
     def send(self, msg) -> pb.ServerMessage:
         self.outbox.put(msg)
@@ -65,8 +65,8 @@ def open_msg(prompt, **kw):
     return pb.ClientMessage(open=pb.OpenSession(prompt=prompt, max_new_tokens=64, **kw))
 
 
-def run_session(stub, drafter, prompt, n, k=4, repeat_every=0):
-    client = Client(stub)
+def run_session(stub, drafter, prompt, n, k=4, repeat_every=0, metadata=None):
+    client = Client(stub, metadata)
     opened = client.send(open_msg(prompt)).opened
     drafter.begin(to_delta(opened.delta))
     out, root, rnd = [opened.first_token], opened.first_token, 0
