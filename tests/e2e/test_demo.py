@@ -1,5 +1,6 @@
 """`make demo`'s program, shortened: it runs end to end, both drops happen, and under rewind the text equals the
-target's own greedy output."""
+target's own greedy output. The demo strikes its drops on the client's progress (tokens written, resync attempts),
+not on the clock, so both land mid-generation and each ends in a resync whatever the machine's speed."""
 
 import re
 import subprocess
