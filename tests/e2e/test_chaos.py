@@ -1,4 +1,4 @@
-"""Server, netsim and client together on loopback, the link cut and stalled at random while the client generates.
+"""Server, netsim and client together on loopback, the link cut and stalled while the client generates.
 
 - rewind: the final text equals plain greedy decoding of the target, token for token;
 - keep: no token lost or duplicated (every token tagged verified is the target's greedy choice after the
@@ -6,17 +6,23 @@
   the server's, bit for bit (lossless codec: the server's bf16 wire values);
 - the server killed and restarted mid-generation (it forgets every session): the client rebuilds its session
   from the full history and rewind still reproduces plain decoding.
+
+Every fault is struck on an event, never on the clock: after the client's Nth verified round, or inside the
+server's Nth Resync call, and the link comes back when the client, having written M tokens alone, tries to resync.
+The client stops drafting alone after MAX_OFFLINE tokens and waits for the link, and no outage starts without room
+for that many, so every outage ends in a resync mid-generation however fast or slow the machine is. Timeouts only
+decide how soon the client notices a stall; no assertion depends on how long anything takes.
 """
 
 import dataclasses
+import inspect
 import random
 import threading
-import time
 
 import pytest
 import torch
 
-from tether.client.session import ClientConfig, EdgeSession, LinkDown, State
+from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, State
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
 from tether.server.service import ServiceConfig, TetherService, make_server
@@ -25,6 +31,9 @@ from tether.shared.drafter import load_drafter
 
 PROMPT = "def read_config(path):\n    with open(path"
 N_NEW = 120
+K = 5  # draft tokens per round
+MAX_OFFLINE = 16  # tokens the client writes alone in one outage before it waits for the link
+ROOM = K + 1 + MAX_OFFLINE  # an outage starts only with this many tokens still to write: it ends mid-generation
 
 
 @pytest.fixture(scope="module")
@@ -35,81 +44,193 @@ def models():
     return target, drafter, tok, plain
 
 
-def start_server(models, port: int = 0):
+# ---- the server, and the only places these tests touch its internals ---------------------------------------------
+
+
+def make_service(models) -> TetherService:
     target, drafter, tok, _ = models
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
+    return TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
+
+
+def serve(service: TetherService, port: int = 0):
     server, port = make_server(service, f"127.0.0.1:{port}")
     server.start()
-    return service, server, port
+    return server, port
+
+
+def stop(server) -> None:
+    """Stop at once and wait until the server has (a restart reuses its port)."""
+    stopped = server.stop(None)
+    if hasattr(stopped, "wait"):
+        stopped.wait(30)
+
+
+def server_verifier(service: TetherService, session_id: str):
+    return service.sessions[session_id].verifier
+
+
+def after_each_resync_call(service: TetherService, hook) -> None:
+    """hook() runs inside every Resync call the server answers, after it has absorbed the piece and before the reply
+    leaves. Install before make_server, which takes the bound method."""
+    real = service.Resync
+    if inspect.iscoroutinefunction(real):
+
+        async def resync(request, context):
+            reply = await real(request, context)
+            hook()
+            return reply
+    else:
+
+        def resync(request, context):
+            reply = real(request, context)
+            hook()
+            return reply
+
+    service.Resync = resync
+
+
+def refused(service: TetherService, code: str) -> float:
+    return service.metrics.registry.get_sample_value("tether_errors_total", {"code": code}) or 0.0
+
+
+# ---- faults struck on events ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Outage:
+    """One outage. It strikes once the client has verified `rounds` rounds since the link last came back or, with
+    `call` set, inside the server's `call`-th Resync call from then on, after the server has absorbed the piece (a
+    cut loses the reply; a stall holds it past the client's deadline). A cut lasts until the client tries to resync
+    having written `offline` tokens alone (or unable to write more: its limit, or the end of the text); a stall
+    until the client tries to resync at all, which it does only once its round or call has timed out."""
+
+    kind: str  # "cut" or "stall"
+    rounds: int = 1
+    call: int = 0
+    offline: int = 1
+
+
+def random_outages(seed: int, n: int = 5) -> list[Outage]:
+    """n outages whose kinds and event counts (never times) come from `seed`. After the first, one in three strikes
+    inside the first Resync call once the link is back (rewind's resync may need no second call)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = rng.choice(["cut", "stall"])
+        call = int(i > 0 and rng.random() < 1 / 3)
+        out.append(Outage(kind, rounds=rng.randint(1, 6), call=call, offline=rng.randint(1, MAX_OFFLINE)))
+    return out
+
+
+class Faults:
+    """Plays outages one after another on the client's events (on_event) and the server's Resync calls
+    (on_resync_call); `struck` lists the kinds that happened. Either may run on its own thread: a lock orders them."""
+
+    def __init__(self, sim: NetSimThread, session: EdgeSession, outages: list[Outage]):
+        self.sim, self.session, self.pending = sim, session, list(outages)
+        self.struck: list[str] = []
+        self.current: Outage | None = None
+        self.lock = threading.Lock()
+        self.rounds_back = 0  # the client's verified rounds when the link last came back
+        self.calls = 0  # Resync calls the server answered since then
+        self.written = 0  # tokens the client wrote alone in this outage
+        self.run = 0  # tokens it wrote alone since its last verified one (what max_offline_tokens counts)
+
+    def _room(self) -> bool:
+        return len(self.session.tokens) + ROOM < self.session.cfg.max_new_tokens
+
+    def _strike(self) -> None:
+        self.current = self.pending.pop(0)
+        self.written = 0
+        self.sim.cut() if self.current.kind == "cut" else self.sim.stall()
+        self.struck.append(self.current.kind)
+
+    def on_event(self, e: Event) -> None:
+        s = self.session
+        with self.lock:
+            if e.kind == "tokens":
+                if e.tag == "offline":
+                    self.written += len(e.tokens)
+                    self.run += len(e.tokens)
+                else:
+                    self.run = 0
+            if self.current is None:
+                nxt = self.pending[0] if self.pending else None
+                between_rounds = e.kind == "tokens" and e.tag == "verified" and s.state == State.ONLINE
+                if nxt and not nxt.call and between_rounds and s.stats.rounds - self.rounds_back >= nxt.rounds:
+                    if self._room():
+                        self._strike()
+                    else:
+                        self.pending.clear()
+            elif e.kind == "state" and e.state == State.RESYNCING:
+                o = self.current
+                if o.kind == "stall" or self.written >= o.offline or self.run >= s.cfg.max_offline_tokens or s.done:
+                    self.sim.restore()
+                    self.current = None
+                    self.rounds_back, self.calls = s.stats.rounds, 0
+
+    def on_resync_call(self) -> None:
+        with self.lock:
+            if self.current is None and self.pending and self.pending[0].call:
+                self.calls += 1
+                if self.calls >= self.pending[0].call and self._room():
+                    self._strike()
+
+
+def resyncs_owed(struck: list[Outage]) -> int:
+    """Each outage struck between rounds ends in a resync of its own (one struck inside a resync only delays that)."""
+    return sum(1 for o in struck if not o.call)
 
 
 def client_config(address: str, tmp_path, policy: str, piece: int = 1024) -> ClientConfig:
     """piece: offline tokens per Resync call; a small one makes every resync take several calls."""
-    return ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, cache_dir=str(tmp_path / "cache"),
-                        round_timeout_s=0.6, connect_timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.4,
-                        pace_tokens_per_s=120, final_resync_s=20, resync_piece_tokens=piece)  # fmt: skip
+    return ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, k=K, cache_dir=str(tmp_path / "cache"),
+                        round_timeout_s=1.0, connect_timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.4,
+                        pace_tokens_per_s=120, max_offline_tokens=MAX_OFFLINE, final_resync_s=60,
+                        resync_piece_tokens=piece)  # fmt: skip
 
 
-def chaos(sim: NetSimThread, stop: threading.Event, seed: int) -> list[str]:
-    """Random cuts and stalls, each followed by a restore, until `stop`; at most 8 outages."""
-    rng = random.Random(seed)
-    done = []
-    for _ in range(8):
-        if stop.wait(rng.uniform(0.15, 0.45)):
-            break
-        kind = rng.choice(["cut", "stall"])
-        sim.cut() if kind == "cut" else sim.stall()
-        done.append(kind)
-        stop.wait(rng.uniform(0.1, 0.5))
-        sim.restore()
-    sim.restore()
-    return done
-
-
-def one_cut(sim: NetSimThread, stop: threading.Event, seed: int) -> list[str]:
-    """A single cut early in generation, long enough for a resync of several dozen offline tokens."""
-    if not stop.wait(0.3):
-        sim.cut()
-        stop.wait(0.6)
-    sim.restore()
-    return ["cut"]
-
-
-def run_with_chaos(models, tmp_path, policy: str, seed: int, on_event=None, piece: int = 1024, limit: int = 0,
-                   drops=chaos):  # fmt: skip
-    """limit: the message size the server's resync replies must fit (0: its default, 4 MiB); drops: what happens
-    to the link (random cuts and stalls by default)."""
-    service, server, port = start_server(models)
-    if limit:
+def run_with_faults(models, tmp_path, policy: str, outages: list[Outage], on_event=None, piece: int = 1024,
+                    limit: int = 0):  # fmt: skip
+    """limit: the message size the server's resync replies must fit (0: its default, 4 MiB). on_event(session,
+    service, event) sees every client event before the faults do. Returns the result, the kinds struck and the
+    service."""
+    service = make_service(models)
+    holder: list[Faults] = []
+    after_each_resync_call(service, lambda: holder[0].on_resync_call())
+    server, port = serve(service)
+    if limit:  # the service's own check only: gRPC's limit stays, so the weights still come in big chunks
         service.config = dataclasses.replace(service.config, max_message_bytes=limit)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
-    stop = threading.Event()
-    outages: list[str] = []
-    chaos_thread = threading.Thread(target=lambda: outages.extend(drops(sim, stop, seed)), daemon=True)
     session = EdgeSession(client_config(sim.address, tmp_path, policy, piece))
-    try:
-        session.pair()  # the weights come over a clean link; the chaos starts with generation
+    faults = Faults(sim, session, outages)
+    holder.append(faults)
+
+    def events(e: Event) -> None:
         if on_event:
-            session.on_event = lambda e: on_event(session, service, e)
-        chaos_thread.start()
+            on_event(session, service, e)
+        faults.on_event(e)
+
+    try:
+        session.pair()  # the weights come over a clean link; the faults start with generation
+        session.on_event = events
         result = session.run(PROMPT)
     finally:
-        stop.set()
-        chaos_thread.join(10)
         session.close()
         sim.stop()
-        server.stop(None)
-    return result, outages
+        stop(server)
+    return result, faults.struck, service
 
 
 @pytest.mark.parametrize(("seed", "piece"), [(1, 1024), (2, 1)], ids=["one_call", "pieces_of_1"])
 def test_rewind_under_random_cuts_and_stalls_equals_plain_greedy(models, tmp_path, seed, piece):
     # Pieces of one token: every piece keeps its root, so whether the next call happens is decided by the
     # piece-boundary check alone (the next offline token against the target's token after the piece).
-    result, outages = run_with_chaos(models, tmp_path, "rewind", seed, piece=piece)
-    assert outages, "the chaos never struck"
-    assert result.stats.outages >= 1 and result.stats.resyncs >= 1
+    outages = random_outages(seed)
+    result, struck, _ = run_with_faults(models, tmp_path, "rewind", outages, piece=piece)
+    assert len(struck) >= 2, struck
+    assert result.stats.resyncs >= resyncs_owed(outages[: len(struck)])
     assert result.token_ids == models[3]
 
 
@@ -129,19 +250,27 @@ def test_rewind_survives_the_link_dropping_between_resync_and_attach(models, tmp
         return real(self)
 
     monkeypatch.setattr(EdgeSession, "_attach", attach_once_in_two)
-    result, outages = run_with_chaos(models, tmp_path, "rewind", 2)
-    assert sum(dropped) >= 1, "no attach was dropped"
+    result, struck, _ = run_with_faults(models, tmp_path, "rewind", random_outages(2))
+    assert struck and sum(dropped) >= 1, "no attach was dropped"
     assert beyond and set(beyond) == {1}
     assert result.token_ids == models[3]
 
 
-def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(models, tmp_path):
+# Pieces of 2 make every resync several calls, so faults can strike inside one (after the server has absorbed the
+# piece): cut at its 2nd call, stalled at the 1st of the retry, then, after another outage, stalled at the 3rd.
+IN_RESYNC = [Outage("cut", rounds=2, offline=8), Outage("cut", call=2, offline=3), Outage("stall", call=1),
+             Outage("cut", rounds=3, offline=MAX_OFFLINE), Outage("stall", call=3)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("outages", "piece"), [(random_outages(3), 1024), (IN_RESYNC, 2)],
+                         ids=["random_one_call", "inside_resync_calls"])  # fmt: skip
+def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(models, tmp_path, outages, piece):
     checked = []
 
     def after_resync(session, service, e):
         # Right after a resync the server holds exactly what the client verified: compare the TLI K/V.
         if e.kind == "state" and e.state == State.ONLINE and session.stats.resyncs > len(checked):
-            ver = service.sessions[session.session_id].verifier
+            ver = server_verifier(service, session.session_id)
             n = session.drafter.dcfg.tli
             L = session.verified
             assert ver.length == L
@@ -152,8 +281,10 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
                 assert torch.equal(session.drafter.tli_cache.v[i, 0, :L], server_v.to(torch.bfloat16).float())
             checked.append(L)
 
-    result, outages = run_with_chaos(models, tmp_path, "keep", 3, after_resync)
-    assert outages and checked, "no resync happened"
+    result, struck, _ = run_with_faults(models, tmp_path, "keep", outages, after_resync, piece=piece)
+    assert len(struck) >= 2 and len(checked) >= resyncs_owed(outages[: len(struck)]), (struck, checked)
+    if piece == 2:
+        assert struck == [o.kind for o in IN_RESYNC]
     assert len(result.token_ids) == N_NEW and result.stats.retracted == 0
     target, _, tok, _ = models
     seq = tok.encode(PROMPT) + result.token_ids
@@ -163,45 +294,50 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
     for i, tag in enumerate(result.tags):
         if tag == "verified":
             assert seq[P + i] == greedy[P + i - 1], f"token {i} tagged verified is not the target's choice"
-    assert "offline" in result.tags
+    assert result.tags.count("offline") >= outages[0].offline
 
 
 def test_keep_halves_its_resync_pieces_when_a_reply_would_pass_the_message_limit(models, tmp_path):
     """A server whose replies must fit ~4 tokens' delta: the client's first pieces are refused (RESOURCE_EXHAUSTED,
     "smaller pieces"), it halves them until they fit, and nothing is lost or doubled."""
-    # One cut (random ones could strike mid-resync until generation ends offline, and keep has no final resync).
-    result, outages = run_with_chaos(models, tmp_path, "keep", 3, limit=1024 + 4 * 1300, drops=one_cut)
-    assert outages and result.stats.resyncs >= 1
+    # One cut, the link back only once the client holds MAX_OFFLINE tokens: one resync of 1 + MAX_OFFLINE tokens.
+    outages = [Outage("cut", rounds=3, offline=MAX_OFFLINE)]
+    result, struck, service = run_with_faults(models, tmp_path, "keep", outages, limit=1024 + 4 * 1300)
+    assert struck == ["cut"] and result.stats.resyncs >= 1
+    assert refused(service, "RESOURCE_EXHAUSTED") >= 2  # 17 tokens, then 8, before pieces of 4 fit
     assert len(result.stats.resync_bytes) > result.stats.resyncs
     assert max(down for _, down in result.stats.resync_bytes) <= 4 * 1300
     assert len(result.token_ids) == N_NEW and result.stats.retracted == 0
 
 
 def test_server_restart_mid_generation_is_recovered_by_a_full_history_resync(models, tmp_path):
-    service, server, port = start_server(models)
+    service = make_service(models)
+    server, port = serve(service)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
     session = EdgeSession(client_config(sim.address, tmp_path, "rewind", piece=5))  # the rebuild, then pieces
-    restarted = []
+    servers = [server]
+    offline = []
 
-    def killer():
-        while len(session.tokens) < 30:
-            time.sleep(0.01)
-        server.stop(None)  # every session is gone with it
-        time.sleep(0.4)
-        restarted.append(start_server(models, port))
+    def kill_then_restart(e: Event) -> None:
+        if e.kind == "tokens" and e.tag == "offline":
+            offline.extend(e.tokens)
+        if len(servers) == 1 and e.kind == "tokens" and len(session.tokens) >= 30:
+            stop(servers[0])  # every session is gone with it
+            servers.append(None)
+        elif servers[-1] is None and e.kind == "state" and e.state == State.RESYNCING and len(offline) >= 8:
+            servers[-1] = serve(make_service(models), port)[0]  # a new process on the same port: nothing held
 
     try:
         session.pair()
-        t = threading.Thread(target=killer, daemon=True)
-        t.start()
+        session.on_event = kill_then_restart
         result = session.run(PROMPT)
-        t.join(10)
     finally:
         session.close()
         sim.stop()
-        server.stop(None)
-        for _, s, _ in restarted:
-            s.stop(None)
-    assert restarted and result.stats.rebuilt >= 1
+        for s in servers:
+            if s is not None:
+                stop(s)
+    assert len(servers) == 2 and servers[1] is not None
+    assert result.stats.rebuilt >= 1
     assert result.token_ids == models[3]
