@@ -39,7 +39,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -55,12 +54,12 @@ from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
 from tether.server.rpc_server import SERVICE_NAME, TLSFiles, make_server
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits, is_id
+from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.model import Transformer
 from tether.shared.sampling import sample_token
-from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
@@ -99,10 +98,6 @@ def _sha256_json(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(Reason.REASON_INVALID_REQUEST, message)
-
-
 class TetherService(tether_pb2_grpc.TetherServicer):
     def __init__(
         self,
@@ -134,6 +129,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                               dtype=target.embed_tokens.weight.dtype)  # fmt: skip
         limits = TableLimits(c.max_sessions, c.max_sessions_per_key, c.session_lease_s)
         self.table = SessionTable(self.pool, self._verifier, limits, metrics=self.metrics)
+        self.check = Checks(target.cfg.vocab_size, model_fingerprint, self.pool)
         self.metrics.kv_blocks.set(self.pool.num_blocks)
         self.metrics.kv_blocks_used.set_function(lambda: self.pool.used_blocks)
         self.batcher = RoundBatcher(target, window_s=c.batch_window_s, max_batch=c.max_batch,
@@ -185,9 +181,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         """The result of work running on a thread. If the call is cancelled meanwhile (its client went away), the
         session stays claimed, and `cleanup` waits, until the thread has finished with it."""
         self._track(work)
+        result = asyncio.wrap_future(work)
         try:
-            return await asyncio.shield(asyncio.wrap_future(work))
+            return await asyncio.shield(result)
         except asyncio.CancelledError:
+            result.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now: no warning
             if claim is not None:
                 claim.hand_over(work)
             if cleanup is not None:
@@ -198,54 +196,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     async def _in_thread(self, fn, *args, claim: Claim | None = None):
         return await self._wait(self.executor.submit(fn, *args), claim)
 
-    # ---- validation: everything a caller sends, before it is used -----------------------------------------
-
-    def _tokens(self, tokens, what: str, limit: int) -> list[int]:
-        if len(tokens) > limit:
-            raise RequestError(Reason.REASON_TOO_LONG, f"{what}: {len(tokens)} tokens, the limit is {limit}")
-        ids = list(tokens)
-        vocab = self.target.cfg.vocab_size
-        if any(t >= vocab for t in ids):
-            raise _invalid(f"{what}: a token id is outside [0, {vocab})")
-        return ids
-
-    def _check_fingerprint(self, fingerprint: str) -> None:
-        if fingerprint and fingerprint != self.model_fingerprint:
-            ours = self.model_fingerprint[:12]
-            raise RequestError(Reason.REASON_MODEL_MISMATCH, f"the client holds another model than this one ({ours})")
-
-    @staticmethod
-    def _check_sampling(s: pb.SamplingParams) -> None:
-        # NaN fails every comparison, so the chained range checks refuse it too.
-        if not (math.isfinite(s.temperature) and 0 <= s.temperature <= 100):
-            raise _invalid("temperature must be a finite number in [0, 100]")
-        if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
-            raise _invalid("top_p must be in [0, 1]")
-
-    @staticmethod
-    def _codec(value: int) -> Codec:
-        try:
-            return Codec(value)
-        except ValueError:
-            raise _invalid(f"unknown delta codec {value}") from None
-
-    @staticmethod
-    def _check_id(text: str, what: str) -> None:
-        if not is_id(text):
-            raise _invalid(f"{what} must be the 32 lowercase hex digits the server handed out")
-
     def _max_new(self, requested: int) -> int:
         return min(requested or self.config.max_new_tokens, self.config.max_new_tokens)
 
     def _capacity(self, length: int, max_new: int) -> int:
         return min(length + max_new + self.config.max_draft_tokens + 1, self.target.cfg.max_seq_len)
-
-    def _check_fits_pool(self, positions: int, what: str) -> None:
-        """A sequence the whole KV pool cannot hold is refused for good, not as a retryable capacity problem."""
-        blocks = -(-(positions + 1) // self.pool.block_size)
-        if blocks > self.pool.num_blocks:
-            held = self.pool.num_blocks
-            raise RequestError(Reason.REASON_TOO_LONG, f"the {what} needs {blocks} KV blocks, the pool holds {held}")
 
     def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
         generator = torch.Generator().manual_seed(sampling.seed)
@@ -254,7 +209,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                 prefill_chunk=self.config.prefill_chunk)  # fmt: skip
 
     def _owned(self, session_id: str, caller: str) -> Session:
-        self._check_id(session_id, "session_id")
+        check_id(session_id, "session_id")
         session = self.table.lookup(session_id, caller)
         if session is None:
             raise RequestError(Reason.REASON_UNKNOWN_SESSION, "unknown session: resync with the full history")
@@ -262,7 +217,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     @staticmethod
     def _check_token(session: Session, token: str) -> None:
-        TetherService._check_id(token, "resume_token")
+        check_id(token, "resume_token")
         if not secrets.compare_digest(token.encode(), session.resume_token.encode()):
             raise RequestError(Reason.REASON_WRONG_RESUME_TOKEN, "wrong resume token for this session")
 
@@ -302,15 +257,15 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def FetchWeights(self, request, context) -> AsyncIterator[pb.WeightChunk]:
         try:
-            self._check_fingerprint(request.model_fingerprint)
+            self.check.fingerprint(request.model_fingerprint)
             size = request.max_chunk_bytes or MAX_CHUNK
             if size > MAX_CHUNK:
-                raise _invalid(f"max_chunk_bytes above {MAX_CHUNK}")
+                raise invalid(f"max_chunk_bytes above {MAX_CHUNK}")
             try:
                 chunks = iter_chunks(self.weights, self.manifest, request.resume_tensor, request.resume_offset, size)
                 first = next(chunks, None)  # validates the resume point before anything is sent
             except (KeyError, ValueError):
-                raise _invalid("resume_tensor / resume_offset is not a point in the manifest") from None
+                raise invalid("resume_tensor / resume_offset is not a point in the manifest") from None
         except RequestError as e:
             await self._abort(context, e, "fetch_weights")
         yield pb.WeightChunk(
@@ -373,7 +328,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                         raise RequestError(Reason.REASON_OUT_OF_ORDER, "open or attach a session before rounds")
                     replies = [await self._round(session, message.round)]
                 else:
-                    raise _invalid("empty client message")
+                    raise invalid("empty client message")
             except RequestError as e:
                 self._refused(e, kind or "empty", session.id if session else "")
                 replies = [inline(e, round_no)]
@@ -386,15 +341,15 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def _open(self, req: pb.OpenSession, caller: str) -> tuple[Session, list[pb.ServerMessage]]:
         c = self.config
-        self._check_fingerprint(req.model_fingerprint)
-        prompt = self._tokens(req.prompt, "prompt", c.max_prompt_tokens)
+        self.check.fingerprint(req.model_fingerprint)
+        prompt = self.check.tokens(req.prompt, "prompt", c.max_prompt_tokens)
         if not prompt:
-            raise _invalid("empty prompt")
-        self._check_sampling(req.sampling)
-        codec = self._codec(req.delta_codec)
+            raise invalid("empty prompt")
+        check_sampling(req.sampling)
+        codec = check_codec(req.delta_codec)
         if len(req.request_id) > 128:
-            raise _invalid("request_id is longer than 128 characters")
-        self._check_fits_pool(len(prompt), "prompt")
+            raise invalid("request_id is longer than 128 characters")
+        self.check.fits_pool(len(prompt), "prompt")
         capacity = self._capacity(len(prompt), self._max_new(req.max_new_tokens))
         session, claim = await self.table.create(caller, req.sampling, codec, capacity)
         async with claim:
@@ -427,21 +382,6 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                    root=session.root, last_round=session.last_round)  # fmt: skip
         return session, pb.ServerMessage(attached=attached)
 
-    def _tree(self, req: pb.DraftRound, drafts: list[int]) -> DraftTree:
-        if not req.q:
-            return DraftTree.chain(req.root, drafts)
-        vocab = self.target.cfg.vocab_size
-        widths = {len(d.ids) for d in req.q} | {len(d.probs) for d in req.q}
-        if len(req.q) != len(drafts) or len(widths) != 1 or not 0 < next(iter(widths)) <= vocab:
-            raise _invalid("q needs one row per draft token, all of one width in [1, vocab]")
-        q_ids = torch.tensor([list(d.ids) for d in req.q], dtype=torch.long)  # [k, K]
-        q_probs = torch.tensor([list(d.probs) for d in req.q], dtype=torch.float32)  # [k, K]
-        if bool((q_ids >= vocab).any()):
-            raise _invalid(f"q: a token id is outside [0, {vocab})")
-        if not bool(torch.isfinite(q_probs).all()) or bool((q_probs < 0).any()) or bool((q_probs > 1).any()):
-            raise _invalid("q: probabilities must be finite and in [0, 1]")
-        return DraftTree.chain(req.root, drafts, q_ids, q_probs)
-
     async def _round(self, session: Session, req: pb.DraftRound) -> pb.ServerMessage:
         c = self.config
         claim = await self.table.claim(session)
@@ -454,8 +394,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             if req.root != s.root:
                 raise RequestError(Reason.REASON_OUT_OF_ORDER,
                                    f"round root {req.root} is not the last decided token {s.root}")  # fmt: skip
-            drafts = self._tokens(req.tokens, "draft", c.max_draft_tokens)
-            tree = self._tree(req, drafts)
+            drafts = self.check.tokens(req.tokens, "draft", c.max_draft_tokens)
+            tree = self.check.draft_tree(req, drafts)
             if len(tree) > s.verifier.room:
                 raise RequestError(Reason.REASON_SESSION_FULL,
                                    f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
@@ -464,7 +404,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                     verdict, delta = await self._wait(self.batcher.submit(s.verifier, tree), claim)
                 message = await self._in_thread(self._verdict, req.round, verdict, delta, s.codec)
             except ValueError as e:
-                raise _invalid(str(e)) from None
+                raise invalid(str(e)) from None
             except PoolExhausted:
                 raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly",
                                    retry_after_s=POOL_RETRY_S) from None  # fmt: skip
@@ -496,16 +436,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def _resync(self, req: pb.ResyncRequest, caller: str) -> pb.ResyncReply:
         c = self.config
-        self._check_fingerprint(req.model_fingerprint)
-        self._check_sampling(req.sampling)
-        codec = self._codec(req.delta_codec)
-        offline = self._tokens(req.offline_tokens, "offline tokens", c.max_new_tokens + 1)
+        self.check.fingerprint(req.model_fingerprint)
+        check_sampling(req.sampling)
+        codec = check_codec(req.delta_codec)
+        offline = self.check.tokens(req.offline_tokens, "offline tokens", c.max_new_tokens + 1)
         if not offline:
-            raise _invalid("resync needs at least the root token")
+            raise invalid("resync needs at least the root token")
         if req.session_id:
-            self._check_id(req.session_id, "session_id")
+            check_id(req.session_id, "session_id")
         if req.resume_token:
-            self._check_id(req.resume_token, "resume_token")
+            check_id(req.resume_token, "resume_token")
         V = req.verified_length
         held = self.table.lookup(req.session_id, caller) if req.session_id else None
         if held is not None:
@@ -516,11 +456,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 held = None
             else:
                 return await self._extend(held, claim, V, offline, req.rewind)
-        history = self._tokens(req.history, "history", c.max_prompt_tokens + c.max_new_tokens)
+        history = self.check.tokens(req.history, "history", c.max_prompt_tokens + c.max_new_tokens)
         if not history or len(history) != V:
             raise RequestError(Reason.REASON_HISTORY_REQUIRED,
                                "session not held here: resend with the full verified history")  # fmt: skip
-        self._check_fits_pool(V + len(offline), "history")
+        self.check.fits_pool(V + len(offline), "history")
         capacity = self._capacity(V + len(offline), c.max_new_tokens)
         if V + len(offline) >= capacity:
             raise RequestError(Reason.REASON_TOO_LONG, f"{V + len(offline)} positions do not fit a session")
@@ -593,11 +533,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         """Plain decoding on the server, streamed token by token (the baseline tether's drafting competes with)."""
         c = self.config
         try:
-            self._check_fingerprint(request.model_fingerprint)
-            prompt = self._tokens(request.prompt, "prompt", c.max_prompt_tokens)
+            self.check.fingerprint(request.model_fingerprint)
+            prompt = self.check.tokens(request.prompt, "prompt", c.max_prompt_tokens)
             if not prompt:
-                raise _invalid("empty prompt")
-            self._check_sampling(request.sampling)
+                raise invalid("empty prompt")
+            check_sampling(request.sampling)
         except RequestError as e:
             await self._abort(context, e, "generate")
         s = request.sampling

@@ -103,7 +103,7 @@ def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly(attention
             assert out == plain[: len(out)]
             # A replica that never saw the session rebuilds it from the history (here: an unknown id).
             history = prompt + out[:-1]
-            req = pb.ResyncRequest(session_id="f" * 32, resume_token="r" * 32, verified_length=len(history),
+            req = pb.ResyncRequest(session_id="f" * 32, resume_token="0" * 32, verified_length=len(history),
                                    offline_tokens=[out[-1]], history=history,
                                    model_fingerprint=info.model_fingerprint)  # fmt: skip
             reply = stub.Resync(req, timeout=120)
