@@ -124,6 +124,20 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         self.drafter_fingerprint = _sha256_json(
             {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}
         )
+        self.model_info = pb.ModelInfo(
+            protocol_version=PROTOCOL_VERSION,
+            model_id=c.model_id,
+            model_config_json=json.dumps(target.cfg.to_dict()),
+            model_fingerprint=model_fingerprint,
+            tokenizer_sha256=tokenizer.sha256,
+            drafter_config_json=json.dumps(drafter.dcfg.to_dict()),
+            drafter_fingerprint=self.drafter_fingerprint,
+            tli_layers=drafter.dcfg.tli,
+            codecs=[pb.CODEC_RAW, pb.CODEC_FP16_SHUFFLE_ZSTD, pb.CODEC_INT8_ZSTD],
+            max_prompt_tokens=c.max_prompt_tokens,
+            max_draft_tokens=c.max_draft_tokens,
+            max_message_bytes=c.max_message_bytes,
+        )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
                                               dtype=target.embed_tokens.weight.dtype)  # fmt: skip
@@ -239,21 +253,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     # ---- unary RPCs -------------------------------------------------------------------------------------
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        c = self.config
-        return pb.ModelInfo(
-            protocol_version=PROTOCOL_VERSION,
-            model_id=c.model_id,
-            model_config_json=json.dumps(self.target.cfg.to_dict()),
-            model_fingerprint=self.model_fingerprint,
-            tokenizer_sha256=self.tokenizer.sha256,
-            drafter_config_json=json.dumps(self.drafter.dcfg.to_dict()),
-            drafter_fingerprint=self.drafter_fingerprint,
-            tli_layers=self.drafter.dcfg.tli,
-            codecs=[pb.CODEC_RAW, pb.CODEC_FP16_SHUFFLE_ZSTD, pb.CODEC_INT8_ZSTD],
-            max_prompt_tokens=c.max_prompt_tokens,
-            max_draft_tokens=c.max_draft_tokens,
-            max_message_bytes=c.max_message_bytes,
-        )
+        return self.model_info
 
     async def FetchWeights(self, request, context) -> AsyncIterator[pb.WeightChunk]:
         try:

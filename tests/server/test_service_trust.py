@@ -303,8 +303,15 @@ def test_sessions_of_clients_that_died_expire_and_give_back_quota_and_kv(models)
 # ---- 11. slowloris ------------------------------------------------------------------------------------------------
 
 
+def hold_idle_streams(served: Served, n: int, probe):
+    """Open n Session streams that never send a message, wait until the server holds them all, then probe. Runs
+    on the server's own event loop: grpc.aio shares one completion queue per process, and a second loop in the
+    same process would be handed events after it closed."""
+    coro = _hold_idle_streams(served.port, n, served, probe)
+    return asyncio.run_coroutine_threadsafe(coro, served.server.loop).result(timeout=300)
+
+
 async def _hold_idle_streams(port: int, n: int, served: Served, probe):
-    """Open n Session streams that never send a message, wait until the server holds them all, then probe."""
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(4)]
     try:
         stubs = [tether_pb2_grpc.TetherStub(ch) for ch in channels]
@@ -327,7 +334,7 @@ def test_a_thousand_idle_streams_leave_health_and_model_info_answering(served):
         info = await tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         return health.status, info.model_fingerprint
 
-    status, fp = asyncio.run(_hold_idle_streams(served.port, 1000, served, probe))
+    status, fp = hold_idle_streams(served, 1000, probe)
     assert status == health_pb2.HealthCheckResponse.SERVING and fp == FP
     out, *_ = run_session(served.stub, tiny_moa_drafter(served.service.target), [1, 2, 3], 6)
     assert len(out) >= 6  # and a real client still gets its rounds verified
@@ -350,5 +357,5 @@ def test_idle_streams_are_closed_and_streams_past_the_cap_are_refused_as_retryab
         return Refusal.of_rpc_error(e.value)
 
     served.service.config = dataclasses.replace(served.service.config, stream_idle_s=600.0)
-    r = asyncio.run(_hold_idle_streams(served.port, 8, served, ninth))
+    r = hold_idle_streams(served, 8, ninth)
     assert (r.code, r.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.REASON_CAPACITY) and r.retry_after_s > 0
