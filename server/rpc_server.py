@@ -1,9 +1,10 @@
-"""The process's gRPC server: one grpc.aio server on an event loop of its own thread, no thread per stream.
+"""The process's gRPC server: grpc.aio on one event-loop thread, no thread per stream.
 
 Contract: `make_server(service, "host:port", tls=None, interceptors=())` binds the port ("host:0" picks a free
 one) and returns `(handle, port)`; `handle.start()` serves, `handle.stop(grace)` stops taking calls, gives those
-in flight `grace` seconds (None: none) and returns a `threading.Event` set once everything has stopped (KV given
-back, the loop closed). Beside tether.v1.Tether it serves grpc.health.v1 (SERVING while up) and reflection.
+in flight `grace` seconds (None: none) and returns a `threading.Event` set once everything has stopped (the model
+threads' work done, KV given back). Every server of the process runs on one event loop (`event_loop()`).
+Beside tether.v1.Tether it serves grpc.health.v1 (SERVING while up) and reflection.
 The service's handlers are coroutines on that loop; model work runs on the service's own threads, so a thousand
 idle streams cost a few kilobytes each and health checks answer at once however many streams are open.
 Callers outside the loop (the daemon, tests) use only this handle.
@@ -73,14 +74,28 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The process's one gRPC event loop, on a daemon thread of its own, started on first use and never closed.
+    grpc.aio shares one completion queue per process; with one loop, no event is ever handed to a loop that has
+    closed (which a second server, or a test's client, on a loop of its own would risk)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="tether-grpc", daemon=True).start()
+        return _loop
+
+
 class ServerHandle:
-    """A grpc.aio server running on its own event-loop thread."""
+    """A grpc.aio server on the process's gRPC event loop."""
 
     def __init__(self, service: Servable, interceptors: Sequence[grpc.aio.ServerInterceptor]):
         self.service = service
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="tether-grpc", daemon=True)
-        self._thread.start()
+        self.loop = event_loop()
         self._interceptors = list(interceptors)
         self._housekeeping: asyncio.Task | None = None
         self._stopped: threading.Event | None = None
@@ -119,8 +134,8 @@ class ServerHandle:
 
     def stop(self, grace: float | None = None) -> threading.Event:
         """Stop serving: refuse new calls, give those in flight `grace` seconds (None: cancel them now), wait for
-        the model threads, give back every session's KV and close the loop. Returns a set event (the old
-        grpc.Server.stop's shape; this one has finished when it returns)."""
+        the model threads and give back every session's KV. Returns a set event (the old grpc.Server.stop's shape;
+        this one has finished when it returns)."""
         if self._stopped is None:
             self._stopped = threading.Event()
             try:
@@ -128,9 +143,6 @@ class ServerHandle:
                 self.service.stop_work()  # handlers were cancelled; their threads' work ends here
                 self._call(self._release())
             finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self._thread.join()
-                self.loop.close()
                 self._stopped.set()
         return self._stopped
 
