@@ -41,7 +41,7 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -191,9 +191,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         with self._inflight_lock:
             self._inflight.discard(work)
 
-    async def _wait(self, work: concurrent.futures.Future, claim: Claim | None = None, cleanup: Callable | None = None):
+    async def _wait(self, work: concurrent.futures.Future, claim: Claim | None = None):
         """The result of work running on a thread. If the call is cancelled meanwhile (its client went away), the
-        session stays claimed, and `cleanup` waits, until the thread has finished with it."""
+        session stays claimed until the thread has finished with it."""
         self._track(work)
         result = asyncio.wrap_future(work)
         try:
@@ -202,9 +202,6 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             result.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now: no warning
             if claim is not None:
                 claim.hand_over(work)
-            if cleanup is not None:
-                loop = asyncio.get_running_loop()
-                work.add_done_callback(lambda _: loop.call_soon_threadsafe(cleanup))
             raise
 
     async def _in_thread(self, fn, *args, claim: Claim | None = None):
@@ -538,6 +535,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             if not prompt:
                 raise invalid("empty prompt")
             check_sampling(request.sampling)
+            self.check.fits_pool(len(prompt), "prompt")
         except RequestError as e:
             await self._abort(context, e, "generate")
         s = request.sampling
