@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import random
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from test_service import FP, VOCAB, Client, open_msg, run_session
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.refusals import Refusal
+from tether.server.auth import identity
 from tether.server.logs import configure_logging
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
@@ -359,3 +361,25 @@ def test_idle_streams_are_closed_and_streams_past_the_cap_are_refused_as_retryab
     served.service.config = dataclasses.replace(served.service.config, stream_idle_s=600.0)
     r = hold_idle_streams(served, 8, ninth)
     assert (r.code, r.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.REASON_CAPACITY) and r.retry_after_s > 0
+
+
+def test_a_key_past_its_calls_in_flight_is_refused_as_retryable_and_other_keys_are_not(models):
+    s = Served(models, api_keys=frozenset(KEYS.values()), max_calls_per_key=2)
+    try:
+        held = [Client(s.stub, metadata=s.meta("a")) for _ in range(2)]
+        for c in held:
+            assert c.send(open_msg([1, 2])).WhichOneof("body") == "opened"  # two streams in flight for key a
+        r = refusal(lambda: s.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=s.meta("a")))
+        assert (r.code, r.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.REASON_CAPACITY) and r.retry_after_s > 0
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=s.meta("b")).model_fingerprint == FP
+        held[0].close()
+        me = identity(KEYS["a"])
+        for _ in range(200):  # bounded: until the server has seen that stream end
+            if s.server.auth.calls[me] < 2:
+                break
+            time.sleep(0.05)
+        assert s.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=s.meta("a")).model_fingerprint == FP
+    finally:
+        for c in held:
+            c.close()
+        s.close()
