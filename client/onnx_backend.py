@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_drafter import MANIFEST, OnnxDrafter
 from tether.client.pairing import ClientModels
+from tether.client.weight_cache import is_sha256
 
 
 def onnx_drafter_for(models: ClientModels, cache_dir: str | Path) -> OnnxDrafter:
-    out = Path(cache_dir).expanduser() / "onnx" / models.info.drafter_fingerprint
+    fp = models.info.drafter_fingerprint
+    if not is_sha256(fp):  # pairing checked it already; a directory name from the server gets a second look
+        raise ServerDataError(Problem.CACHE_KEY, f"drafter fingerprint {fp[:80]!r} is not 64 lowercase hex digits")
+    out = Path(cache_dir).expanduser() / "onnx" / fp
     if not (out / MANIFEST).exists():
         from tether.client.onnx_export import export_client_onnx
 

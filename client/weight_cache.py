@@ -5,6 +5,9 @@ root/partial/<sha256>.part. `resume_point(manifest)` says where to ask the serve
 tensor not yet held, and how many of its bytes are); `write(entry, offset, data)` appends a chunk (a chunk
 sent again after a reconnect is accepted idempotently) and, once a tensor is complete, checks its sha256
 before it becomes a blob; `load(manifest)` returns the tensors. Two models sharing a tensor share its blob.
+File names come from the manifest's sha256 fields, which the server writes: anything but 64 lowercase hex digits
+is refused (WeightCacheError, Problem.CACHE_KEY) before any file is touched, and every path is resolved and
+checked to lie inside the cache.
 
     cache = WeightCache("~/.cache/tether/weights")
     while (point := cache.resume_point(manifest)) is not None:
@@ -16,30 +19,48 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from torch import Tensor
 
+from tether.client.errors import Problem, ServerDataError
 from tether.shared.weights import TensorEntry, tensor_from_bytes
 
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a cache key: the only form a file name taken from the server may have
+_HASH_BLOCK = 1 << 20  # a finished tensor is hashed in blocks, never read whole
 
-class WeightCacheError(ValueError):
-    pass
+
+class WeightCacheError(ServerDataError):
+    """A download the cache refuses: a bad cache key, a chunk that does not fit its tensor, a failed sha256."""
+
+
+def is_sha256(value: object) -> bool:
+    return isinstance(value, str) and SHA256_HEX.fullmatch(value) is not None
 
 
 class WeightCache:
     def __init__(self, root: str | Path):
-        self.root = Path(root).expanduser()
+        self.root = Path(root).expanduser().resolve()
         self.blobs = self.root / "blobs"
         self.partial = self.root / "partial"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.partial.mkdir(parents=True, exist_ok=True)
 
+    def _file(self, folder: Path, entry: TensorEntry, suffix: str) -> Path:
+        if not is_sha256(entry.sha256):
+            raise WeightCacheError(Problem.CACHE_KEY, f"tensor {entry.name!r}: sha256 {entry.sha256[:80]!r} "
+                                   "is not 64 lowercase hex digits")  # fmt: skip
+        path = (folder / f"{entry.sha256}{suffix}").resolve()
+        if path.parent != folder.resolve():  # the check above already rules this out; a second fence costs nothing
+            raise WeightCacheError(Problem.CACHE_KEY, f"tensor {entry.name!r} would be stored outside {folder}")
+        return path
+
     def _blob(self, entry: TensorEntry) -> Path:
-        return self.blobs / f"{entry.sha256}.bin"
+        return self._file(self.blobs, entry, ".bin")
 
     def _part(self, entry: TensorEntry) -> Path:
-        return self.partial / f"{entry.sha256}.part"
+        return self._file(self.partial, entry, ".part")
 
     def has(self, entry: TensorEntry) -> bool:
         return self._blob(entry).exists()
@@ -63,9 +84,10 @@ class WeightCache:
         part = self._part(entry)
         held = part.stat().st_size if part.exists() else 0
         if offset > held:
-            raise WeightCacheError(f"chunk of {entry.name!r} at {offset} leaves a gap after {held} bytes")
+            raise WeightCacheError(Problem.CHUNK, f"chunk of {entry.name!r} at {offset} leaves a gap after {held} "
+                                   "bytes")  # fmt: skip
         if offset + len(data) > entry.nbytes:
-            raise WeightCacheError(f"chunk of {entry.name!r} runs past its {entry.nbytes} bytes")
+            raise WeightCacheError(Problem.CHUNK, f"chunk of {entry.name!r} runs past its {entry.nbytes} bytes")
         if offset + len(data) > held:  # a resent chunk that we already hold adds nothing
             with open(part, "r+b" if part.exists() else "wb") as f:
                 f.seek(offset)
@@ -77,14 +99,18 @@ class WeightCache:
         part = self._part(entry)
         if not part.exists():  # an empty tensor never got a file
             part.write_bytes(b"")
-        digest = hashlib.sha256(part.read_bytes()).hexdigest()
-        if digest != entry.sha256:
+        h = hashlib.sha256()
+        with open(part, "rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                h.update(block)
+        if h.hexdigest() != entry.sha256:
             part.unlink()
-            raise WeightCacheError(f"tensor {entry.name!r} failed its sha256 check; its download starts over")
+            raise WeightCacheError(Problem.CHECKSUM, f"tensor {entry.name!r} failed its sha256 check; its download "
+                                   "starts over")  # fmt: skip
         os.replace(part, self._blob(entry))
 
     def load(self, manifest: list[TensorEntry]) -> dict[str, Tensor]:
         missing = [e.name for e in manifest if not self.has(e)]
         if missing:
-            raise WeightCacheError(f"{len(missing)} tensors are not downloaded yet, e.g. {missing[0]!r}")
+            raise WeightCacheError(Problem.CHUNK, f"{len(missing)} tensors are not downloaded yet, e.g. {missing[0]!r}")
         return {e.name: tensor_from_bytes(self._blob(e).read_bytes(), e.dtype, e.shape) for e in manifest}
