@@ -6,7 +6,11 @@ applies the same checks, raising CodecError (a ValueError, but not shared.codecs
 
 Contract: `decode_many(data, max_nbytes=...) -> {name: np.ndarray}` and `decode_frame(data) -> np.ndarray`.
 Values equal shared.codecs.decode's bit for bit, in the same dtype, except bfloat16 (numpy has none), which
-comes back as the float32 holding exactly the same value.
+comes back as the float32 holding exactly the same value. Bounded as shared.codecs is: a frame's declared size
+is checked against `max_nbytes` (shared by a bundle's tensors) before anything is decompressed, and zstd's
+output never exceeds what the declared dtype and shape hold. `parse_many(data, max_nbytes=...) -> {name: Frame}`
+checks every frame's header without decompressing any, so a receiver can match names, dtypes and shapes
+against what it expects first; `decode_many` is parse_many then decode of each frame.
 
     from tether.client.codecs_np import decode_many
     from tether.client.onnx_drafter import ArrayDelta
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
@@ -51,6 +56,7 @@ _DTYPES: dict[int, tuple[str, str]] = {
     9: ("int64", "<i8"),
     10: ("bool", "u1"),
 }
+_NUMPY = dict(_DTYPES.values())  # dtype name -> numpy dtype of its bytes
 _FLOATS = {"float16", "bfloat16", "float32", "float64"}
 
 
@@ -95,13 +101,30 @@ def _decompress(payload: bytes, expected: int) -> bytes:
     return out
 
 
+@dataclass(frozen=True)
+class Frame:
+    """One frame's checked header and its still-compressed sections."""
+
+    codec: int
+    dtype: str  # the original dtype, e.g. "bfloat16"
+    wire: str  # what the payload holds
+    shape: tuple[int, ...]
+    payload: bytes
+    scales: bytes
+
+    @property
+    def raw_nbytes(self) -> int:
+        """The tensor's size in its original dtype (what bundles count against max_nbytes)."""
+        return math.prod(self.shape) * (2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize)
+
+
 def decode_frame(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> np.ndarray:
     """One encoded tensor frame (exactly: trailing bytes are an error) -> a numpy array."""
-    return _decode(data, max_nbytes)[0]
+    return decode(parse_frame(data, max_nbytes=max_nbytes))
 
 
-def _decode(data: bytes | bytearray | memoryview, max_nbytes: int) -> tuple[np.ndarray, int]:
-    """A frame -> (array, the tensor's size in its original dtype, which bundles count against max_nbytes)."""
+def parse_frame(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> Frame:
+    """A frame's header, checked against itself and `max_nbytes`; nothing is decompressed."""
     data = memoryview(data).cast("B")
     if len(data) < _HEAD.size:
         raise CodecError(f"truncated header: {len(data)} bytes, need at least {_HEAD.size}")
@@ -123,12 +146,10 @@ def _decode(data: bytes | bytearray | memoryview, max_nbytes: int) -> tuple[np.n
     n_payload, n_scales = _LENGTHS.unpack_from(data, fixed - _LENGTHS.size)
     if len(data) != fixed + n_payload + n_scales:
         raise CodecError(f"frame is {len(data)} bytes, header declares {fixed} + {n_payload} + {n_scales}")
-    (name, _), (wire, wire_np) = _DTYPES[dtype_id], _DTYPES[wire_id]
-    numel = math.prod(shape)
-    itemsize = 2 if name == "bfloat16" else np.dtype(name).itemsize
-    raw_nbytes = numel * itemsize
-    if raw_nbytes > max_nbytes:
-        raise CodecError(f"declared tensor of shape {shape} {name} is {numel * itemsize} bytes > {max_nbytes}")
+    name, wire = _DTYPES[dtype_id][0], _DTYPES[wire_id][0]
+    frame = Frame(codec, name, wire, shape, bytes(data[fixed : fixed + n_payload]), bytes(data[fixed + n_payload :]))
+    if frame.raw_nbytes > max_nbytes:
+        raise CodecError(f"declared tensor of shape {shape} {name} is {frame.raw_nbytes} bytes > {max_nbytes}")
     allowed = {
         RAW: {name},
         FP16_SHUFFLE_ZSTD: {name} | ({"float16"} if name == "float32" else set()),
@@ -139,21 +160,26 @@ def _decode(data: bytes | bytearray | memoryview, max_nbytes: int) -> tuple[np.n
     rows = math.prod(shape[:-1]) if shape else 1
     if n_scales != (2 * rows if codec == INT8_ZSTD else 0):
         raise CodecError(f"codec {codec} needs {2 * rows if codec == INT8_ZSTD else 0} bytes of scales, got {n_scales}")
-    payload, scales = bytes(data[fixed : fixed + n_payload]), bytes(data[fixed + n_payload :])
-    wire_nbytes = numel * np.dtype(wire_np).itemsize
-    if codec == RAW:
-        if n_payload != wire_nbytes:
-            raise CodecError(f"RAW payload is {n_payload} bytes, shape {shape} {name} needs {wire_nbytes}")
-        raw = payload
-    else:
-        raw = _decompress(payload, wire_nbytes)
+    wire_nbytes = math.prod(shape) * np.dtype(_NUMPY[wire]).itemsize
+    if codec == RAW and n_payload != wire_nbytes:
+        raise CodecError(f"RAW payload is {n_payload} bytes, shape {shape} {name} needs {wire_nbytes}")
+    return frame
+
+
+def decode(frame: Frame) -> np.ndarray:
+    """A parsed frame's tensor; zstd's output is bounded by the frame's shape. Raises CodecError."""
+    codec, name, wire, shape, scales = frame.codec, frame.dtype, frame.wire, frame.shape, frame.scales
+    wire_np = _NUMPY[wire]
+    rows = math.prod(shape[:-1]) if shape else 1
+    wire_nbytes = math.prod(shape) * np.dtype(wire_np).itemsize
+    raw = frame.payload if codec == RAW else _decompress(frame.payload, wire_nbytes)
     if codec == INT8_ZSTD:
         work = np.float64 if name == "float64" else np.float32
         s = np.frombuffer(scales, dtype="<f2").astype(work)  # [rows]
         if not (np.isfinite(s) & (s >= 0)).all():
             raise CodecError("INT8_ZSTD scales must be finite and non-negative")
         q = np.frombuffer(raw, dtype=np.int8).reshape(rows, shape[-1] if shape else 1)  # [rows, D]
-        return _to_dtype(q * s[:, None], name).reshape(shape), raw_nbytes
+        return _to_dtype(q * s[:, None], name).reshape(shape)
     u = np.frombuffer(raw, dtype=np.uint8)
     if codec == FP16_SHUFFLE_ZSTD and np.dtype(wire_np).itemsize > 1:  # byte planes back to whole elements
         u = np.ascontiguousarray(u.reshape(np.dtype(wire_np).itemsize, -1).T).reshape(-1)
@@ -161,15 +187,20 @@ def _decode(data: bytes | bytearray | memoryview, max_nbytes: int) -> tuple[np.n
     if wire == "bool":
         if x.size and int(x.max()) > 1:
             raise CodecError("bool tensor holds bytes other than 0 and 1")
-        return x.astype(bool), raw_nbytes
+        return x.astype(bool)
     if wire == "bfloat16":
-        return _bf16_to_f32(x), raw_nbytes
+        return _bf16_to_f32(x)
     x = x.astype(np.dtype(wire))  # native byte order, and a writable copy
-    return (x.astype(np.float32) if name == "float32" and wire == "float16" else x), raw_nbytes
+    return x.astype(np.float32) if name == "float32" and wire == "float16" else x
 
 
 def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> dict[str, np.ndarray]:
     """A bundle from shared.codecs.encode_many -> {name: array}. `max_nbytes` bounds the bundle as a whole."""
+    return {name: decode(frame) for name, frame in parse_many(data, max_nbytes=max_nbytes).items()}
+
+
+def parse_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> dict[str, Frame]:
+    """A bundle's frames, checked but not decompressed; their declared sizes together at most `max_nbytes`."""
     data = memoryview(data).cast("B")
     if len(data) < _BUNDLE_HEAD.size:
         raise CodecError(f"truncated bundle header: {len(data)} bytes, need {_BUNDLE_HEAD.size}")
@@ -178,7 +209,7 @@ def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAU
         raise CodecError(f"bad magic {bytes(magic)!r}: not a tensor bundle (expected {BUNDLE_MAGIC!r})")
     if version != FORMAT_VERSION:
         raise CodecError(f"unsupported bundle format version {version} (this build reads {FORMAT_VERSION})")
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Frame] = {}
     pos, budget = _BUNDLE_HEAD.size, max_nbytes
     for i in range(count):
         if len(data) < pos + _NAME_LEN.size:
@@ -198,8 +229,8 @@ def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAU
         pos += _FRAME_LEN.size
         if len(data) < pos + n_frame:
             raise CodecError(f"truncated bundle: entry {name!r} declares {n_frame} bytes, {len(data) - pos} remain")
-        out[name], nbytes = _decode(data[pos : pos + n_frame], budget)
-        budget -= nbytes
+        out[name] = parse_frame(data[pos : pos + n_frame], max_nbytes=budget)
+        budget -= out[name].raw_nbytes
         pos += n_frame
     if pos != len(data):
         raise CodecError(f"oversize bundle: {len(data) - pos} trailing bytes after {count} entries")

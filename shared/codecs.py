@@ -28,6 +28,9 @@ Contract:
 - `encode_many(tensors, codec) -> bytes` / `decode_many(data) -> dict[str, Tensor]`: a named bundle
       magic b"TTBN" | version u8 | count u32 | count x (name length u16 | utf-8 name | frame length u32 | frame)
   with the same validation, the `max_nbytes` budget shared by all tensors of the bundle.
+  `parse_many(data, max_nbytes=...) -> dict[str, EncodedTensor]` parses every frame without decompressing any,
+  so a receiver can check names, dtypes and shapes against what it expects before it allocates a byte;
+  `decode_many` is parse_many then `decode` of each.
 - Thread-safe: zstd (de)compressor objects are not, so each thread keeps its own.
 
     from tether.shared.codecs import Codec, decode_many, encode_many
@@ -60,6 +63,7 @@ __all__ = [
     "decode_many",
     "encode",
     "encode_many",
+    "parse_many",
 ]
 
 FORMAT_VERSION = 1
@@ -435,6 +439,13 @@ def encode_many(tensors: Mapping[str, Tensor], codec: Codec, *, level: int = 3, 
 
 def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> dict[str, Tensor]:
     """Inverse of encode_many. `max_nbytes` bounds the decoded bundle as a whole. Raises CodecError."""
+    return {name: decode(e) for name, e in parse_many(data, max_nbytes=max_nbytes).items()}
+
+
+def parse_many(
+    data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES
+) -> dict[str, EncodedTensor]:
+    """A bundle's frames, checked but not decompressed; their declared sizes together at most `max_nbytes`."""
     data = memoryview(data).cast("B")
     if len(data) < _BUNDLE_HEAD.size:
         raise CodecError(f"truncated bundle header: {len(data)} bytes, need {_BUNDLE_HEAD.size}")
@@ -443,7 +454,7 @@ def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAU
         raise CodecError(f"bad magic {bytes(magic)!r}: not a tensor bundle (expected {BUNDLE_MAGIC!r})")
     if version != FORMAT_VERSION:
         raise CodecError(f"unsupported bundle format version {version} (this build reads {FORMAT_VERSION})")
-    out: dict[str, Tensor] = {}
+    out: dict[str, EncodedTensor] = {}
     pos, budget = _BUNDLE_HEAD.size, max_nbytes
     for i in range(count):
         if len(data) < pos + _NAME_LEN.size:
@@ -465,7 +476,7 @@ def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAU
             raise CodecError(f"truncated bundle: entry {name!r} declares {n_frame} bytes, {len(data) - pos} remain")
         e = EncodedTensor.from_bytes(data[pos : pos + n_frame], max_nbytes=budget)
         budget -= e.raw_nbytes
-        out[name] = decode(e)
+        out[name] = e
         pos += n_frame
     if pos != len(data):
         raise CodecError(f"oversize bundle: {len(data) - pos} trailing bytes after {count} entries")
