@@ -14,9 +14,10 @@ Contract (as DrafterBase; the differences are marked *):
   tensors are numpy arrays or torch tensors (converted through their own methods, so torch is not imported
   here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.client.codecs_np.decode_many.
 - `draft(root, k, temperature=0.0, top_p=1.0, support=8, generator=None)` -> (tokens, q_ids, q_probs): a chain
-  of k tokens after `root`; greedy returns (tokens, None, None).
-  * When sampling, q_ids / q_probs are numpy arrays, int64 / float32 [k, min(support, V)], and tokens are
-  drawn with a numpy Generator (`generator`: np.random.Generator or an int seed): the same truncated
+  of k tokens after `root`; greedy returns (tokens, None, None). `discard_drafts()` drops the rows of a chain
+  whose round was lost.
+  * When sampling, q_ids / q_probs are numpy arrays, int64 / float32 [k, min(support, V)] (k = 0 included), and
+  tokens are drawn with a numpy Generator (`generator`: np.random.Generator or an int seed): the same truncated
   distributions as the torch backend, not the same random stream. DraftTree.chain wants torch tensors:
   torch.from_numpy(q_ids).
 - `draft_tree(root, depth=, top_k=, total_tokens=)`: the EAGLE-2 dynamic tree of
@@ -267,6 +268,10 @@ class OnnxDrafter:
             return tokens, None, None
         width = min(support, self.vocab_size)
         return tokens, np.asarray(q_ids, np.int64).reshape(k, width), np.asarray(q_probs, np.float32).reshape(k, width)
+
+    def discard_drafts(self) -> None:
+        """Drop the cache rows of drafts never answered (a lost round), as DrafterBase.discard_drafts."""
+        self._drop_drafted(self.verified_length())
 
     def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> TreeDraft:
         """An EAGLE-2 dynamic draft tree after `root`: each level feeds the frontier nodes as new cache rows

@@ -13,7 +13,8 @@ small. Tree children are deterministic top-k picks, which the verifier handles a
     drafter.begin(delta_for_prompt)
     tokens, q_ids, q_probs = drafter.draft(root_token, k=5, temperature=0.8)
     tree = drafter.draft_tree(root_token, depth=6, top_k=8, total_tokens=48)
-    drafter.commit(delta_for_root_and_accepted)
+    drafter.commit(delta_for_root_and_accepted)    # or, when the round's answer never came:
+    drafter.discard_drafts()
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class DrafterBase(nn.Module):
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], Tensor | None, Tensor | None]:
         """A chain of k draft tokens after `root` (the token at the first unverified position).
-        Returns the tokens and, when sampling, q_ids/q_probs [k, support]: the distributions they came from."""
+        Returns the tokens and, when sampling, q_ids/q_probs [k, min(support, V)]: the distributions they came
+        from (k = 0 gives [0, min(support, V)])."""
         tokens: list[int] = []
         q_ids, q_probs = [], []
         token = root
@@ -91,7 +93,16 @@ class DrafterBase(nn.Module):
             tokens.append(token)
         if temperature == 0:
             return tokens, None, None
+        if not tokens:  # torch.stack refuses an empty list; a round with one token left drafts none
+            width = min(support, self.target.cfg.vocab_size)
+            return tokens, torch.empty(0, width, dtype=torch.long), torch.empty(0, width, dtype=torch.float32)
         return tokens, torch.stack(q_ids), torch.stack(q_probs)
+
+    @torch.inference_mode()
+    def discard_drafts(self) -> None:
+        """Drop the cache rows of drafts never answered (a lost round): the next draft follows the verified
+        positions again instead of the abandoned chain."""
+        self._drop_drafted(self.verified_length())
 
     @torch.inference_mode()
     def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> DraftTree:
