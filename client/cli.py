@@ -5,16 +5,23 @@ tether-client chat --server HOST:PORT    # interactive: each line you type, the 
 tether-client info                       # what this edge install can run (backends, versions)
 tether-client info --model DIR           # a model directory's config and fingerprint (what pairing checks)
 tether-client <command> --help
+
+The API key comes from --api-key, else --api-key-file, else the TETHER_API_KEY environment variable (a key on
+the command line is visible to every user of the machine in `ps`). Anything invalid the server sends ends the
+command with one line on stderr and exit status 2; a server that refuses the request, status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from tether.client import env
 from tether.shared.cli_support import add_dataclass_args, build_config, run_cli
 
 
@@ -45,25 +52,32 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _session(args: argparse.Namespace):
-    from tether.client.session import ClientConfig, EdgeSession
+def _api_key(args: argparse.Namespace) -> str:
+    """--api-key, else the file --api-key-file names, else TETHER_API_KEY ("" when none is given)."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if not args.api_key_file:
+        return args.api_key or env.api_key()
+    key = Path(args.api_key_file).read_text().strip()
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"{args.api_key_file} must hold one API key (no spaces or line breaks)")
+    return key
 
-    return EdgeSession(build_config(ClientConfig, args))
+
+def _config(args: argparse.Namespace):
+    from tether.client.session import ClientConfig
+
+    return dataclasses.replace(build_config(ClientConfig, args), api_key=_api_key(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.client.live_view import LiveView, PlainStream
-    from tether.client.pairing import PairingError
-    from tether.client.session import ServerError
+    from tether.client.session import EdgeSession, LinkDown, ServerError
 
-    session = _session(args)
+    session = EdgeSession(_config(args))
+    # A ServerDataError (the server sent something invalid) goes on to run_cli: one line, status 2.
     try:
         session.pair()
-    except (ServerError, PairingError) as e:
-        session.close()
-        print(f"tether-client generate: {e}", file=sys.stderr)
-        return 1
-    try:
         tok = session.models.tokenizer
         live = not args.json and not args.plain and sys.stdout.isatty()
         if live:
@@ -80,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(json.dumps(result.to_json()))
             else:
                 print()
-    except ServerError as e:
+    except (ServerError, LinkDown) as e:
         print(f"tether-client generate: {e}", file=sys.stderr)
         return 1
     finally:
@@ -90,9 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from tether.client.live_view import PlainStream
-    from tether.client.session import ClientConfig, EdgeSession
+    from tether.client.session import EdgeSession
 
-    cfg = build_config(ClientConfig, args)
+    cfg = _config(args)
     transcript = ""
     print("tether chat: type a line and the model continues it; an empty line or Ctrl-D ends.", file=sys.stderr)
     while True:
@@ -115,6 +129,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+API_KEY_FILE_HELP = "a file holding the bearer key (instead of --api-key, which others can read in ps)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether-client",
@@ -134,9 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end: text, token_ids, tags, stats")
     p.add_argument("--plain", action="store_true", help="stream plain text even on a terminal (no live view)")
     add_dataclass_args(p, ClientConfig)
+    p.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="an interactive session: each line you type, the model continues")
     add_dataclass_args(p, ClientConfig)
+    p.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
     p.set_defaults(func=cmd_chat)
     return parser
 

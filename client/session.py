@@ -24,6 +24,7 @@ never depends on the server's memory to keep its text: tokens, tags and the veri
 from __future__ import annotations
 
 import json
+import os
 import queue
 import random
 import secrets
@@ -38,10 +39,12 @@ import grpc
 import numpy as np
 import torch
 
+from tether.client.delta_gate import DeltaGate, DeltaLayout, WireDelta
+from tether.client.errors import Problem, ServerDataError
 from tether.client.pairing import ClientModels, build_client_models, fetch_client_part
+from tether.client.pairing_checks import check_model_info
 from tether.client.refusals import LOST, Refusal
-from tether.shared.codecs import Codec, decode_many
-from tether.shared.drafter import DraftDelta
+from tether.shared.codecs import Codec
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -68,7 +71,7 @@ class ClientConfig:
     backend: str = "torch"  # drafter runtime: "torch" or "onnx"
     k: int = 5  # draft tokens per round
     codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
-    api_key: str = ""  # bearer key, when the server asks for one
+    api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
     tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
     tls_cert: str = ""  # PEM client certificate (mTLS)
     tls_key: str = ""  # PEM key of tls_cert
@@ -84,6 +87,7 @@ class ClientConfig:
     resync_piece_tokens: int = 1024  # offline tokens per Resync call (each reply's KV delta stays well under 4 MiB)
     final_resync_s: float = 30.0  # rewind: how long to wait for the link when generation ends offline
     session_file: str = ""  # save the session here as it goes; a restarted client resumes from it
+    max_weights_mb: int = 2048  # refuse a server whose client part (weights and tokenizer) is over this many MiB
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Stats:
     bytes_up: int = 0
     bytes_down: int = 0
     weights_bytes: int = 0
+    bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
     wall_s: float = 0.0
     resync_s: list[float] = field(default_factory=list)  # each resync's duration
     resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each Resync call's payload bytes (up, down)
@@ -148,6 +153,11 @@ class ServerBusy(LinkDown):
 
 class SessionLost(Exception):
     """The server no longer holds the session (restart, eviction, lease): resync with the full history."""
+
+
+class BadMessage(ServerDataError, LinkDown):
+    """A message from the server the client refused (a KV delta or verdict the session does not allow): the round
+    or resync is lost as if the link had dropped, so the client drafts alone and resyncs later."""
 
 
 class ServerError(RuntimeError):
@@ -240,8 +250,9 @@ def _channel(cfg: ClientConfig, address: str) -> grpc.Channel:
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
 
 
-def _delta(kv: pb.KVDelta) -> DraftDelta:
-    return DraftDelta(start=kv.start, tokens=list(kv.tokens), tensors=decode_many(kv.payload))
+def _delta(kv: pb.KVDelta) -> WireDelta:
+    """A delta as it arrived; the drafter's gate (tether.client.delta_gate) checks it before decoding it."""
+    return WireDelta(start=kv.start, tokens=list(kv.tokens), payload=kv.payload)
 
 
 class EdgeSession:
@@ -324,7 +335,12 @@ class EdgeSession:
                   "session_id": self.session_id, "resume_token": self.resume_token, "prompt": self.prompt,
                   "tokens": self.tokens, "tags": self.tags, "verified": self.verified, "done": done}  # fmt: skip
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record))
+        # The record holds the resume token, which proves ownership of the session: owner-only from the first byte
+        # (fchmod too, for a tmp file a killed client left behind with other permissions).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)
+            f.write(json.dumps(record))
         tmp.replace(path)  # atomic: a client killed mid-write leaves the previous record
 
     def _load(self) -> dict | None:
@@ -376,6 +392,15 @@ class EdgeSession:
     def _count_down(self, kv: pb.KVDelta) -> None:
         self.stats.bytes_down += len(kv.payload)
 
+    def _bad_message(self, problem: Problem, message: str) -> ServerDataError:
+        """The error for a server message refused as invalid: a lost round once generating (the loop goes offline
+        and resyncs), the end while opening (nothing to draft from yet, and retrying would loop)."""
+        self.stats.bad_messages += 1
+        if self.state == State.CONNECTING:
+            return ServerDataError(problem, message)
+        self.on_event(Event("info", detail=f"refused an invalid {problem.value} from the server: {message}"))
+        return BadMessage(problem, message)
+
     # ---- connecting ----------------------------------------------------------------------------------
 
     def pair(self) -> ClientModels:
@@ -395,9 +420,11 @@ class EdgeSession:
                     raise ServerError(e.code(), f"{cfg.server}: {e.details()}") from None
                 time.sleep(self._jitter(delay))
                 delay = min(delay * 2, cfg.backoff_max_s)
+        model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
         for attempt in range(20):  # a download a flaky link breaks resumes where the cache stops
             try:
-                tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata)
+                tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata,
+                                            max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
                 break
             except (grpc.RpcError, ConnectionError) as e:
                 err = _rpc_error(e) if isinstance(e, grpc.RpcError) else LinkDown(str(e))
@@ -411,11 +438,17 @@ class EdgeSession:
         if cfg.backend == "onnx":
             from tether.client.onnx_backend import onnx_drafter_for
 
-            self.drafter = onnx_drafter_for(self.models, cfg.cache_dir)
+            drafter = onnx_drafter_for(self.models, cfg.cache_dir)
             self._draft_rng = np.random.default_rng(cfg.seed)  # onnxruntime's drafter samples with numpy
         else:
-            self.drafter = self.models.drafter
+            drafter = self.models.drafter
             self._draft_rng = self.generator
+        # Every delta the server sends is checked against this session before it is decoded: it may cover only
+        # the client's own tokens after the verified ones (those it has, plus a round's drafts in flight).
+        self._drafts: list[int] = []
+        self.drafter = DeltaGate(drafter, DeltaLayout.for_config(model_cfg, drafter_cfg),
+                                 coverable=lambda start: self.sequence[start:] + self._drafts,
+                                 refuse=lambda message: self._bad_message(Problem.DELTA, message))  # fmt: skip
         self.info = info
         return self.models
 
@@ -464,16 +497,40 @@ class EdgeSession:
             rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
             msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
         self.stats.bytes_up += 4 * (1 + len(drafts)) + (8 * int(np.prod(q_ids.shape)) if q_ids is not None else 0)
-        reply = self._check(self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s))
-        v = reply.verdict
+        try:
+            reply = self._check(self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s))
+            v = self._verdict(reply, msg)
+            self._count_down(v.delta)
+            self._drafts = drafts
+            try:
+                self.drafter.commit(_delta(v.delta))
+            finally:
+                self._drafts = []
+        except BaseException:
+            self.drafter.discard_drafts()  # the round is lost: drafting goes on after the verified positions
+            raise
         self.round += 1
         self.stats.rounds += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += v.accepted
-        self._count_down(v.delta)
-        self.drafter.commit(_delta(v.delta))
         self.verified = v.delta.start + len(v.delta.tokens)
         self._emit(drafts[: v.accepted] + [v.bonus], "verified")
+
+    def _verdict(self, reply: pb.ServerMessage, sent: pb.DraftRound) -> pb.Verdict:
+        """The reply's verdict if it answers the round sent (the gate checks its delta), else BadMessage."""
+        body = reply.WhichOneof("body")
+        if body != "verdict":
+            raise self._bad_message(Problem.VERDICT, f"round {sent.round} was answered by a {body} message")
+        v = reply.verdict
+        if v.round != sent.round or v.accepted > len(sent.tokens) or len(v.delta.tokens) != v.accepted + 1:
+            raise self._bad_message(
+                Problem.VERDICT,
+                f"round {v.round} (sent {sent.round}): {v.accepted} of {len(sent.tokens)} drafts accepted, "
+                f"a delta of {len(v.delta.tokens)} positions",
+            )
+        if not 0 <= v.bonus < self.drafter.layout.vocab_size:
+            raise self._bad_message(Problem.TOKEN, f"bonus token {v.bonus} of round {v.round} is out of vocabulary")
+        return v
 
     # ---- offline and resync --------------------------------------------------------------------------
 

@@ -1,0 +1,40 @@
+"""The session file holds the resume token, which proves ownership of the server's session: owner-only (0600)
+from its first byte, whatever the umask and whatever a killed client left behind."""
+
+import os
+import stat
+from pathlib import Path
+
+from tether.client.session import ClientConfig, EdgeSession
+from tether.v1 import tether_pb2 as pb
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_session_file_and_its_tmp_are_owner_only(tmp_path, monkeypatch):
+    path = tmp_path / "session.json"
+    stale = tmp_path / "session.json.tmp"
+    stale.write_text("left by a killed client")
+    stale.chmod(0o644)
+    seen = []
+    real_replace = Path.replace
+
+    def replace(self, target):
+        seen.append((self.read_text(), mode(self)))  # the tmp file, complete, just before it takes the name
+        return real_replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", replace)
+    session = EdgeSession(ClientConfig(session_file=str(path)))
+    previous = os.umask(0)  # the mode must not depend on the umask
+    try:
+        session.info = pb.ModelInfo(model_fingerprint="f" * 64)
+        session.prompt, session.tokens, session.tags, session.verified = [1, 2], [3], ["verified"], 2
+        session.session_id, session.resume_token = "s" * 32, "secret-token"
+        session._save()
+    finally:
+        os.umask(previous)
+        session.close()
+    assert mode(path) == 0o600 and "secret-token" in path.read_text()
+    assert seen and all(m == 0o600 for _, m in seen)
