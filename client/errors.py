@@ -31,6 +31,7 @@ class Problem(StrEnum):
     DELTA = "KV delta"  # a KV delta whose positions, tokens, tensors or size the session does not allow
     VERDICT = "verdict"  # a reply that does not answer the round sent
     TOKEN = "token id"  # a token id outside the vocabulary
+    SESSION_ID = "session id"  # a session id or resume token not of the server's shape (32 lowercase hex digits)
 
 
 class ServerDataError(ValueError):

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -43,7 +41,19 @@ from tether.client.delta_gate import DeltaGate, DeltaLayout, WireDelta
 from tether.client.errors import Problem, ServerDataError
 from tether.client.pairing import ClientModels, build_client_models, fetch_client_part
 from tether.client.pairing_checks import check_model_info
-from tether.client.refusals import LOST, Refusal
+from tether.client.refusals import Refusal
+from tether.client.transport import (
+    BadMessage,
+    LinkDown,
+    ServerBusy,
+    ServerError,
+    SessionLost,
+    SessionStream,
+    is_id,
+    open_channel,
+    refused,
+    rpc_error,
+)
 from tether.shared.codecs import Codec
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -138,118 +148,6 @@ class Result:
         return {"text": self.text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
 
 
-class LinkDown(Exception):
-    """The server did not answer in time, or the connection broke."""
-
-
-class ServerBusy(LinkDown):
-    """The server is full right now (sessions, KV memory, streams, this key's quota): like an outage, the client
-    drafts alone and tries again, after at least `retry_after_s` (the server's advice)."""
-
-    def __init__(self, refusal: Refusal):
-        super().__init__(f"server busy ({refusal.reason_name}): {refusal.message}")
-        self.retry_after_s = refusal.retry_after_s
-
-
-class SessionLost(Exception):
-    """The server no longer holds the session (restart, eviction, lease): resync with the full history."""
-
-
-class BadMessage(ServerDataError, LinkDown):
-    """A message from the server the client refused (a KV delta or verdict the session does not allow): the round
-    or resync is lost as if the link had dropped, so the client drafts alone and resyncs later."""
-
-
-class ServerError(RuntimeError):
-    """The server refused a request for a reason reconnecting will not fix."""
-
-    def __init__(self, code: int | grpc.StatusCode, message: str, reason: int = pb.REASON_UNSPECIFIED):
-        name = code.name if isinstance(code, grpc.StatusCode) else _code_name(code)
-        super().__init__(f"{name}: {message}")
-        self.code = name
-        self.reason = reason  # a tether.v1.ErrorReason value
-
-
-def _code_name(value: int) -> str:
-    return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
-
-
-_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
-
-
-def _refused(r: Refusal) -> Exception:
-    """The exception the session loop acts on for a refusal: by its reason first, then by its status code."""
-    if r.retryable:
-        return ServerBusy(r)
-    if r.reason in LOST or r.code == grpc.StatusCode.NOT_FOUND:
-        return SessionLost(r.message)
-    if r.code in _TRANSIENT:
-        return LinkDown(f"{r.code.name}: {r.message}")
-    return ServerError(r.code, r.message, r.reason)
-
-
-def _rpc_error(e: grpc.RpcError) -> Exception:
-    return _refused(Refusal.of_rpc_error(e))
-
-
-class _Stream:
-    """One Session stream; replies are read by a thread so a round can wait with a deadline."""
-
-    def __init__(self, stub, metadata: tuple):
-        self.outbox: queue.Queue = queue.Queue()
-        self.inbox: queue.Queue = queue.Queue()
-        self.call = stub.Session(iter(self.outbox.get, None), metadata=metadata)
-        threading.Thread(target=self._read, daemon=True, name="tether-stream").start()
-
-    def _read(self) -> None:
-        try:
-            for msg in self.call:
-                self.inbox.put(msg)
-            self.inbox.put(LinkDown("the server closed the stream"))
-        except grpc.RpcError as e:
-            self.inbox.put(_rpc_error(e))
-
-    def request(self, msg: pb.ClientMessage, timeout: float) -> pb.ServerMessage:
-        self.outbox.put(msg)
-        return self.receive(timeout)
-
-    def receive(self, timeout: float) -> pb.ServerMessage:
-        try:
-            reply = self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise LinkDown(f"no answer within {timeout:.1f} s") from None
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
-    def close(self) -> None:
-        self.outbox.put(None)
-        self.call.cancel()
-
-
-def _channel(cfg: ClientConfig, address: str) -> grpc.Channel:
-    ms = int(cfg.keepalive_s * 1000)
-    options = [
-        ("grpc.keepalive_time_ms", ms),
-        ("grpc.keepalive_timeout_ms", max(1000, ms // 2)),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        # Reconnect promptly once the link is back; our own backoff paces the attempts.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.enable_retries", 0),
-    ]
-    if not cfg.tls_ca:
-        return grpc.insecure_channel(address, options=options)
-    ca = Path(cfg.tls_ca).read_bytes()
-    key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
-    cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
-
-
 def _delta(kv: pb.KVDelta) -> WireDelta:
     """A delta as it arrived; the drafter's gate (tether.client.delta_gate) checks it before decoding it."""
     return WireDelta(start=kv.start, tokens=list(kv.tokens), payload=kv.payload)
@@ -276,14 +174,14 @@ class EdgeSession:
         self.endpoint = int(self.affinity, 16) % len(self.endpoints)
         auth = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
         self.metadata = (*auth, (AFFINITY_HEADER, self.affinity))
-        self.channel = _channel(cfg, self.endpoints[self.endpoint])
+        self.channel = self._open_channel()
         self.stub = tether_pb2_grpc.TetherStub(self.channel)
         self.stats = Stats()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
         self.state = State.CONNECTING
         self.models: ClientModels | None = None
-        self.stream: _Stream | None = None
+        self.stream: SessionStream | None = None
         self.session_id = self.resume_token = ""
         self.prompt: list[int] = []
         self.tokens: list[int] = []  # generated, emitted tokens (the root included)
@@ -363,13 +261,13 @@ class EdgeSession:
                 self.stub.Close(pb.CloseRequest(session_id=record["session_id"]), metadata=self.metadata, timeout=2.0)
             except grpc.RpcError:
                 pass  # gone already (or unreachable): nothing is lost, it held only what we re-send now
-        self.stream = _Stream(self.stub, self.metadata)
+        self.stream = SessionStream(self.stub, self.metadata)
         history = self.sequence[: self.verified]
         open_ = pb.OpenSession(prompt=history, sampling=self._sampling(), max_new_tokens=self.cfg.max_new_tokens,
                                delta_codec=CODECS[self.cfg.codec],
                                model_fingerprint=self.info.model_fingerprint)  # fmt: skip
         self.stats.bytes_up += 4 * len(history)
-        o = self._check(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s)).opened
+        o = self._opened(self._check(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s)))
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
         self.stream.close()
@@ -415,7 +313,7 @@ class EdgeSession:
                                               timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
                 break
             except grpc.RpcError as e:
-                err = _rpc_error(e)
+                err = rpc_error(e)
                 if not isinstance(err, LinkDown) or time.monotonic() + delay > deadline:
                     raise ServerError(e.code(), f"{cfg.server}: {e.details()}") from None
                 time.sleep(self._jitter(delay))
@@ -427,7 +325,7 @@ class EdgeSession:
                                             max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
                 break
             except (grpc.RpcError, ConnectionError) as e:
-                err = _rpc_error(e) if isinstance(e, grpc.RpcError) else LinkDown(str(e))
+                err = rpc_error(e) if isinstance(e, grpc.RpcError) else LinkDown(str(e))
                 if not isinstance(err, LinkDown) or attempt == 19:
                     raise err from None
                 self.on_event(Event("info", detail=f"weight download interrupted ({err}); resuming"))
@@ -454,18 +352,38 @@ class EdgeSession:
 
     def _open(self) -> None:
         cfg = self.cfg
-        self.stream = _Stream(self.stub, self.metadata)
+        self.stream = SessionStream(self.stub, self.metadata)
         open_ = pb.OpenSession(prompt=self.prompt, sampling=self._sampling(), max_new_tokens=cfg.max_new_tokens,
                                delta_codec=CODECS[cfg.codec],
                                model_fingerprint=self.info.model_fingerprint)  # fmt: skip
         self.stats.bytes_up += 4 * len(self.prompt)
         reply = self._check(self.stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s))
-        o = reply.opened
+        o = self._opened(reply)
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
         self.verified = len(self.prompt)
         self._set_state(State.ONLINE)
         self._emit([o.first_token], "verified")
+
+    def _opened(self, reply: pb.ServerMessage) -> pb.Opened:
+        """The reply to an open, if it is one this session can take: ids of the server's shape, a first token in
+        the vocabulary, no more delta parts than positions left to cover."""
+        if reply.WhichOneof("body") != "opened":
+            raise self._bad_message(Problem.VERDICT, f"an open was answered by a {reply.WhichOneof('body')} message")
+        o = reply.opened
+        self._check_ids(o.session_id, o.resume_token)
+        self._check_token(o.first_token, "first token")
+        if o.delta_parts >= max(1, len(self.sequence[: self.verified or len(self.prompt)])):
+            raise self._bad_message(Problem.DELTA, f"{o.delta_parts} more delta parts announced for a short prompt")
+        return o
+
+    def _check_ids(self, session_id: str, resume_token: str) -> None:
+        if not (is_id(session_id) and is_id(resume_token)):
+            raise self._bad_message(Problem.SESSION_ID, "not 32 lowercase hex digits")
+
+    def _check_token(self, token: int, what: str) -> None:
+        if not 0 <= token < self.models.target.cfg.vocab_size:
+            raise self._bad_message(Problem.TOKEN, f"{what} {token} is outside the vocabulary")
 
     def _begin(self, o: pb.Opened) -> None:
         """Start the drafter from the prompt's delta, which a long prompt sends in several parts."""
@@ -481,7 +399,7 @@ class EdgeSession:
 
     def _check(self, reply: pb.ServerMessage) -> pb.ServerMessage:
         if reply.WhichOneof("body") == "error":
-            raise _refused(Refusal.of_inline(reply.error))
+            raise refused(Refusal.of_inline(reply.error))
         return reply
 
     # ---- online ----------------------------------------------------------------------------------------
@@ -602,25 +520,40 @@ class EdgeSession:
             reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
         except grpc.RpcError as e:
             if Refusal.of_rpc_error(e).reason != pb.REASON_HISTORY_REQUIRED:
-                raise _rpc_error(e) from None
+                raise rpc_error(e) from None
             req.history.extend(self.sequence[:V])  # the server lost the session: it rebuilds from the whole history
             self.stats.bytes_up += 4 * V
             try:
                 reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
             except grpc.RpcError as e2:
-                raise _rpc_error(e2) from None
+                raise rpc_error(e2) from None
         self.stats.bytes_up += 4 * len(piece)
         self.stats.resync_bytes.append((4 * len(piece) + (4 * V if len(req.history) else 0), len(reply.delta.payload)))
         self._count_down(reply.delta)
+        self._check_resync_reply(reply, V, piece)
         self.session_id, self.resume_token = reply.session_id, reply.resume_token  # a rebuilt session has a new id
         self.drafter.commit(_delta(reply.delta))
         self.verified = reply.verified_length
         return reply
 
+    def _check_resync_reply(self, reply: pb.ResyncReply, V: int, piece: list[int]) -> None:
+        """A reply this resync can take, else a lost call (BadMessage): it absorbs a prefix of the piece, all of it
+        under keep (keep never retracts), from the client's verified length, and names a next token in the
+        vocabulary and ids of the server's shape. The delta itself is the drafter's gate's to check."""
+        kept = list(reply.delta.tokens)
+        if not 1 <= len(kept) <= len(piece) or kept != piece[: len(kept)]:
+            raise self._bad_message(Problem.DELTA, "a resync reply absorbed tokens that were not the piece sent")
+        if self.cfg.policy == "keep" and len(kept) != len(piece):
+            raise self._bad_message(Problem.DELTA, "a resync under keep dropped offline tokens")
+        if reply.delta.start != V or reply.verified_length != V + len(kept):
+            raise self._bad_message(Problem.DELTA, f"a resync reply from {V} claims {reply.verified_length} positions")
+        self._check_ids(reply.session_id, reply.resume_token)
+        self._check_token(reply.target_token, "next token")
+
     def _attach(self) -> None:
         if self.stream is not None:
             self.stream.close()
-        self.stream = _Stream(self.stub, self.metadata)
+        self.stream = SessionStream(self.stub, self.metadata)
         att = pb.AttachSession(session_id=self.session_id, resume_token=self.resume_token)
         reply = self._check(self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s))
         if reply.attached.verified_length != self.verified:
@@ -652,7 +585,7 @@ class EdgeSession:
                 break
             except (grpc.RpcError, LinkDown, ConnectionError) as e:
                 # Nothing to draft from before the first verified delta: wait for the server.
-                err = _rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                err = rpc_error(e) if isinstance(e, grpc.RpcError) else e
                 if isinstance(err, ServerError):
                     raise err from None
                 self.on_event(Event("info", detail=f"connecting: {err}"))
@@ -708,10 +641,15 @@ class EdgeSession:
     def _next_endpoint(self) -> None:
         self.channel.close()
         self.endpoint = (self.endpoint + 1) % len(self.endpoints)
-        self.channel = _channel(self.cfg, self.endpoints[self.endpoint])
+        self.channel = self._open_channel()
         self.stub = tether_pb2_grpc.TetherStub(self.channel)
         self.stats.failovers += 1
         self.on_event(Event("info", detail=f"trying replica {self.endpoints[self.endpoint]}"))
+
+    def _open_channel(self) -> grpc.Channel:
+        c = self.cfg
+        return open_channel(self.endpoints[self.endpoint], keepalive_s=c.keepalive_s, tls_ca=c.tls_ca,
+                            tls_cert=c.tls_cert, tls_key=c.tls_key)  # fmt: skip
 
     def _jitter(self, delay: float) -> float:
         j = self.cfg.backoff_jitter
@@ -750,7 +688,13 @@ def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] |
 def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
     """The baseline: the server decodes alone and streams its tokens; nothing is drafted on the edge, and an
     outage simply stops the text until the server can be asked again."""
-    channel = _channel(cfg, cfg.server.split(",")[0].strip())
+    channel = open_channel(
+        cfg.server.split(",")[0].strip(),
+        keepalive_s=cfg.keepalive_s,
+        tls_ca=cfg.tls_ca,
+        tls_cert=cfg.tls_cert,
+        tls_key=cfg.tls_key,
+    )
     stub = tether_pb2_grpc.TetherStub(channel)
     metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
     stats = Stats()
@@ -763,7 +707,10 @@ def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
                              model_fingerprint=info.model_fingerprint)  # fmt: skip
         stats.bytes_up += 4 * len(ids)
         tokens: list[int] = []
+        vocab = json.loads(info.model_config_json).get("vocab_size", 0) if len(info.model_config_json) < 1 << 16 else 0
         for msg in stub.Generate(req, metadata=metadata, timeout=max(60.0, cfg.connect_timeout_s)):
+            if len(tokens) + len(msg.tokens) > cfg.max_new_tokens or any(t >= vocab for t in msg.tokens):
+                raise ServerDataError(Problem.TOKEN, "Generate streamed tokens outside the vocabulary or the length")
             tokens += list(msg.tokens)
             stats.bytes_down += 4 * len(msg.tokens)
     finally:

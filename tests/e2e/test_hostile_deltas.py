@@ -160,8 +160,8 @@ def one_round(edit):
     return tamper
 
 
-def run(address: str, tmp_path):
-    cfg = ClientConfig(server=address, max_new_tokens=N_NEW, policy="rewind", cache_dir=str(tmp_path / "cache"),
+def run(address: str, tmp_path, policy: str = "rewind"):
+    cfg = ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, cache_dir=str(tmp_path / "cache"),
                        round_timeout_s=30, connect_timeout_s=30, backoff_initial_s=0.05, backoff_max_s=0.2)  # fmt: skip
     session = EdgeSession(cfg)
     try:
@@ -195,6 +195,46 @@ def test_a_corrupted_resync_reply_is_lost_too(upstream, relay, tmp_path):
     result = run(relay(one_round(corruptions(vocab)["bomb"]), tamper_resync), tmp_path)
     assert len(replies) >= 2 and result.stats.bad_messages == 2
     assert result.token_ids == plain
+
+
+def resync_lies(vocab: int) -> dict:
+    """Resync replies whose every byte decodes but whose claims the client can check."""
+
+    def next_token(r):
+        r.target_token = vocab + 3
+
+    def positions(r):
+        r.verified_length += 2
+
+    def session_id(r):
+        r.session_id = "../" + r.session_id[3:]
+
+    def dropped(r):  # keep never retracts: a reply absorbing less than the piece is a lie under keep
+        del r.delta.tokens[-1:]
+
+    return {"next_token": next_token, "positions": positions, "session_id": session_id, "dropped": dropped}
+
+
+@pytest.mark.parametrize("case", ["next_token", "positions", "session_id", "dropped"])
+def test_a_resync_reply_that_lies_about_what_it_absorbed_is_lost_too(upstream, relay, tmp_path, case):
+    _, plain, vocab = upstream
+    replies = []
+
+    def tamper_resync(reply: pb.ResyncReply) -> pb.ResyncReply:
+        replies.append(reply)
+        if len(replies) == 1:
+            reply = pb.ResyncReply.FromString(reply.SerializeToString())
+            resync_lies(vocab)[case](reply)
+        return reply
+
+    policy = "keep" if case == "dropped" else "rewind"
+    result = run(relay(one_round(corruptions(vocab)["bomb"]), tamper_resync), tmp_path, policy)
+    assert len(replies) >= 2 and result.stats.bad_messages == 2
+    assert result.stats.retracted == 0 or policy == "rewind"
+    if policy == "rewind":
+        assert result.token_ids == plain
+    else:
+        assert len(result.token_ids) == N_NEW
 
 
 def test_a_corrupted_prompt_delta_ends_the_cli_in_one_line(upstream, relay, tmp_path, capsys):
