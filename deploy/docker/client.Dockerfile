@@ -4,8 +4,9 @@
 # Build from the repository root:
 #   docker build -f deploy/docker/client.Dockerfile -t tether-client:0.1.0 .
 # Run (the cache volume keeps the downloaded client weights and the ONNX export between runs):
-#   docker run --rm -v tether-cache:/var/cache/tether tether-client:0.1.0 generate \
-#       --server tether.example.com:443 --tls-ca /certs/ca.pem --api-key "$KEY" --prompt "def main():" --json
+#   docker run --rm -v tether-cache:/var/cache/tether -e TETHER_API_KEY tether-client:0.1.0 generate \
+#       --server tether.example.com:443 --tls-ca /certs/ca.pem --prompt "def main():" --json
+# (the key comes from the environment, TETHER_API_KEY, or --api-key-file: on the command line ps would show it)
 # generate and chat get `--backend onnx --cache-dir /var/cache/tether` first; flags you pass come later and win.
 #
 # torch stays (the ONNX export of the paired drafter runs once per drafter with torch), but as the CPU wheel from
