@@ -148,8 +148,9 @@ def test_stall_holds_the_close_too(echo):
 
 
 def test_cut_in_the_middle_of_busy_transfers(echo):
-    # Three connections pushing data through a capped link, so every pump is mid-transfer when the cut lands.
-    with NetSimThread("127.0.0.1:0", echo.address, LinkConfig(bandwidth_kbps=4000)) as sim:
+    # Three connections pushing data through a capped link, so every pump is mid-transfer when the cut lands: at
+    # 100 kB/s the 600 kB need 6 s, far more than even a busy machine takes to see 1000 bytes back on each.
+    with NetSimThread("127.0.0.1:0", echo.address, LinkConfig(bandwidth_kbps=800)) as sim:
         socks = [connect(sim.port) for _ in range(3)]
         for sock in socks:
             sock.sendall(bytes(200_000))
