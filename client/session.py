@@ -594,7 +594,9 @@ class EdgeSession:
         delay = self.cfg.backoff_initial_s
         give_up = None  # when generation ended offline under rewind: how long to wait for the link
         while True:
-            if self.done and self.state == State.ONLINE:
+            # Done online, or done with every token verified (a resync absorbed the whole tail and the stream
+            # after it could not attach): there is nothing left to resync.
+            if self.done and (self.state == State.ONLINE or self.verified >= len(self.sequence)):
                 break
             if self.done and (self.cfg.policy == "keep" or (give_up is not None and time.monotonic() > give_up)):
                 if self.cfg.policy == "rewind":

@@ -22,7 +22,7 @@ import threading
 import pytest
 import torch
 
-from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, State
+from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, SessionLost, State
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
 from tether.server.service import ServiceConfig, TetherService, make_server
@@ -341,3 +341,49 @@ def test_server_restart_mid_generation_is_recovered_by_a_full_history_resync(mod
     assert len(servers) == 2 and servers[1] is not None
     assert result.stats.rebuilt >= 1
     assert result.token_ids == models[3]
+
+
+def test_rewind_that_ends_offline_with_every_token_absorbed_has_nothing_left_to_resync(models, tmp_path, monkeypatch):
+    """The link is cut after the first round and the client writes the rest alone (here the target's own tokens, so
+    rewind's resync absorbs the whole tail); the stream after that resync cannot attach (the session was evicted
+    meanwhile). Every token is verified, so the client finishes: it once sent a Resync of nothing and died on
+    INVALID_ARGUMENT (sixteen clients on a full server hit it)."""
+    plain = models[3]
+
+    def oracle_step(self):
+        self.offline_run += 1
+        self.stats.offline_tokens += 1
+        self._emit([plain[len(self.tokens)]], "offline")
+
+    real_attach = EdgeSession._attach
+
+    def attach(self):
+        if self.done:
+            raise SessionLost("evicted right after the resync (test)")
+        return real_attach(self)
+
+    monkeypatch.setattr(EdgeSession, "_offline_step", oracle_step)
+    monkeypatch.setattr(EdgeSession, "_attach", attach)
+    service = make_service(models)
+    server, port = serve(service)
+    sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
+    sim.start()
+    cfg = dataclasses.replace(client_config(sim.address, tmp_path, "rewind"), max_offline_tokens=0)
+    session = EdgeSession(cfg)
+
+    def on_event(e: Event) -> None:
+        if e.kind == "tokens" and e.tag == "verified" and session.stats.rounds == 1 and session.stats.outages == 0:
+            sim.cut()
+        elif e.kind == "state" and e.state == State.RESYNCING and session.done:
+            sim.restore()
+
+    try:
+        session.pair()
+        session.on_event = on_event
+        result = session.run(PROMPT)
+    finally:
+        session.close()
+        sim.stop()
+        stop(server)
+    assert result.stats.offline_tokens > 0 and result.stats.resyncs == 1 and result.stats.retracted == 0
+    assert result.token_ids == plain
