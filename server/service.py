@@ -298,6 +298,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     async def Session(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
         caller = CALLER.get()
         session: Session | None = None
+        epoch = 0  # the session's resync count when this stream opened or attached it
         messages = aiter(request_iterator)
         idle = self.config.stream_idle_s
         while True:
@@ -315,15 +316,16 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                     if session is not None:
                         raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
                     session, replies = await self._open(message.open, caller)
+                    epoch = session.resyncs
                 elif kind == "attach":
                     if session is not None:
                         raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
-                    session, reply = await self._attach(message.attach, caller)
+                    session, epoch, reply = await self._attach(message.attach, caller)
                     replies = [reply]
                 elif kind == "round":
                     if session is None:
                         raise RequestError(Reason.REASON_OUT_OF_ORDER, "open or attach a session before rounds")
-                    replies = [await self._round(session, message.round)]
+                    replies = [await self._round(session, message.round, epoch)]
                 else:
                     raise invalid("empty client message")
             except RequestError as e:
@@ -370,19 +372,25 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         """A long prompt's delta goes in parts, each well under the message limit."""
         return [self._delta(d, codec) for d in delta.split(self.config.max_message_bytes // 4)]
 
-    async def _attach(self, req: pb.AttachSession, caller: str) -> tuple[Session, pb.ServerMessage]:
-        """A new stream takes over a held session (after a reconnect): rounds continue where it stands."""
+    async def _attach(self, req: pb.AttachSession, caller: str) -> tuple[Session, int, pb.ServerMessage]:
+        """A new stream takes over a held session (after a reconnect): rounds continue where it stands. Returns the
+        session, its resync count (the stream's epoch) and the reply."""
         session = self._owned(req.session_id, caller)
         self._check_token(session, req.resume_token)
         async with await self.table.claim(session):
             attached = pb.Attached(session_id=session.id, verified_length=session.verifier.length,
                                    root=session.root, last_round=session.last_round)  # fmt: skip
-        return session, pb.ServerMessage(attached=attached)
+            epoch = session.resyncs
+        return session, epoch, pb.ServerMessage(attached=attached)
 
-    async def _round(self, session: Session, req: pb.DraftRound) -> pb.ServerMessage:
+    async def _round(self, session: Session, req: pb.DraftRound, epoch: int) -> pb.ServerMessage:
         c = self.config
         claim = await self.table.claim(session)
         async with claim as s:
+            if epoch != s.resyncs:
+                # Round numbers restart after a resync: a late round from a stream attached before it must not be
+                # taken (or recorded) as the new numbering's round.
+                raise RequestError(Reason.REASON_OUT_OF_ORDER, "the session was resynced since this stream attached")
             if req.round == s.last_round and s.last_reply is not None:
                 return s.last_reply  # a round sent again after a reconnect: same answer, no second run
             if req.round != s.last_round + 1:
@@ -495,6 +503,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         payload = await self._in_thread(self._delta, delta, session.codec)
         session.root = next_token
         session.last_round, session.last_reply = 0, None  # round numbering restarts after a resync
+        session.resyncs += 1
         reply = pb.ResyncReply(session_id=session.id, resume_token=session.resume_token, rebuilt=rebuilt,
                                first_disagreement=disagreement, target_token=next_token,
                                verified_length=session.verifier.length, delta=payload)  # fmt: skip

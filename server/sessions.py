@@ -76,6 +76,7 @@ class Session:
     root: int = 0  # the last decided token, which the next round must start from
     last_round: int = 0
     last_reply: pb.ServerMessage | None = None
+    resyncs: int = 0  # resyncs answered; a stream attached before the latest one may send no more rounds
     last_used: float = 0.0  # the table's clock; for leases and least-recently-used eviction
     busy: int = 0  # claims in progress (guarded by the table's lock)
     evicted: bool = False  # its KV was given back (guarded by the table's lock)

@@ -383,3 +383,24 @@ def test_a_key_past_its_calls_in_flight_is_refused_as_retryable_and_other_keys_a
         for c in held:
             c.close()
         s.close()
+
+
+def test_a_late_round_from_a_stream_attached_before_a_resync_is_refused(served):
+    """Round numbers restart after a resync. A stream from before it (a reconnect race) sending "round 1" with the
+    new root must not be verified and recorded as the new numbering's round 1: the client's own round 1 on its new
+    stream would be answered with that record."""
+    stub = served.stub
+    old = Client(stub)
+    opened = old.send(open_msg([1, 2, 3])).opened
+    reply = stub.Resync(resync_req(session_id=opened.session_id, resume_token=opened.resume_token, verified_length=3,
+                                   offline_tokens=[opened.first_token]))  # fmt: skip
+    late = old.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=reply.target_token, tokens=[5, 5])))
+    assert late.error.reason == pb.REASON_OUT_OF_ORDER
+    new = Client(stub)
+    att = new.send(pb.ClientMessage(attach=pb.AttachSession(session_id=opened.session_id,
+                                                             resume_token=opened.resume_token))).attached  # fmt: skip
+    assert att.last_round == 0 and att.verified_length == 4
+    v = new.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=att.root, tokens=[1]))).verdict
+    assert v.round == 1 and list(v.delta.tokens)[0] == att.root
+    old.close()
+    new.close()
