@@ -28,7 +28,8 @@ from rich.table import Table
 
 from tether.client.session import ClientConfig, EdgeSession, Event
 from tether.server.generate import default_model_dir, load
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer

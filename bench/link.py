@@ -33,7 +33,8 @@ from rich.table import Table
 from tether.client.session import ClientConfig, EdgeSession, generate_server_only
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 

@@ -25,7 +25,8 @@ from tether.client.live_view import LiveView
 from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.netsim.proxy import LinkConfig, NetSimThread
 from tether.server.generate import default_model_dir, load
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 

@@ -28,7 +28,7 @@ Threads: handlers are coroutines on the server's event loop; prefill, resync abs
 encoding run on `model_threads` threads, rounds on the batcher's thread, so the loop only routes messages.
 
     service = TetherService(target, drafter, tokenizer, ServiceConfig(), model_fingerprint=fp)
-    server, port = make_server(service, "127.0.0.1:50051"); server.start()
+    server, port = make_server(service, "127.0.0.1:50051"); server.start()  # tether.server.rpc_server
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from tether.server.batcher import RoundBatcher
 from tether.server.errors import Reason, RequestError, inline, status_metadata
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
-from tether.server.rpc_server import SERVICE_NAME, TLSFiles, make_server
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits, is_id
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
 from tether.server.verifier import SequenceVerifier, target_states
@@ -64,8 +63,6 @@ from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
-
-__all__ = ["PROTOCOL_VERSION", "SERVICE_NAME", "ServiceConfig", "TLSFiles", "TetherService", "make_server"]
 
 PROTOCOL_VERSION = 1
 POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted

@@ -225,7 +225,7 @@ def healthcheck(address: str) -> subprocess.CompletedProcess:
 
 
 def test_healthcheck_script(health_server):
-    from tether.server.service import SERVICE_NAME
+    from tether.server.rpc_server import SERVICE_NAME
 
     servicer, address, server = health_server
     servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

@@ -205,7 +205,7 @@ def entrypoint() -> list[str]:
 
 def test_the_replicas_command_line_parses_with_tether_server_serve():
     from tether.server.cli import build_parser
-    from tether.server.service import SERVICE_NAME
+    from tether.server.rpc_server import SERVICE_NAME
 
     c = container("tether-server")
     env = read_env(K8S / "server.env")

@@ -15,7 +15,6 @@ decide how soon the client notices a stall; no assertion depends on how long any
 """
 
 import dataclasses
-import inspect
 import random
 import threading
 
@@ -25,7 +24,8 @@ import torch
 from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, SessionLost, State
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -60,9 +60,7 @@ def serve(service: TetherService, port: int = 0):
 
 def stop(server) -> None:
     """Stop at once and wait until the server has (a restart reuses its port)."""
-    stopped = server.stop(None)
-    if hasattr(stopped, "wait"):
-        stopped.wait(30)
+    server.stop(None).wait(30)
 
 
 def server_verifier(service: TetherService, session_id: str):
@@ -73,18 +71,11 @@ def after_each_resync_call(service: TetherService, hook) -> None:
     """hook() runs inside every Resync call the server answers, after it has absorbed the piece and before the reply
     leaves. Install before make_server, which takes the bound method."""
     real = service.Resync
-    if inspect.iscoroutinefunction(real):
 
-        async def resync(request, context):
-            reply = await real(request, context)
-            hook()
-            return reply
-    else:
-
-        def resync(request, context):
-            reply = real(request, context)
-            hook()
-            return reply
+    async def resync(request, context):
+        reply = await real(request, context)
+        hook()
+        return reply
 
     service.Resync = resync
 

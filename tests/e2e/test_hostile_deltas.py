@@ -18,7 +18,8 @@ import zstandard
 from tether.client.cli import main
 from tether.client.session import ClientConfig, EdgeSession
 from tether.server.generate import default_model_dir, load
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.codecs import Codec, EncodedTensor, decode_many, encode_many
 from tether.shared.drafter import load_drafter

@@ -14,7 +14,8 @@ import torch
 from tether.client import session as session_module
 from tether.client.session import ClientConfig, EdgeSession
 from tether.server.generate import default_model_dir, load
-from tether.server.service import ServiceConfig, TetherService, make_server
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.v1 import tether_pb2 as pb

@@ -527,4 +527,3 @@ def test_a_long_prompts_delta_arrives_in_parts_under_the_message_limit(served):
         assert out == plain(target, prompt, len(out))
     finally:
         server.stop(None)
-
