@@ -180,26 +180,11 @@ def test_one_corrupted_round_is_lost_and_rewind_still_equals_plain_greedy(upstre
     assert result.token_ids == plain
 
 
-def test_a_corrupted_resync_reply_is_lost_too(upstream, relay, tmp_path):
-    """The round's loss makes the client resync; the first Resync reply then carries the bomb. That resync is
-    lost as well (the client keeps drafting alone), and the next one brings it back."""
-    _, plain, vocab = upstream
-    replies = []
-
-    def tamper_resync(reply: pb.ResyncReply) -> pb.ResyncReply:
-        replies.append(reply)
-        if len(replies) == 1:
-            reply = pb.ResyncReply.FromString(reply.SerializeToString())
-            reply.delta.payload = bomb_bundle()
-        return reply
-
-    result = run(relay(one_round(corruptions(vocab)["bomb"]), tamper_resync), tmp_path)
-    assert len(replies) >= 2 and result.stats.bad_messages == 2
-    assert result.token_ids == plain
-
-
 def resync_lies(vocab: int) -> dict:
-    """Resync replies whose every byte decodes but whose claims the client can check."""
+    """Resync replies the client must refuse: a delta that is a bomb, or claims the client can check."""
+
+    def bomb(r):
+        r.delta.payload = bomb_bundle()
 
     def next_token(r):
         r.target_token = vocab + 3
@@ -213,11 +198,14 @@ def resync_lies(vocab: int) -> dict:
     def dropped(r):  # keep never retracts: a reply absorbing less than the piece is a lie under keep
         del r.delta.tokens[-1:]
 
-    return {"next_token": next_token, "positions": positions, "session_id": session_id, "dropped": dropped}
+    return {"bomb": bomb, "next_token": next_token, "positions": positions, "session_id": session_id,
+            "dropped": dropped}  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["next_token", "positions", "session_id", "dropped"])
-def test_a_resync_reply_that_lies_about_what_it_absorbed_is_lost_too(upstream, relay, tmp_path, case):
+@pytest.mark.parametrize("case", ["bomb", "next_token", "positions", "session_id", "dropped"])
+def test_a_resync_reply_that_lies_is_lost_too(upstream, relay, tmp_path, case):
+    """The round's loss makes the client resync; the first Resync reply then lies. That resync is lost as well (the
+    client keeps drafting alone), and the next one brings it back."""
     _, plain, vocab = upstream
     replies = []
 
