@@ -5,8 +5,9 @@ per stream) must keep answering everyone else. A client process apart from the s
 Session streams on loopback (over `--channels` connections, as many clients would); once the server holds them all
 it times, on a separate connection, `--probes` health checks, GetModelInfo calls and verification rounds of one
 real session (the default models, k=4 random drafts). Reports p50 / p99 / max per call kind and the server
-process's resident memory growth per 1,000 idle streams. The bar: health and GetModelInfo within 100 ms with
-1,000 idle streams.
+process's resident memory growth per 1,000 idle streams, and how many of them the server holds (grpc's core
+cancels the newest idle streams past a couple of thousand per server on this machine). The bar: health and
+GetModelInfo within 100 ms with 1,000 idle streams.
 Prints a table, then one JSON line.
 
     python bench/idle_streams.py --streams 0 1000 3000
@@ -95,9 +96,12 @@ def measure(service, n: int, args, fp: str) -> dict:
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().startswith("opened")
-        for _ in range(1200):  # bounded: 2 minutes
-            if server.auth.streams >= n:
+        seen, still = -1, 0
+        for _ in range(1200):  # bounded: 2 minutes; done when all are held or the count stops growing for 3 s
+            if server.auth.streams >= n or still >= 30:
                 break
+            still = still + 1 if server.auth.streams == seen else 0
+            seen = server.auth.streams
             time.sleep(0.1)
         held, grown = server.auth.streams, rss_mb() - before
         proc.stdin.write("go\n")
@@ -132,13 +136,14 @@ def main() -> None:
         rows.append(measure(service, n, args, fp))
     title = f"answers while idle streams are held ({args.probes} probes each, loopback, client in its own process)"
     table = Table(title=title)
-    for col in ("idle streams", "health p50/p99/max ms", "GetModelInfo p50/p99/max ms", "round p50/p99/max ms",
+    for col in ("idle streams", "held", "health p50/p99/max ms", "GetModelInfo p50/p99/max ms", "round p50/p99/max ms",
                 "server RSS MB per 1k streams"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         cells = [f"{r[k]['p50']:.2f} / {r[k]['p99']:.2f} / {r[k]['max']:.2f}" for k in ("health_ms", "model_info_ms",
                                                                                          "round_ms")]  # fmt: skip
-        table.add_row(str(r["streams"]), *cells, f"{r['server_rss_mb_per_1k_streams']:.1f}" if r["streams"] else "-")
+        rss = f"{r['server_rss_mb_per_1k_streams']:.1f}" if r["streams"] else "-"
+        table.add_row(str(r["streams"]), str(r["held"]), *cells, rss)
     Console(width=160).print(table)
     print(json.dumps({"bench": "idle_streams", "host": platform.node(), "cpus": len(os.sched_getaffinity(0)),
                       "torch": torch.__version__, "grpcio": grpc.__version__, "rows": rows}))  # fmt: skip
