@@ -1,6 +1,6 @@
 """The edge client's generation loop: draft, get verified over the tether, keep going alone when it snaps.
 
-States (DESIGN.md section 6): CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE.
+States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE.
 - CONNECTING: `pair()`: GetModelInfo, the client part from the weight cache or the server
   (tether.client.pairing); then open the session with the prompt.
 - ONLINE: each round drafts k tokens after the root (the last token the target decided), sends them, and on

@@ -1,6 +1,6 @@
 """Training corpus: the running interpreter's standard-library sources (plus files the user names), tokenized.
 
-Contract (DESIGN section 8):
+Contract (docs/ARCHITECTURE.md, section 9):
 - Documents are the stdlib's `*.py` files (site-packages, dist-packages and __pycache__ excluded) in sorted
   order of their POSIX path relative to the stdlib folder, and then the extra files in the order given,
   named by the path as given. Files that are empty or not valid UTF-8 are left out and listed as skipped.

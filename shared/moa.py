@@ -1,4 +1,4 @@
-"""The Mixture-of-Attentions (MoA) drafter, split between server and client (DESIGN.md section 3).
+"""The Mixture-of-Attentions (MoA) drafter, split between server and client (docs/ARCHITECTURE.md, section 3).
 
 Server part:
 - LSA, layer self-attention: for each verified token, one decoder layer runs bidirectionally across the L

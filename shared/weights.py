@@ -1,6 +1,6 @@
 """The client's partial weights: which tensors they are, their manifest, and how they travel in chunks.
 
-The client part (DESIGN.md section 3) is everything the edge needs to draft alone: the target's token
+The client part (docs/ARCHITECTURE.md, section 3) is everything the edge needs to draft alone: the target's token
 embeddings, its last N (TLI) layers, final norm and LM head, plus the drafter's client-side modules (MoA: SA
 and CA, not LSA, which runs on the server; EAGLE: all of it). Names are prefixed "target." (Hugging Face
 names) and "drafter.".
