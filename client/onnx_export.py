@@ -1,6 +1,6 @@
 """Export the edge client's drafting step to ONNX, for the onnxruntime backend (tether.client.onnx_drafter).
 
-Only the client part is exported (docs/ARCHITECTURE.md, section 3; LSA stays on the server). The caches never live inside
+Only the client part is exported (docs/ARCHITECTURE.md section 3; LSA stays on the server). The caches never live inside
 a graph: each call takes the committed cache rows as inputs and returns the new rows, so the runtime keeps the
 caches as numpy buffers and rolls drafted rows back by keeping a shorter length.
 
