@@ -49,12 +49,12 @@ from tether.client.transport import (
     ServerError,
     SessionLost,
     SessionStream,
-    is_id,
     open_channel,
     refused,
     rpc_error,
 )
 from tether.shared.codecs import Codec
+from tether.shared.ids import is_session_id
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -378,7 +378,7 @@ class EdgeSession:
         return o
 
     def _check_ids(self, session_id: str, resume_token: str) -> None:
-        if not (is_id(session_id) and is_id(resume_token)):
+        if not (is_session_id(session_id) and is_session_id(resume_token)):
             raise self._bad_message(Problem.SESSION_ID, "not 32 lowercase hex digits")
 
     def _check_token(self, token: int, what: str) -> None:

@@ -59,11 +59,6 @@ class ServerError(RuntimeError):
         self.reason = reason  # a tether.v1.ErrorReason value
 
 
-def is_id(text: str) -> bool:
-    """The shape of the server's session ids and resume tokens: 32 lowercase hex digits."""
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
-
-
 def _code_name(value: int) -> str:
     return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from pathlib import Path
 
 from torch import Tensor
 
 from tether.client.errors import Problem, ServerDataError
+from tether.shared.ids import is_sha256 as is_sha256_hex
 from tether.shared.weights import TensorEntry, tensor_from_bytes
 
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a cache key: the only form a file name taken from the server may have
 _HASH_BLOCK = 1 << 20  # a finished tensor is hashed in blocks, never read whole
 
 
@@ -36,7 +35,8 @@ class WeightCacheError(ServerDataError):
 
 
 def is_sha256(value: object) -> bool:
-    return isinstance(value, str) and SHA256_HEX.fullmatch(value) is not None
+    """A cache key: the only form a file name taken from the server may have."""
+    return isinstance(value, str) and is_sha256_hex(value)
 
 
 class WeightCache:

@@ -94,5 +94,5 @@ def inline(error: RequestError, round_no: int = 0) -> pb.ServerMessage:
             round=round_no,
             reason=error.reason,
             retry_after_ms=error.retry_after_ms,
-        )  # fmt: skip
+        )
     )

@@ -52,11 +52,12 @@ from tether.server.batcher import RoundBatcher
 from tether.server.errors import Reason, RequestError, inline, status_metadata
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
-from tether.server.sessions import Claim, Session, SessionTable, TableLimits, is_id
+from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
+from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
 from tether.shared.sampling import sample_token
 from tether.shared.tokenizer import Tokenizer
@@ -300,7 +301,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         idle = self.config.stream_idle_s
         while True:
             try:
-                message = await asyncio.wait_for(anext(messages), idle)
+                async with asyncio.timeout(idle):
+                    message = await anext(messages)
             except StopAsyncIteration:
                 return
             except TimeoutError:
@@ -428,7 +430,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         try:
             reply = await self._resync(request, CALLER.get())
         except RequestError as e:
-            await self._abort(context, e, "resync", request.session_id if is_id(request.session_id) else "")
+            await self._abort(context, e, "resync", request.session_id if is_session_id(request.session_id) else "")
         self.metrics.resyncs.labels(outcome="rebuilt" if reply.rebuilt else "extended").inc()
         log.info("session resynced", extra={"event": "resync", "session": reply.session_id, "rebuilt": reply.rebuilt,
                                             "offline_tokens": len(request.offline_tokens),

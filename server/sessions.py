@@ -41,21 +41,12 @@ from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import KVPool, PagedCache
 from tether.server.verifier import SequenceVerifier
 from tether.shared.codecs import Codec
+from tether.shared.ids import new_session_id
 from tether.v1 import tether_pb2 as pb
 
 log = logging.getLogger("tether.server")
 
-ID_HEX = 32  # session ids and resume tokens: 128 random bits as lowercase hex
 BUSY_RETRY_S = 0.25  # retry advice when every session is busy (a round takes milliseconds)
-
-
-def new_id() -> str:
-    return secrets.token_hex(ID_HEX // 2)
-
-
-def is_id(text: str) -> bool:
-    """Whether `text` has the shape of an id this server hands out (anything else is refused before use)."""
-    return len(text) == ID_HEX and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True)
@@ -72,7 +63,7 @@ class Session:
     verifier: SequenceVerifier
     sampling: pb.SamplingParams
     codec: Codec
-    resume_token: str = field(default_factory=new_id)
+    resume_token: str = field(default_factory=new_session_id)
     root: int = 0  # the last decided token, which the next round must start from
     last_round: int = 0
     last_reply: pb.ServerMessage | None = None
@@ -184,7 +175,7 @@ class SessionTable:
         REASON_CAPACITY (with retry advice) before anything is allocated. Its KV blocks are taken as the caller
         prefills it; if that fails the caller retires it."""
         self._make_room(owner)
-        session = Session(new_id(), owner, self.make_verifier(sampling, capacity), sampling, codec)
+        session = Session(new_session_id(), owner, self.make_verifier(sampling, capacity), sampling, codec)
         await session.lock.acquire()  # a fresh lock: never waits
         with self._lock:
             session.busy, session.last_used = 1, self.clock()

@@ -21,8 +21,8 @@ import torch
 
 from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import KVPool
-from tether.server.sessions import is_id
 from tether.shared.codecs import Codec
+from tether.shared.ids import is_session_id
 from tether.shared.speculative import DraftTree
 from tether.v1 import tether_pb2 as pb
 
@@ -47,7 +47,7 @@ def check_codec(value: int) -> Codec:
 
 
 def check_id(text: str, what: str) -> None:
-    if not is_id(text):
+    if not is_session_id(text):
         raise invalid(f"{what} must be the 32 lowercase hex digits the server handed out")
 
 
