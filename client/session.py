@@ -446,8 +446,7 @@ class EdgeSession:
                 f"round {v.round} (sent {sent.round}): {v.accepted} of {len(sent.tokens)} drafts accepted, "
                 f"a delta of {len(v.delta.tokens)} positions",
             )
-        if not 0 <= v.bonus < self.drafter.layout.vocab_size:
-            raise self._bad_message(Problem.TOKEN, f"bonus token {v.bonus} of round {v.round} is out of vocabulary")
+        self._check_token(v.bonus, f"bonus token of round {v.round}")
         return v
 
     # ---- offline and resync --------------------------------------------------------------------------
