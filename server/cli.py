@@ -4,6 +4,7 @@ tether-server build-corpus --out data/corpus            # stdlib sources -> toke
 tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
 tether-server generate --prompt "def fib(n):"           # speculative decoding with the default models
 tether-server serve --port 50051                        # the gRPC server (SIGTERM stops it gracefully)
+tether-server warm --cache-dir /var/cache/tether        # compile + tune serve's kernels into a cache dir, exit
 tether-server <command> --help
 """
 
@@ -54,6 +55,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tether.server.daemon import ServeConfig, serve
 
     return serve(build_config(ServeConfig, args))
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    from tether.server.daemon import ServeConfig, warm
+
+    return warm(build_config(ServeConfig, args))  # the flags warm does not take keep serve's defaults
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -123,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the target and drafter over gRPC (tether.v1.Tether)")
     add_dataclass_args(p, ServeConfig)
     p.set_defaults(func=cmd_serve)
+
+    from tether.server.daemon import WARM_FIELDS
+
+    p = sub.add_parser("warm", help="load the models, compile and tune serve's kernels into --cache-dir, and exit")
+    add_dataclass_args(p, ServeConfig, skip=[n for n in ServeConfig.__dataclass_fields__ if n not in WARM_FIELDS])
+    p.set_defaults(func=cmd_warm)
 
     p = sub.add_parser("generate", help="generate text in-process with the target model")
     add_dataclass_args(p, GenerateConfig)

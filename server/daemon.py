@@ -4,8 +4,17 @@ Contract: prints one line `listening on HOST:PORT` once the port is bound (port 
 until SIGTERM/SIGINT, then stops taking new calls and gives the ones in flight `grace_s` seconds to finish.
 Defaults serve deploy/models on 127.0.0.1:50051.
 
-    tether-server serve --port 50051 --max-sessions 64
+Start-up is logged by phase at INFO: the kernel cache in use, models loaded in X s, the kernel warm-up in X s and
+how many files it added to the cache, then one line `ready in X s (warm cache|cold cache|no kernel warm-up)`,
+counted from the call of `serve` (after Python's imports) to the port taking calls. A warm-up that adds nothing
+to Triton's cache found every kernel and autotuning result there: a warm start (tether.server.warm_cache).
+`--cache-dir DIR` keeps that cache in DIR (empty: Triton's own, TRITON_CACHE_DIR or ~/.triton/cache).
+`warm(cfg)` (`tether-server warm`) loads the models, runs the same warm-up and exits: it fills a cache directory
+before the first `serve` (a Kubernetes initContainer, a provisioning step; an image build has no GPU).
+
+    tether-server serve --port 50051 --max-sessions 64 --cache-dir /var/cache/tether
     tether-server serve --tp 2          # a tensor-parallel target over 2 GPUs (tether.server.tp_serve)
+    tether-server warm --cache-dir /var/cache/tether
 """
 
 from __future__ import annotations
@@ -21,13 +30,14 @@ from pathlib import Path
 import torch
 
 from tether.server.batcher import warm_up
-from tether.server.generate import default_model_dir, load, pick_device
+from tether.server.generate import attention_backend, default_model_dir, load, pick_device
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
 from tether.server.rpc_server import TLSFiles, make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.server.tp import apply_tp
 from tether.server.tp_serve import TPTarget, join_rank0, start_followers
+from tether.server.warm_cache import count_entries, kernel_cache_dir, use_cache_dir
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
@@ -62,6 +72,12 @@ class ServeConfig:
     tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
     log_format: str = "text"  # "json": one JSON object per line with session ids (for log pipelines); "text"
     log_level: str = "info"  # debug / info / warning / error
+    cache_dir: str = ""  # keeps compiled kernels + autotuning across restarts (DIR/triton); empty = Triton's default
+
+
+# The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
+WARM_FIELDS = ("model", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_block_size", "prefill_chunk",
+               "cache_dir", "log_format", "log_level")  # fmt: skip
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -74,7 +90,78 @@ def read_api_keys(path: str) -> frozenset[str]:
     return keys
 
 
+def _use_cache(cfg: ServeConfig) -> Path:
+    """Point Triton at --cache-dir (before anything compiles, and before --tp followers start: they inherit
+    TRITON_CACHE_DIR); the directory Triton's cache is in either way."""
+    kernel_dir = use_cache_dir(cfg.cache_dir) if cfg.cache_dir else kernel_cache_dir()
+    log.info("kernel cache %s: %d files", kernel_dir, count_entries(kernel_dir))
+    return kernel_dir
+
+
+def _service_config(cfg: ServeConfig) -> ServiceConfig:
+    for name in ("max_sessions", "max_sessions_per_key", "max_streams", "session_lease_s", "stream_idle_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
+                         max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
+                         stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
+                         kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
+                         prefill_chunk=cfg.prefill_chunk)  # fmt: skip
+
+
+def _load_models(cfg: ServeConfig, device: str):
+    t0 = time.perf_counter()
+    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention)
+    model_fp = fingerprint(cfg.model)
+    drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
+    log.info("models loaded in %.1f s", time.perf_counter() - t0, extra={"event": "models_loaded"})
+    return target, tokenizer, drafter, model_fp
+
+
+def _warm_kernels(target, pool, kernel_dir: Path) -> str:
+    """serve's kernel warm-up (batcher.warm_up) on the Triton backend; "warm cache" when it added no file to
+    Triton's cache (everything was there), "cold cache" when it compiled or tuned anything."""
+    if not (isinstance(target, Transformer) and target.backend == "triton"):
+        return "no kernel warm-up"
+    from tether.kernels.moda_prefill import interpreting
+
+    before, t0 = count_entries(kernel_dir), time.perf_counter()
+    warm_up(target, pool)
+    seconds, added = time.perf_counter() - t0, count_entries(kernel_dir) - before
+    if interpreting():
+        state = "interpreted kernels, nothing cached"
+    else:
+        state = "cold cache" if added > 0 else "warm cache"
+    log.info("warm-up: attention kernels compiled and tuned in %.1f s (%s: %d new files in %s, %d before)", seconds,
+             state, added, kernel_dir, before, extra={"event": "warm_up", "warm_up_s": round(seconds, 2),
+                                                      "cache_files_added": added})  # fmt: skip
+    return state
+
+
+def warm(cfg: ServeConfig) -> int:
+    """`tether-server warm`: load the models, run serve's kernel warm-up into the cache directory, exit."""
+    t_start = time.perf_counter()
+    configure_logging(cfg.log_format, cfg.log_level)
+    device = pick_device(cfg.device)
+    backend = attention_backend(device, cfg.attention)
+    if backend != "triton":
+        raise ValueError(f"nothing to warm on {device}: the {backend} attention backend compiles no kernels "
+                         "(the Triton kernels need a CUDA device)")  # fmt: skip
+    kernel_dir = _use_cache(cfg)
+    config = _service_config(cfg)
+    target, tokenizer, drafter, model_fp = _load_models(cfg, device)
+    torch.set_grad_enabled(False)
+    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
+    try:
+        state = _warm_kernels(target, service.pool, kernel_dir)
+    finally:
+        service.close()
+    print(f"warmed {kernel_dir} in {time.perf_counter() - t_start:.1f} s ({state})", flush=True)
+    return 0
+
+
 def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
+    t_start = time.perf_counter()
     configure_logging(cfg.log_format, cfg.log_level)
     device = pick_device(cfg.device)
     if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
@@ -85,6 +172,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--prefill-chunk must be at least 1, got {cfg.prefill_chunk}")
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
+    config = _service_config(cfg)
+    kernel_dir = _use_cache(cfg)
     followers, tp_target = [], None
     if cfg.tp > 1:
         kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -92,18 +181,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
                                           cfg.kv_block_size, cfg.attention)  # fmt: skip
         cmd_group = join_rank0(cfg.tp, port, kind)
         device = "cuda:0" if kind == "cuda" else "cpu"
-    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention)
-    model_fp = fingerprint(cfg.model)
-    drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
+    target, tokenizer, drafter, model_fp = _load_models(cfg, device)
     torch.set_grad_enabled(False)
-    for name in ("max_sessions", "max_sessions_per_key", "max_streams", "session_lease_s", "stream_idle_s"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    config = ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
-                           max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
-                           stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
-                           kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
-                           prefill_chunk=cfg.prefill_chunk)  # fmt: skip
     extra = {}
     if cfg.tp > 1:
         # The client part ships whole weights: take them before this rank keeps only its shard.
@@ -112,10 +191,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
         target = tp_target
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, **extra)
-    if isinstance(target, Transformer) and target.backend == "triton":
-        t0 = time.perf_counter()
-        warm_up(target, service.pool)
-        log.info("attention kernels compiled and tuned in %.1f s", time.perf_counter() - t0)
+    cache_state = _warm_kernels(target, service.pool, kernel_dir)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:
@@ -126,6 +202,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     server.start()
     print(f"listening on {cfg.host}:{port}" + (f" (tensor-parallel over {cfg.tp} ranks)" if cfg.tp > 1 else ""),
           flush=True)  # fmt: skip
+    ready_s = time.perf_counter() - t_start
+    log.info("ready in %.1f s (%s)", ready_s, cache_state,
+             extra={"event": "ready", "ready_s": round(ready_s, 2), "kernel_cache": cache_state})  # fmt: skip
     if ready is not None:
         ready.set()
     # Wake up now and then: a signal the kernel hands to another thread (gloo's, gRPC's) only sets a flag that
