@@ -2,7 +2,8 @@
 
 Contract:
 - `KVPool(cfg, num_blocks, block_size)` (or `KVPool.for_budget(cfg, budget_bytes, ...)`) owns
-  `k` and `v`, each [n_layers, num_blocks, block_size, Hkv, D]: vLLM's per-layer layout, the one the paged
+  `k` and `v`, each [n_layers, num_blocks + 1, block_size, Hkv, D] (the last block, `scratch`, is never handed out:
+  padding rows of fixed-shape steps use it): vLLM's per-layer layout, the one the paged
   verify kernel (issue [5/7]) reads. Position p of a sequence with block table `bt` lives in block
   bt[p // block_size] at offset p % block_size, i.e. flat slot bt[p // bs] * bs + p % bs of `k[layer].view(-1, Hkv,
   D)`. `block_tables(seqs)` gives the kernel's inputs: an int32 [B, max_blocks] table and int32 [B] lengths.
@@ -53,12 +54,15 @@ class KVPool:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one row ({num_blocks=}, {block_size=})")
         self.block_size, self.num_blocks = block_size, num_blocks
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, num_blocks, block_size, Hkv, D]
+        # One block more than the sessions get: `scratch`, where a fixed-shape step's padding rows read and write
+        # (tether.server.step), so padding never touches a block someone owns.
+        shape = (cfg.n_layers, num_blocks + 1, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # [L, num_blocks + 1, block_size, Hkv, D]
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.scratch = num_blocks  # never handed out
         # Flat views share the storage: slot s = block * block_size + offset.
-        self.k_flat = self.k.view(cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.v_flat = self.v.view(cfg.n_layers, num_blocks * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k_flat = self.k.view(cfg.n_layers, (num_blocks + 1) * block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.v_flat = self.v.view(cfg.n_layers, (num_blocks + 1) * block_size, cfg.n_kv_heads, cfg.head_dim)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self._lock = threading.Lock()
         self.reclaim: Callable[[int], bool] | None = None  # frees blocks on demand; False when it cannot
@@ -109,6 +113,21 @@ class KVPool:
     def free(self, blocks: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(reversed(blocks))
+
+    def accept(self, caches: Sequence[PagedCache], paths: Sequence[Sequence[int]]) -> None:
+        """`cache.accept(path)` for many sequences of this pool with one copy for all of them (a batch's commit)."""
+        src: list[int] = []
+        dst: list[int] = []
+        for c, path in zip(caches, paths, strict=True):
+            for s, d in zip(*c.accept_slots(path), strict=True):
+                if s != d:  # an accepted chain prefix is already in place
+                    src.append(s)
+                    dst.append(d)
+        if src:
+            dev = self.device
+            self.copy_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        for c, path in zip(caches, paths, strict=True):
+            c.commit(len(path))
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         """Copy rows at flat slots `src` to `dst` in every layer (how an accepted tree path is compacted)."""
@@ -204,14 +223,26 @@ class PagedCache:
 
     def accept(self, path: Tensor | list[int]) -> None:
         """Commit the pending rows at offsets `path` (increasing), moving them to consecutive positions."""
+        self.pool.accept([self], [list(map(int, path))])
+
+    def accept_slots(self, path: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Where `accept(path)` moves rows: (source slots, destination slots), both host lists."""
         self._check()
-        idx = torch.as_tensor(path, dtype=torch.long, device=self.pool.device)
-        n = idx.numel()
-        if n and bool((idx[1:] <= idx[:-1]).any()):
+        if any(b <= a for a, b in zip(path, path[1:], strict=False)):
             raise ValueError("accepted path offsets must be strictly increasing")
-        if n and self.length + int(idx[-1]) >= len(self._slots):
+        if path and (path[0] < 0 or self.length + path[-1] >= self.written):
             raise ValueError("accepted path reaches past the rows written")
-        self.pool.copy_slots(self._slots[self.length + idx], self._slots[self.length : self.length + n])
+        bs, L = self.pool.block_size, self.length
+        slot = lambda p: self.blocks[p // bs] * bs + p % bs  # noqa: E731
+        return [slot(L + j) for j in path], [slot(L + i) for i in range(len(path))]
+
+    @property
+    def written(self) -> int:
+        """Positions the cache's blocks can hold (committed and pending rows)."""
+        return min(self.capacity, len(self.blocks) * self.pool.block_size)
+
+    def commit(self, n: int) -> None:
+        """The accepted rows are in place: commit n positions and give back the blocks past them."""
         self.length += n
         self._trim()
 

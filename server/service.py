@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import json
@@ -54,7 +55,7 @@ from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
-from tether.server.verifier import SequenceVerifier, target_states
+from tether.server.verifier import SequenceVerifier
 from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
@@ -494,8 +495,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     async def _absorb(self, session: Session, claim: Claim, V: int, offline: list[int], rewind: bool, *,
                       rebuilt: bool) -> pb.ResyncReply:  # fmt: skip
         try:
-            disagreement, next_token, delta = await self._in_thread(self._absorb_tokens, session.verifier, V, offline,
-                                                                    rewind, claim=claim)  # fmt: skip
+            disagreement, next_token, delta = await self._in_thread(
+                functools.partial(session.verifier.absorb, V, offline, rewind=rewind), claim=claim
+            )
         except PoolExhausted:
             raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly",
                                retry_after_s=POOL_RETRY_S) from None  # fmt: skip
@@ -514,23 +516,6 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                f"the reply for {len(offline)} offline tokens would take {reply.ByteSize()} bytes, over "
                                f"the {limit}-byte message limit: resync fewer tokens per call")  # fmt: skip
         return reply
-
-    @torch.inference_mode()
-    def _absorb_tokens(self, ver: SequenceVerifier, V: int, offline: list[int], rewind: bool):
-        """Truncate to the client's verified length, run the offline tokens through the target as one chain and
-        keep all (keep) or the agreed prefix (rewind). offline[0] is the root, the target's own token, so at least
-        it is always kept. Returns (first disagreement, the target's next token, the delta of what was kept)."""
-        ver.cache.truncate(V)
-        ver.reserve(len(offline))
-        ids = torch.tensor([offline], device=self.target.device)
-        out = self.target.verify(ids, ver.cache, hidden_layers=(self.target.cfg.n_layers,), return_kv=True)
-        greedy = out.logits[0].argmax(-1).tolist()  # greedy[i]: the target's token after offline[i]
-        disagreement = next((i for i in range(1, len(offline)) if offline[i] != greedy[i - 1]), len(offline))
-        kept = disagreement if rewind else len(offline)
-        ver.cache.accept(list(range(kept)))
-        next_token = ver.sample(out.logits[0, kept - 1])
-        states = target_states(out).select(list(range(kept)))
-        return disagreement, next_token, self.drafter.server_delta(states, V, offline[:kept])
 
     # ---- Generate -----------------------------------------------------------------------------------------
 

@@ -5,10 +5,11 @@ Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_
 first token and the drafter's delta for the prompt positions. `verify(tree)` runs root + drafts through the target
 in one forward (tree mask, tree positions), decides the verdict (greedy or lossless rejection sampling,
 tether.shared.speculative.verify), commits the accepted path to the cache and returns the verdict and the delta for
-the newly verified positions (root + accepted drafts). The verifier never looks at who drafted: any DraftTree will
-do. It is what the in-process engine runs, and what each gRPC session runs; with drafter None no delta is
-produced. With `pool` the sequence's KV lives in the server's paged pool (tether.server.kv_pool) instead of a
-contiguous cache.
+the newly verified positions (root + accepted drafts): it is tether.server.rounds.verify_batch of one row, the one
+verify path. `absorb(verified, offline, rewind=...)` is a resync's forward beside it. The verifier never looks at
+who drafted: any DraftTree will do. It is what the in-process engine runs, and what each gRPC session runs; with
+drafter None no delta is produced. With `pool` the sequence's KV lives in the server's paged pool
+(tether.server.kv_pool) instead of a contiguous cache.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from tether.server.kv_pool import KVPool, PagedCache
+from tether.server.rounds import forward_rows, gather_deltas, verify_batch
 from tether.shared.drafter import DraftDelta, TargetStates
 from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.sampling import sample_token
-from tether.shared.speculative import DraftTree, Verdict, verify
+from tether.shared.speculative import DraftTree, Verdict
 
 
 def target_states(out: ForwardOutput) -> TargetStates:
@@ -106,24 +108,32 @@ class SequenceVerifier:
         delta = self.drafter.server_delta(target_states(out), 0, prompt_ids) if want else None
         return first, delta
 
-    @torch.inference_mode()
     def verify(self, tree: DraftTree) -> tuple[Verdict, DraftDelta | None]:
-        self.reserve(len(tree))
-        start = self.cache.length
-        dev = self.target.device
+        """One round: `verify_batch` of this sequence alone."""
+        result = verify_batch(self.target, [(self, tree)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @torch.inference_mode()
+    def absorb(self, verified: int, offline: list[int], *, rewind: bool) -> tuple[int, int, DraftDelta | None]:
+        """A resync: back to `verified` positions, then run the client's offline tokens through the target as one
+        chain and keep all of them, or with `rewind` the prefix the target agrees with (greedily). offline[0] is the
+        root, the target's own token, so at least it is kept. Returns (first disagreement, the target's next token,
+        the delta of what was kept)."""
+        if not offline:
+            raise ValueError("a resync absorbs at least the root token")
+        self.cache.truncate(verified)
+        self.reserve(len(offline))
+        tree = DraftTree.chain(offline[0], offline[1:])
         want = self.drafter is not None
-        out = self.target.verify(
-            tree.tokens[None].to(dev),
-            self.cache,
-            tree_mask=tree.ancestor_mask().to(dev),
-            positions=tree.positions(start).to(dev),
-            hidden_layers=(self.target.cfg.n_layers,),
-            return_kv=want,
-        )
-        verdict = verify(tree, out.logits[0], temperature=self.temperature, top_p=self.top_p, generator=self.generator)
-        self.cache.accept(verdict.path)
-        delta = None
-        if want:
-            states = target_states(out).select(verdict.path)
-            delta = self.drafter.server_delta(states, start, tree.tokens[verdict.path].tolist())
-        return verdict, delta
+        with forward_rows(self.target, [self.cache], [tree], states=want) as out:
+            logits = out.logits[0, : len(offline)]  # [n, V]
+            greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after offline[i]
+            disagreement = next((i for i in range(1, len(offline)) if offline[i] != greedy[i - 1]), len(offline))
+            kept = disagreement if rewind else len(offline)
+            next_token = self.sample(logits[kept - 1])
+            path = list(range(kept))
+            delta = gather_deltas(out, self.drafter, [(0, verified, path, offline[:kept])])[0] if want else None
+        self.cache.accept(path)
+        return disagreement, next_token, delta

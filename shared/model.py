@@ -280,6 +280,8 @@ class Transformer(nn.Module):
 
         cache: KV cache whose committed rows every new token sees; the new K/V are written as pending rows.
         positions: RoPE positions [T] or [B, T]; default cache.length + arange(T) (tree tokens pass depths).
+            Checked against max_seq_len only when on the CPU: this method never reads the device back, so a
+            step over device tensors can be captured in a CUDA graph (tether.server.step).
         tree_mask: [T, T] or [B, T, T] bool visibility among the new tokens; default causal.
         hidden_layers: indices into the residual-stream states, Hugging Face style: 0 is the stream entering
             block 0 (the embeddings; normalised first in post-norm),
@@ -289,10 +291,14 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         start = 0 if cache is None else cache.length
         if positions is None:
+            if start + T > self.cfg.max_seq_len:
+                raise ValueError(f"position {start + T - 1} exceeds max_seq_len {self.cfg.max_seq_len}")
             positions = torch.arange(start, start + T, device=input_ids.device)
-        positions = positions.view(-1, T)
-        if int(positions.max()) >= self.cfg.max_seq_len:
+        elif positions.device.type == "cpu" and int(positions.max()) >= self.cfg.max_seq_len:
+            # Positions already on an accelerator are the caller's to bound (a KV capacity <= max_seq_len does):
+            # reading them back would stall the host on every step and cannot be captured in a CUDA graph.
             raise ValueError(f"position {int(positions.max())} exceeds max_seq_len {self.cfg.max_seq_len}")
+        positions = positions.view(-1, T)
         cos, sin = self.rope(positions)
         x = self.embed_tokens(input_ids)
         if self.embed_norm is not None:

@@ -14,7 +14,7 @@ from tiny_models import tiny_target
 
 from tether.kernels import moda as moda_ops
 from tether.kernels import moda_prefill, moda_verify
-from tether.server import batcher
+from tether.server import batcher, rounds
 from tether.server.kv_pool import KVPool
 from tether.server.verifier import SequenceVerifier
 from tether.shared import attention
@@ -104,15 +104,13 @@ def test_a_session_after_warm_up_compiles_nothing(variants):
             for n in (1, 2, 3, 5, 8, 9, 16, 17, 31, 32):
                 for tree in (chain(n), bushy(n)):
                     start = ver.length
-                    batcher.verify_batch(target, [(ver, tree)])
+                    rounds.verify_batch(target, [(ver, tree)])
                     ver.cache.truncate(start)
                     ver.verify(tree)
                     ver.cache.truncate(start)
             for n in (1, 7, 16, 33, 64, 65, 70):  # a resync's absorb: one causal chain of offline tokens
                 start = ver.length
-                ver.reserve(n)
-                with torch.inference_mode():
-                    target.verify(torch.full((1, n), 3), ver.cache)
+                ver.absorb(start, [3] * n, rewind=False)
                 ver.cache.truncate(start)
         finally:
             ver.release()
@@ -122,7 +120,7 @@ def test_a_session_after_warm_up_compiles_nothing(variants):
         for v, n in zip(vers, (3, 40, 600, 2000), strict=True):
             v.open([(5 * i + 1) % 7 for i in range(n)])
         for sizes in ((1, 4, 9, 2), (32, 1, 5, 17), (16, 16, 3, 8)):
-            batcher.verify_batch(target, [(v, bushy(n)) for v, n in zip(vers, sizes, strict=True)])
+            rounds.verify_batch(target, [(v, bushy(n)) for v, n in zip(vers, sizes, strict=True)])
     finally:
         for v in vers:
             v.release()

@@ -12,8 +12,9 @@ from tiny_models import tiny_target
 import tether.shared.attention as attention
 from tether.kernels.moda_verify import moda_verify, moda_verify_num_splits
 from tether.kernels.naive_verify import moda_verify_naive
-from tether.server.batcher import PagedBatchView
+from tether.server import kv_pool
 from tether.server.kv_pool import KVPool
+from tether.server.rounds import PagedBatchView
 from tether.shared.speculative import DraftTree
 
 pytestmark = pytest.mark.skipif(
@@ -211,13 +212,12 @@ def in_place_calls(monkeypatch) -> list:
     """The "triton" backend registered (the kernels, here under the interpreter on CPU) and a list that grows by
     one for every in-place attention the batcher's PagedKernelView runs."""
     from tether.kernels.moda import moda_backend
-    from tether.server import batcher
 
     monkeypatch.setitem(attention._BACKENDS, "triton", moda_backend)
     calls = []
-    attend = batcher.PagedKernelView.attend
+    attend = kv_pool.PagedKernelView.attend
     monkeypatch.setattr(
-        batcher.PagedKernelView, "attend", lambda self, *a, **kw: calls.append(1) or attend(self, *a, **kw)
+        kv_pool.PagedKernelView, "attend", lambda self, *a, **kw: calls.append(1) or attend(self, *a, **kw)
     )
     return calls
 
@@ -228,7 +228,7 @@ def test_batcher_reads_the_pool_in_place(in_place_calls):
     over ragged chains and trees that straddle block edges, for three rounds of five sessions."""
     from tiny_models import tiny_moa_drafter
 
-    from tether.server import batcher
+    from tether.server.rounds import verify_batch
     from tether.server.verifier import SequenceVerifier
 
     target = tiny_target(vocab_size=7).to(DEV)
@@ -253,7 +253,7 @@ def test_batcher_reads_the_pool_in_place(in_place_calls):
         vers = [SequenceVerifier(target, drafter, capacity=64, pool=pool) for _ in prompts]
         for v, p in zip(vers, prompts, strict=True):
             v.open(p)
-        results = [batcher.verify_batch(target, list(zip(vers, trees, strict=True))) for trees in rounds]
+        results = [verify_batch(target, list(zip(vers, trees, strict=True))) for trees in rounds]
         rows = [(pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length], v.length) for v in vers]
         return results, rows
 
@@ -279,6 +279,8 @@ def test_server_warm_up_leaves_the_pool_as_it_found_it(in_place_calls):
     target.backend = "triton"
     pool = KVPool(target.cfg, num_blocks=200, block_size=16, device=DEV)
     batcher.warm_up(target, pool, sizes=(1, 9), absorb_max=9)
-    # two sizes x (chain, tree) x (each of the two sequences alone, both together), one in-place call per layer
-    assert len(in_place_calls) == 2 * 2 * 3 * target.cfg.n_layers
+    # Every forward after the prefills attends in place, one call per layer: two sizes x (chain, tree) x (the two
+    # sequences batched alone, both together, each through SequenceVerifier.verify), then an absorb of each size per
+    # sequence.
+    assert len(in_place_calls) == (2 * 2 * (3 + 2) + 2 * 2) * target.cfg.n_layers
     assert pool.used_blocks == 0

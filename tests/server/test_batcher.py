@@ -7,8 +7,9 @@ import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
-from tether.server.batcher import RoundBatcher, verify_batch
+from tether.server.batcher import RoundBatcher
 from tether.server.kv_pool import KVPool
+from tether.server.rounds import verify_batch
 from tether.server.verifier import SequenceVerifier
 from tether.shared.speculative import DraftTree
 

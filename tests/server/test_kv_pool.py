@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
-from tether.server.batcher import verify_batch
 from tether.server.kv_pool import KVPool, PoolExhausted
+from tether.server.rounds import verify_batch
 from tether.server.verifier import SequenceVerifier
 from tether.shared.speculative import DraftTree
 

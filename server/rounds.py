@@ -1,0 +1,296 @@
+"""Verifying many sequences' rounds in one target forward: the only verify path of the server.
+
+Contract:
+- `verify_batch(target, items)` takes [(SequenceVerifier, DraftTree)] of sequences with different cache lengths and
+  tree sizes, runs them through the target in ONE forward, decides each row's verdict with that sequence's own
+  sampling settings (tether.shared.speculative.verify), commits the accepted paths and returns, per row, (verdict,
+  delta) or the row's exception: a row that cannot get room or whose draft is malformed fails alone.
+  `SequenceVerifier.verify` is `verify_batch` of one row; the gRPC batcher (tether.server.batcher) calls it with
+  whatever rounds arrived together.
+- `forward_rows(target, caches, trees, states)` is that forward on its own, a context manager yielding the
+  ForwardOutput whose row i, token j is trees[i]'s node j (a resync's absorb uses it too).
+- Deltas: the accepted rows of every sequence are gathered on the device and the drafter's server part runs once
+  for the whole batch (its output is position-wise, as DraftDelta.split already assumes); with `host_deltas`
+  the tensors are copied to the host once, into pinned memory, so encoding them never waits on the GPU.
+
+How the forward runs, fastest first:
+- the target on the "triton" backend with every sequence in one paged pool and the batch within a step bucket:
+  tether.server.step's StepRunner, a fixed-shape step replayed from a CUDA graph on the GPU;
+- the same kernel view at the batch's exact size, eagerly (`PagedKernelView`: the paged verify kernel reads each
+  row's cache in place through its block table);
+- otherwise `PagedBatchView` gathers each row's prefix from the pool through a slot table (tensor-parallel ranks
+  replay those slots), or `BatchCacheView` copies from per-sequence caches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, PoolExhausted, SlotView
+from tether.server.step import StepBatch, StepConfig, StepRunner
+from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
+from tether.shared.model import ForwardOutput, Transformer
+from tether.shared.speculative import DraftTree, Verdict, verify
+
+if TYPE_CHECKING:
+    from tether.server.verifier import SequenceVerifier
+
+
+class BatchCacheView:
+    """Looks like a KVCache to the model for one ragged batch: `write` stores each row's new K/V as pending
+    rows of its own cache and returns [padded prefix ; new rows] for all rows: [B, Lmax + Tq, Hkv, D].
+    Works with any cache that has KVCache's `write` (contiguous or paged)."""
+
+    def __init__(self, caches: list, new_lens: list[int]):
+        self.caches, self.new_lens = caches, new_lens
+        self.lens = [c.length for c in caches]
+        self.lmax = max(self.lens)
+        self.length = 0  # positions are always given explicitly for a batch
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, _, H, D = k.shape
+        pk = k.new_zeros(B, self.lmax, H, D)
+        pv = v.new_zeros(B, self.lmax, H, D)
+        for i, (c, L, n) in enumerate(zip(self.caches, self.lens, self.new_lens, strict=True)):
+            kk, vv = c.write(layer, k[i : i + 1, :n], v[i : i + 1, :n])  # [1, L + n, H, D]
+            pk[i, :L] = kk[0, :L]
+            pv[i, :L] = vv[0, :L]
+        return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
+
+
+def _new_rows(caches: list[PagedCache], new_lens: list[int]) -> tuple[Tensor, Tensor]:
+    """Reserve each row's new positions and map them: (flat pool slots [N], their indices in the flattened
+    [B * Tq] new rows [N])."""
+    dev = caches[0].pool.device
+    lens = [c.length for c in caches]
+    for c, n in zip(caches, new_lens, strict=True):
+        c.reserve(n)
+    slots = torch.cat([c.slots(L, L + n) for c, L, n in zip(caches, lens, new_lens, strict=True)])
+    rows = torch.cat([torch.arange(n, device=dev) + i * max(new_lens) for i, n in enumerate(new_lens)])
+    return slots, rows
+
+
+class PagedBatchView(BatchCacheView):
+    """The same for sequences of one KVPool, without a per-row loop: each layer is one scatter of the new rows
+    into their slots and one gather of every row's prefix through a padded slot table."""
+
+    def __init__(self, caches: list[PagedCache], new_lens: list[int]):
+        super().__init__(caches, new_lens)
+        self.pool = caches[0].pool
+        dev = self.pool.device
+        write_slots, write_rows = _new_rows(caches, new_lens)
+        read_slots = torch.zeros(len(caches), self.lmax, dtype=torch.long, device=dev)  # padding reads slot 0
+        for i, (c, L) in enumerate(zip(caches, self.lens, strict=True)):
+            read_slots[i, :L] = c.slots(0, L)
+        self.slot_view = SlotView(self.pool, write_slots, write_rows, read_slots)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.slot_view.write(layer, k, v)
+
+
+def paged_kernel_view(caches: list[PagedCache], new_lens: list[int]) -> PagedKernelView:
+    """The in-place kernel view of one ragged batch of pool sequences: reserves each row's new slots, then
+    hands the kernel the rows' block tables (with `lens` / `lmax`, the committed lengths, for the caller)."""
+    lens = [c.length for c in caches]
+    pool = caches[0].pool
+    write_slots, write_rows = _new_rows(caches, new_lens)
+    table, committed = pool.block_tables(caches)  # [B, max_blocks] int32, [B] int32
+    q_lens = torch.tensor(new_lens, dtype=torch.int32, device=pool.device)
+    # The kernel counts the round's rows as cached: attend writes them into their slots first.
+    view = PagedKernelView(pool, write_slots, write_rows, table, committed + q_lens, q_lens)
+    view.lens, view.lmax = lens, max(lens)
+    return view
+
+
+def attends_in_place(target: Transformer, caches: list) -> bool:
+    """Whether a batch of these caches runs through the paged verify kernel: a target on the "triton" backend
+    (single process, or tensor-parallel: every rank then attends over its shard of the pool) with every sequence
+    in one pool."""
+    return (
+        getattr(target, "backend", None) == "triton"
+        and all(isinstance(c, PagedCache) for c in caches)
+        and len({id(c.pool) for c in caches}) == 1
+    )
+
+
+def cache_view(caches: list, new_lens: list[int], *, in_place: bool = False) -> BatchCacheView | PagedKernelView:
+    """The batch view for these caches: the in-place kernel view when asked, else the gathering paged one when
+    they all live in one pool, else the per-row one."""
+    if in_place:
+        return paged_kernel_view(caches, new_lens)
+    if all(isinstance(c, PagedCache) for c in caches) and len({id(c.pool) for c in caches}) == 1:
+        return PagedBatchView(caches, new_lens)
+    return BatchCacheView(caches, new_lens)
+
+
+# ---- the step runner of each (pool, target) ---------------------------------------------------------------------
+
+_runners: weakref.WeakKeyDictionary[KVPool, StepRunner] = weakref.WeakKeyDictionary()
+_step_config = StepConfig()
+
+
+def configure_steps(config: StepConfig) -> None:
+    """The StepConfig of runners made from now on (`serve --no-cuda-graphs`, benchmarks)."""
+    global _step_config
+    _step_config = config
+
+
+def step_runner(target: Transformer, pool: KVPool) -> StepRunner:
+    """The pool's step runner for this target, made on first use."""
+    runner = _runners.get(pool)
+    if runner is None or runner.target is not target:
+        runner = _runners[pool] = StepRunner(target, pool, _step_config)
+    return runner
+
+
+def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> StepBatch:
+    """The host metadata of one step: each tree's nodes after its cache's committed rows (reserving their blocks)."""
+    B, T = len(trees), max(len(t) for t in trees)
+    bs = caches[0].pool.block_size
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, T, dtype=torch.bool)
+    slots = torch.full((B, T), -1, dtype=torch.long)  # -1: padding, sent to the scratch block
+    lens = torch.zeros(B, dtype=torch.int32)
+    q_lens = torch.zeros(B, dtype=torch.int32)
+    for c, t in zip(caches, trees, strict=True):
+        c.reserve(len(t))
+    table = torch.full((B, max(len(c.blocks) for c in caches)), -1, dtype=torch.int32)
+    for i, (c, t) in enumerate(zip(caches, trees, strict=True)):
+        n, L = len(t), c.length
+        blocks = torch.tensor(c.blocks, dtype=torch.long)
+        table[i, : len(c.blocks)] = blocks.int()
+        tokens[i, :n] = t.tokens
+        positions[i, :n] = t.positions(L)
+        mask[i, :n, :n] = t.ancestor_mask()
+        pos = torch.arange(L, L + n)
+        slots[i, :n] = blocks[pos // bs] * bs + pos % bs
+        lens[i], q_lens[i] = L + n, n
+    return StepBatch(tokens, positions, mask, slots, table, lens, q_lens)
+
+
+@contextlib.contextmanager
+def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], *,
+                 states: bool) -> Iterator[ForwardOutput]:  # fmt: skip
+    """One forward of each tree after its cache's committed rows (their K/V written as pending rows). Yields the
+    ForwardOutput (row i, token j: trees[i]'s node j; rows padded); it is valid inside the `with` only."""
+    sizes = [len(t) for t in trees]
+    in_place = attends_in_place(target, caches)
+    # A tensor-parallel target (tether.server.tp_serve) broadcasts each forward as a command: not a capturable step.
+    runner = step_runner(target, caches[0].pool) if in_place and isinstance(target, Transformer) else None
+    if runner is not None and runner.bucket(len(trees), max(sizes), 0, states) is not None:
+        batch = step_batch(caches, trees)
+        with runner.lock:
+            yield runner.forward(batch, states=states)
+        return
+    dev, B, tq = target.device, len(trees), max(sizes)
+    view = cache_view(caches, sizes, in_place=in_place)
+    tokens = torch.zeros(B, tq, dtype=torch.long)
+    positions = torch.zeros(B, tq, dtype=torch.long)
+    # In place: the new tokens' own visibility [B, Tq, Tq]; gathered: the whole [B, Tq, Lmax + Tq].
+    base = 0 if in_place else view.lmax
+    mask = torch.zeros(B, tq, base + tq, dtype=torch.bool)
+    for i, (tree, L, n) in enumerate(zip(trees, view.lens, sizes, strict=True)):
+        tokens[i, :n] = tree.tokens
+        positions[i, :n] = tree.positions(L)
+        positions[i, n:] = L  # padding rows: any valid position; nobody sees them
+        if not in_place:
+            mask[i, :, :L] = True
+        mask[i, :n, base : base + n] = tree.ancestor_mask()
+        mask[i, torch.arange(n, tq), base + torch.arange(n, tq)] = True  # padding sees itself only
+    yield target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
+                     hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+
+
+def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, list[int], list[int]]], *,
+                  host: bool = False) -> list[DraftDelta]:  # fmt: skip
+    """Each row's delta from one forward: rows are (batch row, start position, node offsets, their tokens). The
+    rows' states are gathered on the device and the drafter's server part runs once over all of them; `host`
+    copies the result to pinned host memory in one go (encoding then never waits on the GPU)."""
+    T = out.logits.shape[1]
+    idx = torch.tensor([b * T + j for b, _, path, _ in rows for j in path], device=out.logits.device)
+    flat = TargetStates(k=out.k.flatten(1, 2)[:, idx], v=out.v.flatten(1, 2)[:, idx],
+                        hidden=out.hidden[0].flatten(0, 1)[idx])  # fmt: skip
+    whole = drafter.server_delta(flat, 0, [t for *_, tokens in rows for t in tokens])
+    tensors = whole.tensors
+    if host:
+        pin = out.logits.is_cuda
+        staged = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
+        for k, t in tensors.items():
+            staged[k].copy_(t, non_blocking=pin)
+        if pin:
+            torch.cuda.current_stream().synchronize()
+        tensors = staged
+    deltas, at = [], 0
+    for _, start, path, tokens in rows:
+        n = len(path)
+        deltas.append(
+            DraftDelta(start, list(tokens), {k: t.narrow(POSITION_AXIS[k], at, n) for k, t in tensors.items()})
+        )
+        at += n
+    return deltas
+
+
+@torch.inference_mode()
+def verify_batch(
+    target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]], *, host_deltas: bool = False
+) -> list[tuple[Verdict, DraftDelta | None] | Exception]:
+    """See the module docstring; `host_deltas` puts the deltas' tensors in host memory."""
+    results: list = [None] * len(items)
+    for i, (ver, tree) in enumerate(items):
+        try:
+            ver.reserve(len(tree))
+        except (ValueError, PoolExhausted) as e:
+            results[i] = e
+    live = [i for i, r in enumerate(results) if r is None]
+    if live:
+        for i, r in zip(live, _verify_rows(target, [items[i] for i in live], host_deltas), strict=True):
+            results[i] = r
+    return results
+
+
+def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]], host: bool) -> list:
+    trees = [tree for _, tree in items]
+    caches = [ver.cache for ver, _ in items]
+    lens = [c.length for c in caches]
+    want = any(ver.drafter is not None for ver, _ in items)
+    with forward_rows(target, caches, trees, states=want) as out:
+        # Decide every verdict before committing any, so a row that fails (a malformed q) fails alone.
+        verdicts: list[Verdict | Exception] = []
+        for i, (ver, tree) in enumerate(items):
+            try:
+                verdicts.append(verify(tree, out.logits[i, : len(tree)], temperature=ver.temperature,
+                                       top_p=ver.top_p, generator=ver.generator))  # fmt: skip
+            except ValueError as e:
+                verdicts.append(e)
+        deltas: dict[int, DraftDelta] = {}
+        by_drafter: dict[int, list[int]] = {}
+        for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):
+            if ver.drafter is not None and not isinstance(v, Exception):
+                by_drafter.setdefault(id(ver.drafter), []).append(i)
+        for rows in by_drafter.values():
+            spans = [(i, lens[i], verdicts[i].path, [trees[i]._tokens[j] for j in verdicts[i].path]) for i in rows]
+            deltas.update(zip(rows, gather_deltas(out, items[rows[0]][0].drafter, spans, host=host), strict=True))
+    ok = [i for i, v in enumerate(verdicts) if not isinstance(v, Exception)]
+    _commit([caches[i] for i in ok], [verdicts[i].path for i in ok])
+    return [v if isinstance(v, Exception) else (v, deltas.get(i)) for i, v in enumerate(verdicts)]
+
+
+def _commit(caches: list, paths: list[list[int]]) -> None:
+    """Accept each row's path: paged caches of one pool in one copy, any other cache on its own."""
+    paged = [i for i, c in enumerate(caches) if isinstance(c, PagedCache)]
+    pools = {id(caches[i].pool) for i in paged}
+    if len(pools) == 1:
+        caches[paged[0]].pool.accept([caches[i] for i in paged], [paths[i] for i in paged])
+        paged_set = set(paged)
+    else:
+        paged_set = set()
+    for i, c in enumerate(caches):
+        if i not in paged_set:
+            c.accept(paths[i])

@@ -1,0 +1,223 @@
+"""Static-shape target steps over the paged KV pool, replayed from CUDA graphs.
+
+A verify round, a Generate token and a resync absorb are all the same step: B rows, each a few new tokens
+(a chain or a tree) after its own cached prefix in the pool, read in place by the paged MoDA verify kernel. At the
+default model's size such a step is a few hundred small kernels and the host takes longer to launch them than the
+GPU takes to run them, so `StepRunner` runs each step at a fixed shape and, on CUDA, captures it once as a CUDA
+graph and replays it (as vLLM and gpt-fast do).
+
+Contract:
+- `StepRunner(target, pool, StepConfig)` serves one target over one pool. Padding rows and padded tokens read and
+  write only the pool's `scratch` block, which no sequence is ever given.
+- A `StepBatch` is the host's description of one step: per row its new tokens, their positions and visibility, the
+  flat pool slots their K/V go to, its block table and lengths (tether.server.batcher builds them).
+- `runner.forward(batch, states=...)` pads the batch up to its bucket (rows, tokens per row, block-table width:
+  the smallest configured sizes that hold it), copies the metadata into that bucket's static buffers, and replays
+  its graph (captured on first use), or runs the same function eagerly (graphs off, the CPU, or a batch larger than
+  every bucket, which then runs at its exact size). It returns the target's ForwardOutput for the padded batch:
+  logits [Bb, Tb, V] and, with `states`, k/v [n_layers, Bb, Tb, Hkv, D] and the last hidden state [Bb, Tb, dim].
+  These are views of the graph's own memory: they hold until the next step, so callers hold `runner.lock` from
+  `forward` until they have copied out what they keep.
+- Nothing in a step reads the device back (no host syncs), so a step can be captured; the caller syncs once, when
+  it reads the verdicts.
+
+    runner = StepRunner(target, pool)
+    with runner.lock:
+        out = runner.forward(batch, states=True)
+        verdicts = verify_rows(trees, out.logits[: batch.rows], ...)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tether.server.kv_pool import KVPool, PagedKernelView
+from tether.shared.model import ForwardOutput, Transformer
+
+log = logging.getLogger("tether.server")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    graphs: bool = True  # capture and replay CUDA graphs (CUDA only; elsewhere, and with False, steps run eagerly)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # rows per step a graph is captured for
+    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # new tokens per row a graph is captured for
+    min_width: int = 8  # smallest block-table width (blocks per row) of a bucket; widths double from here
+    max_bucket_tokens: int = 2048  # rows x tokens above which a step runs eagerly (bounds each graph's memory)
+
+
+class Bucket(NamedTuple):
+    rows: int  # padded rows
+    tokens: int  # padded new tokens per row
+    width: int  # padded block-table width (blocks per row)
+    states: bool  # whether the step returns per-layer K/V and the last hidden state
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs, on the host (built by tether.server.batcher)."""
+
+    tokens: Tensor  # [B, T] long: new tokens (padding: anything in the vocabulary)
+    positions: Tensor  # [B, T] long: their RoPE positions (< the target's max_seq_len)
+    tree_mask: Tensor  # [B, T, T] bool: new token i sees new token j (padding rows may see only themselves)
+    slots: Tensor  # [B, T] long: flat pool slot each new row's K/V goes to (padding: any slot of the scratch block)
+    block_table: Tensor  # [B, W] int32: each row's blocks, the new rows' included (-1 past them)
+    cache_lens: Tensor  # [B] int32: committed prefix + new tokens
+    q_lens: Tensor  # [B] int32: real new tokens per row (1 <= q_lens <= T)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+def _round_up(n: int, sizes: tuple[int, ...]) -> int | None:
+    return next((s for s in sorted(sizes) if s >= n), None)
+
+
+class _Graph:
+    """One bucket's static buffers (host staging in pinned memory on CUDA, device copies) and its captured graph."""
+
+    def __init__(self, runner: StepRunner, bucket: Bucket):
+        B, T, W, _ = bucket
+        dev = runner.pool.device
+        self.bucket = bucket
+        # All integer metadata travels in one copy: tokens, positions, slots [B*T each], lens, q_lens [B], table [B*W].
+        self.sizes = (B * T, B * T, B * T, B, B, B * W)
+        total = sum(self.sizes)
+        pin = dev.type == "cuda"
+        self.host_meta = torch.empty(total, dtype=torch.long, pin_memory=pin)
+        self.host_mask = torch.empty(B, T, T, dtype=torch.bool, pin_memory=pin)
+        self.meta = torch.empty(total, dtype=torch.long, device=dev)
+        self.mask = torch.empty(B, T, T, dtype=torch.bool, device=dev)
+        self.rows = torch.arange(B * T, device=dev)  # every new row is scattered (padding into the scratch block)
+        self.copied: torch.cuda.Event | None = None  # the last upload: staging is rewritten only after it
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: ForwardOutput | None = None
+
+    def stage(self, runner: StepRunner, batch: StepBatch | None) -> None:
+        """Write the batch, padded to the bucket, into the staging buffers and upload them."""
+        B, T, W, _ = self.bucket
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, positions, slots, lens, q_lens, table = self.host_meta.split(self.sizes)
+        tokens.zero_()
+        positions.zero_()
+        slots.fill_(runner.scratch_slot)
+        lens.fill_(1)  # a padding row: one new token at position 0 of the scratch block, seeing only itself
+        q_lens.fill_(1)
+        table.fill_(runner.scratch)
+        self.host_mask.zero_()
+        self.host_mask[:, 0, 0] = True
+        if batch is not None:
+            b, t = batch.tokens.shape
+            w = batch.block_table.shape[1]
+            tokens.view(B, T)[:b, :t] = batch.tokens
+            positions.view(B, T)[:b, :t] = batch.positions
+            slots.view(B, T)[:b, :t] = batch.slots
+            lens[:b] = batch.cache_lens
+            q_lens[:b] = batch.q_lens
+            table.view(B, W)[:b, :w] = batch.block_table
+            self.host_mask[:b, :t, :t] = batch.tree_mask
+        self.meta.copy_(self.host_meta, non_blocking=True)
+        self.mask.copy_(self.host_mask, non_blocking=True)
+        if self.meta.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def run(self, runner: StepRunner) -> ForwardOutput:
+        """The step itself, from the device buffers: what a graph captures."""
+        B, T, W, states = self.bucket
+        tokens, positions, slots, lens, q_lens, table = self.meta.split(self.sizes)
+        view = PagedKernelView(runner.pool, slots, self.rows, table.view(B, W).to(torch.int32),
+                               lens.to(torch.int32), q_lens.to(torch.int32))  # fmt: skip
+        target = runner.target
+        return target.run(tokens.view(B, T), cache=view, positions=positions.view(B, T), tree_mask=self.mask,
+                          hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+
+
+class StepRunner:
+    def __init__(self, target: Transformer, pool: KVPool, config: StepConfig | None = None):
+        self.target, self.pool = target, pool
+        self.config = config or StepConfig()
+        self.use_graphs = self.config.graphs and pool.device.type == "cuda"
+        self.scratch = pool.scratch  # padding reads and writes only this block: never any sequence's
+        self.scratch_slot = self.scratch * pool.block_size
+        self.lock = threading.RLock()  # held from forward until the caller has copied its outputs out
+        self._graphs: dict[Bucket, _Graph] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.max_width = -(-target.cfg.max_seq_len // pool.block_size)
+
+    def close(self) -> None:
+        """Drop the graphs (and the memory they hold)."""
+        with self.lock:
+            self._graphs.clear()
+
+    @property
+    def captured(self) -> list[Bucket]:
+        """The buckets captured so far (what a warm start captures again)."""
+        return [b for b, g in self._graphs.items() if g.graph is not None]
+
+    def bucket(self, rows: int, tokens: int, width: int, states: bool) -> Bucket | None:
+        """The bucket a step of this shape pads up to; None when it exceeds every bucket."""
+        c = self.config
+        B, T = _round_up(rows, c.batch_buckets), _round_up(tokens, c.token_buckets)
+        W = c.min_width
+        while W < width:
+            W *= 2
+        W = min(W, max(self.max_width, width))
+        if B is None or T is None or B * T > c.max_bucket_tokens:
+            return None
+        return Bucket(B, T, W, states)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, *, states: bool) -> ForwardOutput:
+        """One step (see the module docstring); hold `self.lock` until the outputs have been copied out."""
+        with self.lock:
+            b, t = batch.tokens.shape
+            bucket = self.bucket(b, t, batch.block_table.shape[1], states)
+            if bucket is None:  # larger than every bucket: the same step at its exact size, eagerly
+                bucket = Bucket(b, t, batch.block_table.shape[1], states)
+                g = _Graph(self, bucket)
+                g.stage(self, batch)
+                return g.run(self)
+            g = self._graphs.get(bucket)
+            if g is None:
+                g = self._graphs[bucket] = _Graph(self, bucket)
+            g.stage(self, batch)
+            if not self.use_graphs:
+                return g.run(self)
+            if g.graph is None:
+                self._capture(g)
+            g.graph.replay()
+            return g.out
+
+    def capture(self, bucket: Bucket) -> None:
+        """Capture one bucket's graph now (a warm-up; a no-op without graphs)."""
+        with self.lock, torch.inference_mode():
+            g = self._graphs.get(bucket)
+            if g is None:
+                g = self._graphs[bucket] = _Graph(self, bucket)
+            if self.use_graphs and g.graph is None:
+                g.stage(self, None)
+                self._capture(g)
+
+    def _capture(self, g: _Graph) -> None:
+        # Eager runs first, on a side stream as torch's graph capture wants: Triton compiles its kernels there and
+        # the caching allocator settles, so the capture records only the step.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                g.run(self)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            g.out = g.run(self)
+        g.graph = graph
+        log.debug("captured the step graph for %s", g.bucket)
