@@ -24,6 +24,14 @@ sampling, so the emitted tokens are distributed exactly as if the target had sam
   without replacement carry q renormalised over what their earlier siblings left.
 - a child without q is a deterministic pick, i.e. the point-mass proposal q = delta(token).
 
+Randomness. A sampled verdict on an n-node tree draws exactly `draw_uniforms(n, generator)`, a [2, n] float64
+tensor, once and up front: row 0 entry j is the acceptance uniform of node j (entry 0 unused; a node is tested
+at most once, when its parent is on the path), row 1 entry i draws the bonus token when the walk stops at node i.
+The count does not depend on the path, so the batched verifier (`tether.shared.acceptance`) consumes a generator
+exactly as this scalar one does and the two give the same verdict from the same seed. The target's
+probabilities are float64 throughout (`target_probs`), so rounding differences between devices sit far below
+what a float64 uniform resolves. Greedy draws nothing.
+
     tree = DraftTree.chain(root_token, draft_tokens, q_ids, q_probs)  # or expand_dynamic_tree(...)
     mask, pos = tree.ancestor_mask(), tree.positions(cache.length)
     out = target.verify(tree.tokens[None], cache, tree_mask=mask, positions=pos)
@@ -42,8 +50,6 @@ from functools import cached_property
 import numpy as np
 import torch
 from torch import Tensor
-
-from tether.shared.sampling import probabilities
 
 # Below this much residual mass, rejection was a rounding artefact (p <= q everywhere means p == q), so the
 # residual is noise; the bonus is drawn from the distribution being matched instead.
@@ -197,6 +203,41 @@ class Verdict:
         return self.accepted_tokens(tree) + [self.bonus]
 
 
+def draw_uniforms(n: int, generator: torch.Generator | None = None) -> Tensor:
+    """The uniforms of one sampled verdict on an n-node tree: [2, n] float64 on the CPU.
+
+    Row 0 entry j: node j's acceptance test (entry 0, the root, unused). Row 1 entry i: the bonus draw when the
+    walk stops at node i. A fixed count, whatever the path, so every verifier advances the generator alike.
+    """
+    return torch.rand(2, n, dtype=torch.float64, generator=generator)
+
+
+def target_probs(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor = 1.0) -> Tensor:
+    """logits [..., V] -> float64 probabilities [..., V] under temperature (> 0) and top-p, row by row.
+
+    The rule is `sampling.probabilities`' (keep the smallest prefix of the sorted probabilities whose mass reaches
+    top_p, the first always survives, renormalise; top_p 1 keeps everything untouched), in float64 instead of
+    float32: the verifier compares these against float64 uniforms, and float32 rounding (which differs between
+    a CPU and a GPU) would flip a comparison about once in 10^7. temperature and top_p are floats, or tensors
+    of shape logits.shape[:-1] for a batch of rows with their own settings. Ties sort stably (lower token id
+    first), so every device truncates the same tokens.
+    """
+    logits = logits.double()
+    temperature = torch.as_tensor(temperature, dtype=torch.float64, device=logits.device)
+    probs = (logits / temperature[..., None]).softmax(-1)  # [..., V]
+    per_row = isinstance(top_p, Tensor)
+    if not per_row and top_p >= 1:
+        return probs  # no truncation at all: skip the sort
+    cut = top_p.to(logits.device, torch.float64)[..., None] if per_row else top_p  # [..., 1] or a float
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V] each
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= cut
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    kept = kept / kept.sum(-1, keepdim=True)
+    # A row with top_p 1 keeps its untruncated probabilities bit for bit, exactly as the float path returns them
+    # (a cumsum that rounds up to 1 before the tail would otherwise drop its smallest tokens).
+    return torch.where(cut < 1, kept, probs) if per_row else kept
+
+
 def verify(
     tree: DraftTree,
     target_logits: Tensor,  # [n, V]; row i predicts the token after node i
@@ -207,9 +248,10 @@ def verify(
 ) -> Verdict:
     """Walk the tree from the root, accepting children the target agrees with; see the module docstring.
 
-    Greedy ignores any q and draws nothing. Sampling draws its uniforms through `generator` (a CPU generator;
-    the vocab-sized arithmetic runs on the CPU in float64), so a seeded generator reproduces the verdict on any
-    device.
+    This is the readable scalar reference; `tether.shared.acceptance` does the same for a batch of trees on the
+    device. Greedy ignores any q and draws nothing. Sampling draws `draw_uniforms(len(tree), generator)` (a CPU
+    generator; the vocab-sized arithmetic runs on the CPU in float64), so a seeded generator reproduces the
+    verdict on any device.
     """
     if target_logits.dim() != 2 or target_logits.shape[0] != len(tree):
         raise ValueError(f"target_logits must be [{len(tree)}, V], got {tuple(target_logits.shape)}")
@@ -224,22 +266,22 @@ def verify(
                 return Verdict(path, best[cur])
             path.append(nxt)
 
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     proposals = tree._proposals
+    u_accept, u_bonus = draw_uniforms(len(tree), generator).tolist()  # [n] each
     while True:
         cur = path[-1]
-        children = tree.children(cur)
         # Only rows on the walk are needed, so they are moved and truncated one at a time; numpy because these
         # vocab-sized steps are tiny and torch's per-op overhead would dominate them.
-        p = probabilities(target_logits[cur].cpu(), temperature, top_p).double().numpy()  # [V]
-        # One uniform per child that may be tried, plus one for the bonus: a fixed count per visited node.
-        uniforms = torch.rand(len(children) + 1, dtype=torch.float64, generator=generator).tolist()
-        for child, u in zip(children, uniforms, strict=False):
+        p = target_probs(target_logits[cur].cpu(), temperature, top_p).numpy()  # [V]
+        for child in tree.children(cur):
             x = tokens[child]
             q = {x: 1.0} if proposals is None else proposals[child]
             qx = q.get(x, 0.0)
             if qx <= 0:
                 raise ValueError(f"draft node {child} has token {x} outside the support of its proposal q")
-            if u < p[x] / qx:  # accept with probability min(1, p(x) / q(x))
+            if u_accept[child] < p[x] / qx:  # accept with probability min(1, p(x) / q(x))
                 path.append(child)
                 break
             residual = p.copy()
@@ -249,7 +291,7 @@ def verify(
             if mass > _RESIDUAL_EPS:
                 p = residual / mass
         else:
-            return Verdict(path, _draw(p, uniforms[-1]))
+            return Verdict(path, _draw(p, u_bonus[cur]))
 
 
 def _draw(p: np.ndarray, u: float) -> int:

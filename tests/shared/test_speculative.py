@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import tether.shared.speculative as speculative
 from tether.shared.config import PRESETS
 from tether.shared.model import Transformer
 from tether.shared.sampling import probabilities
@@ -382,7 +383,7 @@ def test_sampling_edge_cases(monkeypatch):
         verify(bad, logits[None].expand(2, V), temperature=1.0, generator=g)
     # A uniform draw of exactly 1 forces a rejection where p(x) / q(x) == 1, leaving zero residual mass; the
     # bonus then falls back to p (here the single token top-p keeps) instead of dividing by zero.
-    monkeypatch.setattr(torch, "rand", lambda size, **k: torch.ones(size, dtype=torch.float64))
+    monkeypatch.setattr(speculative, "draw_uniforms", lambda n, generator=None: torch.ones(2, n, dtype=torch.float64))
     assert verify(DraftTree.chain(ROOT, [1]), logits[None].expand(2, V), temperature=1.0, top_p=0.1) == Verdict([0], 1)
 
 
