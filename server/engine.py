@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tether.server.kv_pool import KVPool
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.drafter_runtime import DrafterBase
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree, Verdict
 
 __all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
+
+BLOCK_SIZE = 16  # positions per KV block of the engine's own pool
 
 
 @dataclass
@@ -66,6 +69,7 @@ class SpeculativeEngine:
         self.support = support  # top-K support of the drafter distribution sent with a sampled draft
         self.tree = tree  # (depth, top_k, total_tokens): EAGLE-2 dynamic tree drafting instead of a chain
         self.stats = EngineStats()
+        self._pool: KVPool | None = None
 
     @torch.inference_mode()
     def generate(
@@ -81,9 +85,27 @@ class SpeculativeEngine:
         self.stats = EngineStats()
         per_round = self.tree[2] if self.tree else self.k + 1
         capacity = min(len(prompt_ids) + max_new_tokens + per_round, self.target.cfg.max_seq_len)
-        server = SequenceVerifier(
-            self.target, self.drafter, capacity=capacity, temperature=temperature, top_p=top_p, generator=generator
-        )
+        server = SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=temperature, top_p=top_p,
+                                  generator=generator, pool=self._pool_for(capacity))  # fmt: skip
+        try:
+            yield from self._rounds(server, prompt_ids, max_new_tokens, temperature, top_p, eos_id, generator)
+        finally:
+            server.release()
+
+    def _pool_for(self, capacity: int) -> KVPool | None:
+        """On the "triton" backend the sequence lives in a paged pool, so its rounds run as the server's replayed
+        steps do (tether.server.step); kept across calls, so the step graphs are captured once."""
+        if getattr(self.target, "backend", None) != "triton":
+            return None
+        blocks = -(-capacity // BLOCK_SIZE)
+        if self._pool is None or self._pool.num_blocks < blocks:
+            w = self.target.embed_tokens.weight
+            self._pool = KVPool(self.target.cfg, blocks, BLOCK_SIZE, device=w.device, dtype=w.dtype)
+        return self._pool
+
+    def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+                top_p: float, eos_id: int | None, generator: torch.Generator | None):  # fmt: skip
+        capacity = server.cache.capacity
         root, delta = server.open(prompt_ids)
         produced = 1
         yield [root]

@@ -60,7 +60,7 @@ from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
-from tether.shared.sampling import sample_token
+from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
@@ -536,30 +536,45 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         generator = torch.Generator().manual_seed(s.seed)
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)
-        pending: list[concurrent.futures.Future] = []
+        ver = SequenceVerifier(self.target, None, capacity=cache.capacity, temperature=s.temperature,
+                               top_p=s.top_p or 1.0, generator=generator, cache=cache)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[int | None] = asyncio.Queue()
+        stop = threading.Event()
 
-        @torch.inference_mode()
-        def step(ids: list[int], first: bool) -> int:
-            x = torch.tensor([ids], device=self.target.device)
-            logits = self.target.prefill(x, cache, last_only=first).logits
-            return sample_token(logits[0, -1], temperature=s.temperature, top_p=s.top_p or 1.0, generator=generator)
+        def decode() -> None:
+            """Plain decoding is the verify path with empty drafts: each step is a replayed one-token step. It runs
+            ahead of the stream, which sends whatever has been decoded since its last message."""
+            try:
+                token, _ = ver.open(prompt)
+                loop.call_soon_threadsafe(tokens.put_nowait, token)
+                for _ in range(n - 1):
+                    if stop.is_set() or ver.room < 1:
+                        return
+                    token = ver.verify(DraftTree.chain(token, []))[0].bonus
+                    loop.call_soon_threadsafe(tokens.put_nowait, token)
+            finally:
+                loop.call_soon_threadsafe(tokens.put_nowait, None)
 
+        work = self._track(self.executor.submit(decode))
         try:
-            ids, first = prompt, True
-            for _ in range(n):
-                work = self.executor.submit(step, ids, first)
-                pending[:] = [work]
-                token = await self._wait(work)
-                self.metrics.bytes_out.labels(kind="tokens").inc(4)
-                yield pb.GeneratedTokens(tokens=[token])
-                if cache.length >= cache.capacity:
-                    return
-                ids, first = [token], False
+            finished = False
+            while not finished and (token := await tokens.get()) is not None:
+                batch = [token]
+                while not tokens.empty():
+                    if (more := tokens.get_nowait()) is None:
+                        finished = True
+                        break
+                    batch.append(more)
+                self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(batch))
+                yield pb.GeneratedTokens(tokens=batch)
+            await asyncio.wrap_future(work)  # its error, if any
         except PoolExhausted:
             e = RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S)
             await self._abort(context, e, "generate")
         finally:
-            if pending and not pending[0].done():
-                pending[0].add_done_callback(lambda _: self.table.give_back(cache))
-            else:
+            stop.set()
+            if work.done():
                 self.table.give_back(cache)
+            else:
+                work.add_done_callback(lambda _: self.table.give_back(cache))

@@ -9,7 +9,7 @@ the newly verified positions (root + accepted drafts): it is tether.server.round
 verify path. `absorb(verified, offline, rewind=...)` is a resync's forward beside it. The verifier never looks at
 who drafted: any DraftTree will do. It is what the in-process engine runs, and what each gRPC session runs; with
 drafter None no delta is produced. With `pool` the sequence's KV lives in the server's paged pool
-(tether.server.kv_pool) instead of a contiguous cache.
+(tether.server.kv_pool) instead of a contiguous cache; `cache` hands it a pool sequence someone else owns.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class SequenceVerifier:
         generator: torch.Generator | None = None,
         pool: KVPool | None = None,
         prefill_chunk: int = 2048,
+        cache: PagedCache | None = None,
     ):
         self.target = target
         self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
@@ -49,7 +50,10 @@ class SequenceVerifier:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk  # prompt positions per prefill forward
         capacity = min(capacity, target.cfg.max_seq_len)
-        self.cache = target.new_cache(1, capacity) if pool is None else pool.sequence(capacity)
+        if cache is not None:  # lent by the session table, which gives it back
+            self.cache = cache
+        else:
+            self.cache = target.new_cache(1, capacity) if pool is None else pool.sequence(capacity)
 
     @property
     def length(self) -> int:
