@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.kernels.moda import moda_backend
-from tether.server.batcher import verify_batch
 from tether.server.kv_pool import KVPool
+from tether.server.rounds import verify_batch
 from tether.server.verifier import SequenceVerifier
 from tether.shared.attention import register_backend
 from tether.shared.config import preset
