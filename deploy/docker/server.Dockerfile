@@ -10,6 +10,12 @@
 # so the base only needs the CUDA 13 user-space shim and a host driver >= 580. Triton compiles a small C launcher
 # the first time it runs a kernel, so the runtime stage keeps gcc and the Python headers.
 # For reproducible builds pin CUDA_IMAGE by digest (nvidia/cuda:13.0.1-base-ubuntu24.04@sha256:...).
+#
+# Warm starts: the server compiles and autotunes its Triton kernels at start (34 s in bfloat16 on an H200) unless
+# it finds them in its --cache-dir, /var/cache/tether (the ENTRYPOINT's). `docker build` has no GPU, so the image
+# cannot carry them: keep that directory on a named volume (-v tether-kernels:/var/cache/tether), which the first
+# start fills, once per GPU model, Triton version and image; later containers log `ready in X s (warm cache)`.
+# To fill it before the first start, run `tether-server warm` with the same volume (deploy/README.md, section 2).
 
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
 
@@ -72,5 +78,6 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python3", "/opt/tether/healthcheck.py", "127.0.0.1:50051"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["tether-server", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100", \
-            "--model", "/opt/tether/models/target", "--drafter", "/opt/tether/models/drafter", "--log-format", "json"]
+            "--model", "/opt/tether/models/target", "--drafter", "/opt/tether/models/drafter", "--log-format", "json", \
+            "--cache-dir", "/var/cache/tether"]
 CMD []

@@ -170,6 +170,14 @@ def test_server_entrypoint_parses_with_tether_server_serve():
     assert (args.host, args.port, args.metrics_port) == ("0.0.0.0", 50051, 9100)
     copied = {r.split()[-1] for w, r in stages(SERVER)[-1] if w == "COPY"}
     assert args.model in copied and args.drafter in copied
+    # Warm starts: the kernel cache is a directory the runtime stage makes for the image's user (the volume to mount),
+    # and Triton's own variable, for any other Triton use in the image, points at the same cache inside it.
+    from tether.server.warm_cache import TRITON_SUBDIR
+
+    assert args.cache_dir == "/var/cache/tether"
+    final = stages(SERVER)[-1]
+    assert any(w == "RUN" and f"install -d -o tether -g tether -m 0750 {args.cache_dir}" in r for w, r in final)
+    assert any(w == "ENV" and f"TRITON_CACHE_DIR={args.cache_dir}/{TRITON_SUBDIR}" in r.split() for w, r in final)
 
 
 def test_shellcheck_client_entrypoint():

@@ -217,6 +217,9 @@ def test_the_replicas_command_line_parses_with_tether_server_serve():
     assert cfg.metrics_port == container_ports("tether-server")["metrics"]
     assert cfg.api_keys.startswith(next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "api-keys"))
     assert cfg.grace_s < pod_spec("tether-server")["terminationGracePeriodSeconds"] - 6  # after preStop's sleep
+    # The kernel cache (--cache-dir) is on a writable volume: the root filesystem is read-only.
+    (cache,) = [m for m in c["volumeMounts"] if f"{cfg.cache_dir}/".startswith(m["mountPath"].rstrip("/") + "/")]
+    assert cfg.cache_dir and not cache.get("readOnly")
     # Every variable of the ConfigMap is used, and every $(VAR) is defined.
     used = set(re.findall(r"\$\((\w+)\)", " ".join(c["args"])))
     assert used == set(env)

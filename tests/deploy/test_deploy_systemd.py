@@ -146,10 +146,13 @@ def test_execstart_parses_with_the_real_cli(name):
         args = build_parser().parse_args(argv[1:])
         assert args.command == "serve" and args.port == 50051 and args.metrics_port == 9100
         assert args.api_keys == "/etc/tether/api-keys" and args.device == "cuda"
+        # The kernel cache is the directory systemd keeps for the unit (CacheDirectory=): warm restarts.
+        (cache_dir,) = u["Service"]["CacheDirectory"]
+        assert args.cache_dir == f"/var/cache/{cache_dir}"
         # With an empty environment file the unit's defaults still make a valid command line.
         bare = {a.partition("=")[0]: a.partition("=")[2] for a in u["Service"]["Environment"]}
         args = build_parser().parse_args(expand(command, bare)[1:])
-        assert args.api_keys == "" and args.tls_cert == ""
+        assert args.api_keys == "" and args.tls_cert == "" and args.cache_dir == f"/var/cache/{cache_dir}"
     else:
         from tether.client.cli import build_parser
 
