@@ -1,0 +1,175 @@
+"""Fixed-shape steps (tether.server.step): padding a batch up to its bucket changes nothing a caller sees, padding
+touches only the pool's scratch block, and on CUDA the replayed graphs give exactly what the eager step gives.
+
+On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, as `make test` sets) and steps run
+eagerly: graphs are an accelerator behind the same function, tested on the GPU by the same tests."""
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_models import tiny_moa_drafter, tiny_target
+
+import tether.shared.attention as attention
+from tether.kernels.moda import moda_backend
+from tether.kernels.moda_prefill import interpreting
+from tether.server import rounds
+from tether.server.engine import SpeculativeEngine
+from tether.server.kv_pool import KVPool
+from tether.server.step import StepBatch, StepConfig, StepRunner
+from tether.server.verifier import SequenceVerifier
+from tether.shared.speculative import DraftTree
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET")
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setitem(attention._BACKENDS, "triton", moda_backend)
+
+
+def sessions(target, drafter, pool, prompts):
+    vers = [SequenceVerifier(target, drafter, capacity=96, pool=pool) for _ in prompts]
+    roots = [v.open(p)[0] for v, p in zip(vers, prompts, strict=True)]
+    return vers, roots
+
+
+def rounds_of(seed: int, vocab: int, n_sessions: int, n_rounds: int) -> list[list[DraftTree]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_rounds):
+        trees = []
+        for i in range(n_sessions):
+            n = int(torch.randint(1, 11, (1,), generator=g))  # 1 to 10 nodes: buckets 1, 2, 4, 8 and 16
+            if i % 2:
+                parents = [-1] + [int(torch.randint(j, (1,), generator=g)) for j in range(1, n)]
+                trees.append(DraftTree(tokens=torch.randint(vocab, (n,), generator=g), parents=torch.tensor(parents)))
+            else:
+                trees.append(DraftTree.chain(0, torch.randint(vocab, (n - 1,), generator=g).tolist()))
+        out.append(trees)
+    return out
+
+
+def run_sessions(target, drafter, config: StepConfig | None, backend: str):
+    """Three rounds of three sessions (ragged chains and trees, contexts across block edges), batched; returns the
+    verdicts, the deltas and every session's committed pool rows."""
+    target.backend = backend
+    if config is not None:
+        rounds.configure_steps(config)
+    try:
+        pool = KVPool(target.cfg, num_blocks=40, block_size=5, device=DEV, dtype=target.embed_tokens.weight.dtype)
+        vers, roots = sessions(target, drafter, pool, [[1, 2], [3, 4, 5, 6, 1, 2, 3], list(range(1, 7)) * 3])
+        got = []
+        for trees in rounds_of(5, target.cfg.vocab_size, len(vers), 3):
+            trees = [
+                DraftTree(torch.cat([torch.tensor([r]), t.tokens[1:]]), t.parents)
+                for r, t in zip(roots, trees, strict=True)
+            ]
+            res = rounds.verify_batch(target, list(zip(vers, trees, strict=True)))
+            got.append([(v.path, v.bonus, {k: t.float().cpu() for k, t in d.tensors.items()}) for v, d in res])
+            roots = [v.bonus for v, _ in res]
+        kv = [pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length].float().cpu() for v in vers]
+        scratch = pool.k[:, pool.scratch].clone()
+        used = pool.used_blocks
+        for v in vers:
+            v.release()
+        assert pool.used_blocks == 0 and used > 0
+        return got, kv, scratch
+    finally:
+        rounds.configure_steps(StepConfig())
+
+
+def assert_same(a, b, tol):
+    (ga, ka, _), (gb, kb, _) = a, b
+    for ra, rb in zip(ga, gb, strict=True):
+        for (pa, ba, da), (pb, bb, db) in zip(ra, rb, strict=True):
+            assert pa == pb and ba == bb
+            for name in da:
+                torch.testing.assert_close(da[name], db[name], rtol=tol, atol=tol)
+    for x, y in zip(ka, kb, strict=True):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
+def test_bucketed_steps_equal_the_gathering_path(triton_backend):
+    """Steps padded to buckets (rows, tokens, table width) give the verdicts, deltas and pool rows of the
+    reference path that gathers each row's cache: padding is invisible."""
+    target = tiny_target(vocab_size=7).to(DEV)
+    drafter = tiny_moa_drafter(target).to(DEV)
+    stepped = run_sessions(target, drafter, StepConfig(graphs=DEV == "cuda"), "triton")
+    reference = run_sessions(target, drafter, None, "reference")
+    assert_same(stepped, reference, 1e-4)
+
+
+def test_padding_writes_only_the_scratch_block(triton_backend):
+    """A step of one real row in a bucket of 4 rows x 8 tokens: the real row's K/V land in its own slots, every
+    other block of the pool is untouched, and the padded rows' K/V went to the scratch block."""
+    target = tiny_target(vocab_size=7).to(DEV)
+    pool = KVPool(target.cfg, num_blocks=6, block_size=4, device=DEV)
+    runner = StepRunner(target, pool, StepConfig(graphs=False, batch_buckets=(4,), token_buckets=(8,)))
+    cache = pool.sequence(16)
+    cache.reserve(3)
+    pool.k.normal_()
+    before = pool.k.clone()
+    tree = DraftTree.chain(1, [2, 3])
+    batch = rounds.step_batch([cache], [tree])
+    assert batch.block_table.tolist() == [[cache.blocks[0]]]
+    with runner.lock:
+        out = runner.forward(batch, states=True)
+        assert out.logits.shape[:2] == (4, 8) and out.k.shape[1:3] == (4, 8)
+        ref = out.k[:, 0, :3].clone()
+    changed = (pool.k != before).flatten(3).any(-1).any(0)  # [blocks + 1, block_size]
+    own = cache.blocks[0]
+    assert changed[own, :3].all() and not changed[own, 3:].any()
+    assert changed[pool.scratch].any()
+    others = [b for b in range(pool.num_blocks) if b != own]
+    assert not changed[others].any()
+    torch.testing.assert_close(pool.k[:, own, :3], ref.to(pool.k.dtype))
+
+
+def test_buckets_round_up_and_large_steps_fall_back():
+    cfg = StepConfig(batch_buckets=(1, 2, 4), token_buckets=(1, 8), min_width=4, max_bucket_tokens=16)
+    target = tiny_target(max_seq_len=64)
+    runner = StepRunner(target, KVPool(target.cfg, num_blocks=4, block_size=4), cfg)
+    assert runner.bucket(2, 5, 5, True) == (2, 8, 8, True)
+    assert runner.bucket(3, 1, 5, True) == (4, 1, 8, True)
+    assert runner.bucket(1, 1, 1, False) == (1, 1, 4, False)
+    assert runner.bucket(2, 8, 16, False).width == 16  # the widest table the model's length needs
+    assert runner.bucket(5, 1, 1, False) is None  # more rows than any bucket
+    assert runner.bucket(3, 5, 1, False) is None  # 4 x 8 = 32 tokens > max_bucket_tokens
+
+
+def test_step_batch_describes_each_row():
+    target = tiny_target()
+    pool = KVPool(target.cfg, num_blocks=8, block_size=4)
+    a, b = pool.sequence(32), pool.sequence(32)
+    a.reserve(6)
+    a.commit(6)
+    tree = DraftTree(tokens=torch.tensor([1, 2, 3]), parents=torch.tensor([-1, 0, 0]))
+    batch: StepBatch = rounds.step_batch([a, b], [tree, DraftTree.chain(4, [])])
+    assert batch.positions.tolist() == [[6, 7, 7], [0, 0, 0]]
+    assert batch.q_lens.tolist() == [3, 1] and batch.cache_lens.tolist() == [9, 1]
+    bs = pool.block_size
+    assert batch.slots[0].tolist() == [a.blocks[p // bs] * bs + p % bs for p in (6, 7, 8)]
+    assert batch.slots[1].tolist() == [b.blocks[0] * bs, -1, -1]
+    assert batch.tree_mask[0].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a GPU")
+def test_graphs_replay_what_the_eager_step_computes(triton_backend):
+    """On the GPU: the same sessions with graphs on and off, and greedy speculative decoding through replayed
+    steps equals plain greedy decoding token for token."""
+    target = tiny_target(vocab_size=7).to(DEV)
+    drafter = tiny_moa_drafter(target).to(DEV)
+    graphs = run_sessions(target, drafter, StepConfig(graphs=True), "triton")
+    eager = run_sessions(target, drafter, StepConfig(graphs=False), "triton")
+    assert_same(graphs, eager, 1e-5)
+    big = dataclasses.replace(target.cfg, vocab_size=97)
+    target = tiny_target(vocab_size=big.vocab_size).to(DEV)
+    target.backend = "triton"
+    prompt = [5, 9, 11, 3]
+    plain = [t for c in SpeculativeEngine(target, None).generate(prompt, 40) for t in c]
+    spec = [t for c in SpeculativeEngine(target, tiny_moa_drafter(target).to(DEV), k=4).generate(prompt, 40) for t in c]
+    target.backend = "reference"
+    ref = list(target.generate(torch.tensor([prompt], device=DEV), 40))
+    assert plain == spec == ref
