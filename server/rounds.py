@@ -4,7 +4,9 @@ Contract:
 - `verify_batch(target, items)` takes [(SequenceVerifier, DraftTree)] of sequences with different cache lengths and
   tree sizes, runs them through the target in ONE forward, decides each row's verdict with that sequence's own
   sampling settings (tether.shared.speculative.verify), commits the accepted paths and returns, per row, (verdict,
-  delta) or the row's exception: a row that cannot get room or whose draft is malformed fails alone.
+  delta) or the row's exception: a row that cannot get room or whose draft is malformed fails alone. The verdicts
+  of all rows are decided on the device in one pass (tether.shared.acceptance.verify_rows: greedy and lossless
+  rejection sampling, exactly tether.shared.speculative.verify's verdict) and read back with one copy.
   `SequenceVerifier.verify` is `verify_batch` of one row; the gRPC batcher (tether.server.batcher) calls it with
   whatever rounds arrived together.
 - `forward_rows(target, caches, trees, states)` is that forward on its own, a context manager yielding the
@@ -34,9 +36,10 @@ from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepConfig, StepRunner
+from tether.shared.acceptance import verify_rows
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.model import ForwardOutput, Transformer
-from tether.shared.speculative import DraftTree, Verdict, verify
+from tether.shared.speculative import DraftTree, Verdict
 
 if TYPE_CHECKING:
     from tether.server.verifier import SequenceVerifier
@@ -261,14 +264,12 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
     lens = [c.length for c in caches]
     want = any(ver.drafter is not None for ver, _ in items)
     with forward_rows(target, caches, trees, states=want) as out:
-        # Decide every verdict before committing any, so a row that fails (a malformed q) fails alone.
-        verdicts: list[Verdict | Exception] = []
-        for i, (ver, tree) in enumerate(items):
-            try:
-                verdicts.append(verify(tree, out.logits[i, : len(tree)], temperature=ver.temperature,
-                                       top_p=ver.top_p, generator=ver.generator))  # fmt: skip
-            except ValueError as e:
-                verdicts.append(e)
+        # Every verdict on the device in one pass and one copy back, decided before any is committed, so a row
+        # that fails (a malformed q) fails alone.
+        verdicts: list[Verdict | Exception] = verify_rows(
+            trees, out.logits[: len(items)], [ver.temperature for ver, _ in items], [ver.top_p for ver, _ in items],
+            [ver.generator for ver, _ in items],
+        )  # fmt: skip
         deltas: dict[int, DraftDelta] = {}
         by_drafter: dict[int, list[int]] = {}
         for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):
