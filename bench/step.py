@@ -9,6 +9,7 @@ Two parts, one run (both by default):
   Roofline: the weight bytes one forward reads (an untied embedding table is only looked up) plus the rows' K/V,
   over the device-to-device copy bandwidth measured in the same run (bytes read + written). x roofline =
   measured / roofline.
+  The step alone (the forward: staging and replay, no verdicts or commit) is timed between CUDA events too.
 - `decode`: the default target (deploy/models/target, bf16) decoding `--tokens` tokens greedily after a short
   prompt: in-process plain decoding (tether.server.engine.SpeculativeEngine without a drafter), the in-process
   speculative engine with the default drafter (k=5), and the Generate RPC of a real gRPC server on loopback, one
@@ -35,7 +36,7 @@ from rich.table import Table
 
 from tether.server.generate import attention_backend, default_model_dir, load
 from tether.server.kv_pool import KVPool
-from tether.server.rounds import configure_steps, verify_batch
+from tether.server.rounds import configure_steps, step_batch, step_runner, verify_batch
 from tether.server.step import StepConfig
 from tether.server.verifier import SequenceVerifier
 from tether.shared.config import preset
@@ -117,9 +118,18 @@ def verify_rounds(args: argparse.Namespace, device: torch.device) -> dict:
                     for v in vers:
                         v.cache.truncate(ctx)
                 ms = statistics.median(times)
+                step = step_ms(model, vers, items, device, args.rounds)
                 rows.append({"B": B, "ctx": ctx, "k": args.k, "graphs": graphs, "ms": ms, "min_ms": min(times),
-                             "roofline_ms": roof_ms, "x_roofline": ms / roof_ms,
-                             "tokens_per_s": B * args.k / ms * 1e3})  # fmt: skip
+                             "step_ms": step, "roofline_ms": roof_ms, "x_roofline": ms / roof_ms,
+                             "step_x_roofline": step / roof_ms, "tokens_per_s": B * args.k / ms * 1e3})  # fmt: skip
+                if args.profile and graphs and (B, ctx) == (args.batch[0], args.ctx[0]):
+
+                    def one_round(model=model, items=items, vers=vers, ctx=ctx):
+                        verify_batch(model, items)
+                        for v in vers:
+                            v.cache.truncate(ctx)
+
+                    profile(one_round, f"verify round B={B} ctx={ctx}", device)
                 for v in vers:
                     v.release()
                 del pool, vers
@@ -128,6 +138,52 @@ def verify_rounds(args: argparse.Namespace, device: torch.device) -> dict:
     configure_steps(StepConfig())
     del model
     return {"preset": args.preset, "moda": args.moda, "copy_gb_s": bw / 1e9, "weights_gb": wbytes / 1e9, "rows": rows}
+
+
+def step_ms(model: Transformer, vers: list[SequenceVerifier], items, device: torch.device, iters: int) -> float:
+    """The forward alone (staging and replay or eager launch), device time between events: no verdicts, no commit.
+    The rows' pending K/V are rewritten each time and never committed."""
+    if device.type != "cuda":
+        return float("nan")
+    runner = step_runner(model, vers[0].cache.pool)
+    batch = step_batch([v.cache for v in vers], [t for _, t in items])
+    times = []
+    with runner.lock:
+        for i in range(iters + 3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            runner.forward(batch, states=False)
+            b.record()
+            b.synchronize()
+            if i >= 3:
+                times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def profile(fn, title: str, device: torch.device, iters: int = 20) -> None:
+    """torch.profiler over `iters` calls: the top ops by host time and by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    import cProfile
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    host.disable()
+    print(f"== profile: {title}, {iters} calls")
+    pstats.Stats(host).sort_stats("tottime").print_stats(22)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
 def decode_rates(args: argparse.Namespace, device: torch.device) -> dict:
@@ -148,6 +204,8 @@ def decode_rates(args: argparse.Namespace, device: torch.device) -> dict:
                 n += len(chunk)
             wall = time.perf_counter() - t0
         out[name] = {"tokens": n, "s": wall, "tokens_per_s": n / wall, "tau": engine.stats.tau}
+        if args.profile:
+            profile(lambda engine=engine: [None for _ in engine.generate(prompt, 50)], f"{name}, 50 tokens", device, 3)
     out["Generate RPC, one stream"] = generate_rpc(args, target, drafter, tok, prompt)
     return out
 
@@ -198,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=str(default_model_dir()), help="decode part: target directory")
     ap.add_argument("--drafter", default=str(default_model_dir("drafter")), help="decode part: drafter directory")
     ap.add_argument("--tokens", type=int, default=1000, help="decode part: tokens per run")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of a round and of decoding")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     torch.set_grad_enabled(False)
@@ -208,11 +267,13 @@ def main(argv: list[str] | None = None) -> dict:
         v = record["verify"] = verify_rounds(args, device)
         t = Table(title=f"verify round, {args.preset}{' + MoDA' if args.moda else ''}, k={args.k}, {name}, "
                   f"copy {v['copy_gb_s']:.0f} GB/s")  # fmt: skip
-        for c in ("B", "ctx", "graphs", "ms / round", "roofline ms", "x roofline", "scored tokens/s"):
+        for c in ("B", "ctx", "graphs", "ms / round", "step ms", "roofline ms", "x roofline (round / step)",
+                  "scored tokens/s"):  # fmt: skip
             t.add_column(c, justify="right")
         for r in v["rows"]:
             t.add_row(str(r["B"]), str(r["ctx"]), "on" if r["graphs"] else "off", f"{r['ms']:.2f}",
-                      f"{r['roofline_ms']:.2f}", f"{r['x_roofline']:.2f}", f"{r['tokens_per_s']:.0f}")  # fmt: skip
+                      f"{r['step_ms']:.2f}", f"{r['roofline_ms']:.2f}",
+                      f"{r['x_roofline']:.2f} / {r['step_x_roofline']:.2f}", f"{r['tokens_per_s']:.0f}")  # fmt: skip
         console.print(t)
     if "decode" in args.parts:
         d = record["decode"] = decode_rates(args, device)
