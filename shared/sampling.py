@@ -1,8 +1,9 @@
 """Token sampling: greedy, temperature and nucleus (top-p), the one place these are defined.
 
 Contract: `probabilities(logits, temperature, top_p)` is the distribution a sampler draws from; with
-temperature 0 it is the one-hot argmax. `sample_token` draws from it. The speculative verifier uses the same
-`probabilities` for both target and drafter, so lossless rejection sampling compares like with like.
+temperature 0 it is the one-hot argmax. `sample_token` draws from it, and drafters sample their proposals from
+it. The speculative verifier applies the same temperature and top-p rule to the target's logits in float64
+(tether.shared.speculative.target_probs), so lossless rejection sampling compares like with like.
 
     tok = sample_token(logits[-1], temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(0))
 """
