@@ -31,12 +31,13 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepConfig, StepRunner
-from tether.shared.acceptance import verify_rows
+from tether.shared.acceptance import unpack_verdicts, verify_rows
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.speculative import DraftTree, Verdict
@@ -153,36 +154,44 @@ def step_runner(target: Transformer, pool: KVPool) -> StepRunner:
 
 
 def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> StepBatch:
-    """The host metadata of one step: each tree's nodes after its cache's committed rows (reserving their blocks)."""
+    """The host metadata of one step: each tree's nodes after its cache's committed rows (reserving their blocks).
+    Plain numpy: this runs once per round on the host's critical path."""
     B, T = len(trees), max(len(t) for t in trees)
     bs = caches[0].pool.block_size
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, T, dtype=torch.bool)
-    slots = torch.full((B, T), -1, dtype=torch.long)  # -1: padding, sent to the scratch block
-    lens = torch.zeros(B, dtype=torch.int32)
-    q_lens = torch.zeros(B, dtype=torch.int32)
     for c, t in zip(caches, trees, strict=True):
         c.reserve(len(t))
-    table = torch.full((B, max(len(c.blocks) for c in caches)), -1, dtype=torch.int32)
+    tokens = np.zeros((B, T), np.int64)
+    positions = np.zeros((B, T), np.int64)
+    parents = np.zeros((B, T), np.int64)
+    mask = np.zeros((B, T, T), np.bool_)
+    slots = np.full((B, T), -1, np.int64)  # -1: padding, sent to the scratch block
+    lens = np.zeros(B, np.int64)
+    q_lens = np.zeros(B, np.int64)
+    table = np.full((B, max(len(c.blocks) for c in caches)), -1, np.int64)
     for i, (c, t) in enumerate(zip(caches, trees, strict=True)):
         n, L = len(t), c.length
-        blocks = torch.tensor(c.blocks, dtype=torch.long)
-        table[i, : len(c.blocks)] = blocks.int()
-        tokens[i, :n] = t.tokens
-        positions[i, :n] = t.positions(L)
-        mask[i, :n, :n] = t.ancestor_mask()
-        pos = torch.arange(L, L + n)
+        blocks = np.asarray(c.blocks, np.int64)
+        table[i, : len(blocks)] = blocks
+        tokens[i, :n] = t._tokens
+        parents[i, :n] = t._parents
+        if t.is_chain:
+            positions[i, :n] = np.arange(L, L + n)
+            mask[i, :n, :n] = np.tri(n, dtype=np.bool_)
+        else:
+            positions[i, :n] = L + t.depths.numpy()
+            mask[i, :n, :n] = t.ancestor_mask().numpy()
+        pos = np.arange(L, L + n)
         slots[i, :n] = blocks[pos // bs] * bs + pos % bs
         lens[i], q_lens[i] = L + n, n
-    return StepBatch(tokens, positions, mask, slots, table, lens, q_lens)
+    return StepBatch(tokens, positions, parents, mask, slots, table, lens, q_lens)
 
 
 @contextlib.contextmanager
 def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], *,
-                 states: bool) -> Iterator[ForwardOutput]:  # fmt: skip
+                 states: bool) -> Iterator[tuple[ForwardOutput, Tensor | None]]:  # fmt: skip
     """One forward of each tree after its cache's committed rows (their K/V written as pending rows). Yields the
-    ForwardOutput (row i, token j: trees[i]'s node j; rows padded); it is valid inside the `with` only."""
+    ForwardOutput (row i, token j: trees[i]'s node j; rows padded) and, from a fixed-shape step, every row's greedy
+    verdict packed as tether.shared.acceptance.pack does (else None). Valid inside the `with` only."""
     sizes = [len(t) for t in trees]
     in_place = attends_in_place(target, caches)
     # A tensor-parallel target (tether.server.tp_serve) broadcasts each forward as a command: not a capturable step.
@@ -207,8 +216,9 @@ def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], 
             mask[i, :, :L] = True
         mask[i, :n, base : base + n] = tree.ancestor_mask()
         mask[i, torch.arange(n, tq), base + torch.arange(n, tq)] = True  # padding sees itself only
-    yield target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
+    out = target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
                      hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+    yield out, None
 
 
 def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, list[int], list[int]]], *,
@@ -263,13 +273,15 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
     caches = [ver.cache for ver, _ in items]
     lens = [c.length for c in caches]
     want = any(ver.drafter is not None for ver, _ in items)
-    with forward_rows(target, caches, trees, states=want) as out:
+    with forward_rows(target, caches, trees, states=want) as (out, greedy):
         # Every verdict on the device in one pass and one copy back, decided before any is committed, so a row
-        # that fails (a malformed q) fails alone.
-        verdicts: list[Verdict | Exception] = verify_rows(
-            trees, out.logits[: len(items)], [ver.temperature for ver, _ in items], [ver.top_p for ver, _ in items],
-            [ver.generator for ver, _ in items],
-        )  # fmt: skip
+        # that fails (a malformed q) fails alone. A step already decided the greedy ones inside its graph.
+        verdicts: list[Verdict | Exception]
+        if greedy is not None and all(ver.temperature == 0 for ver, _ in items):
+            verdicts = unpack_verdicts(trees, greedy.cpu())
+        else:
+            verdicts = verify_rows(trees, out.logits[: len(items)], [ver.temperature for ver, _ in items],
+                                   [ver.top_p for ver, _ in items], [ver.generator for ver, _ in items])  # fmt: skip
         deltas: dict[int, DraftDelta] = {}
         by_drafter: dict[int, list[int]] = {}
         for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):

@@ -13,18 +13,18 @@ Contract:
   flat pool slots their K/V go to, its block table and lengths (tether.server.batcher builds them).
 - `runner.forward(batch, states=...)` pads the batch up to its bucket (rows, tokens per row, block-table width:
   the smallest configured sizes that hold it), copies the metadata into that bucket's static buffers, and replays
-  its graph (captured on first use), or runs the same function eagerly (graphs off, the CPU, or a batch larger than
-  every bucket, which then runs at its exact size). It returns the target's ForwardOutput for the padded batch:
-  logits [Bb, Tb, V] and, with `states`, k/v [n_layers, Bb, Tb, Hkv, D] and the last hidden state [Bb, Tb, dim].
-  These are views of the graph's own memory: they hold until the next step, so callers hold `runner.lock` from
-  `forward` until they have copied out what they keep.
+  its graph (captured on first use), or runs the same function eagerly (graphs off, or the CPU). It returns a
+  StepOutput: the target's ForwardOutput for the padded batch (logits [Bb, Tb, V] and, with `states`, k/v
+  [n_layers, Bb, Tb, Hkv, D] and the last hidden state [Bb, Tb, dim]) and every row's greedy verdict, decided inside
+  the step (tether.shared.acceptance.greedy_packed). These are views of the graph's own memory: they hold until the
+  next step, so callers hold `runner.lock` from `forward` until they have copied out what they keep.
 - Nothing in a step reads the device back (no host syncs), so a step can be captured; the caller syncs once, when
   it reads the verdicts.
 
     runner = StepRunner(target, pool)
     with runner.lock:
-        out = runner.forward(batch, states=True)
-        verdicts = verify_rows(trees, out.logits[: batch.rows], ...)
+        step = runner.forward(batch, states=True)
+        verdicts = unpack_verdicts(trees, step.greedy.cpu())  # greedy rows; sampled ones: verify_rows
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedKernelView
+from tether.shared.acceptance import greedy_packed
 from tether.shared.model import ForwardOutput, Transformer
 
 log = logging.getLogger("tether.server")
@@ -61,19 +63,25 @@ class Bucket(NamedTuple):
 
 @dataclass
 class StepBatch:
-    """One step's inputs, on the host (built by tether.server.batcher)."""
+    """One step's inputs, on the host as numpy arrays (built by tether.server.rounds.step_batch)."""
 
-    tokens: Tensor  # [B, T] long: new tokens (padding: anything in the vocabulary)
-    positions: Tensor  # [B, T] long: their RoPE positions (< the target's max_seq_len)
-    tree_mask: Tensor  # [B, T, T] bool: new token i sees new token j (padding rows may see only themselves)
-    slots: Tensor  # [B, T] long: flat pool slot each new row's K/V goes to (padding: any slot of the scratch block)
-    block_table: Tensor  # [B, W] int32: each row's blocks, the new rows' included (-1 past them)
-    cache_lens: Tensor  # [B] int32: committed prefix + new tokens
-    q_lens: Tensor  # [B] int32: real new tokens per row (1 <= q_lens <= T)
+    tokens: np.ndarray  # [B, T] int64: new tokens (padding: anything in the vocabulary)
+    positions: np.ndarray  # [B, T] int64: their RoPE positions (< the target's max_seq_len)
+    parents: np.ndarray  # [B, T] int64: each new token's parent among them (the root's: -1; padding: 0)
+    tree_mask: np.ndarray  # [B, T, T] bool: new token i sees new token j (padding rows may see only themselves)
+    slots: np.ndarray  # [B, T] int64: flat pool slot each new row's K/V goes to (-1: padding, the scratch block)
+    block_table: np.ndarray  # [B, W] int64: each row's blocks, the new rows' included (-1 past them)
+    cache_lens: np.ndarray  # [B] int64: committed prefix + new tokens
+    q_lens: np.ndarray  # [B] int64: real new tokens per row (1 <= q_lens <= T)
 
     @property
     def rows(self) -> int:
         return self.tokens.shape[0]
+
+
+class StepOutput(NamedTuple):
+    out: ForwardOutput  # the padded batch's forward (views of the step's memory)
+    greedy: Tensor  # [Bb, Tb + 3] long: every row's greedy verdict, tether.shared.acceptance.pack's layout
 
 
 def _round_up(n: int, sizes: tuple[int, ...]) -> int | None:
@@ -87,8 +95,9 @@ class _Graph:
         B, T, W, _ = bucket
         dev = runner.pool.device
         self.bucket = bucket
-        # All integer metadata travels in one copy: tokens, positions, slots [B*T each], lens, q_lens [B], table [B*W].
-        self.sizes = (B * T, B * T, B * T, B, B, B * W)
+        # All integer metadata travels in one copy: tokens, positions, parents, slots [B*T each], lens, q_lens [B],
+        # table [B*W].
+        self.sizes = (B * T, B * T, B * T, B * T, B, B, B * W)
         total = sum(self.sizes)
         pin = dev.type == "cuda"
         self.host_meta = torch.empty(total, dtype=torch.long, pin_memory=pin)
@@ -98,47 +107,55 @@ class _Graph:
         self.rows = torch.arange(B * T, device=dev)  # every new row is scattered (padding into the scratch block)
         self.copied: torch.cuda.Event | None = None  # the last upload: staging is rewritten only after it
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: ForwardOutput | None = None
+        self.result: StepOutput | None = None
 
     def stage(self, runner: StepRunner, batch: StepBatch | None) -> None:
-        """Write the batch, padded to the bucket, into the staging buffers and upload them."""
+        """Write the batch, padded to the bucket, into the staging buffers (numpy views: a few microseconds) and
+        upload them."""
         B, T, W, _ = self.bucket
         if self.copied is not None:
             self.copied.synchronize()
-        tokens, positions, slots, lens, q_lens, table = self.host_meta.split(self.sizes)
-        tokens.zero_()
-        positions.zero_()
-        slots.fill_(runner.scratch_slot)
-        lens.fill_(1)  # a padding row: one new token at position 0 of the scratch block, seeing only itself
-        q_lens.fill_(1)
-        table.fill_(runner.scratch)
-        self.host_mask.zero_()
-        self.host_mask[:, 0, 0] = True
+        tokens, positions, parents, slots, lens, q_lens, table = np.split(self.host_meta.numpy(),
+                                                                          np.cumsum(self.sizes)[:-1])  # fmt: skip
+        mask = self.host_mask.numpy()
+        tokens[:] = 0
+        positions[:] = 0
+        parents[:] = 0
+        slots[:] = runner.scratch_slot
+        lens[:] = 1  # a padding row: one new token at position 0 of the scratch block, seeing only itself
+        q_lens[:] = 1
+        table[:] = runner.scratch
+        mask[:] = False
+        mask[:, 0, 0] = True
         if batch is not None:
             b, t = batch.tokens.shape
             w = batch.block_table.shape[1]
-            tokens.view(B, T)[:b, :t] = batch.tokens
-            positions.view(B, T)[:b, :t] = batch.positions
-            slots.view(B, T)[:b, :t] = batch.slots
+            tokens.reshape(B, T)[:b, :t] = batch.tokens
+            positions.reshape(B, T)[:b, :t] = batch.positions
+            parents.reshape(B, T)[:b, :t] = np.maximum(batch.parents, 0)
+            own = slots.reshape(B, T)[:b, :t]
+            own[:] = np.where(batch.slots < 0, runner.scratch_slot, batch.slots)
             lens[:b] = batch.cache_lens
             q_lens[:b] = batch.q_lens
-            table.view(B, W)[:b, :w] = batch.block_table
-            self.host_mask[:b, :t, :t] = batch.tree_mask
+            table.reshape(B, W)[:b, :w] = batch.block_table
+            mask[:b, :t, :t] = batch.tree_mask
         self.meta.copy_(self.host_meta, non_blocking=True)
         self.mask.copy_(self.host_mask, non_blocking=True)
         if self.meta.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def run(self, runner: StepRunner) -> ForwardOutput:
+    def run(self, runner: StepRunner) -> StepOutput:
         """The step itself, from the device buffers: what a graph captures."""
         B, T, W, states = self.bucket
-        tokens, positions, slots, lens, q_lens, table = self.meta.split(self.sizes)
+        tokens, positions, parents, slots, lens, q_lens, table = self.meta.split(self.sizes)
         view = PagedKernelView(runner.pool, slots, self.rows, table.view(B, W).to(torch.int32),
                                lens.to(torch.int32), q_lens.to(torch.int32))  # fmt: skip
         target = runner.target
-        return target.run(tokens.view(B, T), cache=view, positions=positions.view(B, T), tree_mask=self.mask,
-                          hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+        tokens = tokens.view(B, T)
+        out = target.run(tokens, cache=view, positions=positions.view(B, T), tree_mask=self.mask,
+                         hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+        return StepOutput(out, greedy_packed(out.logits, tokens, parents.view(B, T), q_lens))
 
 
 class StepRunner:
@@ -176,16 +193,13 @@ class StepRunner:
         return Bucket(B, T, W, states)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, *, states: bool) -> ForwardOutput:
+    def forward(self, batch: StepBatch, *, states: bool) -> StepOutput:
         """One step (see the module docstring); hold `self.lock` until the outputs have been copied out."""
         with self.lock:
             b, t = batch.tokens.shape
             bucket = self.bucket(b, t, batch.block_table.shape[1], states)
-            if bucket is None:  # larger than every bucket: the same step at its exact size, eagerly
-                bucket = Bucket(b, t, batch.block_table.shape[1], states)
-                g = _Graph(self, bucket)
-                g.stage(self, batch)
-                return g.run(self)
+            if bucket is None:
+                raise ValueError(f"no step bucket holds {b} rows of {t} tokens (tether.server.rounds runs it eagerly)")
             g = self._graphs.get(bucket)
             if g is None:
                 g = self._graphs[bucket] = _Graph(self, bucket)
@@ -195,7 +209,7 @@ class StepRunner:
             if g.graph is None:
                 self._capture(g)
             g.graph.replay()
-            return g.out
+            return g.result
 
     def capture(self, bucket: Bucket) -> None:
         """Capture one bucket's graph now (a warm-up; a no-op without graphs)."""
@@ -218,6 +232,6 @@ class StepRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            g.out = g.run(self)
+            g.result = g.run(self)
         g.graph = graph
         log.debug("captured the step graph for %s", g.bucket)

@@ -131,7 +131,7 @@ class SequenceVerifier:
         self.reserve(len(offline))
         tree = DraftTree.chain(offline[0], offline[1:])
         want = self.drafter is not None
-        with forward_rows(self.target, [self.cache], [tree], states=want) as out:
+        with forward_rows(self.target, [self.cache], [tree], states=want) as (out, _):
             logits = out.logits[0, : len(offline)]  # [n, V]
             greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after offline[i]
             disagreement = next((i for i in range(1, len(offline)) if offline[i] != greedy[i - 1]), len(offline))

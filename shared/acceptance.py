@@ -209,14 +209,34 @@ def verify_rows(
     dev = logits.device
     moved = {k: None if v is None else v.to(dev, non_blocking=True) for k, v in rows.tensors().items()}
     result = accept(logits, **moved, sampled=rows.sampled)
-    # One copy to the host: [B, T + 3] = on_path, leaf, bonus, bad.
-    packed = torch.cat(
+    return unpack_verdicts(trees, pack(result).cpu(), rows.errors)
+
+
+def pack(result: Acceptance) -> Tensor:
+    """The verdicts as one [B, T + 3] long tensor (on_path, leaf, bonus, bad), so they reach the host in one copy."""
+    return torch.cat(
         [result.on_path.long(), result.leaf[:, None], result.bonus[:, None], result.bad.long()[:, None]], 1
-    ).cpu()
+    )
+
+
+def greedy_packed(logits: Tensor, tokens: Tensor, parents: Tensor, sizes: Tensor) -> Tensor:
+    """Every row's greedy verdict, packed as `pack` does: the part of `accept` a fixed-shape step can run inside its
+    CUDA graph (it draws nothing and needs no host-side fact). Shapes as `accept`'s; all on logits' device."""
+    B, T, _ = logits.shape
+    node = torch.arange(T, device=logits.device)  # [T]
+    real = node < sizes[:, None]  # [B, T]
+    on_path, leaf, bonus = _greedy(logits, tokens, parents.clamp(0, T - 1), real, node)
+    return pack(Acceptance(on_path, leaf, bonus, torch.zeros(B, dtype=torch.bool, device=logits.device)))
+
+
+def unpack_verdicts(trees: Sequence[DraftTree], packed: Tensor, errors: Sequence[ValueError | None] = ()
+                    ) -> list[Verdict | ValueError]:  # fmt: skip
+    """Verdicts from `pack`'s rows on the host (rows past len(trees) are ignored; errors[b], if any, wins)."""
+    T = packed.shape[1] - 3
     out: list[Verdict | ValueError] = []
-    for b, row in enumerate(packed.tolist()):
-        if rows.errors[b] is not None:
-            out.append(rows.errors[b])
+    for b, row in enumerate(packed[: len(trees)].tolist()):
+        if b < len(errors) and errors[b] is not None:
+            out.append(errors[b])
         elif row[T + 2]:
             out.append(ValueError(f"row {b}: a tested draft node's token is outside the support of its proposal q"))
         else:

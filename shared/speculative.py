@@ -148,6 +148,11 @@ class DraftTree:
         return out
 
     @cached_property
+    def is_chain(self) -> bool:
+        """Each node's parent is the node before it (root -> d_0 -> d_1 ...)."""
+        return all(p == i - 1 for i, p in enumerate(self._parents))
+
+    @cached_property
     def depths(self) -> Tensor:
         """[n] long: the root is depth 0."""
         d = [0] * len(self)

@@ -18,7 +18,8 @@ from tether.server.engine import SpeculativeEngine
 from tether.server.kv_pool import KVPool
 from tether.server.step import StepBatch, StepConfig, StepRunner
 from tether.server.verifier import SequenceVerifier
-from tether.shared.speculative import DraftTree
+from tether.shared.acceptance import unpack_verdicts
+from tether.shared.speculative import DraftTree, verify
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET")
@@ -115,9 +116,12 @@ def test_padding_writes_only_the_scratch_block(triton_backend):
     batch = rounds.step_batch([cache], [tree])
     assert batch.block_table.tolist() == [[cache.blocks[0]]]
     with runner.lock:
-        out = runner.forward(batch, states=True)
+        out, greedy = runner.forward(batch, states=True)
         assert out.logits.shape[:2] == (4, 8) and out.k.shape[1:3] == (4, 8)
         ref = out.k[:, 0, :3].clone()
+        # The step's own greedy verdict of the real row is the scalar reference's.
+        want = verify(tree, out.logits[0, :3])
+        assert unpack_verdicts([tree], greedy.cpu())[0] == want
     changed = (pool.k != before).flatten(3).any(-1).any(0)  # [blocks + 1, block_size]
     own = cache.blocks[0]
     assert changed[own, :3].all() and not changed[own, 3:].any()
