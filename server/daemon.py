@@ -111,7 +111,7 @@ def _service_config(cfg: ServeConfig) -> ServiceConfig:
 
 def _load_models(cfg: ServeConfig, device: str):
     t0 = time.perf_counter()
-    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention)
+    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
     model_fp = fingerprint(cfg.model)
     drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     log.info("models loaded in %.1f s", time.perf_counter() - t0, extra={"event": "models_loaded"})

@@ -72,9 +72,11 @@ def attention_backend(device: str, requested: str = "auto") -> str:
     return name
 
 
-def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "auto") -> tuple[Transformer, Tokenizer]:
+def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "auto", *,
+         fused: bool | None = None) -> tuple[Transformer, Tokenizer]:  # fmt: skip
     """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere; attention as in
-    `attention_backend`."""
+    `attention_backend`; `fused` (default: on the "triton" backend) applies tether.server.fuse's transform (not
+    for a tensor-parallel shard, which re-slices each projection itself)."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").exists():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
@@ -83,6 +85,10 @@ def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "
     dtype = DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = Transformer.from_pretrained(model_dir, device=device, dtype=dtype)
     model.backend = attention_backend(device, attention)
+    if model.backend == "triton" if fused is None else fused:
+        from tether.server.fuse import fuse  # imports the kernels: only where they run
+
+        fuse(model)
     return model, Tokenizer.from_pretrained(model_dir)
 
 

@@ -260,12 +260,13 @@ class PagedCache:
         return self.pool.k_flat[layer][seen], self.pool.v_flat[layer][seen]
 
 
-def _store_new_rows(pool: KVPool, layer: int, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor):
-    """Scatter a forward's new K/V rows (k, v [B, Tq, Hkv, D]; `rows` index the flattened [B * Tq]) into their
-    flat pool `slots`; returns the layer's flat K and V buffers [num_slots, Hkv, D]."""
+def _store_new_rows(pool: KVPool, layer: int, slots: Tensor, rows: Tensor | None, k: Tensor, v: Tensor):
+    """Scatter a forward's new K/V rows (k, v [B, Tq, Hkv, D]; `rows` index the flattened [B * Tq], None: all of
+    them, in order) into their flat pool `slots`; returns the layer's flat K and V buffers [num_slots, Hkv, D]."""
     kf, vf = pool.k_flat[layer], pool.v_flat[layer]
-    kf[slots] = k.flatten(0, 1)[rows].to(kf.dtype)
-    vf[slots] = v.flatten(0, 1)[rows].to(vf.dtype)
+    k, v = k.flatten(0, 1), v.flatten(0, 1)
+    kf[slots] = (k if rows is None else k[rows]).to(kf.dtype)
+    vf[slots] = (v if rows is None else v[rows]).to(vf.dtype)
     return kf, vf
 
 
@@ -297,7 +298,7 @@ class PagedKernelView:
 
     length = 0  # positions are always given explicitly
 
-    def __init__(self, pool: KVPool, write_slots: Tensor, write_rows: Tensor, block_table: Tensor,
+    def __init__(self, pool: KVPool, write_slots: Tensor, write_rows: Tensor | None, block_table: Tensor,
                  cache_lens: Tensor, q_lens: Tensor):  # fmt: skip
         from tether.kernels.moda_verify import moda_verify  # only the server imports the kernels, and only here
 
@@ -305,7 +306,8 @@ class PagedKernelView:
         self.verify_op = moda_verify
         self.pool = pool
         self.write_slots = write_slots.to(dev)  # [N] flat slots of the new rows
-        self.write_rows = write_rows.to(dev)  # [N] their indices in the flattened [B * Tq] new rows
+        # [N] the new rows' indices in the flattened [B * Tq]; None: all of them, in order
+        self.write_rows = None if write_rows is None else write_rows.to(dev)
         self.block_table = block_table.to(dev, torch.int32)  # [B, max_blocks]
         self.cache_lens = cache_lens.to(dev, torch.int32)  # [B] committed + new rows
         self.q_lens = q_lens.to(dev, torch.int32)  # [B] new rows

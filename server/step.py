@@ -104,7 +104,6 @@ class _Graph:
         self.host_mask = torch.empty(B, T, T, dtype=torch.bool, pin_memory=pin)
         self.meta = torch.empty(total, dtype=torch.long, device=dev)
         self.mask = torch.empty(B, T, T, dtype=torch.bool, device=dev)
-        self.rows = torch.arange(B * T, device=dev)  # every new row is scattered (padding into the scratch block)
         self.copied: torch.cuda.Event | None = None  # the last upload: staging is rewritten only after it
         self.graph: torch.cuda.CUDAGraph | None = None
         self.result: StepOutput | None = None
@@ -149,7 +148,8 @@ class _Graph:
         """The step itself, from the device buffers: what a graph captures."""
         B, T, W, states = self.bucket
         tokens, positions, parents, slots, lens, q_lens, table = self.meta.split(self.sizes)
-        view = PagedKernelView(runner.pool, slots, self.rows, table.view(B, W).to(torch.int32),
+        # Every new row is scattered, in order (write_rows None): padding into the scratch block.
+        view = PagedKernelView(runner.pool, slots, None, table.view(B, W).to(torch.int32),
                                lens.to(torch.int32), q_lens.to(torch.int32))  # fmt: skip
         target = runner.target
         tokens = tokens.view(B, T)

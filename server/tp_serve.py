@@ -190,7 +190,7 @@ def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str
     from tether.server.generate import load
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
-    model, _ = load(model_dir, dev, dtype, attention)
+    model, _ = load(model_dir, dev, dtype, attention, fused=False)
     apply_tp(model, rank, world)
     torch.set_grad_enabled(False)
     pool = KVPool.for_budget(model.cfg, budget, block, device=model.device, dtype=model.embed_tokens.weight.dtype)

@@ -140,7 +140,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim)
         k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
         v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin), v
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE at the tokens' positions: x [B, T, H, D] (a seam: the server's fused transform swaps kernels in)."""
+        return apply_rope(x, cos, sin)
 
 
 class FeedForward(nn.Module):
@@ -210,7 +214,7 @@ class Block(nn.Module):
             fk, fv = self.ffn_kv_proj(h).view(B, T, 2, c.n_kv_heads, c.head_dim).unbind(2)
             # RoPE at the token's own position keeps depth keys in the same space as the sequence keys
             # (a same-position score is rotation invariant, so this costs no expressiveness).
-            depth.append(apply_rope(fk, cos, sin), fv)
+            depth.append(self.attn.rotate(fk, cos, sin), fv)
         x = x + self.ffn(h)
         if not pre:
             x = self.ffn_norm(x)

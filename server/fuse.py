@@ -1,0 +1,91 @@
+"""Fewer, larger kernels for a finished target: a transform applied after loading, as gpt-fast applies quantization.
+
+A decode or verify step of a served model is a few tokens through every layer, so each layer's dozens of small
+PyTorch kernels (RMSNorm alone is six: cast, square, mean, add, rsqrt, scale) cost more GPU time than its weights
+take to read, even replayed from a CUDA graph. `fuse(model)` changes how the same weights are applied:
+- q, k and v projections become one GEMM over a concatenated weight (and gate and up another); the original
+  Linear modules keep working, their weights now views of the concatenated ones (no copy is kept);
+- RMSNorm, RoPE and SiLU x up each become one Triton kernel (tether.kernels.norm, tether.kernels.pointwise).
+Outputs equal the unfused model's within the kernels' tolerance (fp32 statistics, as the reference); the state
+dict keys and shapes are unchanged. Fusing is for inference on one device: a tensor-parallel shard re-slices each
+projection on its own (tether.server.tp), so apply one transform or the other.
+
+    model = fuse(Transformer.from_pretrained(path, device="cuda", dtype=torch.bfloat16))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tether.kernels.norm import rms_norm
+from tether.kernels.pointwise import rope, silu_mul
+from tether.shared.model import Attention, FeedForward, RMSNorm, Transformer
+
+
+class FusedRMSNorm(RMSNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class FusedAttention(Attention):
+    qkv_weight: Tensor  # [(Hq + 2 Hkv) * D, dim]: q_proj, k_proj and v_proj's weights, which are views of it
+    qkv_bias: Tensor | None
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        c = self.cfg
+        h = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        q, k, v = h.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)  # views: the kernels read them strided
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return rope(x, cos, sin)
+
+
+class FusedFeedForward(FeedForward):
+    gate_up_weight: Tensor  # [2 * ffn_dim, dim]: gate_proj and up_proj's weights, views of it
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+
+
+def _concat(linears: list[nn.Linear], attr: str) -> Tensor | None:
+    """One buffer holding the linears' `attr` tensors end to end; each Linear's parameter becomes a view of it."""
+    parts = [getattr(lin, attr) for lin in linears]
+    if parts[0] is None:
+        return None
+    whole = torch.cat([p.detach() for p in parts])
+    at = 0
+    for lin, p in zip(linears, parts, strict=True):
+        setattr(lin, attr, nn.Parameter(whole[at : at + p.shape[0]], requires_grad=False))
+        at += p.shape[0]
+    return whole
+
+
+def _swap(module: nn.Module, cls: type) -> None:
+    # The same object, with the fused forward: parameters, hooks and the module tree stay as they are.
+    module.__class__ = cls
+
+
+@torch.no_grad()
+def fuse(model: Transformer) -> Transformer:
+    """Fuse the model in place (see the module docstring) and return it."""
+    for block in model.layers:
+        a, f = block.attn, block.ffn
+        a.qkv_weight = _concat([a.q_proj, a.k_proj, a.v_proj], "weight")
+        a.qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj], "bias")
+        _swap(a, FusedAttention)
+        f.gate_up_weight = _concat([f.gate_proj, f.up_proj], "weight")
+        _swap(f, FusedFeedForward)
+        for norm in (block.attn_norm, block.ffn_norm):
+            _swap(norm, FusedRMSNorm)
+    for norm in (model.norm, model.embed_norm):
+        if norm is not None:
+            _swap(norm, FusedRMSNorm)
+    return model
+
+
+def is_fused(model: Transformer) -> bool:
+    return bool(model.layers) and isinstance(model.layers[0].attn, FusedAttention)
