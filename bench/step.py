@@ -2,10 +2,11 @@
 
 Two parts, one run (both by default):
 - `verify`: a `--preset` target (default Llama-3-8B shapes, random bf16 weights; `--moda` adds depth K/V) on the
-  "triton" backend, B sessions of `ctx` committed tokens in a paged pool (random K/V written straight in), one
-  verify round = tether.server.rounds.verify_batch of B chains of k tokens, as a server runs it (forward,
-  verdicts, commit; the cache truncated back after each). Timed per round on the host clock around a synchronised
-  call (what a client waits for), median of `--rounds`, with step graphs on (CUDA graphs) and off (eager).
+  "triton" backend and fused (tether.server.fuse; `--unfused` to compare), B sessions of `ctx` committed tokens
+  in a paged pool (random K/V written straight in), one verify round = tether.server.rounds.verify_batch of B
+  chains of k tokens, as a server runs it (forward, verdicts, commit; the cache truncated back after each). Timed
+  per round on the host clock around a synchronised call (what a client waits for), median of `--rounds`, with
+  step graphs on (CUDA graphs) and off (eager).
   Roofline: the weight bytes one forward reads (an untied embedding table is only looked up) plus the rows' K/V,
   over the device-to-device copy bandwidth measured in the same run (bytes read + written). x roofline =
   measured / roofline.
@@ -34,6 +35,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tether.server.fuse import fuse
 from tether.server.generate import attention_backend, default_model_dir, load
 from tether.server.kv_pool import KVPool
 from tether.server.rounds import configure_steps, step_batch, step_runner, verify_batch
@@ -81,6 +83,8 @@ def verify_rounds(args: argparse.Namespace, device: torch.device) -> dict:
     with torch.device(device):
         model = Transformer(cfg).to(dtype).eval()
     model.backend = attention_backend(str(device), "triton")
+    if not args.unfused:
+        fuse(model)
     bw = copy_bandwidth(device)
     wbytes = weight_bytes(model)
     rows = []
@@ -248,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="llama3-8b", help="verify part: model shapes (random weights)")
     ap.add_argument("--moda", action="store_true", help="verify part: MoDA with FFN depth K/V on")
+    ap.add_argument("--unfused", action="store_true", help="verify part: without tether.server.fuse's transform")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--k", type=int, default=8, help="tokens per chain (root + k - 1 drafts)")
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_grad_enabled(False)
     console = Console()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    record: dict = {"bench": "step", "device": name, "torch": torch.__version__}
+    record: dict = {"bench": "step", "device": name, "torch": torch.__version__, "fused": not args.unfused}
     if "verify" in args.parts:
         v = record["verify"] = verify_rounds(args, device)
         t = Table(title=f"verify round, {args.preset}{' + MoDA' if args.moda else ''}, k={args.k}, {name}, "
