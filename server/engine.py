@@ -32,6 +32,7 @@ from tether.shared.speculative import DraftTree, Verdict
 __all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
 
 BLOCK_SIZE = 16  # positions per KV block of the engine's own pool
+PLAIN_CHUNK = 16  # tokens plain decoding asks for at a time (one replay of chained steps on a GPU)
 
 
 @dataclass
@@ -113,6 +114,16 @@ class SpeculativeEngine:
             scratch = self.tree[0] * self.tree[1] if self.tree else 0  # rows a tree's candidates occupy
             self.drafter.begin(delta, capacity + scratch)
         while produced < max_new_tokens and root != eos_id and server.room > 0:
+            if self.drafter is None:  # plain decoding: chained one-token steps, each a round of tau 1
+                new = server.decode(root, min(PLAIN_CHUNK, max_new_tokens - produced, server.room))
+                for token in new:
+                    self.stats.add(Verdict([0], token), 0)
+                if eos_id is not None and eos_id in new:
+                    new = new[: new.index(eos_id) + 1]
+                produced += len(new)
+                root = new[-1]
+                yield new
+                continue
             room = server.room - 1  # draft nodes that fit after the root
             k = min(self.k, max_new_tokens - produced - 1, room)
             if self.drafter is not None and self.tree and room > 0:

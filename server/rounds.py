@@ -153,6 +153,13 @@ def step_runner(target: Transformer, pool: KVPool) -> StepRunner:
     return runner
 
 
+def decode_runner(target: Transformer, cache) -> StepRunner | None:
+    """The step runner that can decode this cache's sequence in chained one-token steps, if any."""
+    if isinstance(target, Transformer) and attends_in_place(target, [cache]):
+        return step_runner(target, cache.pool)
+    return None
+
+
 def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> StepBatch:
     """The host metadata of one step: each tree's nodes after its cache's committed rows (reserving their blocks).
     Plain numpy: this runs once per round on the host's critical path."""

@@ -60,7 +60,6 @@ from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
-from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
@@ -68,6 +67,7 @@ from tether.v1 import tether_pb2_grpc
 
 PROTOCOL_VERSION = 1
 POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
+GENERATE_CHUNK = 16  # tokens a Generate stream's decoding asks for at a time (one replay of chained steps on a GPU)
 log = logging.getLogger("tether.server")
 
 
@@ -543,16 +543,17 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         stop = threading.Event()
 
         def decode() -> None:
-            """Plain decoding is the verify path with empty drafts: each step is a replayed one-token step. It runs
-            ahead of the stream, which sends whatever has been decoded since its last message."""
+            """Plain decoding is the verify path with empty drafts (SequenceVerifier.decode: greedy steps chained on
+            the GPU). It runs ahead of the stream, which sends whatever has been decoded since its last message."""
             try:
                 token, _ = ver.open(prompt)
                 loop.call_soon_threadsafe(tokens.put_nowait, token)
-                for _ in range(n - 1):
-                    if stop.is_set() or ver.room < 1:
-                        return
-                    token = ver.verify(DraftTree.chain(token, []))[0].bonus
-                    loop.call_soon_threadsafe(tokens.put_nowait, token)
+                left = n - 1
+                while left > 0 and ver.room > 0 and not stop.is_set():
+                    chunk = ver.decode(token, min(left, GENERATE_CHUNK, ver.room))
+                    for t in chunk:
+                        loop.call_soon_threadsafe(tokens.put_nowait, t)
+                    token, left = chunk[-1], left - len(chunk)
             finally:
                 loop.call_soon_threadsafe(tokens.put_nowait, None)
 

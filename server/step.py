@@ -52,6 +52,7 @@ class StepConfig:
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # new tokens per row a graph is captured for
     min_width: int = 8  # smallest block-table width (blocks per row) of a bucket; widths double from here
     max_bucket_tokens: int = 2048  # rows x tokens above which a step runs eagerly (bounds each graph's memory)
+    decode_steps: tuple[int, ...] = (1, 2, 4, 8, 16)  # greedy one-token steps chained in one graph (plain decoding)
 
 
 class Bucket(NamedTuple):
@@ -158,6 +159,58 @@ class _Graph:
         return StepOutput(out, greedy_packed(out.logits, tokens, parents.view(B, T), q_lens))
 
 
+class DecodeBucket(NamedTuple):
+    steps: int  # one-token steps chained in the graph
+    width: int  # padded block-table width (blocks)
+
+
+class _DecodeGraph:
+    """Plain greedy decoding of one sequence, `steps` tokens per replay: each step's argmax is the next step's input
+    on the device, and its position, slot and length are computed there, so the host uploads one token, one position
+    and the block table, and reads back `steps` tokens. Each step is the verify step of a one-node tree."""
+
+    def __init__(self, runner: StepRunner, bucket: DecodeBucket):
+        dev = runner.pool.device
+        self.bucket = bucket
+        pin = dev.type == "cuda"
+        self.host_meta = torch.empty(2 + bucket.width, dtype=torch.long, pin_memory=pin)  # token, position, table
+        self.meta = torch.empty(2 + bucket.width, dtype=torch.long, device=dev)
+        self.copied: torch.cuda.Event | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.result: Tensor | None = None  # [steps] long
+
+    def stage(self, token: int, position: int, blocks: list[int]) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        meta = self.host_meta.numpy()
+        meta[0], meta[1] = token, position
+        meta[2:] = -1
+        meta[2 : 2 + len(blocks)] = blocks
+        self.meta.copy_(self.host_meta, non_blocking=True)
+        if self.meta.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def run(self, runner: StepRunner) -> Tensor:
+        K, W = self.bucket
+        bs = runner.pool.block_size
+        dev = self.meta.device
+        table = self.meta[2:]  # [W]
+        table32 = table.view(1, W).to(torch.int32)
+        q_len = torch.ones(1, dtype=torch.int32, device=dev)
+        sees_itself = torch.ones(1, 1, 1, dtype=torch.bool, device=dev)
+        token = self.meta[0:1].view(1, 1)
+        out = []
+        for i in range(K):
+            pos = self.meta[1:2] + i  # [1]
+            slot = table[pos // bs] * bs + pos % bs  # [1]
+            view = PagedKernelView(runner.pool, slot, None, table32, (pos + 1).to(torch.int32), q_len)
+            logits = runner.target.run(token, cache=view, positions=pos.view(1, 1), tree_mask=sees_itself).logits
+            token = logits.argmax(-1)  # [1, 1]: first maximum on ties, as the verdicts take it
+            out.append(token.view(1))
+        return torch.cat(out)  # [K]
+
+
 class StepRunner:
     def __init__(self, target: Transformer, pool: KVPool, config: StepConfig | None = None):
         self.target, self.pool = target, pool
@@ -167,6 +220,7 @@ class StepRunner:
         self.scratch_slot = self.scratch * pool.block_size
         self.lock = threading.RLock()  # held from forward until the caller has copied its outputs out
         self._graphs: dict[Bucket, _Graph] = {}
+        self._decode: dict[DecodeBucket, _DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.max_width = -(-target.cfg.max_seq_len // pool.block_size)
 
@@ -174,6 +228,7 @@ class StepRunner:
         """Drop the graphs (and the memory they hold)."""
         with self.lock:
             self._graphs.clear()
+            self._decode.clear()
 
     @property
     def captured(self) -> list[Bucket]:
@@ -211,6 +266,43 @@ class StepRunner:
             g.graph.replay()
             return g.result
 
+    def decode_bucket(self, room: int, wanted: int, width: int) -> DecodeBucket | None:
+        """The longest chain of decode steps that fits `room` positions and does not pass `wanted` tokens."""
+        steps = max((k for k in self.config.decode_steps if k <= min(room, wanted)), default=None)
+        if steps is None:
+            return None
+        W = self.config.min_width
+        while W < width:
+            W *= 2
+        return DecodeBucket(steps, min(W, max(self.max_width, width)))
+
+    @torch.inference_mode()
+    def decode(self, cache, token: int, wanted: int) -> list[int]:
+        """Greedy tokens after `token` (whose K/V the cache does not hold yet): as many as the largest decode bucket
+        within `wanted` and the cache's room, one replay. Commits `token` and every generated token but the last
+        (the next call's `token`), as that many one-token verify rounds would. A PagedCache of this runner's pool."""
+        with self.lock:
+            room = cache.capacity - cache.length
+            steps = max((k for k in self.config.decode_steps if k <= min(room, wanted)), default=0)
+            if steps == 0:
+                raise ValueError(f"no decode step fits {room} positions of room for {wanted} tokens")
+            cache.reserve(steps)
+            bucket = self.decode_bucket(room, steps, len(cache.blocks))
+            g = self._decode.get(bucket)
+            if g is None:
+                g = self._decode[bucket] = _DecodeGraph(self, bucket)
+            g.stage(token, cache.length, cache.blocks)
+            if not self.use_graphs:
+                result = g.run(self)
+            else:
+                if g.graph is None:
+                    self._capture(g)
+                g.graph.replay()
+                result = g.result
+            tokens = result.tolist()
+        cache.commit(steps)
+        return tokens
+
     def capture(self, bucket: Bucket) -> None:
         """Capture one bucket's graph now (a warm-up; a no-op without graphs)."""
         with self.lock, torch.inference_mode():
@@ -221,7 +313,7 @@ class StepRunner:
                 g.stage(self, None)
                 self._capture(g)
 
-    def _capture(self, g: _Graph) -> None:
+    def _capture(self, g: _Graph | _DecodeGraph) -> None:
         # Eager runs first, on a side stream as torch's graph capture wants: Triton compiles its kernels there and
         # the caching allocator settles, so the capture records only the step.
         side = torch.cuda.Stream()

@@ -6,7 +6,8 @@ first token and the drafter's delta for the prompt positions. `verify(tree)` run
 in one forward (tree mask, tree positions), decides the verdict (greedy or lossless rejection sampling,
 tether.shared.speculative.verify), commits the accepted path to the cache and returns the verdict and the delta for
 the newly verified positions (root + accepted drafts): it is tether.server.rounds.verify_batch of one row, the one
-verify path. `absorb(verified, offline, rewind=...)` is a resync's forward beside it. The verifier never looks at
+verify path. `absorb(verified, offline, rewind=...)` is a resync's forward beside it, and `decode(root, n)` plain
+decoding (verify rounds with empty drafts, chained on the device when greedy). The verifier never looks at
 who drafted: any DraftTree will do. It is what the in-process engine runs, and what each gRPC session runs; with
 drafter None no delta is produced. With `pool` the sequence's KV lives in the server's paged pool
 (tether.server.kv_pool) instead of a contiguous cache; `cache` hands it a pool sequence someone else owns.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from tether.server.kv_pool import KVPool, PagedCache
-from tether.server.rounds import forward_rows, gather_deltas, verify_batch
+from tether.server.rounds import decode_runner, forward_rows, gather_deltas, verify_batch
 from tether.shared.drafter import DraftDelta, TargetStates
 from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.sampling import sample_token
@@ -118,6 +119,23 @@ class SequenceVerifier:
         if isinstance(result, Exception):
             raise result
         return result
+
+    @torch.inference_mode()
+    def decode(self, root: int, n: int) -> list[int]:
+        """Plain decoding: the target's next n tokens after `root` (the last decided token, not yet in the cache),
+        exactly what n rounds of `verify` with empty drafts give; root and all but the last token are committed.
+        Greedy sequences on a step runner chain up to 16 steps per CUDA graph replay (tether.server.step)."""
+        if n > self.room:
+            raise ValueError(f"{n} tokens do not fit the {self.room} positions left")
+        runner = decode_runner(self.target, self.cache) if self.temperature == 0 else None
+        out: list[int] = []
+        while len(out) < n:
+            if runner is not None:
+                out += runner.decode(self.cache, root, n - len(out))
+            else:
+                out.append(self.verify(DraftTree.chain(root, []))[0].bonus)
+            root = out[-1]
+        return out
 
     @torch.inference_mode()
     def absorb(self, verified: int, offline: list[int], *, rewind: bool) -> tuple[int, int, DraftDelta | None]:

@@ -177,3 +177,25 @@ def test_graphs_replay_what_the_eager_step_computes(triton_backend):
     target.backend = "reference"
     ref = list(target.generate(torch.tensor([prompt], device=DEV), 40))
     assert plain == spec == ref
+
+
+def test_chained_decode_steps_equal_one_token_rounds(triton_backend):
+    """Plain greedy decoding chained on the device (16 + 4 + 2 + 1 steps, across block edges) gives the tokens and
+    the cached K/V of 23 one-token verify rounds."""
+    target = tiny_target(vocab_size=37).to(DEV)
+    target.backend = "triton"
+    pool = KVPool(target.cfg, num_blocks=30, block_size=4, device=DEV, dtype=target.embed_tokens.weight.dtype)
+    chained, rounds_ = (SequenceVerifier(target, None, capacity=64, pool=pool) for _ in range(2))
+    prompt = [3, 14, 15, 9, 26, 5]
+    root = chained.open(prompt)[0]
+    assert root == rounds_.open(prompt)[0]
+    got = chained.decode(root, 23)
+    want = []
+    for _ in range(23):
+        root = rounds_.verify(DraftTree.chain(root, []))[0].bonus
+        want.append(root)
+    assert got == want and chained.length == rounds_.length == len(prompt) + 23
+    rows = [pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length] for v in (chained, rounds_)]
+    torch.testing.assert_close(rows[0], rows[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        chained.decode(got[-1], chained.room + 1)
