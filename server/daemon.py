@@ -19,6 +19,8 @@ before the first `serve` (a Kubernetes initContainer, a provisioning step; an im
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -33,11 +35,19 @@ from tether.server.batcher import warm_up
 from tether.server.generate import attention_backend, default_model_dir, load, pick_device
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
+from tether.server.rounds import step_runner
 from tether.server.rpc_server import TLSFiles, make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.server.tp import apply_tp
 from tether.server.tp_serve import TPTarget, join_rank0, start_followers
-from tether.server.warm_cache import count_entries, kernel_cache_dir, use_cache_dir
+from tether.server.warm_cache import (
+    count_entries,
+    current_dir,
+    kernel_cache_dir,
+    load_shapes,
+    record_shapes,
+    use_cache_dir,
+)
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
@@ -127,6 +137,10 @@ def _warm_kernels(target, pool, kernel_dir: Path) -> str:
 
     before, t0 = count_entries(kernel_dir), time.perf_counter()
     warm_up(target, pool)
+    root = current_dir()
+    if root is not None:  # the step graphs the last run captured (serve records them when it stops)
+        n = step_runner(target, pool).capture_shapes(load_shapes(root, _shapes_key(target, pool)))
+        log.info("captured %d step graphs recorded by an earlier run", n)
     seconds, added = time.perf_counter() - t0, count_entries(kernel_dir) - before
     if interpreting():
         state = "interpreted kernels, nothing cached"
@@ -136,6 +150,18 @@ def _warm_kernels(target, pool, kernel_dir: Path) -> str:
              state, added, kernel_dir, before, extra={"event": "warm_up", "warm_up_s": round(seconds, 2),
                                                       "cache_files_added": added})  # fmt: skip
     return state
+
+
+def _shapes_key(target: Transformer, pool) -> str:
+    """Step graphs are captured for one model, dtype and block size."""
+    ident = json.dumps([target.cfg.to_dict(), str(pool.k.dtype), pool.block_size], sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _record_shapes(target, pool) -> None:
+    root = current_dir()
+    if root is not None and isinstance(target, Transformer) and target.backend == "triton":
+        record_shapes(root, _shapes_key(target, pool), step_runner(target, pool).shapes())
 
 
 def warm(cfg: ServeConfig) -> int:
@@ -213,6 +239,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         pass
     if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
+    _record_shapes(target, service.pool)
     service.close()
     if tp_target is not None:
         stopped = tp_target.stop()

@@ -303,6 +303,37 @@ class StepRunner:
         cache.commit(steps)
         return tokens
 
+    def shapes(self) -> list[list[int]]:
+        """The captured graphs' shapes, for a warm start to capture again (tether.server.warm_cache): a verify
+        step as [rows, tokens, width, states], a decode chain as [steps, width]."""
+        with self.lock:
+            verify = [[b.rows, b.tokens, b.width, int(b.states)] for b, g in self._graphs.items() if g.graph]
+            return verify + [[b.steps, b.width] for b, g in self._decode.items() if g.graph]
+
+    def capture_shapes(self, shapes: list[list[int]]) -> int:
+        """Capture the graphs `shapes()` listed (unknown or out-of-range entries are skipped); returns how many."""
+        if not self.use_graphs:
+            return 0
+        done = 0
+        for s in shapes:
+            if len(s) == 4 and Bucket(s[0], s[1], s[2], bool(s[3])) == self.bucket(s[0], s[1], s[2], bool(s[3])):
+                self.capture(Bucket(s[0], s[1], s[2], bool(s[3])))
+            elif len(s) == 2 and s[0] in self.config.decode_steps and 0 < s[1] <= self.max_width:
+                self._capture_decode(DecodeBucket(s[0], s[1]))
+            else:
+                continue
+            done += 1
+        return done
+
+    def _capture_decode(self, bucket: DecodeBucket) -> None:
+        with self.lock, torch.inference_mode():
+            g = self._decode.get(bucket)
+            if g is None:
+                g = self._decode[bucket] = _DecodeGraph(self, bucket)
+            if g.graph is None:
+                g.stage(0, 0, [self.scratch] * bucket.width)  # every position of the chain in the scratch block
+                self._capture(g)
+
     def capture(self, bucket: Bucket) -> None:
         """Capture one bucket's graph now (a warm-up; a no-op without graphs)."""
         with self.lock, torch.inference_mode():

@@ -199,3 +199,20 @@ def test_chained_decode_steps_equal_one_token_rounds(triton_backend):
     torch.testing.assert_close(rows[0], rows[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not fit"):
         chained.decode(got[-1], chained.room + 1)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a GPU")
+def test_captured_shapes_are_captured_again_by_a_new_runner(triton_backend):
+    """What a warm start replays: the shapes one runner captured, captured up front by the next."""
+    target = tiny_target(vocab_size=37).to(DEV)
+    target.backend = "triton"
+    pool = KVPool(target.cfg, num_blocks=30, block_size=4, device=DEV)
+    ver = SequenceVerifier(target, None, capacity=64, pool=pool)
+    root = ver.open([1, 2, 3])[0]
+    ver.decode(root, 5)
+    ver.verify(DraftTree.chain(root, [4, 5]))
+    shapes = rounds.step_runner(target, pool).shapes()
+    assert any(len(s) == 2 for s in shapes) and any(len(s) == 4 for s in shapes)
+    fresh = StepRunner(target, pool)
+    assert fresh.capture_shapes(shapes + [[999, 1], [3, 3, 3]]) == len(shapes)
+    assert sorted(fresh.shapes()) == sorted(shapes)
