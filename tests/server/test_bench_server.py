@@ -1,0 +1,42 @@
+"""Smoke test of bench/server.py: a tiny run of each mode against the in-process server, checking the JSON record's
+fields and counts (never its timings)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "server.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_server", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_rounds_record(bench):
+    record = bench.main(["--device", "cpu", "--clients", "1", "3", "--rounds", "2", "--warmup-rounds", "1",
+                         "--k", "3", "--prompt-len", "16", "--channels", "2", "--timeout", "120"])  # fmt: skip
+    assert record["bench"] == "server" and record["mode"] == "random" and record["torch"]
+    assert record["args"]["clients"] == [1, 3] and record["args"]["k"] == 3
+    one, three = record["rows"]
+    for row, n in ((one, 1), (three, 3)):
+        assert row["clients"] == n and row["rounds"] == 2 * n
+        assert row["rounds_per_s"] > 0 and row["scored_tokens_per_s"] == pytest.approx(4 * row["rounds_per_s"])
+        assert row["tau"] >= 1 and row["accepted_tokens_per_s"] >= row["rounds_per_s"]
+        assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+        assert 1 <= row["mean_batch"] <= n and row["server_verify_ms"] > 0
+        assert row["server_cpu_s"] > 0 and row["server_cpu_ms_per_round"] > 0 and row["wall_s"] > 0
+    assert one["speedup"] == 1.0 and three["speedup"] > 0
+
+
+def test_generate_streams_record(bench):
+    record = bench.main(["--mode", "generate", "--device", "cpu", "--clients", "2", "--tokens", "6",
+                         "--prompt-len", "8", "--timeout", "120"])  # fmt: skip
+    (row,) = record["rows"]
+    assert record["mode"] == "generate" and row["clients"] == 2 and row["tokens"] == 12
+    assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_stream"] > 0 and row["speedup"] == 1.0
+    assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["server_cpu_ms_per_token"] > 0
