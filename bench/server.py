@@ -363,6 +363,8 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
 
 
 def parser() -> argparse.ArgumentParser:
+    from tether.server.service import ServiceConfig  # the in-process server's defaults
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="random", choices=["random", "generate"])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 32, 128], help="client counts, run in turn")
@@ -379,8 +381,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="", help="in-process server: target directory (default: deploy/models/target)")
     ap.add_argument("--drafter", default="", help="in-process server: drafter directory (default: the shipped one)")
     ap.add_argument("--kv-pool-mb", type=int, default=256, help="in-process server: KV pool size")
-    ap.add_argument("--batch-window-ms", type=float, default=2.0, help="in-process server: the batcher's window")
-    ap.add_argument("--max-batch", type=int, default=32, help="in-process server: rounds per forward at most")
+    ap.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=ServiceConfig.batch_window_s * 1e3,
+        help="in-process server: the batcher's extra wait before a step (0: continuous batching)",
+    )
+    ap.add_argument(
+        "--max-batch", type=int, default=ServiceConfig.max_batch, help="in-process server: rounds per step at most"
+    )
     ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per message / unary call")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per client count, all included")
     ap.add_argument("--seed", type=int, default=0)

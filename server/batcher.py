@@ -1,15 +1,19 @@
 """The round scheduler: rounds from many sessions that arrive within a short window run as one target forward.
 
 Contract:
-- `RoundBatcher(target, window_s, max_batch)`: `submit(verifier, tree)` returns a Future; a worker thread takes the
-  first waiting round, gathers whatever else arrives within `window_s` (up to `max_batch`), and verifies them as
-  one batch (tether.server.rounds.verify_batch, deltas in host memory for the encoder). If the batch as a whole
-  fails, each round is verified on its own, so one bad round fails alone.
+- `RoundBatcher(target, window_s, max_batch, max_tokens)`: `submit(verifier, tree)` returns a Future. A worker
+  thread runs continuous batching, as vLLM's scheduler does per iteration: whenever it is free it takes every
+  round waiting, oldest first, as long as the step stays within `max_batch` rows and `max_tokens` rows x tokens
+  (the largest step bucket), and verifies them as one step (tether.server.rounds.verify_batch, deltas in host
+  memory for the encoder); rounds arriving meanwhile join the next step, and a round left out is first in the next.
+  `window_s` > 0 waits that long for more rounds before each step. If the batch as a whole fails, each round is
+  verified on its own, so one bad round fails alone.
 - `warm_up(target, pool)`: every kernel variant and step graph a server needs, run once before it listens.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -18,6 +22,7 @@ from concurrent.futures import Future
 import torch
 
 from tether.server.rounds import verify_batch
+from tether.server.step import StepConfig
 from tether.server.verifier import SequenceVerifier
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
@@ -62,10 +67,14 @@ def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32
 
 
 class RoundBatcher:
-    def __init__(self, target: Transformer, *, window_s: float = 0.002, max_batch: int = 32, on_batch=None):
-        self.target, self.window_s, self.max_batch = target, window_s, max_batch
+    def __init__(self, target: Transformer, *, window_s: float = 0.0, max_batch: int = 128,
+                 max_tokens: int = StepConfig.max_bucket_tokens, on_batch=None):  # fmt: skip
+        self.target, self.window_s = target, window_s  # window_s: extra wait for more rounds before a step
+        self.max_batch = max_batch  # rounds per step at most
+        self.max_tokens = max_tokens  # rows x the largest tree (to a power of two) per step at most: a step bucket
         self.on_batch = on_batch  # called with each batch's size (metrics)
         self.inbox: queue.Queue = queue.Queue()
+        self._next: collections.deque = collections.deque()  # taken from the inbox, left for the next step
         self.worker = threading.Thread(target=self._run, name="tether-batcher", daemon=True)
         self.worker.start()
 
@@ -77,19 +86,45 @@ class RoundBatcher:
     def close(self) -> None:
         self.inbox.put(None)
 
+    def _fits(self, batch: list, item) -> bool:
+        rows = len(batch) + 1
+        longest = max(len(item[1]), *(len(t) for _, t, _ in batch))
+        return rows <= self.max_batch and rows * (1 << (longest - 1).bit_length()) <= self.max_tokens
+
+    def _take(self, timeout: float | None):
+        """The oldest round not yet verified (None: closing); waits up to `timeout` (None: forever, 0: not at all)."""
+        if self._next:
+            return self._next.popleft()
+        if timeout == 0:
+            return self.inbox.get_nowait()
+        return self.inbox.get(timeout=timeout)
+
+    def _batch(self, first) -> tuple[list, bool]:
+        """`first` and every round already waiting that fits one step with it, oldest first (continuous batching:
+        a round that arrives while a step runs joins the next step). Returns the batch and whether close() came."""
+        batch = [first]
+        deadline = time.monotonic() + self.window_s
+        while True:
+            try:
+                item = self._take(max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return batch, False
+            if item is None:
+                return batch, True
+            if not self._fits(batch, item):
+                self._next.appendleft(item)
+                return batch, False
+            batch.append(item)
+
     def _run(self) -> None:
-        while (first := self.inbox.get()) is not None:
-            batch = [first]
-            deadline = time.monotonic() + self.window_s
-            while len(batch) < self.max_batch:
-                try:
-                    item = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    self.inbox.put(None)  # stop after this batch
-                    break
-                batch.append(item)
+        closing = False
+        while not closing or self._next:
+            first = self._take(None)
+            if first is None:
+                closing = True
+                continue
+            batch, closed = self._batch(first)
+            closing = closing or closed
             if self.on_batch:
                 self.on_batch(len(batch))
             try:

@@ -35,7 +35,7 @@ class ServiceMetrics:
                                         buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
                                         registry=r)  # fmt: skip
         self.batch_size = Histogram("tether_batch_size", "rounds verified in one target forward",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)  # fmt: skip
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)  # fmt: skip
 
 
 def serve_metrics(metrics: ServiceMetrics, host: str, port: int):

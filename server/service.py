@@ -85,8 +85,8 @@ class ServiceConfig:
     max_streams: int = 4096  # Session and Generate streams open at once, over all callers
     session_lease_s: float = 300.0  # a session idle this long expires: its quota and KV go back
     stream_idle_s: float = 120.0  # a Session stream that sends nothing this long is closed (its session stays)
-    batch_window_s: float = 0.002  # rounds arriving within this window are verified in one target forward
-    max_batch: int = 32  # rounds per batched forward at most
+    batch_window_s: float = 0.0  # extra wait for more rounds before each step (0: continuous batching)
+    max_batch: int = 128  # rounds per step at most (the largest step bucket)
     kv_pool_bytes: int = 256 << 20  # memory of the paged KV pool all sessions share
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)

@@ -48,7 +48,7 @@ log = logging.getLogger("tether.server")
 @dataclass(frozen=True)
 class StepConfig:
     graphs: bool = True  # capture and replay CUDA graphs (CUDA only; elsewhere, and with False, steps run eagerly)
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # rows per step a graph is captured for
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)  # rows per step a graph is captured for
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # new tokens per row a graph is captured for
     min_width: int = 8  # smallest block-table width (blocks per row) of a bucket; widths double from here
     max_bucket_tokens: int = 2048  # rows x tokens above which a step runs eagerly (bounds each graph's memory)

@@ -1,6 +1,7 @@
 """Batched verification of rounds from many sessions equals verifying each on its own."""
 
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -112,3 +113,29 @@ def test_chunked_prefill_equals_one_forward(paged):
     torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="prefill_chunk"):
         SequenceVerifier(target, drafter, capacity=64, prefill_chunk=0)
+
+
+def test_continuous_batching_takes_what_waits_oldest_first_within_the_step_shape(monkeypatch):
+    """While a step runs, rounds queue; the next step takes every waiting round that fits (rows x largest tree, to a
+    power of two, <= max_tokens), oldest first; one left out is first in the step after; close() finishes them all."""
+    from tether.server import batcher as batcher_module
+
+    started, gate, steps = threading.Event(), threading.Event(), []
+
+    def fake_verify_batch(target, items, host_deltas=False):
+        steps.append([len(t) for _, t in items])
+        started.set()
+        gate.wait(10)  # the first step holds the worker until every later round is queued
+        return [("done", v) for v, _ in items]
+
+    monkeypatch.setattr(batcher_module, "verify_batch", fake_verify_batch)
+    b = RoundBatcher(None, max_batch=4, max_tokens=32)
+    tree = lambda n: DraftTree.chain(0, [0] * (n - 1))  # noqa: E731
+    futures = [b.submit(0, tree(2))]
+    assert started.wait(10)  # the worker has taken the first round into its step
+    futures += [b.submit(i, tree(n)) for i, n in enumerate([2, 2, 2, 16, 2, 2], start=1)]
+    b.close()
+    gate.set()
+    assert [f.result(10) for f in futures] == [("done", i) for i in range(7)]
+    # 3 x 2 tokens fit; 16 would make 4 x 16 = 64 > 32; then 16 + 2 (2 x 16 = 32); then the last 2.
+    assert steps == [[2], [2, 2, 2], [16, 2], [2]]
