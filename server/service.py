@@ -60,6 +60,7 @@ from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
@@ -149,6 +150,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                     on_batch=self.metrics.batch_size.observe)  # fmt: skip
         self.executor = concurrent.futures.ThreadPoolExecutor(c.model_threads, thread_name_prefix="tether-model")
         self._inflight: set[concurrent.futures.Future] = set()  # work handed to threads (waited for at stop)
+        self._generating = 0  # Generate streams decoding now
         self._inflight_lock = threading.Lock()
 
     @property
@@ -538,44 +540,31 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         cache = self.table.lend(len(prompt) + n)
         ver = SequenceVerifier(self.target, None, capacity=cache.capacity, temperature=s.temperature,
                                top_p=s.top_p or 1.0, generator=generator, cache=cache)  # fmt: skip
-        loop = asyncio.get_running_loop()
-        tokens: asyncio.Queue[int | None] = asyncio.Queue()
-        stop = threading.Event()
-
-        def decode() -> None:
-            """Plain decoding is the verify path with empty drafts (SequenceVerifier.decode: greedy steps chained on
-            the GPU). It runs ahead of the stream, which sends whatever has been decoded since its last message."""
-            try:
-                token, _ = ver.open(prompt)
-                loop.call_soon_threadsafe(tokens.put_nowait, token)
-                left = n - 1
-                while left > 0 and ver.room > 0 and not stop.is_set():
-                    chunk = ver.decode(token, min(left, GENERATE_CHUNK, ver.room))
-                    for t in chunk:
-                        loop.call_soon_threadsafe(tokens.put_nowait, t)
-                    token, left = chunk[-1], left - len(chunk)
-            finally:
-                loop.call_soon_threadsafe(tokens.put_nowait, None)
-
-        work = self._track(self.executor.submit(decode))
+        # A stream alone decodes 16 chained steps per replay; with others, each stream's next token is a round of the
+        # batcher, verified in one step with every other stream's and every Session's rounds.
+        self._generating += 1  # handlers all run on the one event loop: no lock
+        work: concurrent.futures.Future | None = None
         try:
-            finished = False
-            while not finished and (token := await tokens.get()) is not None:
-                batch = [token]
-                while not tokens.empty():
-                    if (more := tokens.get_nowait()) is None:
-                        finished = True
-                        break
-                    batch.append(more)
-                self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(batch))
-                yield pb.GeneratedTokens(tokens=batch)
-            await asyncio.wrap_future(work)  # its error, if any
+            work = self.executor.submit(ver.open, prompt)
+            token, _ = await self._wait(work)
+            yield pb.GeneratedTokens(tokens=[token])
+            left = n - 1
+            while left > 0 and ver.room > 0:
+                if self._generating == 1:
+                    work = self.executor.submit(ver.decode, token, min(left, GENERATE_CHUNK, ver.room))
+                    chunk = await self._wait(work)
+                else:
+                    work = self.batcher.submit(ver, DraftTree.chain(token, []))
+                    chunk = [(await self._wait(work))[0].bonus]
+                token, left = chunk[-1], left - len(chunk)
+                self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(chunk))
+                yield pb.GeneratedTokens(tokens=chunk)
         except PoolExhausted:
             e = RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S)
             await self._abort(context, e, "generate")
         finally:
-            stop.set()
-            if work.done():
+            self._generating -= 1
+            if work is None or work.done():
                 self.table.give_back(cache)
-            else:
+            else:  # still running on a thread: the cache goes back when it is done with it
                 work.add_done_callback(lambda _: self.table.give_back(cache))

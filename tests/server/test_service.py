@@ -479,6 +479,24 @@ def test_server_only_generate_streams_plain_decoding(served):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_generate_beside_other_streams_decodes_through_the_batcher(served):
+    """With other Generate streams decoding, each token is a round of the batcher (batched with every other stream
+    and Session round): the same tokens as plain decoding."""
+    target, _, service, stub = served
+    before = service.metrics.batch_size.collect()[0].samples
+    count = lambda samples: next(s.value for s in samples if s.name.endswith("_count"))  # noqa: E731
+    service._generating += 1  # as if another stream were decoding
+    try:
+        req = pb.OpenSession(prompt=[5, 1, 4], max_new_tokens=9, model_fingerprint=FP)
+        tokens = [t for msg in stub.Generate(req) for t in msg.tokens]
+    finally:
+        service._generating -= 1
+    assert tokens == plain(target, [5, 1, 4], 9)
+    assert (
+        count(service.metrics.batch_size.collect()[0].samples) - count(before) == 8
+    )  # one round per token after the first
+
+
 def test_json_logs_carry_session_ids(served, capsys):
     import json
     import logging
