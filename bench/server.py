@@ -13,18 +13,36 @@ the server's would share its completion queue; and so the server process's CPU t
   verdict's bonus, reading every verdict. Random drafts are almost never accepted, so this measures the server's
   cost per round (k + 1 tokens scored), not speculation. Timed: the rounds after the warm-up, all clients started
   together once every one of them has opened and warmed up; a round's latency is its write to its verdict.
+- `trace`: the same rounds with real drafts: `--traces FILE` holds what the default drafter proposed, round by
+  round, on real prompts (bench/traces.py has the format; `--record-traces FILE --prompts N` records them with
+  the in-process engine, greedy, k = --k, `--trace-tokens` per prompt of --prompt-len, and stops; a --traces file
+  that does not exist is recorded first with the in-process server's models). Client i takes trace i (round-robin),
+  opens a session on its prompt and sends round r's recorded drafts after the root the server actually decided.
+  On the recording's target, device and dtype the verdicts are the recorded ones, so acceptance is real; elsewhere
+  they may drift (rows say how many rounds matched the recording) and tau is whatever the server measured. A
+  client whose trace runs out opens a session on the next one (counted in the window; rows count the reopens).
 - `generate`: the server-only baseline, N concurrent Generate streams of `--tokens` tokens (random prompts of
-  `--prompt-len`); total and per-stream tokens/s and time to first token.
+  `--prompt-len`, or the prompts of --traces); total and per-stream tokens/s and time to first token.
+
+`--duration S` times a window of S seconds instead of a number of rounds / tokens: Session clients send rounds
+until it ends (a round's tokens count when its verdict arrives in it), Generate clients open streams one after
+another and count the tokens received in it; rates are over S; rows list every client's tokens/s. `--rate R`
+paces each Session client to R tokens/s: a round goes when the tokens gained so far are due at R (behind its
+budget, a client catches up back to back); with --duration, rows count the clients that got 0.95 R or more
+(bench/capacity.py searches the client count a server sustains this way).
 
 Per client count (`--clients 1 32 128`, in turn against the same server): rounds/s, scored and accepted tokens/s
-(accepted = the verdicts' accepted + 1), p50 / p99 round latency, the speed-up over one client's rounds/s (else
-over the first count's) and wall time; with the server in this process, also the batcher's mean batch size and
-the server's mean verify time (its batch_size and verify_seconds histograms over the timed window; with --target,
-scraped from --metrics-url) and the server process's CPU time per round (getrusage; the client process is not
-counted). Generate rows: tokens/s, per stream, TTFT and CPU per token. Prints a table, then one JSON line.
+(accepted = the verdicts' accepted + 1), tau, p50 / p99 round latency, the speed-up over one client's rounds/s
+(else over the first count's) and wall time; with the server in this process, also the batcher's mean batch size
+and the server's mean verify time (its batch_size and verify_seconds histograms over the timed window; with
+--target, scraped from --metrics-url) and the server process's CPU time per round (getrusage; the client process
+is not counted). Trace rows add the recording's tau over the same rounds and the share of rounds whose verdict
+matched it. Generate rows: tokens/s, per stream, TTFT and CPU per token. Prints a table, then one JSON line.
 
     python bench/server.py --clients 1 32 128                    # CUDA when present, random drafts, k=5
     python bench/server.py --device cpu --clients 1 8 32 --rounds 20
+    python bench/server.py --device cpu --record-traces traces.json --prompts 32
+    python bench/server.py --device cpu --mode trace --traces traces.json --clients 1 8 32
     python bench/server.py --mode generate --clients 1 8 --tokens 200
     python bench/server.py --target 10.0.0.5:50051 --clients 1 64 --metrics-url http://10.0.0.5:9100/metrics
 """
@@ -43,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
+from math import nan
 
 import grpc
 
@@ -61,6 +80,20 @@ def pct(xs: list[float], q: float) -> float:
 
 
 # ---- the client process ------------------------------------------------------------------------------------
+
+
+def sibling(name: str):
+    """bench/NAME.py as a module (bench/ is no package; this file runs as a script and is imported by path)."""
+    import importlib.util
+
+    key = f"tether_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                        f"{name}.py"))  # fmt: skip
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 class RoundClient:
@@ -82,30 +115,69 @@ class RoundClient:
             raise RuntimeError(f"server error on round {e.round}: {pb.ErrorReason.Name(e.reason)}: {e.message}")
         return reply
 
-    async def open(self) -> None:
+    def prompt(self) -> tuple[list[int], int]:
+        """The next session's prompt and max_new_tokens."""
         a = self.args
-        self.call = self.stub.Session(timeout=a.timeout)
-        prompt = [self.rng.randrange(self.vocab) for _ in range(a.prompt_len)]
-        max_new = (a.warmup_rounds + a.rounds) * (a.k + 1)
+        return [self.rng.randrange(self.vocab) for _ in range(a.prompt_len)], (a.warmup_rounds + a.rounds) * (a.k + 1)
+
+    def drafts(self) -> list[int]:
+        """The next round's draft tokens (after self.root)."""
+        return [self.rng.randrange(self.vocab) for _ in range(self.args.k)]
+
+    def verdict(self, root: int, v: pb.Verdict, out: dict, counted: bool) -> None:
+        """What a replay follows and checks of each verdict (nothing here); `counted`: it arrived in the window."""
+
+    def exhausted(self) -> bool:
+        """Whether this session has no round left to send (a trace ran out): the next round opens a new one."""
+        return False
+
+    async def open(self) -> None:
+        self.call = self.stub.Session(timeout=self.args.timeout)
+        prompt, max_new = self.prompt()
         req = pb.OpenSession(prompt=prompt, max_new_tokens=max_new, model_fingerprint=self.fp, delta_codec=LOSSLESS)
         reply = await self._send(pb.ClientMessage(open=req))
         for _ in range(reply.opened.delta_parts):  # a long prompt's delta comes in parts
             await asyncio.wait_for(self.call.read(), self.args.rpc_timeout)
-        self.session_id, self.root = reply.opened.session_id, reply.opened.first_token
+        self.session_id, self.root, self.round = reply.opened.session_id, reply.opened.first_token, 0
 
-    async def rounds(self, n: int) -> tuple[list[float], int]:
-        """n rounds; their latencies (s) and the tokens they gained (accepted + bonus)."""
-        times, gained = [], 0
-        for _ in range(n):
+    async def run(self, n: int | None = None, until: float = 0.0, rate: float = 0.0) -> dict:
+        """n rounds, or (n None) rounds until `until` (time.perf_counter), paced to `rate` tokens/s when set: a
+        round goes when the tokens gained so far are due at that rate (a client behind its budget catches up
+        back to back). Counts (rounds, scored and gained tokens, trace matches) cover the verdicts that arrived
+        by `until`; lat_s has every round's latency (write to verdict)."""
+        out = {"lat_s": [], "rounds": 0, "scored": 0, "gained": 0, "matched": 0, "recorded": 0, "reopens": 0}
+        t0 = time.perf_counter()
+        budget = 0  # tokens gained, due at t0 + budget / rate
+        if n is None and not until:
+            raise ValueError("run() needs a number of rounds or an end")
+        while n is None or len(out["lat_s"]) < n:
+            if rate > 0:
+                due = t0 + budget / rate
+                if until and due >= until:
+                    break
+                if (wait := due - time.perf_counter()) > 0:
+                    await asyncio.sleep(wait)
+            if until and time.perf_counter() >= until:
+                break
+            if self.exhausted():
+                await self.close()
+                await self.open()
+                out["reopens"] += 1
             self.round += 1
-            drafts = [self.rng.randrange(self.vocab) for _ in range(self.args.k)]
-            msg = pb.ClientMessage(round=pb.DraftRound(round=self.round, root=self.root, tokens=drafts))
-            t0 = time.perf_counter()
+            root, drafts = self.root, self.drafts()
+            msg = pb.ClientMessage(round=pb.DraftRound(round=self.round, root=root, tokens=drafts))
+            t1 = time.perf_counter()
             v = (await self._send(msg)).verdict
-            times.append(time.perf_counter() - t0)
-            gained += v.accepted + 1
+            t2 = time.perf_counter()
+            out["lat_s"].append(t2 - t1)
             self.root = v.bonus
-        return times, gained
+            budget += v.accepted + 1
+            if not until or t2 <= until:
+                out["rounds"] += 1
+                out["scored"] += len(drafts) + 1
+                out["gained"] += v.accepted + 1
+            self.verdict(root, v, out, not until or t2 <= until)
+        return out
 
     async def close(self) -> None:
         if self.call is None:
@@ -117,12 +189,40 @@ class RoundClient:
         except (grpc.RpcError, TimeoutError):
             pass
         self.call.cancel()
+        self.call, self.session_id = None, ""
 
 
-async def generate_stream(stub, args: argparse.Namespace, vocab: int, fp: str, seed: int, tokens: int) -> dict:
-    rng = random.Random(seed)
-    req = pb.OpenSession(prompt=[rng.randrange(vocab) for _ in range(args.prompt_len)], max_new_tokens=tokens,
-                         model_fingerprint=fp)  # fmt: skip
+class TraceClient(RoundClient):
+    """Replays recorded drafts (bench/traces.py): a session on trace i's prompt, then for round r the drafts
+    recorded for round r, after the root the server actually decided (the last verdict's bonus). With the
+    recording's target, device and dtype the verdicts are the recorded ones; elsewhere they may drift, and
+    round r still sends round r's drafts. A trace that runs out: a new session on the next trace."""
+
+    def __init__(self, stub, args: argparse.Namespace, vocab: int, fp: str, traces: list[dict], index: int):
+        super().__init__(stub, args, vocab, fp, index)
+        self.traces, self.index, self.pos = traces, index - 1, 0
+
+    def prompt(self) -> tuple[list[int], int]:
+        self.index, self.pos = (self.index + 1) % len(self.traces), 0
+        t = self.traces[self.index]
+        return list(t["prompt"]), 1 + sum(len(r["drafts"]) + 1 for r in t["rounds"])
+
+    def exhausted(self) -> bool:
+        return self.pos >= len(self.traces[self.index]["rounds"])
+
+    def drafts(self) -> list[int]:
+        return list(self.traces[self.index]["rounds"][self.pos]["drafts"])
+
+    def verdict(self, root: int, v: pb.Verdict, out: dict, counted: bool) -> None:
+        rec = self.traces[self.index]["rounds"][self.pos]
+        self.pos += 1
+        if counted:
+            out["recorded"] += rec["accepted"] + 1
+            out["matched"] += root == rec["root"] and v.accepted == rec["accepted"] and v.bonus == rec["bonus"]
+
+
+async def generate_stream(stub, args: argparse.Namespace, prompt: list[int], fp: str, tokens: int) -> dict:
+    req = pb.OpenSession(prompt=prompt, max_new_tokens=tokens, model_fingerprint=fp)
     t0 = time.perf_counter()
     first = last = None
     n = 0
@@ -133,6 +233,31 @@ async def generate_stream(stub, args: argparse.Namespace, vocab: int, fp: str, s
     if first is None:
         raise RuntimeError("a Generate stream sent no token")
     return {"tokens": n, "ttft_s": first - t0, "stream_s": last - first}
+
+
+async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until: float) -> dict:
+    """Generate streams of --tokens, one after another, until `until`: the tokens received by then, the gaps
+    between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt."""
+    out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0}
+    while time.perf_counter() < until:
+        req = pb.OpenSession(prompt=prompts(), max_new_tokens=args.tokens, model_fingerprint=fp)
+        call = stub.Generate(req, timeout=args.timeout)
+        t0 = last = time.perf_counter()
+        out["streams"] += 1
+        try:
+            while (left := until - time.perf_counter()) > 0:
+                msg = await asyncio.wait_for(call.read(), left)
+                if msg is grpc.aio.EOF:
+                    break
+                t = time.perf_counter()
+                out["tokens"] += len(msg.tokens)
+                (out["gaps_s"] if last > t0 else out["ttft_s"]).append(t - last)
+                last = t
+        except TimeoutError:
+            pass
+        finally:
+            call.cancel()
+    return out
 
 
 def cpu_s() -> float:
@@ -150,38 +275,68 @@ async def await_go() -> None:
         raise SystemExit(1)
 
 
-async def client_process(args: argparse.Namespace, n: int, seed: int) -> None:
-    """Open n clients, warm up, say "ready", wait for "go" on stdin, run the timed part, print its numbers."""
+async def client_process(args: argparse.Namespace, n: int, seed: int, first: int = 0) -> None:
+    """Open n clients (numbers first .. first + n - 1 of all processes' clients), warm up, say "ready", wait for
+    "go" on stdin, run the timed part, print its numbers."""
     opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
     n_chan = n if args.channels <= 0 else min(args.channels, n)
     chans = [grpc.aio.insecure_channel(args.worker, options=opts) for _ in range(n_chan)]
     stubs = [tether_pb2_grpc.TetherStub(ch) for ch in chans]
     clients: list[RoundClient] = []
+    recorded = sibling("traces").load(args.traces) if args.traces else {}
+    traces = recorded.get("traces", [])
     try:
         info = await stubs[0].GetModelInfo(pb.GetModelInfoRequest(), timeout=args.rpc_timeout)
         vocab, fp = json.loads(info.model_config_json)["vocab_size"], info.model_fingerprint
-        if args.prompt_len > info.max_prompt_tokens or args.k > info.max_draft_tokens:
+        if recorded.get("target_fingerprint") and recorded["target_fingerprint"] != fp:
+            raise SystemExit(f"{args.traces} was recorded with target {recorded['target_fingerprint'][:12]}; the "
+                             f"server serves {fp[:12]}")  # fmt: skip
+        prompt_len = max((len(t["prompt"]) for t in traces), default=args.prompt_len)
+        k = max((len(r["drafts"]) for t in traces for r in t["rounds"]), default=args.k)
+        if prompt_len > info.max_prompt_tokens or k > info.max_draft_tokens:
             raise SystemExit(f"the server takes prompts of {info.max_prompt_tokens} and rounds of "
                              f"{info.max_draft_tokens} tokens at most")  # fmt: skip
         if args.mode == "generate":
-            await generate_stream(stubs[0], args, vocab, fp, seed - 1, 8)  # the first stream's one-time costs
+            rng = random.Random(seed)
+
+            def prompts(i: int):
+                def next_prompt() -> list[int]:
+                    nonlocal i
+                    i += 1
+                    if traces:
+                        return list(traces[(i - 1) % len(traces)]["prompt"])
+                    return [rng.randrange(vocab) for _ in range(args.prompt_len)]
+
+                return next_prompt
+
+            await generate_stream(stubs[0], args, prompts(first)(), fp, 8)  # the first stream's one-time costs
             emit({"ready": n})
             await await_go()
             t0, c0 = time.perf_counter(), cpu_s()
-            streams = await asyncio.gather(*(generate_stream(stubs[i % n_chan], args, vocab, fp, seed + i,
-                                                             args.tokens) for i in range(n)))  # fmt: skip
+            if args.duration > 0:
+                until = t0 + args.duration
+                streams = await asyncio.gather(*(generate_until(stubs[i % n_chan], args, prompts(first + i), fp,
+                                                                until) for i in range(n)))  # fmt: skip
+            else:
+                streams = await asyncio.gather(*(generate_stream(stubs[i % n_chan], args, prompts(first + i)(), fp,
+                                                                 args.tokens) for i in range(n)))  # fmt: skip
             emit({"wall_s": time.perf_counter() - t0, "cpu_s": cpu_s() - c0, "streams": streams})
             return
-        clients = [RoundClient(stubs[i % n_chan], args, vocab, fp, seed + i) for i in range(n)]
+        if args.mode == "trace":
+            clients = [TraceClient(stubs[i % n_chan], args, vocab, fp, traces, first + i) for i in range(n)]
+        else:
+            clients = [RoundClient(stubs[i % n_chan], args, vocab, fp, seed + i) for i in range(n)]
         await asyncio.gather(*(c.open() for c in clients))
-        await asyncio.gather(*(c.rounds(args.warmup_rounds) for c in clients))
+        await asyncio.gather(*(c.run(args.warmup_rounds) for c in clients))
         emit({"ready": n})
         await await_go()
         t0, c0 = time.perf_counter(), cpu_s()
-        results = await asyncio.gather(*(c.rounds(args.rounds) for c in clients))
-        wall = time.perf_counter() - t0
-        lat = [t for ts, _ in results for t in ts]
-        emit({"wall_s": wall, "cpu_s": cpu_s() - c0, "lat_s": lat, "gained": sum(g for _, g in results)})
+        if args.duration > 0:
+            until = t0 + args.duration
+            results = await asyncio.gather(*(c.run(None, until, args.rate) for c in clients))
+        else:
+            results = await asyncio.gather(*(c.run(args.rounds, 0.0, args.rate) for c in clients))
+        emit({"wall_s": time.perf_counter() - t0, "cpu_s": cpu_s() - c0, "clients": results})
     finally:
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
         for ch in chans:
@@ -240,6 +395,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def at_rate(rates: list[float], rate: float) -> int:
+    """Clients that got at least 0.95 x rate."""
+    return sum(r >= 0.95 * rate for r in rates)
+
+
 def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) -> dict:
     """Run n clients (over --client-procs processes) against the server at `address`; one row."""
     procs_n = max(1, min(args.client_procs, n))
@@ -250,7 +410,8 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
     try:
         for i, share in enumerate(shares):
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", address, "--worker-clients", str(share),
-                   "--worker-seed", str(args.seed + 100_000 * (i + 1) + 1000 * n), "--worker-spec", spec]  # fmt: skip
+                   "--worker-seed", str(args.seed + 100_000 * (i + 1) + 1000 * n),
+                   "--worker-first", str(sum(shares[:i])), "--worker-spec", spec]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for p in procs:
             read_line(p, deadline)  # ready: opened and warmed up
@@ -272,46 +433,58 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
     cpu_ms = None if cpu is None else 1e3 * cpu
     batches = delta(after, before, "tether_batch_size_count")
     client_cpu = sum(o["cpu_s"] for o in outs)
+    window = args.duration if args.duration > 0 else wall  # what the rates are over
     row: dict = {"clients": n, "client_procs": procs_n, "wall_s": wall, "server_cpu_s": cpu, "client_cpu_s": client_cpu}
+    if args.duration > 0:
+        row |= {"duration_s": args.duration, "rate": args.rate or None}
     if args.mode == "generate":
         streams = [s for o in outs for s in o["streams"]]
         tokens = sum(s["tokens"] for s in streams)
-        ttft = [s["ttft_s"] for s in streams]
-        per_stream = [(s["tokens"] - 1) / s["stream_s"] for s in streams if s["stream_s"] > 0]
-        return row | {"tokens": tokens, "tokens_per_s": tokens / wall,
-                      "tokens_per_s_per_stream": statistics.mean(per_stream) if per_stream else None,
+        if args.duration > 0:  # per client: its streams one after another over the window
+            rates = sorted(s["tokens"] / window for s in streams)
+            ttft = [t for s in streams for t in s["ttft_s"]]
+            gaps = [g for s in streams for g in s["gaps_s"]]
+            row |= {"streams": sum(s["streams"] for s in streams), "client_tokens_per_s": rates,
+                    "clients_at_rate": at_rate(rates, args.rate) if args.rate else None,
+                    "gap_p50_ms": 1e3 * pct(gaps, 0.5), "gap_p99_ms": 1e3 * pct(gaps, 0.99)}  # fmt: skip
+            per_stream = statistics.mean(rates)
+        else:
+            ttft = [s["ttft_s"] for s in streams]
+            per_stream = [(s["tokens"] - 1) / s["stream_s"] for s in streams if s["stream_s"] > 0]
+            per_stream = statistics.mean(per_stream) if per_stream else None
+        return row | {"tokens": tokens, "tokens_per_s": tokens / window, "tokens_per_s_per_stream": per_stream,
                       "ttft_p50_ms": 1e3 * pct(ttft, 0.5), "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
                       "server_cpu_ms_per_token": ratio(cpu_ms, tokens),
-                      "client_cpu_ms_per_token": 1e3 * row["client_cpu_s"] / tokens}  # fmt: skip
-    lat = [t for o in outs for t in o["lat_s"]]
-    rounds, gained = len(lat), sum(o["gained"] for o in outs)
-    return row | {"rounds": rounds, "rounds_per_s": rounds / wall, "scored_tokens_per_s": rounds * (args.k + 1) / wall,
-                  "accepted_tokens_per_s": gained / wall, "tau": gained / rounds,
-                  "p50_ms": 1e3 * pct(lat, 0.5), "p99_ms": 1e3 * pct(lat, 0.99), "max_ms": 1e3 * max(lat),
-                  "mean_batch": ratio(delta(after, before, "tether_batch_size_sum"), batches),
-                  "server_verify_ms": ratio(1e3 * (delta(after, before, "tether_verify_seconds_sum") or 0),
-                                            delta(after, before, "tether_verify_seconds_count")),
-                  "server_cpu_ms_per_round": ratio(cpu_ms, rounds),
-                  "client_cpu_ms_per_round": 1e3 * row["client_cpu_s"] / rounds}  # fmt: skip
+                      "client_cpu_ms_per_token": ratio(1e3 * row["client_cpu_s"], tokens)}  # fmt: skip
+    clients = [c for o in outs for c in o["clients"]]
+    lat = [t for c in clients for t in c["lat_s"]]
+    rounds, gained = sum(c["rounds"] for c in clients), sum(c["gained"] for c in clients)
+    scored = sum(c["scored"] for c in clients)
+    row |= {"rounds": rounds, "rounds_per_s": rounds / window, "scored_tokens_per_s": scored / window,
+            "accepted_tokens_per_s": gained / window, "tau": ratio(gained, rounds),
+            "p50_ms": 1e3 * pct(lat, 0.5), "p99_ms": 1e3 * pct(lat, 0.99), "max_ms": 1e3 * max(lat, default=nan),
+            "mean_batch": ratio(delta(after, before, "tether_batch_size_sum"), batches),
+            "server_verify_ms": ratio(1e3 * (delta(after, before, "tether_verify_seconds_sum") or 0),
+                                      delta(after, before, "tether_verify_seconds_count")),
+            "server_cpu_ms_per_round": ratio(cpu_ms, rounds),
+            "client_cpu_ms_per_round": ratio(1e3 * row["client_cpu_s"], rounds)}  # fmt: skip
+    if args.mode == "trace":
+        row |= {"tau_recorded": ratio(sum(c["recorded"] for c in clients), rounds),
+                "trace_match": ratio(sum(c["matched"] for c in clients), rounds),
+                "reopens": sum(c["reopens"] for c in clients)}  # fmt: skip
+    if args.duration > 0:
+        rates = sorted(c["gained"] / window for c in clients)
+        row |= {"client_tokens_per_s": rates, "clients_at_rate": at_rate(rates, args.rate) if args.rate else None}
+    return row
 
 
 def start_server(args: argparse.Namespace):
     """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process."""
-    import torch
-
     from tether.server.batcher import warm_up
-    from tether.server.generate import default_model_dir, load
     from tether.server.rpc_server import make_server
     from tether.server.service import ServiceConfig, TetherService
-    from tether.shared.checkpoint import fingerprint
-    from tether.shared.drafter import load_drafter
 
-    torch.set_grad_enabled(False)
-    args.model = args.model or str(default_model_dir())
-    args.drafter = args.drafter or str(default_model_dir("drafter"))
-    fp = fingerprint(args.model)
-    target, tok = load(args.model, args.device)
-    drafter = load_drafter(args.drafter, target, target_fingerprint=fp)
+    target, drafter, tok, fp = load_models(args)
     most = max(args.clients)
     config = ServiceConfig(max_sessions=max(256, 2 * most), max_streams=max(4096, 2 * most),
                            max_new_tokens=max(1024, args.tokens), kv_pool_bytes=args.kv_pool_mb << 20,
@@ -336,29 +509,50 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
         return "-" if x is None else format(x, fmt)
 
     if args.mode == "generate":
-        t = Table(title=f"Generate streams, {args.tokens} tokens each, prompt {args.prompt_len}, {where}")
-        cols = ("streams", "tokens/s", "speed-up", "tokens/s per stream", "TTFT p50 / p99 ms",
-                "CPU ms/token server / clients", "wall s")  # fmt: skip
+        prompts = f"recorded prompts of {os.path.basename(args.traces)}" if args.traces else f"prompt {args.prompt_len}"
+        timed = f", {args.duration:g} s timed (each client's streams one after another)" if args.duration > 0 else ""
+        t = Table(title=f"Generate streams, {args.tokens} tokens each, {prompts}{timed}, {where}")
+        cols = ["streams", "tokens/s", "speed-up", "tokens/s per stream", "TTFT p50 / p99 ms",
+                "CPU ms/token server / clients", "wall s"]  # fmt: skip
+        if args.duration > 0:
+            cols[5:5] = ["gap p50 / p99 ms"] + ([f"clients >= {0.95 * args.rate:g} tok/s"] if args.rate > 0 else [])
         for c in cols:
             t.add_column(c, justify="right")
         for r in rows:
-            t.add_row(str(r["clients"]), f(r["tokens_per_s"], ".0f"), f(r["speedup"], ".2f"),
-                      f(r["tokens_per_s_per_stream"], ".1f"), f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
-                      f"{f(r['server_cpu_ms_per_token'], '.2f')} / {r['client_cpu_ms_per_token']:.2f}",
-                      f"{r['wall_s']:.2f}")  # fmt: skip
+            cells = [str(r["clients"]), f(r["tokens_per_s"], ".0f"), f(r["speedup"], ".2f"),
+                     f(r["tokens_per_s_per_stream"], ".1f"), f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
+                     f"{f(r['server_cpu_ms_per_token'], '.2f')} / {f(r['client_cpu_ms_per_token'], '.2f')}",
+                     f"{r['wall_s']:.2f}"]  # fmt: skip
+            if args.duration > 0:
+                cells[5:5] = [f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f}"] + (
+                    [f"{r['clients_at_rate']} / {r['clients']}"] if args.rate > 0 else [])  # fmt: skip
+            t.add_row(*cells)
         return t
-    t = Table(title=f"Session rounds, {args.k} random drafts, prompt {args.prompt_len}, {args.rounds} timed rounds "
-              f"per client, {where}")  # fmt: skip
-    cols = ("clients", "rounds/s", "speed-up", "scored tok/s", "accepted tok/s", "p50 / p99 ms", "mean batch",
-            "server verify ms", "CPU ms/round server / clients", "wall s")  # fmt: skip
+    what = (f"{args.k} random drafts" if args.mode == "random" else
+            f"drafts replayed from {os.path.basename(args.traces)}")  # fmt: skip
+    timed = (f"{args.duration:g} s timed" if args.duration > 0 else f"{args.rounds} timed rounds per client") + (
+        f", clients paced to {args.rate:g} tokens/s" if args.rate > 0 else "")  # fmt: skip
+    t = Table(title=f"Session rounds, {what}, prompt {args.prompt_len if args.mode == 'random' else 'as recorded'}, "
+              f"{timed}, {where}")  # fmt: skip
+    cols = ["clients", "rounds/s", "speed-up", "scored tok/s", "accepted tok/s", "tau", "p50 / p99 ms", "mean batch",
+            "server verify ms", "CPU ms/round server / clients", "wall s"]  # fmt: skip
+    if args.mode == "trace":
+        cols[6:6] = ["tau recorded", "trace match"]
+    if args.duration > 0 and args.rate > 0:
+        cols.insert(-1, f"clients >= {0.95 * args.rate:g} tok/s")
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(str(r["clients"]), f(r["rounds_per_s"], ".1f"), f(r["speedup"], ".2f"),
-                  f(r["scored_tokens_per_s"], ".0f"), f(r["accepted_tokens_per_s"], ".0f"),
-                  f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}", f(r["mean_batch"], ".2f"), f(r["server_verify_ms"], ".1f"),
-                  f"{f(r['server_cpu_ms_per_round'], '.1f')} / {r['client_cpu_ms_per_round']:.1f}",
-                  f"{r['wall_s']:.2f}")  # fmt: skip
+        cells = [str(r["clients"]), f(r["rounds_per_s"], ".1f"), f(r["speedup"], ".2f"),
+                 f(r["scored_tokens_per_s"], ".0f"), f(r["accepted_tokens_per_s"], ".0f"), f(r["tau"], ".2f"),
+                 f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}", f(r["mean_batch"], ".2f"), f(r["server_verify_ms"], ".1f"),
+                 f"{f(r['server_cpu_ms_per_round'], '.1f')} / {f(r['client_cpu_ms_per_round'], '.1f')}",
+                 f"{r['wall_s']:.2f}"]  # fmt: skip
+        if args.mode == "trace":
+            cells[6:6] = [f(r["tau_recorded"], ".2f"), "-" if r["trace_match"] is None else f"{r['trace_match']:.0%}"]
+        if args.duration > 0 and args.rate > 0:
+            cells.insert(-1, f"{r['clients_at_rate']} / {r['clients']}")
+        t.add_row(*cells)
     return t
 
 
@@ -366,13 +560,22 @@ def parser() -> argparse.ArgumentParser:
     from tether.server.service import ServiceConfig  # the in-process server's defaults
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", default="random", choices=["random", "generate"])
+    ap.add_argument("--mode", default="random", choices=["random", "trace", "generate"])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 32, 128], help="client counts, run in turn")
-    ap.add_argument("--rounds", type=int, default=50, help="random: timed rounds per client")
-    ap.add_argument("--warmup-rounds", type=int, default=2, help="random: untimed rounds per client first")
+    ap.add_argument("--rounds", type=int, default=50, help="random / trace: timed rounds per client")
+    ap.add_argument("--warmup-rounds", type=int, default=2, help="random / trace: untimed rounds per client first")
     ap.add_argument("--k", type=int, default=5, help="random: draft tokens per round (k + 1 scored with the root)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=200, help="generate: tokens per stream")
+    ap.add_argument("--traces", default="", help="trace: the recorded drafts (bench/traces.py; recorded there first "
+                    "when missing, with an in-process server); generate: the prompts come from it")  # fmt: skip
+    ap.add_argument("--record-traces", default="", metavar="FILE", help="record --prompts traces to FILE and stop")
+    ap.add_argument("--prompts", type=int, default=32, help="recording: standard-library prompts (of --prompt-len)")
+    ap.add_argument("--trace-tokens", type=int, default=256, help="recording: tokens generated per prompt")
+    ap.add_argument("--duration", type=float, default=0.0,
+                    help="seconds timed per client count instead of --rounds / --tokens per client")  # fmt: skip
+    ap.add_argument("--rate", type=float, default=0.0, help="random / trace: each client paces itself to RATE "
+                    "tokens/s (accepted + 1 a round); with --duration, rows count clients at 0.95 x RATE")  # fmt: skip
     ap.add_argument("--channels", type=int, default=0, help="connections per client process; 0: one per client")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes the clients are spread over")
     ap.add_argument("--target", default="", help="HOST:PORT of a running server instead of one in this process")
@@ -396,46 +599,96 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # the client process: the server's address
     ap.add_argument("--worker-clients", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--worker-spec", default="", help=argparse.SUPPRESS)
     return ap
+
+
+def load_models(args: argparse.Namespace):
+    """The default models (or --model / --drafter) on --device: target, drafter, tokenizer, target fingerprint."""
+    import torch
+
+    from tether.server.generate import default_model_dir, load
+    from tether.shared.checkpoint import fingerprint
+    from tether.shared.drafter import load_drafter
+
+    torch.set_grad_enabled(False)
+    args.model = args.model or str(default_model_dir())
+    args.drafter = args.drafter or str(default_model_dir("drafter"))
+    fp = fingerprint(args.model)
+    target, tok = load(args.model, args.device)
+    return target, load_drafter(args.drafter, target, target_fingerprint=fp), tok, fp
+
+
+def record_traces(args: argparse.Namespace, path: str, target, drafter, tok, fp: str) -> dict:
+    """Record --prompts traces (bench/traces.py) with the given models and save them to `path`."""
+    traces = sibling("traces")
+
+    def progress(i: int, n: int) -> None:
+        print(f"\rrecording draft traces: {i} / {n} prompts", end="\n" if i == n else "", file=sys.stderr, flush=True)
+
+    rec = traces.record(target, drafter, tok, prompts=args.prompts, prompt_len=args.prompt_len,
+                        tokens=args.trace_tokens, k=args.k, target_fingerprint=fp, drafter_dir=args.drafter,
+                        progress=progress)  # fmt: skip
+    traces.save(path, rec)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.worker:
         spec = argparse.Namespace(**{**json.loads(args.worker_spec), "worker": args.worker})
-        asyncio.run(client_process(spec, args.worker_clients, args.worker_seed))
+        asyncio.run(client_process(spec, args.worker_clients, args.worker_seed, args.worker_first))
         return {}
     if min(args.clients) < 1 or args.rounds < 1 or args.k < 1 or args.prompt_len < 1 or args.tokens < 2:
         raise SystemExit("--clients, --rounds, --k and --prompt-len must be at least 1, --tokens at least 2")
+    if args.duration < 0 or args.rate < 0:
+        raise SystemExit("--duration and --rate cannot be negative")
     import torch
     from rich.console import Console
 
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    traces = sibling("traces")
+    if args.record_traces:
+        rec = record_traces(args, args.record_traces, *load_models(args))
+        out = {"bench": "traces", "file": args.record_traces, **{k: v for k, v in rec.items() if k != "traces"},
+               **traces.summary(rec)}  # fmt: skip
+        print(json.dumps(out))
+        return out
+    if args.mode == "trace" and not args.traces:
+        raise SystemExit("--mode trace needs --traces FILE (record one with --record-traces FILE)")
     service = server = None
     if args.target:
         address, device = args.target, f"server at {args.target}"
     else:
-        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         service, server, port = start_server(args)
         address = f"127.0.0.1:{port}"
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
     probe = ServerProbe(service, args.metrics_url)
     rows = []
     try:
+        if args.traces and not os.path.exists(args.traces):
+            if service is None:
+                raise SystemExit(f"{args.traces} does not exist (record it with --record-traces)")
+            record_traces(args, args.traces, service.target, service.drafter, service.tokenizer,
+                          service.model_fingerprint)  # fmt: skip
+        recorded = traces.load(args.traces) if args.traces else None
         for n in args.clients:
             rows.append(measure(args, address, n, probe))
     finally:
         if server is not None:
             server.stop(grace=1).wait(30)
             service.close()
-    speed = "rounds_per_s" if args.mode == "random" else "tokens_per_s"
+    speed = "tokens_per_s" if args.mode == "generate" else "rounds_per_s"
     for r in rows:
-        r["speedup"] = r[speed] / baseline(rows)[speed]
+        r["speedup"] = ratio(r[speed], baseline(rows)[speed])
     where = f"{device}, in-process server" if service is not None else device
     Console(width=200).print(table(args, rows, where))
     record = {"bench": "server", "mode": args.mode, "device": device, "host": platform.node(),
               "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__, "grpcio": grpc.__version__,
               "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")}, "rows": rows}  # fmt: skip
+    if recorded:
+        record["traces"] = {k: v for k, v in recorded.items() if k != "traces"} | traces.summary(recorded)
     print(json.dumps(record))
     return record
 

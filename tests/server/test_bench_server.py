@@ -40,3 +40,31 @@ def test_generate_streams_record(bench):
     assert record["mode"] == "generate" and row["clients"] == 2 and row["tokens"] == 12
     assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_stream"] > 0 and row["speedup"] == 1.0
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["server_cpu_ms_per_token"] > 0
+
+
+def test_trace_record_and_replay(bench, tmp_path):
+    path = tmp_path / "traces.json"
+    out = bench.main(["--device", "cpu", "--record-traces", str(path), "--prompts", "2", "--prompt-len", "32",
+                      "--trace-tokens", "16", "--k", "4"])  # fmt: skip
+    assert out["bench"] == "traces" and out["prompts"] == 2 and out["tau"] >= 1
+    recorded = bench.sibling("traces").load(path)
+    assert recorded["format"] == "tether-draft-traces" and recorded["version"] == 1
+    assert recorded["k"] == 4 and recorded["temperature"] == 0.0 and recorded["prompt_len"] == 32
+    assert recorded["tokens"] == 16 and len(recorded["target_fingerprint"]) == 64 and recorded["drafter"] == "drafter"
+    assert len(recorded["traces"]) == 2
+    for t in recorded["traces"]:
+        assert t["source"].endswith(".py") and t["offset"] >= 0 and len(t["prompt"]) == 32
+        root = t["first"]
+        for r in t["rounds"]:  # each round is rooted at the last one's bonus
+            assert r["root"] == root and len(r["drafts"]) <= 4 and 0 <= r["accepted"] <= len(r["drafts"])
+            root = r["bonus"]
+        assert 1 + sum(r["accepted"] + 1 for r in t["rounds"]) == 16  # the first token, then each round's tau
+
+    record = bench.main(["--device", "cpu", "--mode", "trace", "--traces", str(path), "--clients", "1", "2",
+                         "--rounds", "3", "--warmup-rounds", "1", "--timeout", "120"])  # fmt: skip
+    assert record["mode"] == "trace" and record["traces"]["prompts"] == 2 and record["traces"]["k"] == 4
+    for row, n in zip(record["rows"], (1, 2), strict=True):
+        assert row["clients"] == n and row["rounds"] == 3 * n and row["reopens"] >= 0
+        assert row["tau"] >= 1 and row["tau_recorded"] >= 1 and 0 <= row["trace_match"] <= 1
+        assert row["accepted_tokens_per_s"] == pytest.approx(row["tau"] * row["rounds_per_s"])
+        assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"] and 1 <= row["mean_batch"] <= n
