@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tether.server.kv_pool import KVPool
-from tether.server.verifier import SequenceVerifier, target_states
+from tether.server.verifier import DECODE_CHUNK, SequenceVerifier, target_states
 from tether.shared.drafter_runtime import DrafterBase
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree, Verdict
@@ -32,7 +32,6 @@ from tether.shared.speculative import DraftTree, Verdict
 __all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
 
 BLOCK_SIZE = 16  # positions per KV block of the engine's own pool
-PLAIN_CHUNK = 16  # tokens plain decoding asks for at a time (one replay of chained steps on a GPU)
 
 
 @dataclass
@@ -115,7 +114,7 @@ class SpeculativeEngine:
             self.drafter.begin(delta, capacity + scratch)
         while produced < max_new_tokens and root != eos_id and server.room > 0:
             if self.drafter is None:  # plain decoding: chained one-token steps, each a round of tau 1
-                new = server.decode(root, min(PLAIN_CHUNK, max_new_tokens - produced, server.room))
+                new = server.decode(root, min(DECODE_CHUNK, max_new_tokens - produced, server.room))
                 for token in new:
                     self.stats.add(Verdict([0], token), 0)
                 if eos_id is not None and eos_id in new:

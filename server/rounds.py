@@ -140,7 +140,7 @@ _step_config = StepConfig()
 
 
 def configure_steps(config: StepConfig) -> None:
-    """The StepConfig of runners made from now on (`serve --no-cuda-graphs`, benchmarks)."""
+    """The StepConfig of runners made from now on (benchmarks and tests compare graphs on and off with it)."""
     global _step_config
     _step_config = config
 
@@ -305,12 +305,9 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
 def _commit(caches: list, paths: list[list[int]]) -> None:
     """Accept each row's path: paged caches of one pool in one copy, any other cache on its own."""
     paged = [i for i, c in enumerate(caches) if isinstance(c, PagedCache)]
-    pools = {id(caches[i].pool) for i in paged}
-    if len(pools) == 1:
+    if len({id(caches[i].pool) for i in paged}) != 1:
+        paged = []
+    if paged:
         caches[paged[0]].pool.accept([caches[i] for i in paged], [paths[i] for i in paged])
-        paged_set = set(paged)
-    else:
-        paged_set = set()
-    for i, c in enumerate(caches):
-        if i not in paged_set:
-            c.accept(paths[i])
+    for i in sorted(set(range(len(caches))) - set(paged)):
+        caches[i].accept(paths[i])

@@ -55,7 +55,7 @@ from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
-from tether.server.verifier import SequenceVerifier
+from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
 from tether.shared.codecs import Codec, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
@@ -68,7 +68,6 @@ from tether.v1 import tether_pb2_grpc
 
 PROTOCOL_VERSION = 1
 POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
-GENERATE_CHUNK = 16  # tokens a Generate stream's decoding asks for at a time (one replay of chained steps on a GPU)
 log = logging.getLogger("tether.server")
 
 
@@ -551,7 +550,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             left = n - 1
             while left > 0 and ver.room > 0:
                 if self._generating == 1:
-                    work = self.executor.submit(ver.decode, token, min(left, GENERATE_CHUNK, ver.room))
+                    work = self.executor.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
                     chunk = await self._wait(work)
                 else:
                     work = self.batcher.submit(ver, DraftTree.chain(token, []))

@@ -230,22 +230,29 @@ class StepRunner:
             self._graphs.clear()
             self._decode.clear()
 
-    @property
-    def captured(self) -> list[Bucket]:
-        """The buckets captured so far (what a warm start captures again)."""
-        return [b for b, g in self._graphs.items() if g.graph is not None]
+    def _width(self, width: int) -> int:
+        """A block-table width padded to the next bucket: doubling from min_width, capped at what max_seq_len needs."""
+        W = self.config.min_width
+        while W < width:
+            W *= 2
+        return min(W, max(self.max_width, width))
 
     def bucket(self, rows: int, tokens: int, width: int, states: bool) -> Bucket | None:
         """The bucket a step of this shape pads up to; None when it exceeds every bucket."""
         c = self.config
         B, T = _round_up(rows, c.batch_buckets), _round_up(tokens, c.token_buckets)
-        W = c.min_width
-        while W < width:
-            W *= 2
-        W = min(W, max(self.max_width, width))
         if B is None or T is None or B * T > c.max_bucket_tokens:
             return None
-        return Bucket(B, T, W, states)
+        return Bucket(B, T, self._width(width), states)
+
+    def _replay(self, g: _Graph | _DecodeGraph):
+        """Run a staged step: eagerly without graphs, else its graph (captured on first use)."""
+        if not self.use_graphs:
+            return g.run(self)
+        if g.graph is None:
+            self._capture(g)
+        g.graph.replay()
+        return g.result
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, *, states: bool) -> StepOutput:
@@ -255,26 +262,9 @@ class StepRunner:
             bucket = self.bucket(b, t, batch.block_table.shape[1], states)
             if bucket is None:
                 raise ValueError(f"no step bucket holds {b} rows of {t} tokens (tether.server.rounds runs it eagerly)")
-            g = self._graphs.get(bucket)
-            if g is None:
-                g = self._graphs[bucket] = _Graph(self, bucket)
+            g = self._graphs.get(bucket) or self._graphs.setdefault(bucket, _Graph(self, bucket))
             g.stage(self, batch)
-            if not self.use_graphs:
-                return g.run(self)
-            if g.graph is None:
-                self._capture(g)
-            g.graph.replay()
-            return g.result
-
-    def decode_bucket(self, room: int, wanted: int, width: int) -> DecodeBucket | None:
-        """The longest chain of decode steps that fits `room` positions and does not pass `wanted` tokens."""
-        steps = max((k for k in self.config.decode_steps if k <= min(room, wanted)), default=None)
-        if steps is None:
-            return None
-        W = self.config.min_width
-        while W < width:
-            W *= 2
-        return DecodeBucket(steps, min(W, max(self.max_width, width)))
+            return self._replay(g)
 
     @torch.inference_mode()
     def decode(self, cache, token: int, wanted: int) -> list[int]:
@@ -287,19 +277,10 @@ class StepRunner:
             if steps == 0:
                 raise ValueError(f"no decode step fits {room} positions of room for {wanted} tokens")
             cache.reserve(steps)
-            bucket = self.decode_bucket(room, steps, len(cache.blocks))
-            g = self._decode.get(bucket)
-            if g is None:
-                g = self._decode[bucket] = _DecodeGraph(self, bucket)
+            bucket = DecodeBucket(steps, self._width(len(cache.blocks)))
+            g = self._decode.get(bucket) or self._decode.setdefault(bucket, _DecodeGraph(self, bucket))
             g.stage(token, cache.length, cache.blocks)
-            if not self.use_graphs:
-                result = g.run(self)
-            else:
-                if g.graph is None:
-                    self._capture(g)
-                g.graph.replay()
-                result = g.result
-            tokens = result.tolist()
+            tokens = self._replay(g).tolist()
         cache.commit(steps)
         return tokens
 
@@ -310,39 +291,28 @@ class StepRunner:
             verify = [[b.rows, b.tokens, b.width, int(b.states)] for b, g in self._graphs.items() if g.graph]
             return verify + [[b.steps, b.width] for b, g in self._decode.items() if g.graph]
 
+    @torch.inference_mode()
     def capture_shapes(self, shapes: list[list[int]]) -> int:
         """Capture the graphs `shapes()` listed (unknown or out-of-range entries are skipped); returns how many."""
         if not self.use_graphs:
             return 0
         done = 0
-        for s in shapes:
-            if len(s) == 4 and Bucket(s[0], s[1], s[2], bool(s[3])) == self.bucket(s[0], s[1], s[2], bool(s[3])):
-                self.capture(Bucket(s[0], s[1], s[2], bool(s[3])))
-            elif len(s) == 2 and s[0] in self.config.decode_steps and 0 < s[1] <= self.max_width:
-                self._capture_decode(DecodeBucket(s[0], s[1]))
-            else:
-                continue
-            done += 1
+        with self.lock:
+            for s in shapes:
+                if len(s) == 4 and Bucket(s[0], s[1], s[2], bool(s[3])) == self.bucket(s[0], s[1], s[2], bool(s[3])):
+                    b = Bucket(s[0], s[1], s[2], bool(s[3]))
+                    g = self._graphs.get(b) or self._graphs.setdefault(b, _Graph(self, b))
+                    g.stage(self, None)  # padding only: the scratch block
+                elif len(s) == 2 and s[0] in self.config.decode_steps and 0 < s[1] <= self.max_width:
+                    b = DecodeBucket(s[0], s[1])
+                    g = self._decode.get(b) or self._decode.setdefault(b, _DecodeGraph(self, b))
+                    g.stage(0, 0, [self.scratch] * b.width)  # every position of the chain in the scratch block
+                else:
+                    continue
+                if g.graph is None:
+                    self._capture(g)
+                done += 1
         return done
-
-    def _capture_decode(self, bucket: DecodeBucket) -> None:
-        with self.lock, torch.inference_mode():
-            g = self._decode.get(bucket)
-            if g is None:
-                g = self._decode[bucket] = _DecodeGraph(self, bucket)
-            if g.graph is None:
-                g.stage(0, 0, [self.scratch] * bucket.width)  # every position of the chain in the scratch block
-                self._capture(g)
-
-    def capture(self, bucket: Bucket) -> None:
-        """Capture one bucket's graph now (a warm-up; a no-op without graphs)."""
-        with self.lock, torch.inference_mode():
-            g = self._graphs.get(bucket)
-            if g is None:
-                g = self._graphs[bucket] = _Graph(self, bucket)
-            if self.use_graphs and g.graph is None:
-                g.stage(self, None)
-                self._capture(g)
 
     def _capture(self, g: _Graph | _DecodeGraph) -> None:
         # Eager runs first, on a side stream as torch's graph capture wants: Triton compiles its kernels there and

@@ -24,6 +24,8 @@ from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.sampling import sample_token
 from tether.shared.speculative import DraftTree, Verdict
 
+DECODE_CHUNK = 16  # tokens plain decoding hands back at a time to stream them (one replay of chained steps on a GPU)
+
 
 def target_states(out: ForwardOutput) -> TargetStates:
     """The batch-1 forward's states for all its new positions."""
