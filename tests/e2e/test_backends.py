@@ -7,24 +7,13 @@ No link fault here: the deadlines are generous so that a busy machine never make
 import pytest
 
 from tether.client.session import ClientConfig, generate
-from tether.server.generate import default_model_dir, load
-from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
-from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
 
 PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
 
 
 @pytest.fixture(scope="module")
-def address():
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
-    server, port = make_server(service, "127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(None)
+def address(default_server):
+    return default_server[0]
 
 
 def test_onnx_and_torch_backends_agree_end_to_end(address, tmp_path):

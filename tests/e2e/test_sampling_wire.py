@@ -13,11 +13,6 @@ import torch
 
 from tether.client import session as session_module
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import default_model_dir, load
-from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
-from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -28,14 +23,8 @@ P_MIN = 1e-3  # each position's chi-square p-value must exceed this (and the pow
 
 
 @pytest.fixture(scope="module")
-def server():
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
-    srv, port = make_server(service, "127.0.0.1:0")
-    srv.start()
-    yield f"127.0.0.1:{port}", tok, service.model_fingerprint
-    srv.stop(None)
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture
