@@ -556,6 +556,18 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
     return t
 
 
+def add_deployment_options(ap: argparse.ArgumentParser) -> None:
+    """Where the server is and how the clients reach it: the options bench/capacity.py shares."""
+    ap.add_argument("--channels", type=int, default=0, help="connections per client process; 0: one per client")
+    ap.add_argument("--client-procs", type=int, default=1, help="client processes the clients are spread over")
+    ap.add_argument("--target", default="", help="HOST:PORT of a running server instead of one in this process")
+    ap.add_argument("--metrics-url", default="", help="with --target: its Prometheus endpoint (batch size)")
+    ap.add_argument("--device", default="", help="in-process server: cpu / cuda (default: cuda when present)")
+    ap.add_argument("--model", default="", help="in-process server: target directory (default: deploy/models/target)")
+    ap.add_argument("--drafter", default="", help="in-process server: drafter directory (default: the shipped one)")
+    ap.add_argument("--kv-pool-mb", type=int, default=256, help="in-process server: KV pool size")
+
+
 def parser() -> argparse.ArgumentParser:
     from tether.server.service import ServiceConfig  # the in-process server's defaults
 
@@ -576,14 +588,7 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds timed per client count instead of --rounds / --tokens per client")  # fmt: skip
     ap.add_argument("--rate", type=float, default=0.0, help="random / trace: each client paces itself to RATE "
                     "tokens/s (accepted + 1 a round); with --duration, rows count clients at 0.95 x RATE")  # fmt: skip
-    ap.add_argument("--channels", type=int, default=0, help="connections per client process; 0: one per client")
-    ap.add_argument("--client-procs", type=int, default=1, help="client processes the clients are spread over")
-    ap.add_argument("--target", default="", help="HOST:PORT of a running server instead of one in this process")
-    ap.add_argument("--metrics-url", default="", help="with --target: its Prometheus endpoint (batch size)")
-    ap.add_argument("--device", default="", help="in-process server: cpu / cuda (default: cuda when present)")
-    ap.add_argument("--model", default="", help="in-process server: target directory (default: deploy/models/target)")
-    ap.add_argument("--drafter", default="", help="in-process server: drafter directory (default: the shipped one)")
-    ap.add_argument("--kv-pool-mb", type=int, default=256, help="in-process server: KV pool size")
+    add_deployment_options(ap)
     ap.add_argument(
         "--batch-window-ms",
         type=float,
