@@ -5,7 +5,10 @@ PyTorch kernels (RMSNorm alone is six: cast, square, mean, add, rsqrt, scale) co
 take to read, even replayed from a CUDA graph. `fuse(model)` changes how the same weights are applied:
 - q, k and v projections become one GEMM over a concatenated weight (and gate and up another); the original
   Linear modules keep working, their weights now views of the concatenated ones (no copy is kept);
-- RMSNorm, RoPE and SiLU x up each become one Triton kernel (tether.kernels.norm, tether.kernels.pointwise).
+- RMSNorm and RoPE each become one Triton kernel (tether.kernels.norm, tether.kernels.pointwise);
+- every projection and the LM head of a step's few rows (<= 64) run tether.kernels.linear, which reads the weights
+  at the HBM's pace and finishes in the same kernel: gate/up with SwiGLU's activation (SiLU x up), o_proj and
+  down_proj with the residual add; more rows (a prefill) go to cuBLAS as before.
 Outputs equal the unfused model's within the kernels' tolerance (fp32 statistics, as the reference); the state
 dict keys and shapes are unchanged. Fusing is for inference on one device: a tensor-parallel shard re-slices each
 projection on its own (tether.server.tp), so apply one transform or the other.
@@ -16,11 +19,11 @@ projection on its own (tether.server.tp), so apply one transform or the other.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tether.kernels.linear import counters_needed, linear
 from tether.kernels.norm import rms_norm
-from tether.kernels.pointwise import rope, silu_mul
+from tether.kernels.pointwise import rope
 from tether.shared.model import Attention, FeedForward, RMSNorm, Transformer
 
 
@@ -32,23 +35,41 @@ class FusedRMSNorm(RMSNorm):
 class FusedAttention(Attention):
     qkv_weight: Tensor  # [(Hq + 2 Hkv) * D, dim]: q_proj, k_proj and v_proj's weights, which are views of it
     qkv_bias: Tensor | None
+    counters: Tensor  # int32 split-K tile counters of this module's projections (tether.kernels.linear)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         B, T, _ = x.shape
         c = self.cfg
-        h = F.linear(x, self.qkv_weight, self.qkv_bias).view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
-        q, k, v = h.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)  # views: the kernels read them strided
+        h = linear(x, self.qkv_weight, self.qkv_bias, counters=self.counters)
+        q, k, v = h.view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim).split(
+            [c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2
+        )  # views: the kernels read them strided
         return rope(q, cos, sin), rope(k, cos, sin), v
 
     def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return rope(x, cos, sin)
 
+    def add_output(self, o: Tensor, x: Tensor) -> Tensor:
+        return linear(o, self.o_proj.weight, self.o_proj.bias, residual=x, counters=self.counters)
+
 
 class FusedFeedForward(FeedForward):
     gate_up_weight: Tensor  # [2 * ffn_dim, dim]: gate_proj and up_proj's weights, views of it
+    counters: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+        return linear(linear(x, self.gate_up_weight, gated=True, counters=self.counters), self.down_proj.weight,
+                      counters=self.counters)  # fmt: skip
+
+    def add_output(self, h: Tensor, x: Tensor) -> Tensor:
+        act = linear(h, self.gate_up_weight, gated=True, counters=self.counters)
+        return linear(act, self.down_proj.weight, residual=x, counters=self.counters)
+
+
+class FusedTransformer(Transformer):
+    def head(self, h: Tensor) -> Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear(h, w)
 
 
 def _concat(linears: list[nn.Linear], attr: str) -> Tensor | None:
@@ -69,6 +90,12 @@ def _swap(module: nn.Module, cls: type) -> None:
     module.__class__ = cls
 
 
+def _counters(module: nn.Module, like: Tensor, widths: list[int]) -> None:
+    # One buffer serves the module's projections: they run one after another and each leaves it zeroed.
+    n = max(counters_needed(w) for w in widths)
+    module.register_buffer("counters", torch.zeros(n, dtype=torch.int32, device=like.device), persistent=False)
+
+
 @torch.no_grad()
 def fuse(model: Transformer) -> Transformer:
     """Fuse the model in place (see the module docstring) and return it."""
@@ -76,14 +103,17 @@ def fuse(model: Transformer) -> Transformer:
         a, f = block.attn, block.ffn
         a.qkv_weight = _concat([a.q_proj, a.k_proj, a.v_proj], "weight")
         a.qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj], "bias")
+        _counters(a, a.qkv_weight, [a.qkv_weight.shape[0], a.o_proj.weight.shape[0]])
         _swap(a, FusedAttention)
         f.gate_up_weight = _concat([f.gate_proj, f.up_proj], "weight")
+        _counters(f, f.gate_up_weight, [f.gate_proj.weight.shape[0], f.down_proj.weight.shape[0]])
         _swap(f, FusedFeedForward)
         for norm in (block.attn_norm, block.ffn_norm):
             _swap(norm, FusedRMSNorm)
     for norm in (model.norm, model.embed_norm):
         if norm is not None:
             _swap(norm, FusedRMSNorm)
+    _swap(model, FusedTransformer)
     return model
 
 

@@ -146,6 +146,11 @@ class Attention(nn.Module):
         """RoPE at the tokens' positions: x [B, T, H, D] (a seam: the server's fused transform swaps kernels in)."""
         return apply_rope(x, cos, sin)
 
+    def add_output(self, o: Tensor, x: Tensor) -> Tensor:
+        """The residual stream after attention: x + o_proj(o), o [B, T, Hq * D], x [B, T, dim] (a seam: the fused
+        transform adds inside the projection's kernel)."""
+        return x + self.o_proj(o)
+
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -156,6 +161,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def add_output(self, h: Tensor, x: Tensor) -> Tensor:
+        """The residual stream after the FFN: x + ffn(h), h and x [B, T, dim] (a seam, as Attention.add_output)."""
+        return x + self(h)
 
 
 class Block(nn.Module):
@@ -205,7 +214,7 @@ class Block(nn.Module):
             o = get_backend(backend)(q, keys, vals, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
         if c.moda:
             depth.append(k, v)
-        x = x + self.attn.o_proj(o.flatten(2))
+        x = self.attn.add_output(o.flatten(2), x)
         if not pre:
             x = self.attn_norm(x)
         h = self.ffn_norm(x) if pre else x
@@ -215,7 +224,7 @@ class Block(nn.Module):
             # RoPE at the token's own position keeps depth keys in the same space as the sequence keys
             # (a same-position score is rotation invariant, so this costs no expressiveness).
             depth.append(self.attn.rotate(fk, cos, sin), fv)
-        x = x + self.ffn(h)
+        x = self.ffn.add_output(h, x)
         if not pre:
             x = self.ffn_norm(x)
         return x, k, v
