@@ -43,6 +43,7 @@ from tether.shared.acceptance import greedy_packed
 from tether.shared.model import ForwardOutput, Transformer
 
 log = logging.getLogger("tether.server")
+_CAPTURE_LOCK = threading.Lock()  # one CUDA graph capture at a time in this process (StepRunner._capture)
 
 
 @dataclass(frozen=True)
@@ -315,16 +316,21 @@ class StepRunner:
         return done
 
     def _capture(self, g: _Graph | _DecodeGraph) -> None:
-        # Eager runs first, on a side stream as torch's graph capture wants: Triton compiles its kernels there and
-        # the caching allocator settles, so the capture records only the step.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                g.run(self)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            g.result = g.run(self)
-        g.graph = graph
+        # One capture at a time in the process: runners share the graph memory pool, which records one capture
+        # at a time, and two Generate streams may each need a new graph at once. Thread-local capture mode: other
+        # threads (prefills, deltas, another runner's replays) keep using CUDA while this thread captures; in
+        # the default global mode their first cudaMalloc or synchronize would fail, and the capture with it.
+        with _CAPTURE_LOCK:
+            # Eager runs first, on a side stream as torch's graph capture wants: Triton compiles its kernels there
+            # and the caching allocator settles, so the capture records only the step.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    g.run(self)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                g.result = g.run(self)
+            g.graph = graph
         log.debug("captured the step graph for %s", g.bucket)

@@ -216,3 +216,79 @@ def test_captured_shapes_are_captured_again_by_a_new_runner(triton_backend):
     fresh = StepRunner(target, pool)
     assert fresh.capture_shapes(shapes + [[999, 1], [3, 3, 3]]) == len(shapes)
     assert sorted(fresh.shapes()) == sorted(shapes)
+
+
+def test_every_token_delta_sliced_equals_the_gathered_delta(triton_backend):
+    """The batcher's deltas (the drafter's server part over every token, enqueued before the verdicts' copy, then
+    sliced per row: a view for a chain's prefix, a gather for a tree's path) equal what verifying each round on
+    its own gathers."""
+    target = tiny_target(vocab_size=37).to(DEV)
+    target.backend = "triton"
+    drafter = tiny_moa_drafter(target, tli=2).to(DEV)
+    pool = KVPool(target.cfg, num_blocks=60, block_size=4, device=DEV)
+    prompts = [[3, 14, 15, 9, 26], [5, 3, 5], [8, 9, 7, 9, 3, 2, 3, 8]]
+    batched, roots = sessions(target, drafter, pool, prompts)
+    single, _ = sessions(target, drafter, pool, prompts)
+    plain, _ = sessions(target, None, pool, prompts[:2])
+    good = [plain[i].decode(roots[i], 3) for i in range(2)]  # what greedy verification will accept
+    wrong = (good[1][0] + 1) % 37
+    trees = [
+        DraftTree.chain(roots[0], good[0][:2] + [(good[0][2] + 1) % 37]),  # path [0, 1, 2]: a view
+        DraftTree(tokens=torch.tensor([roots[1], wrong, good[1][0]]), parents=torch.tensor([-1, 0, 0])),  # [0, 2]
+        DraftTree.chain(roots[2], [1, 2]),
+    ]
+    got = rounds.verify_batch(target, list(zip(batched, trees, strict=True)), host_deltas=True)
+    assert [v.path for v, _ in got][:2] == [[0, 1, 2], [0, 2]]
+    for (verdict, delta), ver, tree in zip(got, single, trees, strict=True):
+        want_verdict, want = ver.verify(tree)
+        assert verdict.path == want_verdict.path and delta.start == want.start and delta.tokens == want.tokens
+        assert delta.tensors.keys() == want.tensors.keys()
+        for k, t in delta.tensors.items():
+            assert t.device.type == "cpu"
+            torch.testing.assert_close(t, want.tensors[k].cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a GPU")
+def test_capture_while_other_threads_use_the_gpu(triton_backend):
+    """A server captures step graphs while other threads run eager forwards (prefills), allocate and copy results
+    to the host (measured on the H200: concurrent Generate streams failed with 'operation not permitted when stream
+    is capturing' before captures became thread-local and one at a time). Another thread runs forwards of changing
+    lengths without pause while this one captures new buckets; both finish, and the replayed tokens equal one-token
+    rounds."""
+    import threading
+
+    target = tiny_target(vocab_size=37).to(DEV)
+    target.backend = "triton"
+    other = tiny_target(vocab_size=37, seed=1).to(DEV)
+    pool = KVPool(target.cfg, num_blocks=40, block_size=4, device=DEV)
+    ver, ref = (SequenceVerifier(target, None, capacity=96, pool=pool) for _ in range(2))
+    started, stop, errors = threading.Event(), threading.Event(), []
+
+    def busy():
+        try:
+            for i in range(100_000):  # bounded; stops when the captures are done
+                ids = torch.randint(0, 37, (1, i % 50 + 1), device=DEV)
+                other(ids).argmax(-1).tolist()  # an eager forward, then a copy the host waits for
+                started.set()
+                if stop.is_set():
+                    return
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+            started.set()
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        assert started.wait(60)
+        root = ver.open([1, 2, 3])[0]
+        assert root == ref.open([1, 2, 3])[0]
+        got = ver.decode(root, 23)  # 16 + 4 + 2 + 1 chained steps: four decode graphs, each a new capture
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    want = []
+    for _ in range(23):
+        root = ref.verify(DraftTree.chain(root, []))[0].bonus
+        want.append(root)
+    assert got == want
