@@ -33,11 +33,13 @@ budget, a client catches up back to back); with --duration, rows count the clien
 
 Per client count (`--clients 1 32 128`, in turn against the same server): rounds/s, scored and accepted tokens/s
 (accepted = the verdicts' accepted + 1), tau, p50 / p99 round latency, the speed-up over one client's rounds/s
-(else over the first count's) and wall time; with the server in this process, also the batcher's mean batch size
-and the server's mean verify time (its batch_size and verify_seconds histograms over the timed window; with
---target, scraped from --metrics-url) and the server process's CPU time per round (getrusage; the client process
-is not counted). Trace rows add the recording's tau over the same rounds and the share of rounds whose verdict
-matched it. Generate rows: tokens/s, per stream, TTFT and CPU per token. Prints a table, then one JSON line.
+(else over the first count's) and wall time; with the server in this process, also the batcher's mean batch size,
+the server's mean round time (a round's wait, batch and verdict) and mean batch time (staging, GPU step,
+verdicts, deltas: its batch_size, verify_seconds and batch_seconds histograms over the timed window; with
+--target, scraped from --metrics-url), the server process's CPU time per round (getrusage; the client process
+is not counted) and what the open sessions hold before the window (sessions, KV blocks, resident and CUDA
+memory). Trace rows add the recording's tau over the same rounds and the share of rounds whose verdict matched
+it. Generate rows: tokens/s, per stream, TTFT and CPU per token. Prints a table, then one JSON line.
 
     python bench/server.py --clients 1 32 128                    # CUDA when present, random drafts, k=5
     python bench/server.py --device cpu --clients 1 8 32 --rounds 20
@@ -368,7 +370,9 @@ class ServerProbe:
         out: dict = {}
         if self.service is not None:
             out["cpu_s"] = cpu_s()  # this process's threads only: not the client processes
-            fams = [*self.service.metrics.batch_size.collect(), *self.service.metrics.verify_seconds.collect()]
+            out |= memory(self.service)
+            m = self.service.metrics
+            fams = [*m.batch_size.collect(), *m.verify_seconds.collect(), *m.batch_seconds.collect()]
             samples = [s for f in fams for s in f.samples]
         elif self.metrics_url:
             import urllib.request
@@ -381,10 +385,30 @@ class ServerProbe:
         else:
             return out
         for s in samples:
-            for name in ("tether_batch_size", "tether_verify_seconds"):
+            for name in ("tether_batch_size", "tether_verify_seconds", "tether_batch_seconds"):
                 if s.name in (f"{name}_sum", f"{name}_count"):
                     out[s.name] = s.value
         return out
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (Linux /proc; elsewhere its peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def memory(service) -> dict:
+    """What the in-process server holds: sessions open, KV blocks in use, resident memory (the bench's own
+    bookkeeping included: it is small) and CUDA memory allocated."""
+    import torch
+
+    cuda = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    return {"sessions": len(service.table), "kv_blocks_used": service.pool.used_blocks, "rss_mb": rss_mb(),
+            "cuda_mb": cuda}  # fmt: skip
 
 
 def delta(after: dict, before: dict, key: str) -> float | None:
@@ -435,6 +459,8 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
     client_cpu = sum(o["cpu_s"] for o in outs)
     window = args.duration if args.duration > 0 else wall  # what the rates are over
     row: dict = {"clients": n, "client_procs": procs_n, "wall_s": wall, "server_cpu_s": cpu, "client_cpu_s": client_cpu}
+    # Held while every client is open and warmed up, before the window: what n open sessions cost the server.
+    row |= {f"held_{key}": before[key] for key in ("sessions", "kv_blocks_used", "rss_mb", "cuda_mb") if key in before}
     if args.duration > 0:
         row |= {"duration_s": args.duration, "rate": args.rate or None}
     if args.mode == "generate":
@@ -466,6 +492,8 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
             "mean_batch": ratio(delta(after, before, "tether_batch_size_sum"), batches),
             "server_verify_ms": ratio(1e3 * (delta(after, before, "tether_verify_seconds_sum") or 0),
                                       delta(after, before, "tether_verify_seconds_count")),
+            "server_batch_ms": ratio(1e3 * (delta(after, before, "tether_batch_seconds_sum") or 0),
+                                     delta(after, before, "tether_batch_seconds_count")),
             "server_cpu_ms_per_round": ratio(cpu_ms, rounds),
             "client_cpu_ms_per_round": ratio(1e3 * row["client_cpu_s"], rounds)}  # fmt: skip
     if args.mode == "trace":
@@ -488,7 +516,8 @@ def start_server(args: argparse.Namespace):
     most = max(args.clients)
     config = ServiceConfig(max_sessions=max(256, 2 * most), max_streams=max(4096, 2 * most),
                            max_new_tokens=max(1024, args.tokens), kv_pool_bytes=args.kv_pool_mb << 20,
-                           batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
+                           batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch,
+                           gil_switch_s=args.gil_switch_ms / 1e3)  # fmt: skip
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
     if target.backend == "triton":
         warm_up(target, service.pool)  # as `tether-server serve` does before it listens
@@ -535,23 +564,30 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
     t = Table(title=f"Session rounds, {what}, prompt {args.prompt_len if args.mode == 'random' else 'as recorded'}, "
               f"{timed}, {where}")  # fmt: skip
     cols = ["clients", "rounds/s", "speed-up", "scored tok/s", "accepted tok/s", "tau", "p50 / p99 ms", "mean batch",
-            "server verify ms", "CPU ms/round server / clients", "wall s"]  # fmt: skip
+            "server round / batch ms", "CPU ms/round server / clients", "wall s"]  # fmt: skip
     if args.mode == "trace":
         cols[6:6] = ["tau recorded", "trace match"]
     if args.duration > 0 and args.rate > 0:
         cols.insert(-1, f"clients >= {0.95 * args.rate:g} tok/s")
+    held = any("held_sessions" in r for r in rows)
+    if held:
+        cols.insert(-1, "sessions held: RSS / CUDA MB")
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
         cells = [str(r["clients"]), f(r["rounds_per_s"], ".1f"), f(r["speedup"], ".2f"),
                  f(r["scored_tokens_per_s"], ".0f"), f(r["accepted_tokens_per_s"], ".0f"), f(r["tau"], ".2f"),
-                 f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}", f(r["mean_batch"], ".2f"), f(r["server_verify_ms"], ".1f"),
+                 f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}", f(r["mean_batch"], ".2f"),
+                 f"{f(r['server_verify_ms'], '.1f')} / {f(r['server_batch_ms'], '.2f')}",
                  f"{f(r['server_cpu_ms_per_round'], '.1f')} / {f(r['client_cpu_ms_per_round'], '.1f')}",
                  f"{r['wall_s']:.2f}"]  # fmt: skip
         if args.mode == "trace":
             cells[6:6] = [f(r["tau_recorded"], ".2f"), "-" if r["trace_match"] is None else f"{r['trace_match']:.0%}"]
         if args.duration > 0 and args.rate > 0:
             cells.insert(-1, f"{r['clients_at_rate']} / {r['clients']}")
+        if held:
+            cells.insert(-1, f"{r.get('held_sessions', '-')}: {f(r.get('held_rss_mb'), '.0f')} / "
+                             f"{f(r.get('held_cuda_mb'), '.0f')}")  # fmt: skip
         t.add_row(*cells)
     return t
 
@@ -595,6 +631,8 @@ def parser() -> argparse.ArgumentParser:
         default=ServiceConfig.batch_window_s * 1e3,
         help="in-process server: the batcher's extra wait before a step (0: continuous batching)",
     )
+    ap.add_argument("--gil-switch-ms", type=float, default=ServiceConfig.gil_switch_s * 1e3,
+                    help="in-process server: its GIL switch interval (0: Python's own)")  # fmt: skip
     ap.add_argument(
         "--max-batch", type=int, default=ServiceConfig.max_batch, help="in-process server: rounds per step at most"
     )

@@ -1,13 +1,16 @@
 """The round scheduler: rounds from many sessions that arrive within a short window run as one target forward.
 
 Contract:
-- `RoundBatcher(target, window_s, max_batch, max_tokens)`: `submit(verifier, tree)` returns a Future. A worker
-  thread runs continuous batching, as vLLM's scheduler does per iteration: whenever it is free it takes every
-  round waiting, oldest first, as long as the step stays within `max_batch` rows and `max_tokens` rows x tokens
-  (the largest step bucket), and verifies them as one step (tether.server.rounds.verify_batch, deltas in host
-  memory for the encoder); rounds arriving meanwhile join the next step, and a round left out is first in the next.
-  `window_s` > 0 waits that long for more rounds before each step. If the batch as a whole fails, each round is
-  verified on its own, so one bad round fails alone.
+- `RoundBatcher(target, window_s, max_batch, max_tokens)`: `submit(verifier, tree, finish=None)` returns a
+  Future of the round's (verdict, delta), or of `finish((verdict, delta))` when given: the service's encoding of
+  the reply, run on the batcher's finishing thread, which takes each batch's results as a whole while the next
+  step runs (one thread for every round's encoding: no hop through a thread pool, no contention with prefills
+  for it). A worker thread runs continuous batching, as vLLM's scheduler does per iteration: whenever it is
+  free it takes every round waiting, oldest first, as long as the step stays within `max_batch` rows and
+  `max_tokens` rows x tokens (the largest step bucket), and verifies them as one step
+  (tether.server.rounds.verify_batch, deltas in host memory for the encoder); rounds arriving meanwhile join the
+  next step, and a round left out is first in the next. `window_s` > 0 waits that long for more rounds before
+  each step. If the batch as a whole fails, each round is verified on its own, so one bad round fails alone.
 - `warm_up(target, pool)`: every kernel variant and step graph a server needs, run once before it listens.
 """
 
@@ -17,7 +20,9 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -72,15 +77,20 @@ class RoundBatcher:
         self.target, self.window_s = target, window_s  # window_s: extra wait for more rounds before a step
         self.max_batch = max_batch  # rounds per step at most
         self.max_tokens = max_tokens  # rows x the largest tree (to a power of two) per step at most: a step bucket
-        self.on_batch = on_batch  # called with each batch's size (metrics)
+        self.on_batch = on_batch  # called with each batch's size and its seconds on this thread (metrics)
         self.inbox: queue.Queue = queue.Queue()
         self._next: collections.deque = collections.deque()  # taken from the inbox, left for the next step
+        self._done: queue.Queue = queue.Queue()  # (futures, finishers, results) per step, or None: stop
         self.worker = threading.Thread(target=self._run, name="tether-batcher", daemon=True)
+        self.finisher = threading.Thread(target=self._finish, name="tether-batch-finisher", daemon=True)
         self.worker.start()
+        self.finisher.start()
 
-    def submit(self, verifier: SequenceVerifier, tree: DraftTree) -> Future:
+    def submit(
+        self, verifier: SequenceVerifier, tree: DraftTree, finish: Callable[[tuple], Any] | None = None
+    ) -> Future:
         fut: Future = Future()
-        self.inbox.put((verifier, tree, fut))
+        self.inbox.put((verifier, tree, (fut, finish)))
         return fut
 
     def close(self) -> None:
@@ -118,27 +128,39 @@ class RoundBatcher:
 
     def _run(self) -> None:
         closing = False
-        while not closing or self._next:
-            first = self._take(None)
-            if first is None:
-                closing = True
-                continue
-            batch, closed = self._batch(first)
-            closing = closing or closed
-            if self.on_batch:
-                self.on_batch(len(batch))
-            try:
-                results = verify_batch(self.target, [(v, t) for v, t, _ in batch], host_deltas=True)
-            except Exception:
-                # Nothing was committed: verify each on its own so one bad round fails alone.
-                for v, t, fut in batch:
-                    try:
-                        fut.set_result(v.verify(t))
-                    except Exception as e:
-                        fut.set_exception(e)
-                continue
-            for (_, _, fut), result in zip(batch, results, strict=True):
+        try:
+            while not closing or self._next:
+                first = self._take(None)
+                if first is None:
+                    closing = True
+                    continue
+                batch, closed = self._batch(first)
+                closing = closing or closed
+                t0 = time.perf_counter()
+                try:
+                    results = verify_batch(self.target, [(v, t) for v, t, _ in batch], host_deltas=True)
+                    if self.on_batch:
+                        self.on_batch(len(batch), time.perf_counter() - t0)
+                except Exception:
+                    # Nothing was committed: verify each on its own so one bad round fails alone.
+                    results = []
+                    for v, t, _ in batch:
+                        try:
+                            results.append(v.verify(t))
+                        except Exception as e:
+                            results.append(e)
+                self._done.put([(done, result) for (_, _, done), result in zip(batch, results, strict=True)])
+        finally:
+            self._done.put(None)
+
+    def _finish(self) -> None:
+        """Each step's rounds, finished and answered in order (their futures' results or errors)."""
+        while (step := self._done.get()) is not None:
+            for (fut, finish), result in step:
                 if isinstance(result, Exception):
                     fut.set_exception(result)
-                else:
-                    fut.set_result(result)
+                    continue
+                try:
+                    fut.set_result(result if finish is None else finish(result))
+                except Exception as e:
+                    fut.set_exception(e)

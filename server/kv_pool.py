@@ -159,7 +159,7 @@ class PagedCache:
         self.blocks: list[int] = []  # the block table
         self.length = 0  # committed positions
         self.released = False
-        self._slots = torch.empty(0, dtype=torch.long, device=pool.device)  # flat slot of every position held
+        self._slot_table: Tensor | None = None  # flat slot of every position held, built when first needed
 
     # ---- block bookkeeping --------------------------------------------------------------------------
 
@@ -168,10 +168,19 @@ class PagedCache:
             raise RuntimeError("this KV cache was released (its session was evicted or closed)")
 
     def _set_blocks(self, blocks: list[int]) -> None:
+        # The device slot table is built lazily: the step path stages block tables from `blocks` on the host, and
+        # rounds grow and trim blocks often; building it here cost a host-to-device copy and three kernels each.
         self.blocks = blocks
-        bs = self.pool.block_size
-        base = torch.tensor(blocks, dtype=torch.long, device=self.pool.device)[:, None] * bs
-        self._slots = (base + torch.arange(bs, device=self.pool.device)).flatten()  # [len(blocks) * bs]
+        self._slot_table = None
+
+    @property
+    def _slots(self) -> Tensor:
+        """Flat pool slot of every position the blocks hold: [len(blocks) * block_size] long, on the device."""
+        if self._slot_table is None:
+            bs, dev = self.pool.block_size, self.pool.device
+            base = torch.tensor(self.blocks, dtype=torch.long, device=dev)[:, None] * bs
+            self._slot_table = (base + torch.arange(bs, device=dev)).flatten()
+        return self._slot_table
 
     def reserve(self, n: int) -> None:
         """Make room for n rows past the committed length (taking blocks from the pool as needed)."""
@@ -217,8 +226,8 @@ class PagedCache:
     def advance(self, n: int) -> None:
         """Commit the first n pending rows."""
         self._check()
-        if self.length + n > min(self.capacity, len(self._slots)):
-            raise ValueError(f"cannot advance {n} rows past the {len(self._slots) - self.length} written")
+        if self.length + n > self.written:
+            raise ValueError(f"cannot advance {n} rows past the {self.written - self.length} written")
         self.length += n
 
     def accept(self, path: Tensor | list[int]) -> None:

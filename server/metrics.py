@@ -36,6 +36,13 @@ class ServiceMetrics:
                                         registry=r)  # fmt: skip
         self.batch_size = Histogram("tether_batch_size", "rounds verified in one target forward",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)  # fmt: skip
+        self.batch_seconds = Histogram("tether_batch_seconds", "one batched verify on the batcher's thread: "
+                                       "staging, the GPU step, verdicts and the deltas' gather", registry=r,
+                                       buckets=(5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))  # fmt: skip
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_seconds.observe(seconds)
 
 
 def serve_metrics(metrics: ServiceMetrics, host: str, port: int):

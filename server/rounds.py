@@ -237,16 +237,9 @@ def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, li
     idx = torch.tensor([b * T + j for b, _, path, _ in rows for j in path], device=out.logits.device)
     flat = TargetStates(k=out.k.flatten(1, 2)[:, idx], v=out.v.flatten(1, 2)[:, idx],
                         hidden=out.hidden[0].flatten(0, 1)[idx])  # fmt: skip
-    whole = drafter.server_delta(flat, 0, [t for *_, tokens in rows for t in tokens])
-    tensors = whole.tensors
+    tensors = drafter.server_delta(flat, 0, [t for *_, tokens in rows for t in tokens]).tensors
     if host:
-        pin = out.logits.is_cuda
-        staged = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
-        for k, t in tensors.items():
-            staged[k].copy_(t, non_blocking=pin)
-        if pin:
-            torch.cuda.current_stream().synchronize()
-        tensors = staged
+        tensors = _to_host(tensors, sync=True)
     deltas, at = [], 0
     for _, start, path, tokens in rows:
         n = len(path)
@@ -254,6 +247,43 @@ def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, li
             DraftDelta(start, list(tokens), {k: t.narrow(POSITION_AXIS[k], at, n) for k, t in tensors.items()})
         )
         at += n
+    return deltas
+
+
+def _to_host(tensors: dict[str, Tensor], *, sync: bool) -> dict[str, Tensor]:
+    """Copies in pinned host memory (CUDA), enqueued on the current stream; `sync` waits for them."""
+    pin = any(t.is_cuda for t in tensors.values())
+    staged = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
+    for k, t in tensors.items():
+        staged[k].copy_(t, non_blocking=pin)
+    if pin and sync:
+        torch.cuda.current_stream().synchronize()
+    return staged
+
+
+def every_token_delta(out: ForwardOutput, drafter, rows: int) -> dict[str, Tensor]:
+    """The drafter's server part over every token of the forward's first `rows` rows, copied to pinned host
+    memory without waiting: [rows * T] along each tensor's position axis (POSITION_AXIS), row b's node j at
+    b * T + j. Enqueued before the step's verdicts are read, it runs on the GPU behind the step and arrives with
+    the verdicts' copy: one wait per round instead of two, and no gather that waits on the verdicts. The server
+    parts are per position, so a row's slice (`slice_deltas`) equals what gather_deltas computes for it."""
+    flat = TargetStates(k=out.k[:, :rows].flatten(1, 2), v=out.v[:, :rows].flatten(1, 2),
+                        hidden=out.hidden[0][:rows].flatten(0, 1))  # fmt: skip
+    return _to_host(drafter.server_delta(flat, 0, []).tensors, sync=False)
+
+
+def slice_deltas(tensors: dict[str, Tensor], T: int, rows: Sequence[tuple[int, int, list[int], list[int]]]):
+    """Each row's DraftDelta out of every_token_delta's tensors (after the stream has reached them): a view for a
+    contiguous path (a chain's accepted prefix), a gathered copy for a tree's."""
+    deltas = []
+    for b, start, path, tokens in rows:
+        first = b * T + path[0]
+        if path == list(range(path[0], path[0] + len(path))):
+            parts = {k: t.narrow(POSITION_AXIS[k], first, len(path)) for k, t in tensors.items()}
+        else:
+            idx = torch.tensor([b * T + j for j in path])
+            parts = {k: t.index_select(POSITION_AXIS[k], idx) for k, t in tensors.items()}
+        deltas.append(DraftDelta(start, list(tokens), parts))
     return deltas
 
 
@@ -280,12 +310,16 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
     caches = [ver.cache for ver, _ in items]
     lens = [c.length for c in caches]
     want = any(ver.drafter is not None for ver, _ in items)
+    drafters = {id(ver.drafter): ver.drafter for ver, _ in items if ver.drafter is not None}
     with forward_rows(target, caches, trees, states=want) as (out, greedy):
         # Every verdict on the device in one pass and one copy back, decided before any is committed, so a row
         # that fails (a malformed q) fails alone. A step already decided the greedy ones inside its graph.
         verdicts: list[Verdict | Exception]
+        early = None
         if greedy is not None and all(ver.temperature == 0 for ver, _ in items):
-            verdicts = unpack_verdicts(trees, greedy.cpu())
+            if host and len(drafters) == 1:
+                early = every_token_delta(out, next(iter(drafters.values())), len(items))
+            verdicts = unpack_verdicts(trees, greedy.cpu())  # the one wait: the deltas' copies came before it
         else:
             verdicts = verify_rows(trees, out.logits[: len(items)], [ver.temperature for ver, _ in items],
                                    [ver.top_p for ver, _ in items], [ver.generator for ver, _ in items])  # fmt: skip
@@ -296,7 +330,11 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
                 by_drafter.setdefault(id(ver.drafter), []).append(i)
         for rows in by_drafter.values():
             spans = [(i, lens[i], verdicts[i].path, [trees[i]._tokens[j] for j in verdicts[i].path]) for i in rows]
-            deltas.update(zip(rows, gather_deltas(out, items[rows[0]][0].drafter, spans, host=host), strict=True))
+            if early is not None:
+                found = slice_deltas(early, out.logits.shape[1], spans)
+            else:
+                found = gather_deltas(out, items[rows[0]][0].drafter, spans, host=host)
+            deltas.update(zip(rows, found, strict=True))
     ok = [i for i, v in enumerate(verdicts) if not isinstance(v, Exception)]
     _commit([caches[i] for i in ok], [verdicts[i].path for i in ok])
     return [v if isinstance(v, Exception) else (v, deltas.get(i)) for i, v in enumerate(verdicts)]

@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import secrets
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ from tether.server.metrics import ServiceMetrics
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
-from tether.shared.codecs import Codec, encode_many
+from tether.shared.codecs import Codec, CodecError, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
@@ -90,7 +91,10 @@ class ServiceConfig:
     kv_pool_bytes: int = 256 << 20  # memory of the paged KV pool all sessions share
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
-    model_threads: int = 2  # threads for prefills, resync absorbs, Generate steps and delta encoding
+    model_threads: int = 2  # threads for prefills, resync absorbs and Generate steps
+    # The process's GIL switch interval (sys.setswitchinterval; 0: leave it as it is, 5 ms by default): the
+    # batcher gives the GIL up at each GPU sync, then waits up to this long while the loop and encoder run Python.
+    gil_switch_s: float = 0.0005
 
 
 def _sha256_json(obj: dict) -> str:
@@ -137,6 +141,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             max_draft_tokens=c.max_draft_tokens,
             max_message_bytes=c.max_message_bytes,
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
+        if c.gil_switch_s > 0:
+            sys.setswitchinterval(c.gil_switch_s)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
                                               dtype=target.embed_tokens.weight.dtype)  # fmt: skip
@@ -146,7 +152,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         self.metrics.kv_blocks.set(self.pool.num_blocks)
         self.metrics.kv_blocks_used.set_function(lambda: self.pool.used_blocks)
         self.batcher = RoundBatcher(target, window_s=c.batch_window_s, max_batch=c.max_batch,
-                                    on_batch=self.metrics.batch_size.observe)  # fmt: skip
+                                    on_batch=self.metrics.observe_batch)  # fmt: skip
         self.executor = concurrent.futures.ThreadPoolExecutor(c.model_threads, thread_name_prefix="tether-model")
         self._inflight: set[concurrent.futures.Future] = set()  # work handed to threads (waited for at stop)
         self._generating = 0  # Generate streams decoding now
@@ -407,8 +413,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                    f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
             try:
                 with self.metrics.verify_seconds.time():
-                    verdict, delta = await self._wait(self.batcher.submit(s.verifier, tree), claim)
-                message = await self._in_thread(self._verdict, req.round, verdict, delta, s.codec)
+                    # The reply is encoded on the batcher's finishing thread, straight after the step.
+                    finish = functools.partial(self._verdict_reply, req.round, s.codec)
+                    verdict, message = await self._wait(self.batcher.submit(s.verifier, tree, finish), claim)
             except ValueError as e:
                 raise invalid(str(e)) from None
             except PoolExhausted:
@@ -422,9 +429,15 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             s.root, s.last_round, s.last_reply = verdict.bonus, req.round, message
             return message
 
-    def _verdict(self, round_no: int, verdict, delta: DraftDelta, codec: Codec) -> pb.ServerMessage:
-        v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=self._delta(delta, codec))
-        return pb.ServerMessage(verdict=v)
+    def _verdict_reply(self, round_no: int, codec: Codec, result: tuple) -> tuple:
+        """(verdict, its ServerMessage) from a round's (verdict, delta)."""
+        verdict, delta = result
+        try:
+            payload = self._delta(delta, codec)
+        except CodecError as e:  # the session's codec was checked at open: this is the server's fault, not the call's
+            raise RuntimeError(f"encoding a round's delta failed: {e}") from e
+        v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload)
+        return verdict, pb.ServerMessage(verdict=v)
 
     # ---- Resync -------------------------------------------------------------------------------------------
 

@@ -54,6 +54,16 @@ from torch import Tensor
 # Below this much residual mass, rejection was a rounding artefact (p <= q everywhere means p == q), so the
 # residual is noise; the bonus is drawn from the distribution being matched instead.
 _RESIDUAL_EPS = 1e-6
+_CHAIN_PARENTS: dict[int, Tensor] = {}
+
+
+def _chain_parents(n: int) -> Tensor:
+    """[-1, 0, 1, ..., n - 2]: a chain's parents, one shared tensor per length (read-only by contract, as every
+    DraftTree's tensors are)."""
+    p = _CHAIN_PARENTS.get(n)
+    if p is None:
+        p = _CHAIN_PARENTS.setdefault(n, torch.arange(-1, n - 1, dtype=torch.long))
+    return p
 
 
 @dataclass(frozen=True, eq=False)  # tensors have no single truth value, so trees compare by identity
@@ -78,9 +88,10 @@ class DraftTree:
             raise ValueError(
                 f"tokens and parents must be equal-length 1-D, got {self.tokens.shape}, {self.parents.shape}"
             )
-        parents = self.parents.tolist()
-        if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
-            raise ValueError(f"need parents[0] == -1 and 0 <= parents[i] < i, got {parents}")
+        if self.parents is not _chain_parents(n):  # chain() shares one checked parents tensor per length
+            parents = self.parents.tolist()
+            if parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+                raise ValueError(f"need parents[0] == -1 and 0 <= parents[i] < i, got {parents}")
         if (self.q_ids is None) != (self.q_probs is None):
             raise ValueError("q_ids and q_probs come together")
         if self.q_ids is not None:
@@ -104,9 +115,12 @@ class DraftTree:
         q_probs: Tensor | None = None,
     ) -> DraftTree:
         """A chain root -> d_0 -> d_1 -> ...; q_ids / q_probs [k, K] give one row per draft token (no root row)."""
-        draft = torch.as_tensor(draft_tokens, dtype=torch.long).reshape(-1).cpu()
-        tokens = torch.cat([torch.tensor([root_token], dtype=torch.long), draft])  # [k + 1]
-        parents = torch.arange(-1, draft.numel(), dtype=torch.long)  # [k + 1]
+        # One tensor op for a list of ids: a server builds one of these per round on its event loop.
+        if isinstance(draft_tokens, Tensor):
+            tokens = torch.cat([torch.tensor([root_token], dtype=torch.long), draft_tokens.reshape(-1).long().cpu()])
+        else:
+            tokens = torch.tensor([root_token, *draft_tokens], dtype=torch.long)  # [k + 1]
+        parents = _chain_parents(tokens.numel())  # [k + 1]
         if q_ids is not None and q_probs is not None:
             # The root was not sampled from anything; a point mass on itself keeps row 0 a valid distribution.
             K = q_ids.shape[-1]

@@ -57,7 +57,7 @@ def test_32_concurrent_sessions_batched_equal_sequential(paged):
     kv = KVPool(target.cfg, num_blocks=300, block_size=5) if paged else None
     sequential = [run(target, drafter, s, lambda v, t: v.verify(t)) for s in range(32)]
     batches = []
-    batcher = RoundBatcher(target, window_s=0.05, max_batch=32, on_batch=batches.append)
+    batcher = RoundBatcher(target, window_s=0.05, max_batch=32, on_batch=lambda n, _s: batches.append(n))
     try:
         with ThreadPoolExecutor(32) as pool:
             batched = list(pool.map(lambda s: run(target, drafter, s, lambda v, t: batcher.submit(v, t).result(), kv),
