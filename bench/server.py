@@ -516,8 +516,7 @@ def start_server(args: argparse.Namespace):
     most = max(args.clients)
     config = ServiceConfig(max_sessions=max(256, 2 * most), max_streams=max(4096, 2 * most),
                            max_new_tokens=max(1024, args.tokens), kv_pool_bytes=args.kv_pool_mb << 20,
-                           batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch,
-                           gil_switch_s=args.gil_switch_ms / 1e3)  # fmt: skip
+                           batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
     if target.backend == "triton":
         warm_up(target, service.pool)  # as `tether-server serve` does before it listens
@@ -631,8 +630,6 @@ def parser() -> argparse.ArgumentParser:
         default=ServiceConfig.batch_window_s * 1e3,
         help="in-process server: the batcher's extra wait before a step (0: continuous batching)",
     )
-    ap.add_argument("--gil-switch-ms", type=float, default=ServiceConfig.gil_switch_s * 1e3,
-                    help="in-process server: its GIL switch interval (0: Python's own)")  # fmt: skip
     ap.add_argument(
         "--max-batch", type=int, default=ServiceConfig.max_batch, help="in-process server: rounds per step at most"
     )

@@ -41,7 +41,6 @@ import itertools
 import json
 import logging
 import secrets
-import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -92,9 +91,6 @@ class ServiceConfig:
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     model_threads: int = 2  # threads for prefills, resync absorbs and Generate steps
-    # The process's GIL switch interval (sys.setswitchinterval; 0: leave it as it is, 5 ms by default): the
-    # batcher gives the GIL up at each GPU sync, then waits up to this long while the loop and encoder run Python.
-    gil_switch_s: float = 0.0005
 
 
 def _sha256_json(obj: dict) -> str:
@@ -141,8 +137,6 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             max_draft_tokens=c.max_draft_tokens,
             max_message_bytes=c.max_message_bytes,
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
-        if c.gil_switch_s > 0:
-            sys.setswitchinterval(c.gil_switch_s)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
                                               dtype=target.embed_tokens.weight.dtype)  # fmt: skip

@@ -267,7 +267,9 @@ def test_capture_while_other_threads_use_the_gpu(triton_backend):
     def busy():
         try:
             for i in range(100_000):  # bounded; stops when the captures are done
-                ids = torch.randint(0, 37, (1, i % 50 + 1), device=DEV)
+                # Ids drawn on the CPU: the CUDA generator belongs to the capture while one runs (the server
+                # samples on the CPU, with each session's own generator).
+                ids = torch.randint(0, 37, (1, i % 50 + 1)).to(DEV)
                 other(ids).argmax(-1).tolist()  # an eager forward, then a copy the host waits for
                 started.set()
                 if stop.is_set():
