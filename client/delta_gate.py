@@ -16,7 +16,7 @@ Only then is it decoded, each tensor's decompression bounded by its checked shap
 Contract:
 - `DeltaLayout.for_config(cfg, dcfg)`: `layout.shapes(n)` -> {name: shape}, `layout.max_bytes(n)`.
 - `frames_problem(frames, layout, n)` -> what is wrong with parsed headers ({name: (dtype, shape)}, from
-  tether.shared.codecs.parse_many or, torch-free, tether.client.codecs_np.parse_many), or None.
+  tether.shared.codecs.parse_many or, torch-free, tether.shared.wire.parse_many), or None.
 - `WireDelta(start, tokens, payload)`: a delta as it arrived, not decoded.
 - `DeltaGate(drafter, layout, coverable, refuse)`: the drafter as the session drives it. `begin(wire)` and
   `commit(wire)` check, decode and hand a DraftDelta to the drafter; `coverable(start)` lists the tokens a delta

@@ -12,7 +12,7 @@ Contract (as DrafterBase; the differences are marked *):
   states of the round's root and accepted drafts and drops the drafted rows after them.
   * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
   tensors are numpy arrays or torch tensors (converted through their own methods, so torch is not imported
-  here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.client.codecs_np.decode_many.
+  here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.shared.wire.decode_many.
 - `draft(root, k, temperature=0.0, top_p=1.0, support=8, generator=None)` -> (tokens, q_ids, q_probs): a chain
   of k tokens after `root`; greedy returns (tokens, None, None). `discard_drafts()` drops the rows of a chain
   whose round was lost.
@@ -31,7 +31,7 @@ begin, the last draft after a fully accepted chain, the whole delta after a tree
 TLI layers then run too, their rows discarded (no logits are computed). A separate SA graph would avoid that
 but store the embedding table twice.
 
-Tests: tests/client/test_onnx_backend.py (parity with torch, a run with torch blocked) and test_codecs_np.py.
+Tests: tests/client/test_onnx_backend.py (parity with torch, a run with torch blocked) and tests/shared/test_wire.py.
 
     drafter = OnnxDrafter.load("build/onnx-drafter")
     drafter.begin(prompt_delta)

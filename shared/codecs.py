@@ -1,37 +1,12 @@
-"""Tensor codecs for the wire: the KV deltas sent after each verification round, and weight chunks.
+"""The wire codecs for torch tensors: tether.shared.wire (the format and its one implementation, on numpy) with
+tensors in and out, for the server and the torch client.
 
-Codecs (the id travels in every payload, so a receiver never guesses):
-- RAW (0): the tensor's bytes as they are, uncompressed. For debugging and for measuring the others.
-- FP16_SHUFFLE_ZSTD (1): lossless. The tensor keeps its dtype (fp16 stays fp16, bf16 stays bf16; fp32
-  becomes fp16 only with `fp32_as_fp16=True`, which is lossy and refused when a value would overflow).
-  The bytes are shuffled into planes (every element's byte 0, then every byte 1, ...) and zstd-compressed.
-  Neighbouring values often share sign and exponent, so the high-byte plane is repetitive while the low
-  mantissa plane is close to noise; interleaved, the noise breaks up the repeats zstd would match. On
-  smooth data that halves the size against plain zstd; on the shipped model's bf16 K/V, LSA vectors and
-  weights it gains 1-5% (bench/codecs.py). Integer and bool tensors pass through it losslessly too.
-- INT8_ZSTD (2): lossy. Symmetric int8 with one fp16 scale per vector along the last axis (per
-  (token, head) row of D values for K/V, per token for hidden states), then zstd of the int8 bytes.
-  scale = max|row| / 127, rounded up to the next fp16, so |x - decode(x)| <= scale / 2 in fp32 before
-  the cast back to the original dtype (which adds at most half an ulp of that dtype), and an all-zero
-  row decodes to zeros. Needs finite inputs with max|row| <= 127 * 65504 (the fp16 scale range).
-
-Contract:
-- `encode(t, codec) -> EncodedTensor`; `decode(e) -> Tensor` returns a CPU tensor of the original
-  dtype and shape. Lossless codecs round-trip bit-exactly (NaN payloads, Inf and -0.0 included).
-- `EncodedTensor.to_bytes()` / `EncodedTensor.from_bytes(data)`: a self-describing little-endian frame
-      magic b"TTEN" | version u8 | codec u8 | dtype u8 | wire dtype u8 | ndim u8 | shape u32 x ndim
-      | payload length u32 | scales length u32 | payload | scales
-  (the wire dtype is what the payload holds: int8 for INT8_ZSTD, fp16 for fp32 sent as fp16, else the
-  dtype). `from_bytes` checks every field and raises CodecError on any inconsistency; `decode` bounds
-  zstd's output by the size the shape implies, so a small payload cannot balloon into a large allocation.
-  Both refuse a declared tensor larger than `max_nbytes` (default DEFAULT_MAX_NBYTES).
-- `encode_many(tensors, codec) -> bytes` / `decode_many(data) -> dict[str, Tensor]`: a named bundle
-      magic b"TTBN" | version u8 | count u32 | count x (name length u16 | utf-8 name | frame length u32 | frame)
-  with the same validation, the `max_nbytes` budget shared by all tensors of the bundle.
-  `parse_many(data, max_nbytes=...) -> dict[str, EncodedTensor]` parses every frame without decompressing any,
-  so a receiver can check names, dtypes and shapes against what it expects before it allocates a byte;
-  `decode_many` is parse_many then `decode` of each.
-- Thread-safe: zstd (de)compressor objects are not, so each thread keeps its own.
+Contract (the format, the codecs and their guarantees are tether.shared.wire's):
+- `encode(t, codec) -> EncodedTensor` (any device: copied to the CPU); `decode(e) -> Tensor` returns a CPU tensor
+  of the original dtype and shape, bfloat16 included (bit-exact through the lossless codecs).
+- `encode_many(tensors, codec) -> bytes` / `decode_many(data) -> dict[str, Tensor]`: named bundles;
+  `parse_many`, `EncodedTensor`, `Codec`, `CodecError`, `DEFAULT_MAX_NBYTES` are tether.shared.wire's.
+- `compression_ratio(t, codec)`: raw bytes over framed encoded bytes.
 
     from tether.shared.codecs import Codec, decode_many, encode_many
     wire = encode_many(delta.tensors, Codec.INT8_ZSTD)  # {"lsa": [n, dim], "tli_k": [N, n, Hkv, D], ...}
@@ -40,18 +15,14 @@ Contract:
 
 from __future__ import annotations
 
-import math
-import struct
-import sys
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from enum import IntEnum
 
 import numpy as np
 import torch
-import zstandard
 from torch import Tensor
+
+from tether.shared import wire
+from tether.shared.wire import DEFAULT_MAX_NBYTES, Codec, CodecError, EncodedTensor, parse_many
 
 __all__ = [
     "DEFAULT_MAX_NBYTES",
@@ -66,352 +37,49 @@ __all__ = [
     "parse_many",
 ]
 
-FORMAT_VERSION = 1
-TENSOR_MAGIC = b"TTEN"
-BUNDLE_MAGIC = b"TTBN"
-MAX_NDIM = 16
-MAX_NAME_BYTES = 1024
-# Largest decoded tensor (or bundle) a receiver accepts by default: far above any delta or weight chunk,
-# far below what would hurt a server.
-DEFAULT_MAX_NBYTES = 1 << 31
-
-_HEAD = struct.Struct("<4sBBBBB")  # magic, version, codec, dtype id, wire dtype id, ndim
-# 32-bit dims and lengths: a per-round delta is a few KB, so 8-byte fields would be a visible share of it;
-# anything near 4 GiB goes in chunks anyway (DEFAULT_MAX_NBYTES is below that).
-_DIM = struct.Struct("<I")
-_LENGTHS = struct.Struct("<II")  # payload, scales
-_U32_MAX = (1 << 32) - 1
-_BUNDLE_HEAD = struct.Struct("<4sBI")  # magic, version, count
-_NAME_LEN = struct.Struct("<H")
-_FRAME_LEN = struct.Struct("<I")
-
-# Wire ids are part of the format: append, never renumber.
-_DTYPES: dict[int, torch.dtype] = {
-    1: torch.float32,
-    2: torch.float16,
-    3: torch.bfloat16,
-    4: torch.float64,
-    5: torch.uint8,
-    6: torch.int8,
-    7: torch.int16,
-    8: torch.int32,
-    9: torch.int64,
-    10: torch.bool,
+_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
 }
-_DTYPE_IDS = {dt: i for i, dt in _DTYPES.items()}
-_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _DTYPES.values()}
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LITTLE_ENDIAN = sys.byteorder == "little"
+_BY_NAME = {name: dt for dt, name in _NAMES.items()}
 
 
-class CodecError(ValueError):
-    """A tensor that cannot be encoded, or bytes that are not a valid frame."""
+def _array(t: Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as the array tether.shared.wire takes (bfloat16 as its uint16 bits), and its dtype name."""
+    name = _NAMES.get(t.dtype)
+    if name is None:
+        raise CodecError(f"unsupported dtype {t.dtype} (supported: {', '.join(_BY_NAME)})")
+    t = t.detach().to("cpu").contiguous()
+    if name == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16), name
+    return t.numpy(), name
 
 
-class Codec(IntEnum):
-    RAW = 0
-    FP16_SHUFFLE_ZSTD = 1
-    INT8_ZSTD = 2
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _itemsize(name: str) -> int:
-    return _BY_NAME[name].itemsize
-
-
-@dataclass(frozen=True)
-class EncodedTensor:
-    """One encoded tensor. Valid by construction: every field is checked against the others."""
-
-    codec: Codec
-    dtype: str  # the original dtype, which decode returns, e.g. "bfloat16"
-    shape: tuple[int, ...]
-    payload: bytes
-    scales: bytes = b""  # fp16 little-endian, one per row over the last axis; INT8_ZSTD only
-    wire_dtype: str = ""  # what the payload holds; "" means the same as dtype
-
-    def __post_init__(self) -> None:
-        try:
-            codec = Codec(self.codec)
-        except ValueError:
-            raise CodecError(
-                f"unknown codec id {self.codec!r} (known: {', '.join(map(str, map(int, Codec)))})"
-            ) from None
-        object.__setattr__(self, "codec", codec)
-        if not self.wire_dtype:
-            object.__setattr__(self, "wire_dtype", self.dtype)
-        for field_name in ("dtype", "wire_dtype"):
-            if getattr(self, field_name) not in _BY_NAME:
-                raise CodecError(
-                    f"unsupported {field_name} {getattr(self, field_name)!r} (known: {', '.join(_BY_NAME)})"
-                )
-        shape = tuple(self.shape)
-        if len(shape) > MAX_NDIM or not all(isinstance(d, int) and 0 <= d <= _U32_MAX for d in shape):
-            raise CodecError(f"bad shape {shape!r}: at most {MAX_NDIM} dims, each in [0, 2^32)")
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "payload", bytes(self.payload))
-        object.__setattr__(self, "scales", bytes(self.scales))
-        if max(len(self.payload), len(self.scales)) > _U32_MAX:
-            raise CodecError("a frame section exceeds 4 GiB; send the tensor in chunks")
-
-        allowed = {
-            Codec.RAW: {self.dtype},
-            Codec.FP16_SHUFFLE_ZSTD: {self.dtype} | ({"float16"} if self.dtype == "float32" else set()),
-            Codec.INT8_ZSTD: {"int8"} if _BY_NAME[self.dtype] in _FLOATS else set(),
-        }[codec]
-        if self.wire_dtype not in allowed:
-            raise CodecError(f"codec {codec.name} cannot carry a {self.dtype} tensor as {self.wire_dtype}")
-        if codec == Codec.RAW and len(self.payload) != self.wire_nbytes:
-            raise CodecError(
-                f"RAW payload is {len(self.payload)} bytes, shape {shape} {self.dtype} needs {self.wire_nbytes}"
-            )
-        expected_scales = 2 * self.rows if codec == Codec.INT8_ZSTD else 0
-        if len(self.scales) != expected_scales:
-            raise CodecError(f"{codec.name} needs {expected_scales} bytes of scales, got {len(self.scales)}")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def rows(self) -> int:
-        """Vectors along the last axis, one INT8 scale each (a 0-dim tensor is one row of one value)."""
-        return math.prod(self.shape[:-1]) if self.shape else 1
-
-    @property
-    def raw_nbytes(self) -> int:
-        """The tensor's size in its original dtype."""
-        return self.numel * _itemsize(self.dtype)
-
-    @property
-    def wire_nbytes(self) -> int:
-        """The payload's size once decompressed."""
-        return self.numel * _itemsize(self.wire_dtype)
-
-    @property
-    def nbytes(self) -> int:
-        """Size of `to_bytes()`, without building it."""
-        return _HEAD.size + _DIM.size * len(self.shape) + _LENGTHS.size + len(self.payload) + len(self.scales)
-
-    def to_bytes(self) -> bytes:
-        head = _HEAD.pack(
-            TENSOR_MAGIC,
-            FORMAT_VERSION,
-            int(self.codec),
-            _DTYPE_IDS[_BY_NAME[self.dtype]],
-            _DTYPE_IDS[_BY_NAME[self.wire_dtype]],
-            len(self.shape),
-        )
-        dims = b"".join(_DIM.pack(d) for d in self.shape)
-        return b"".join([head, dims, _LENGTHS.pack(len(self.payload), len(self.scales)), self.payload, self.scales])
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> EncodedTensor:
-        """Parse one frame (exactly: trailing bytes are an error). Raises CodecError on anything malformed."""
-        data = memoryview(data).cast("B")
-        if len(data) < _HEAD.size:
-            raise CodecError(f"truncated header: {len(data)} bytes, need at least {_HEAD.size}")
-        magic, version, codec_id, dtype_id, wire_id, ndim = _HEAD.unpack_from(data)
-        if magic != TENSOR_MAGIC:
-            raise CodecError(f"bad magic {bytes(magic)!r}: not an encoded tensor (expected {TENSOR_MAGIC!r})")
-        if version != FORMAT_VERSION:
-            raise CodecError(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
-        if codec_id not in {int(c) for c in Codec}:
-            raise CodecError(f"unknown codec id {codec_id} (known: {', '.join(str(int(c)) for c in Codec)})")
-        for what, i in (("dtype", dtype_id), ("wire dtype", wire_id)):
-            if i not in _DTYPES:
-                raise CodecError(f"unknown {what} id {i} (known: {', '.join(map(str, _DTYPES))})")
-        if ndim > MAX_NDIM:
-            raise CodecError(f"ndim {ndim} exceeds the limit of {MAX_NDIM}")
-        fixed = _HEAD.size + _DIM.size * ndim + _LENGTHS.size
-        if len(data) < fixed:
-            raise CodecError(f"truncated header: {len(data)} bytes, a {ndim}-dim frame needs {fixed}")
-        shape = tuple(_DIM.unpack_from(data, _HEAD.size + _DIM.size * i)[0] for i in range(ndim))
-        n_payload, n_scales = _LENGTHS.unpack_from(data, fixed - _LENGTHS.size)
-        if len(data) != fixed + n_payload + n_scales:
-            state = "truncated" if len(data) < fixed + n_payload + n_scales else "oversize"
-            raise CodecError(
-                f"{state} frame: {len(data)} bytes, header declares {fixed} + {n_payload} payload + {n_scales} scales"
-            )
-        dtype = _DTYPES[dtype_id]
-        declared = math.prod(shape) * dtype.itemsize
-        if declared > max_nbytes:
-            raise CodecError(
-                f"declared tensor of shape {shape} {_dtype_name(dtype)} is {declared} bytes > {max_nbytes}"
-            )
-        return cls(
-            codec=Codec(codec_id),
-            dtype=_dtype_name(dtype),
-            shape=shape,
-            payload=bytes(data[fixed : fixed + n_payload]),
-            scales=bytes(data[fixed + n_payload :]),
-            wire_dtype=_dtype_name(_DTYPES[wire_id]),
-        )
-
-
-# ---- bytes <-> tensors ----------------------------------------------------------------------------------
-
-
-def _le_bytes(t: Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's elements as little-endian bytes: uint8 [numel * itemsize]."""
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    # uint8 view of the flat tensor works for every dtype, bf16 included (numpy has no bf16).
-    u8 = t.reshape(-1).view(torch.uint8).numpy()
-    if not _LITTLE_ENDIAN and t.element_size() > 1:
-        u8 = np.ascontiguousarray(u8.reshape(-1, t.element_size())[:, ::-1]).reshape(-1)
-    return u8
-
-
-def _from_le_bytes(u8: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
-    """Inverse of _le_bytes; `u8` must be writable and contiguous (torch shares its memory)."""
-    if u8.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    if not _LITTLE_ENDIAN and dtype.itemsize > 1:
-        u8 = np.ascontiguousarray(u8.reshape(-1, dtype.itemsize)[:, ::-1]).reshape(-1)
-    if dtype == torch.bool and int(u8.max()) > 1:
-        raise CodecError("bool tensor holds bytes other than 0 and 1")
-    return torch.from_numpy(u8).view(dtype).reshape(shape)
-
-
-# Both directions copy one byte column per plane: numpy's generic transpose of a [n, 2] uint8 array walks
-# memory with a 1-byte inner stride and runs about 10x slower than these k strided copies.
-
-
-def _shuffle(u8: np.ndarray, itemsize: int) -> bytes:
-    """[n * itemsize] -> byte planes: byte 0 of every element, then byte 1, ..."""
-    if itemsize == 1:
-        return u8.tobytes()
-    elements = u8.reshape(-1, itemsize)  # [n, itemsize]
-    planes = np.empty((itemsize, elements.shape[0]), dtype=np.uint8)  # [itemsize, n]
-    for i in range(itemsize):
-        planes[i] = elements[:, i]
-    return planes.tobytes()
-
-
-def _unshuffle(buf: bytes, itemsize: int) -> np.ndarray:
-    """Byte planes -> a writable uint8 [n * itemsize] of whole elements."""
-    planes = np.frombuffer(buf, dtype=np.uint8).reshape(itemsize, -1)  # [itemsize, n]
-    elements = np.empty((planes.shape[1], itemsize), dtype=np.uint8)  # [n, itemsize]
-    for i in range(itemsize):
-        elements[:, i] = planes[i]
-    return elements.reshape(-1)
-
-
-# ---- zstd -----------------------------------------------------------------------------------------------
-
-_local = threading.local()  # zstd contexts are not thread-safe; one set per thread
-
-
-def _compress(data: bytes, level: int) -> bytes:
-    cache = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        # The checksum (4 bytes a frame) turns a corrupted payload into an error instead of wrong K/V.
-        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-    return cache[level].compress(data)
-
-
-def _decompress(payload: bytes, expected: int) -> bytes:
-    """Decompress exactly one frame that must yield exactly `expected` bytes, never allocating more."""
-    dctx = _local.__dict__.get("decompressor")
-    if dctx is None:
-        dctx = _local.decompressor = zstandard.ZstdDecompressor()
-    try:
-        # decompress() trusts a content size in the frame header over max_output_size, so check it first.
-        declared = zstandard.frame_content_size(payload)
-        if declared >= 0 and declared != expected:
-            raise CodecError(f"zstd frame declares {declared} bytes, the shape implies {expected}")
-        # max_output_size=0 would mean "unbounded", hence at least 1.
-        out = dctx.decompress(payload, max_output_size=max(expected, 1), allow_extra_data=False)
-    except zstandard.ZstdError as e:
-        raise CodecError(f"bad zstd payload (the shape implies {expected} bytes): {e}") from None
-    if len(out) != expected:
-        raise CodecError(f"zstd payload decompresses to {len(out)} bytes, the shape implies {expected}")
-    return out
-
-
-# ---- encode / decode ------------------------------------------------------------------------------------
-
-
-def _check_level(level: int) -> None:
-    if not isinstance(level, int) or not -(1 << 17) <= level <= zstandard.MAX_COMPRESSION_LEVEL:
-        raise CodecError(
-            f"zstd level {level!r} out of range (fast negative levels up to {zstandard.MAX_COMPRESSION_LEVEL})"
-        )
-
-
-# INT8 works in numpy: a per-round delta is a few hundred values, where torch's per-op dispatch cost would
-# dominate. `<f2` / `i1` name the wire byte order explicitly, so no byte swapping is needed on any host.
-
-
-def _int8_quantise(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [rows, D] float32/64 -> q [rows, D] int8 and scales [rows] little-endian fp16.
-
-    Scale = max|row| / 127 rounded UP to an fp16, so no value quantises past +-127 and the fp16 the decoder
-    multiplies by is exactly the one we divided by; an all-zero row gets scale 0 and quantises to 0."""
-    amax = np.abs(x).max(axis=1) if x.shape[1] else np.zeros(x.shape[0], dtype=x.dtype)  # [rows]
-    if not np.isfinite(amax).all():  # max propagates NaN and Inf, so one look at amax covers every value
-        raise CodecError("INT8_ZSTD needs finite values; use FP16_SHUFFLE_ZSTD for tensors with NaN or Inf")
-    exact = amax / 127
-    with np.errstate(over="ignore"):  # an overflow to inf is reported below, with the offending value
-        s = exact.astype("<f2")
-    # Positive fp16 bit patterns are ordered, so +1 on the bits is the next representable value up.
-    s = (s.view("<u2") + (s.astype(x.dtype) < exact)).astype("<u2").view("<f2")
-    if np.isinf(s).any():
-        raise CodecError(f"INT8_ZSTD: max |row| = {float(amax.max()):g} exceeds the fp16 scale range (127 * 65504)")
-    sw = s.astype(x.dtype)
-    safe = np.where(sw > 0, sw, 1)
-    q = np.clip(np.rint(x / safe[:, None]), -127, 127).astype(np.int8)  # rint: round half to even, like torch
-    return q, s
+def _tensor(a: np.ndarray, name: str) -> Tensor:
+    """Inverse of _array, for a writable array tether.shared.wire decoded."""
+    if name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def encode(t: Tensor, codec: Codec, *, level: int = 3, fp32_as_fp16: bool = False) -> EncodedTensor:
     """Encode `t` (any device; copied to CPU). `level` is zstd's; `fp32_as_fp16` lets FP16_SHUFFLE_ZSTD
     send fp32 tensors as fp16 (lossy, decoded back to fp32). Raises CodecError for unsupported input."""
-    codec = Codec(codec)
-    if t.dtype not in _DTYPE_IDS:
-        raise CodecError(f"unsupported dtype {t.dtype} (supported: {', '.join(_BY_NAME)})")
-    t = t.detach().to("cpu").contiguous()
-    shape, name = tuple(t.shape), _dtype_name(t.dtype)
-    if len(shape) > MAX_NDIM:
-        raise CodecError(f"ndim {len(shape)} exceeds the limit of {MAX_NDIM}")
-    if codec == Codec.RAW:
-        return EncodedTensor(codec, name, shape, _le_bytes(t).tobytes())
-    _check_level(level)
-    if codec == Codec.FP16_SHUFFLE_ZSTD:
-        w = t
-        if fp32_as_fp16 and t.dtype == torch.float32:
-            w = t.to(torch.float16)
-            if (torch.isinf(w) & torch.isfinite(t)).any():
-                raise CodecError("fp32_as_fp16: a finite value overflows fp16 (|x| > 65504); send it as fp32")
-        payload = _compress(_shuffle(_le_bytes(w), w.element_size()), level)
-        return EncodedTensor(codec, name, shape, payload, wire_dtype=_dtype_name(w.dtype))
-    if t.dtype not in _FLOATS:
-        raise CodecError(f"INT8_ZSTD quantises floating tensors, not {t.dtype}")
-    work = torch.float64 if t.dtype == torch.float64 else torch.float32
-    rows = math.prod(shape[:-1]) if shape else 1
-    x = t.to(work).reshape(rows, shape[-1] if shape else 1).numpy()  # [rows, D]
-    q, s = _int8_quantise(x)
-    return EncodedTensor(codec, name, shape, _compress(q.tobytes(), level), s.tobytes(), wire_dtype="int8")
+    a, name = _array(t)
+    return wire.encode_array(a, codec, dtype=name, level=level, fp32_as_fp16=fp32_as_fp16)
 
 
 def decode(e: EncodedTensor) -> Tensor:
     """The CPU tensor `e` encodes, in its original dtype and shape. Raises CodecError on a bad payload."""
-    dtype, wire = _BY_NAME[e.dtype], _BY_NAME[e.wire_dtype]
-    if e.codec == Codec.RAW:
-        return _from_le_bytes(np.frombuffer(e.payload, dtype=np.uint8).copy(), dtype, e.shape)
-    raw = _decompress(e.payload, e.wire_nbytes)
-    if e.codec == Codec.FP16_SHUFFLE_ZSTD:
-        return _from_le_bytes(_unshuffle(raw, wire.itemsize), wire, e.shape).to(dtype)
-    work = np.float64 if dtype == torch.float64 else np.float32
-    s = np.frombuffer(e.scales, dtype="<f2").astype(work)  # [rows]
-    if not (np.isfinite(s) & (s >= 0)).all():
-        raise CodecError("INT8_ZSTD scales must be finite and non-negative")
-    q = np.frombuffer(raw, dtype=np.int8).reshape(e.rows, e.shape[-1] if e.shape else 1)  # [rows, D]
-    return torch.from_numpy(q * s[:, None]).to(dtype).reshape(e.shape)
+    return _tensor(wire.decode_array(e), e.dtype)
 
 
 def compression_ratio(t: Tensor, codec: Codec, *, level: int = 3, fp32_as_fp16: bool = False) -> float:
@@ -420,64 +88,11 @@ def compression_ratio(t: Tensor, codec: Codec, *, level: int = 3, fp32_as_fp16: 
     return e.raw_nbytes / e.nbytes
 
 
-# ---- named bundles --------------------------------------------------------------------------------------
-
-
 def encode_many(tensors: Mapping[str, Tensor], codec: Codec, *, level: int = 3, fp32_as_fp16: bool = False) -> bytes:
     """A bundle of named tensors (e.g. a KV delta's "lsa", "tli_k", "tli_v"), each its own frame."""
-    parts = [_BUNDLE_HEAD.pack(BUNDLE_MAGIC, FORMAT_VERSION, len(tensors))]
-    for name, t in tensors.items():
-        key = name.encode("utf-8")
-        if not key or len(key) > MAX_NAME_BYTES:
-            raise CodecError(f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} utf-8 bytes")
-        frame = encode(t, codec, level=level, fp32_as_fp16=fp32_as_fp16).to_bytes()
-        if len(frame) > _U32_MAX:
-            raise CodecError(f"tensor {name!r} encodes to over 4 GiB; send it in chunks")
-        parts += [_NAME_LEN.pack(len(key)), key, _FRAME_LEN.pack(len(frame)), frame]
-    return b"".join(parts)
+    return wire.encode_many({k: _array(t) for k, t in tensors.items()}, codec, level=level, fp32_as_fp16=fp32_as_fp16)
 
 
 def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> dict[str, Tensor]:
     """Inverse of encode_many. `max_nbytes` bounds the decoded bundle as a whole. Raises CodecError."""
     return {name: decode(e) for name, e in parse_many(data, max_nbytes=max_nbytes).items()}
-
-
-def parse_many(
-    data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES
-) -> dict[str, EncodedTensor]:
-    """A bundle's frames, checked but not decompressed; their declared sizes together at most `max_nbytes`."""
-    data = memoryview(data).cast("B")
-    if len(data) < _BUNDLE_HEAD.size:
-        raise CodecError(f"truncated bundle header: {len(data)} bytes, need {_BUNDLE_HEAD.size}")
-    magic, version, count = _BUNDLE_HEAD.unpack_from(data)
-    if magic != BUNDLE_MAGIC:
-        raise CodecError(f"bad magic {bytes(magic)!r}: not a tensor bundle (expected {BUNDLE_MAGIC!r})")
-    if version != FORMAT_VERSION:
-        raise CodecError(f"unsupported bundle format version {version} (this build reads {FORMAT_VERSION})")
-    out: dict[str, EncodedTensor] = {}
-    pos, budget = _BUNDLE_HEAD.size, max_nbytes
-    for i in range(count):
-        if len(data) < pos + _NAME_LEN.size:
-            raise CodecError(f"truncated bundle: entry {i} of {count} is missing")
-        (n_name,) = _NAME_LEN.unpack_from(data, pos)
-        pos += _NAME_LEN.size
-        if not 0 < n_name <= MAX_NAME_BYTES or len(data) < pos + n_name + _FRAME_LEN.size:
-            raise CodecError(f"bundle entry {i}: bad or truncated name ({n_name} bytes)")
-        try:
-            name = bytes(data[pos : pos + n_name]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise CodecError(f"bundle entry {i}: name is not valid utf-8") from None
-        if name in out:
-            raise CodecError(f"bundle entry {i}: duplicate name {name!r}")
-        pos += n_name
-        (n_frame,) = _FRAME_LEN.unpack_from(data, pos)
-        pos += _FRAME_LEN.size
-        if len(data) < pos + n_frame:
-            raise CodecError(f"truncated bundle: entry {name!r} declares {n_frame} bytes, {len(data) - pos} remain")
-        e = EncodedTensor.from_bytes(data[pos : pos + n_frame], max_nbytes=budget)
-        budget -= e.raw_nbytes
-        out[name] = e
-        pos += n_frame
-    if pos != len(data):
-        raise CodecError(f"oversize bundle: {len(data) - pos} trailing bytes after {count} entries")
-    return out

@@ -14,10 +14,10 @@ import pytest
 import torch
 import zstandard
 
-from tether.client import codecs_np
 from tether.client.delta_gate import DeltaGate, DeltaLayout, WireDelta, frames_problem
 from tether.client.errors import Problem, ServerDataError
 from tether.shared import codecs
+from tether.shared import wire as core
 from tether.shared.codecs import Codec, EncodedTensor, encode_many
 from tether.shared.config import PRESETS
 from tether.shared.drafter import DrafterConfig
@@ -87,8 +87,7 @@ def no_decompression(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("decompressed before the checks")
 
-    monkeypatch.setattr(codecs, "_decompress", refuse)
-    monkeypatch.setattr(codecs_np, "_decompress", refuse)
+    monkeypatch.setattr(core, "_decompress", refuse)  # the one decoder, under both wrappers
 
 
 @pytest.mark.parametrize("names", [{"x": (1 << 30,)}, {"lsa": (3, 1 << 29)}], ids=["unknown_name", "lsa_of_3GiB"])
@@ -112,9 +111,9 @@ def test_the_numpy_codec_parses_before_it_decompresses_and_is_bounded(bomb, monk
     no_decompression(monkeypatch)
     rest = {k: codecs.encode(t, Codec.RAW) for k, t in honest(3).items() if k != "lsa"}
     wire = bundle({"lsa": EncodedTensor(Codec.FP16_SHUFFLE_ZSTD, "float16", (3, 1 << 28), bomb)} | rest)  # 1.5 GiB
-    with pytest.raises(codecs_np.CodecError, match="bytes >"):
-        codecs_np.decode_many(wire, max_nbytes=LAYOUT.max_bytes(3))
-    frames = codecs_np.parse_many(wire)  # the default bound admits it, but only the headers are read
+    with pytest.raises(core.CodecError, match="bytes >"):
+        core.decode_many(wire, max_nbytes=LAYOUT.max_bytes(3))
+    frames = core.parse_many(wire)  # the default bound admits it, but only the headers are read
     assert "shape" in frames_problem({k: (f.dtype, f.shape) for k, f in frames.items()}, LAYOUT, 3)
 
 

@@ -263,7 +263,7 @@ CHILD = textwrap.dedent(
     sys.modules["torch"] = None  # any import of torch now fails
     from pathlib import Path
 
-    from tether.client.codecs_np import decode_many
+    from tether.shared.wire import decode_many
     from tether.client.onnx_drafter import ArrayDelta, OnnxDrafter
 
     work = Path(sys.argv[1])

@@ -1,4 +1,5 @@
-"""The torch-free decoder reads exactly what tether.shared.codecs writes, and refuses what it refuses."""
+"""The numpy core (tether.shared.wire) reads exactly what the torch wrapper (tether.shared.codecs) writes, and
+writes what it reads: one implementation of the format, bit for bit, with and without torch."""
 
 import math
 import random
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tether.client import codecs_np
 from tether.shared import codecs
+from tether.shared import wire as core
 from tether.shared.codecs import Codec, encode_many
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -16,7 +17,7 @@ SHAPES = [(3, 7, 2, 12), (1,), (0, 5), ()]
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """What codecs_np returns for a torch tensor: the same dtype, bf16 widened to fp32."""
+    """What core.decode_many returns for a torch tensor: the same dtype, bf16 widened to fp32."""
     return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -39,16 +40,16 @@ def values(shape, dtype, finite: bool, seed=0) -> torch.Tensor:
 def test_floats_decode_bit_exactly_like_torch(codec, dtype, shape):
     t = values(shape, dtype, finite=codec == Codec.INT8_ZSTD)
     wire = encode_many({"x": t}, codec)
-    got = codecs_np.decode_many(wire)["x"]
+    got = core.decode_many(wire)["x"]
     assert same_bits(got, as_numpy(codecs.decode_many(wire)["x"]))
 
 
 def test_fp32_sent_as_fp16_comes_back_fp32():
     t = values((4, 6), torch.float32, finite=False)
     wire = encode_many({"x": t}, Codec.FP16_SHUFFLE_ZSTD, fp32_as_fp16=False)
-    assert same_bits(codecs_np.decode_many(wire)["x"], t.numpy())
+    assert same_bits(core.decode_many(wire)["x"], t.numpy())
     wire = encode_many({"x": values((4, 6), torch.float32, finite=True)}, Codec.FP16_SHUFFLE_ZSTD, fp32_as_fp16=True)
-    got = codecs_np.decode_many(wire)["x"]
+    got = core.decode_many(wire)["x"]
     assert got.dtype == np.float32 and same_bits(got, codecs.decode_many(wire)["x"].numpy())
 
 
@@ -60,7 +61,7 @@ def test_integers_and_bools(codec):
         for dt in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
     }
     tensors["bool"] = torch.rand(7, generator=g) > 0.5
-    got = codecs_np.decode_many(encode_many(tensors, codec))
+    got = core.decode_many(encode_many(tensors, codec))
     assert list(got) == list(tensors)
     for name, t in tensors.items():
         assert same_bits(got[name], t.numpy()), name
@@ -76,7 +77,7 @@ def test_a_kv_delta_bundle():
     for codec in Codec:
         wire = encode_many(delta, codec)
         want = codecs.decode_many(wire)
-        got = codecs_np.decode_many(wire)
+        got = core.decode_many(wire)
         assert all(same_bits(got[k], as_numpy(want[k])) for k in delta)
 
 
@@ -85,7 +86,7 @@ def outcome(decode, data):
         out = decode(data)
     except codecs.CodecError:
         return "error"
-    except codecs_np.CodecError:
+    except core.CodecError:
         return "error"
     return {k: as_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
@@ -107,7 +108,7 @@ def test_corrupt_bundles_get_the_same_verdict():
             i = rng.randrange(len(wire))
             cases.append(wire[:i] + bytes([rng.choice([0, 1, 2, 255, wire[i] ^ 1])]) + wire[i + 1 :])
     for data in cases:
-        want, got = outcome(codecs.decode_many, data), outcome(codecs_np.decode_many, data)
+        want, got = outcome(codecs.decode_many, data), outcome(core.decode_many, data)
         if want == "error" or got == "error":
             assert want == got, data
         else:
@@ -116,6 +117,39 @@ def test_corrupt_bundles_get_the_same_verdict():
 
 def test_size_limit_counts_the_original_dtype():
     wire = encode_many({"a": torch.zeros(10, dtype=torch.bfloat16), "b": torch.zeros(10)}, Codec.RAW)
-    assert set(codecs_np.decode_many(wire, max_nbytes=60)) == {"a", "b"}  # 20 + 40 bytes
-    with pytest.raises(codecs_np.CodecError, match="bytes >"):
-        codecs_np.decode_many(wire, max_nbytes=59)
+    assert set(core.decode_many(wire, max_nbytes=60)) == {"a", "b"}  # 20 + 40 bytes
+    with pytest.raises(core.CodecError, match="bytes >"):
+        core.decode_many(wire, max_nbytes=59)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_numpy_arrays_encode_to_the_same_bytes_as_tensors(codec):
+    """The client writes with numpy what the server writes with torch: the same frames, byte for byte, bfloat16
+    given as its bits."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {"lsa": torch.randn(5, 48, generator=g).bfloat16(), "h": torch.randn(3, 8, generator=g),
+               "f16": torch.randn(2, 6, generator=g).half()}  # fmt: skip
+    arrays = {"lsa": (tensors["lsa"].view(torch.int16).numpy().view(np.uint16), "bfloat16"),
+              "h": tensors["h"].numpy(), "f16": tensors["f16"].numpy()}  # fmt: skip
+    assert core.encode_many(arrays, codec) == encode_many(tensors, codec)
+    back = codecs.decode_many(core.encode_many(arrays, codec))
+    assert back["lsa"].dtype == torch.bfloat16 and back["h"].dtype == torch.float32
+
+
+def test_numpy_encoding_refuses_what_it_cannot_carry():
+    with pytest.raises(core.CodecError, match="unsupported dtype"):
+        core.encode_array(np.zeros(3, dtype=np.uint16), Codec.RAW)  # bits without saying they are bfloat16
+    with pytest.raises(core.CodecError, match="cannot be given"):
+        core.encode_array(np.zeros(3, dtype=np.float32), Codec.RAW, dtype="int32")
+    with pytest.raises(core.CodecError, match="floating"):
+        core.encode_array(np.arange(4, dtype=np.int32), Codec.INT8_ZSTD)
+
+
+def test_the_core_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = 'import sys; sys.modules["torch"] = None\nimport tether.shared.wire as w\nprint(w.Codec.RAW.name)'
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "RAW"
