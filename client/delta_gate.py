@@ -11,15 +11,17 @@ of newly verified positions. The server decides its every field, so the client t
   gives n positions: MoA "lsa" [n, dim], "tli_k" / "tli_v" [N, n, Hkv, D]; EAGLE "hidden" [n, dim]
   (`server_delta` of tether.shared.moa / tether.shared.eagle);
 - its values are finite.
-Only then is it decoded, each tensor's decompression bounded by its checked shape.
+Only then is it decoded, each tensor's decompression bounded by its checked shape, into numpy arrays
+(tether.shared.wire, no torch: bfloat16 widened exactly to float32); the drafter gets an ArrayDelta (the torch
+drafters convert it as they adopt it).
 
 Contract:
 - `DeltaLayout.for_config(cfg, dcfg)`: `layout.shapes(n)` -> {name: shape}, `layout.max_bytes(n)`.
 - `frames_problem(frames, layout, n)` -> what is wrong with parsed headers ({name: (dtype, shape)}, from
-  tether.shared.codecs.parse_many or, torch-free, tether.shared.wire.parse_many), or None.
+  tether.shared.wire.parse_many), or None.
 - `WireDelta(start, tokens, payload)`: a delta as it arrived, not decoded.
 - `DeltaGate(drafter, layout, coverable, refuse)`: the drafter as the session drives it. `begin(wire)` and
-  `commit(wire)` check, decode and hand a DraftDelta to the drafter; `coverable(start)` lists the tokens a delta
+  `commit(wire)` check, decode and hand an ArrayDelta to the drafter; `coverable(start)` lists the tokens a delta
   starting at `start` may cover; a delta refused raises `refuse(message)` (the session decides whether that is
   a lost round or the end of the generation) and leaves the drafter's caches as they were. `draft` refuses a
   root outside the vocabulary (ServerDataError, Problem.TOKEN): only the server hands the client such a token.
@@ -35,12 +37,12 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from tether.client.errors import Problem, ServerDataError
-from tether.shared.codecs import CodecError, decode, parse_many
 from tether.shared.config import ModelConfig
-from tether.shared.drafter import POSITION_AXIS, DraftDelta, DrafterConfig
+from tether.shared.drafter_config import POSITION_AXIS, ArrayDelta, DrafterConfig
+from tether.shared.wire import CodecError, parse_many, values
 
 DELTA_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # what a delta's tensors may travel as
 
@@ -132,7 +134,7 @@ class DeltaGate:
             raise ServerDataError(Problem.TOKEN, f"token {root} is outside the vocabulary of {self.layout.vocab_size}")
         return self.inner.draft(root, k, **kwargs)
 
-    def _admit(self, wire: WireDelta, held: int) -> DraftDelta:
+    def _admit(self, wire: WireDelta, held: int) -> ArrayDelta:
         """The decoded delta, or `refuse` raised; nothing is decompressed before the checks pass."""
         if wire.start != held:
             raise self.refuse(f"it starts at position {wire.start}, the drafter holds {held} verified positions")
@@ -151,9 +153,9 @@ class DeltaGate:
         tensors = {}
         for name, e in frames.items():
             try:
-                tensors[name] = decode(e)
+                tensors[name] = values(e)
             except CodecError as err:
                 raise self.refuse(f"tensor {name!r}: {err}") from None
-            if not bool(torch.isfinite(tensors[name]).all()):
+            if not np.isfinite(tensors[name]).all():
                 raise self.refuse(f"tensor {name!r} holds values that are not finite")
-        return DraftDelta(held, list(wire.tokens), tensors)
+        return ArrayDelta(held, list(wire.tokens), tensors)

@@ -43,28 +43,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
+from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
+
 FORMAT_VERSION = 1
 MANIFEST = "onnx_drafter.json"
-
-
-@dataclass
-class ArrayDelta:
-    """A DraftDelta with numpy tensors: verified positions [start, start + n) of one sequence."""
-
-    start: int
-    tokens: list[int]
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
-
-    @property
-    def n(self) -> int:
-        return len(self.tokens)
 
 
 @dataclass

@@ -15,7 +15,6 @@ config so a drafter is never paired with a target it was not trained for.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,51 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from tether.shared.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    kind: str = "moa"  # "moa" (Mixture of Attentions) or "eagle" (the EAGLE-style baseline)
-    tli: int = 1  # MoA: how many of the target's last layers the client re-runs (TLI N); 0 = CA feeds the head
-    n_heads: int = 6  # SA / CA / EAGLE attention query heads
-    n_kv_heads: int = 2  # their key/value heads
-    head_dim: int = 32  # their per-head width
-    ffn_dim: int = 512  # SA and CA SwiGLU width
-    lsa_heads: int = 4  # LSA query heads (LSA width is the target's 2 * Hkv * D)
-    lsa_kv_heads: int = 2  # LSA key/value heads
-    lsa_ffn_dim: int = 256  # LSA SwiGLU width
-    eagle_ffn_dim: int = 0  # EAGLE SwiGLU width; 0 = sized so EAGLE's trainable budget matches MoA's
-    target_fingerprint: str = ""  # sha256 of the target checkpoint this drafter was trained against
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DrafterConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - known:
-            raise ValueError(f"unknown DrafterConfig fields: {sorted(set(d) - known)}")
-        return cls(**d)
-
-
-def layer_config(target: ModelConfig, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int):
-    """A plain pre-norm decoder layer's config for the drafter's own layers (SA, CA, LSA, EAGLE)."""
-    return dataclasses.replace(
-        target,
-        dim=dim,
-        n_layers=1,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        ffn_dim=ffn_dim,
-        norm_position="pre",
-        moda=False,
-        moda_ffn_kv=False,
-        qkv_bias=False,
-        o_bias=False,
-        rope_scaling=None,
-    )
+# Re-exported: the torch-free definitions (tether.shared.drafter_config) are imported from here across the code.
+from tether.shared.drafter_config import POSITION_AXIS as POSITION_AXIS
+from tether.shared.drafter_config import DrafterConfig as DrafterConfig
+from tether.shared.drafter_config import layer_config as layer_config
 
 
 @dataclass
@@ -82,11 +40,6 @@ class TargetStates:
     def select(self, rows: Tensor | list[int]) -> TargetStates:
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
         return TargetStates(self.k[:, idx], self.v[:, idx], self.hidden[idx])
-
-
-# The positions axis of each delta tensor: MoA's LSA vectors [n, dim] and TLI K/V [N, n, Hkv, D]; EAGLE's
-# hidden states [n, dim].
-POSITION_AXIS = {"lsa": 0, "tli_k": 1, "tli_v": 1, "hidden": 0}
 
 
 @dataclass

@@ -19,13 +19,23 @@ small. Tree children are deterministic top-k picks, which the verifier handles a
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from tether.shared.drafter import DraftDelta, DrafterConfig
+from tether.shared.drafter_config import ArrayDelta
 from tether.shared.model import Transformer
 from tether.shared.sampling import probabilities
 from tether.shared.speculative import DraftTree, GrowingTree, expand_dynamic_tree
+
+
+def _as_tensors(delta: DraftDelta | ArrayDelta) -> DraftDelta:
+    """A delta decoded torch-free (numpy arrays, tether.client.delta_gate) as the torch drafters take it."""
+    if not any(isinstance(t, np.ndarray) for t in delta.tensors.values()):
+        return delta
+    tensors = {k: torch.from_numpy(t) if isinstance(t, np.ndarray) else t for k, t in delta.tensors.items()}
+    return DraftDelta(delta.start, list(delta.tokens), tensors)
 
 
 class DrafterBase(nn.Module):
@@ -50,17 +60,17 @@ class DrafterBase(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @torch.inference_mode()
-    def begin(self, delta: DraftDelta, capacity: int | None = None) -> None:
+    def begin(self, delta: DraftDelta | ArrayDelta, capacity: int | None = None) -> None:
         """Start a sequence from the verified prompt (delta.start must be 0)."""
         if delta.start != 0:
             raise ValueError("begin() takes the prompt's delta, which starts at position 0")
         self._reset(capacity or self.target.cfg.max_seq_len)
-        self._adopt(delta)
+        self._adopt(_as_tensors(delta))
 
     @torch.inference_mode()
-    def commit(self, delta: DraftDelta) -> None:
+    def commit(self, delta: DraftDelta | ArrayDelta) -> None:
         """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped."""
-        self._adopt(delta)
+        self._adopt(_as_tensors(delta))
 
     @torch.inference_mode()
     def draft(

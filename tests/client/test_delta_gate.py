@@ -123,7 +123,9 @@ def test_an_honest_delta_is_decoded_for_the_drafter():
     g.begin(WireDelta(0, PROMPT, encode_many(tensors, Codec.FP16_SHUFFLE_ZSTD)))
     (kind, delta), = inner.calls  # fmt: skip
     assert kind == "begin" and delta.start == 0 and delta.tokens == PROMPT
-    assert all(torch.equal(delta.tensors[k], tensors[k]) for k in tensors)
+    # Decoded torch-free: numpy arrays, bfloat16 widened exactly to float32.
+    assert all(isinstance(delta.tensors[k], np.ndarray) for k in tensors)
+    assert all(torch.equal(torch.from_numpy(delta.tensors[k]), tensors[k].float()) for k in tensors)
 
 
 def test_a_round_delta_covers_at_most_the_root_and_the_drafts_sent():
@@ -191,3 +193,14 @@ def test_the_gate_passes_other_attributes_through():
     g, inner = gate()
     assert g.verified_length() == 0 and g.inner is inner
     assert np.isscalar(g.layout.max_bytes(1))
+
+
+def test_the_gate_checks_and_decodes_without_torch():
+    """The edge client's delta path imports no torch: the gate, the drafter config and the wire codecs."""
+    import subprocess
+    import sys
+
+    blocked = 'import sys; sys.modules["torch"] = None\n'
+    code = blocked + "import tether.client.delta_gate, tether.shared.drafter_config, tether.shared.wire"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
