@@ -1,0 +1,92 @@
+"""The edge client's draft step against context length: the onnxruntime drafter (and the torch one) after a prompt.
+
+For each context length in `--contexts`: a random prompt of that many tokens is opened on an in-process verifier
+(the default target and drafter on the CPU: what the server would send), the drafter begins from its delta, and
+`--k`-token chains are drafted `--reps` times from the prompt's root (each chain discarded after), so every step
+attends over the whole context. Reported: median milliseconds per draft step (one token), for the ONNX drafter
+(exported here from the same drafter, `--threads` onnxruntime threads) and, with `--torch`, the torch drafter. The
+issue's bar ([4/7]): <= 2 ms a step for the default TLI 3 drafter, flat in context up to 2K, on a 2-core CPU.
+Prints a table, then one JSON line.
+
+    python bench/draft.py
+    python bench/draft.py --contexts 64 2000 --torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tether.client.onnx_drafter import OnnxDrafter
+from tether.client.onnx_export import export_client_onnx
+from tether.server.generate import default_model_dir, load
+from tether.server.verifier import SequenceVerifier
+from tether.shared.checkpoint import fingerprint
+from tether.shared.drafter import load_drafter
+
+
+def step_ms(drafter, root: int, k: int, reps: int) -> float:
+    """Median ms per drafted token over `reps` chains of k from `root`, each discarded after."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        drafter.draft(root, k)
+        times.append((time.perf_counter() - t0) / k * 1e3)
+        drafter.discard_drafts()
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 1024, 2000])
+    ap.add_argument("--k", type=int, default=5, help="tokens per chain")
+    ap.add_argument("--reps", type=int, default=30, help="chains per context")
+    ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    ap.add_argument("--torch", action="store_true", help="also time the torch drafter")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model_dir, drafter_dir = str(default_model_dir()), str(default_model_dir("drafter"))
+    target, _ = load(model_dir, "cpu")
+    drafter = load_drafter(drafter_dir, target, target_fingerprint=fingerprint(model_dir))
+    capacity = max(args.contexts) + args.k + 8
+    if capacity > target.cfg.max_seq_len:
+        raise SystemExit(f"contexts up to {target.cfg.max_seq_len - args.k - 8} fit the target's max_seq_len")
+    with tempfile.TemporaryDirectory() as out:
+        export_client_onnx(drafter, out)
+        onnx = OnnxDrafter.load(out, threads=args.threads)
+        g = torch.Generator().manual_seed(args.seed)
+        rows = []
+        for ctx in args.contexts:
+            ver = SequenceVerifier(target, drafter, capacity=capacity)
+            prompt = torch.randint(0, target.cfg.vocab_size, (ctx,), generator=g).tolist()
+            root, delta = ver.open(prompt)
+            onnx.begin(delta, capacity=capacity)
+            row = {"context": ctx, "onnx_ms": step_ms(onnx, root, args.k, args.reps)}
+            if args.torch:
+                drafter.begin(delta, capacity=capacity)
+                row["torch_ms"] = step_ms(drafter, root, args.k, args.reps)
+            rows.append(row)
+            ver.release()
+    table = Table(title=f"draft step, default drafter (TLI {drafter.dcfg.tli}), k={args.k}, CPU ({platform.machine()})")
+    for col in ["context", "onnx ms / step"] + (["torch ms / step"] if args.torch else []):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["context"]), f"{r['onnx_ms']:.2f}", *([f"{r['torch_ms']:.2f}"] if args.torch else []))
+    Console().print(table)
+    record = {"bench": "draft", "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads,
+              "torch": torch.__version__, "rows": rows}  # fmt: skip
+    print(json.dumps(record))
+    return record
+
+
+if __name__ == "__main__":
+    main()
