@@ -7,6 +7,9 @@ caches as numpy buffers and rolls drafted rows back by keeping a shorter length.
 - MoA: `context.onnx` turns a delta's LSA vectors into CA keys/values; `step.onnx` runs T new tokens through
   SA -> CA -> TLI(N) -> final norm -> LM head. Adopting the server's exact TLI K/V is an array copy (numpy).
 - EAGLE: `step.onnx` runs fc -> layer -> final norm -> LM head over (token, previous feature) pairs.
+- The attention layers (MoA: SA, CA, TLI; EAGLE: its layer) read the committed rows in place (`attend_split`):
+  no concatenation or transpose of a cache inside the graph, whose copy at every draft step made a step's time
+  grow with context.
 
 Graph contract (fp32, batch 1; T new tokens, P committed cache rows, S verified context rows, R logit rows;
 Hs/Ds: the drafter's own KV heads/width, Hkv/D: the target's):
@@ -52,11 +55,88 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tether.shared.model import DepthStream, rope_cos_sin, rope_frequencies
+from tether.shared.model import DepthStream, apply_rope, rope_cos_sin, rope_frequencies
 
 FORMAT_VERSION = 1
 MANIFEST = "onnx_drafter.json"
 OPSET = 17
+
+
+def attend_split(
+    q: Tensor,  # [1, T, Hq, D]
+    past_k: Tensor,  # [1, P, Hkv, D] committed rows, in the cache's own layout
+    past_v: Tensor,
+    past_mask: Tensor,  # [T, P] bool
+    new_k: Tensor,  # [1, T', Hkv, D] rows the graph computed (T' = T, or CA's one null key)
+    new_v: Tensor,
+    new_mask: Tensor,  # [T, T'] bool
+    depth_k: Tensor | None,  # [1, T, L, Hkv, D] each query's own depth keys (MoDA), or None
+    depth_v: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """MoDA attention of the new rows over committed rows, new rows and depth keys, as
+    tether.shared.attention.moda_attention_reference computes it over their concatenation, without copying the
+    committed rows: a graph that concatenates them, or lets Einsum transpose them, copies the whole cache at every
+    draft step (its cost grew with context). The committed rows are read in place by two MatMuls, the query
+    spread block-diagonally over the KV heads so K and V need no transpose (the off-diagonal products are zero
+    and thrown away: Hkv times the FLOPs of the head-wise product, a few thousand per row); the softmax runs over
+    the scores of all three parts at once. Returns [1, T, Hq, D]."""
+    _, T, Hq, D = q.shape
+    Hkv = past_k.shape[2]
+    G = Hq // Hkv
+    eye = torch.eye(Hkv, dtype=q.dtype)  # [Hkv (the key's head), Hkv (the query's)]
+    qh = q[0].reshape(T, Hkv, G, D)
+    # qb[h, d, h', g, t] = q[t, h', g, d] where h == h', else 0: [Hkv * D, Hkv * G * T]
+    qb = (qh.permute(1, 3, 2, 0)[:, :, None] * eye[:, None, :, None, None]).reshape(Hkv * D, Hkv * G * T)
+    s_past = (past_k.reshape(-1, Hkv * D) @ qb).transpose(0, 1).reshape(Hkv, G, T, -1)  # [Hkv, G, T, P]
+    s_new = torch.einsum("qhgd,khd->hgqk", qh, new_k[0])  # [Hkv, G, T, T']
+    parts = [s_past, s_new]
+    if depth_k is not None:
+        parts.append(torch.einsum("qhgd,qlhd->hgql", qh, depth_k[0]))  # [Hkv, G, T, L]
+    masks = [past_mask, new_mask]
+    if depth_k is not None:
+        masks.append(torch.ones(T, depth_k.shape[2], dtype=torch.bool))  # a query sees all its depth keys
+    s = (torch.cat(parts, -1).float() * scale).masked_fill(~torch.cat(masks, -1), float("-inf"))
+    p = s.softmax(-1).to(q.dtype)
+    P, Tn = past_mask.shape[-1], new_mask.shape[-1]
+    p_past, p_new = p[..., :P], p[..., P : P + Tn]
+    # o[h, g, t, h', d] = sum_p p[h, g, t, p] v[p, h', d]; keep h == h'.
+    o = (p_past.reshape(Hkv * G * T, -1) @ past_v.reshape(-1, Hkv * D)).reshape(Hkv, G, T, Hkv, D)
+    o = (o * eye[:, None, None, :, None]).sum(3)  # [Hkv, G, T, D]
+    o = o + torch.einsum("hgqk,khd->hgqd", p_new, new_v[0])
+    if depth_k is not None:
+        o = o + torch.einsum("hgql,qlhd->hgqd", p[..., P + Tn :], depth_v[0])
+    return o.permute(2, 0, 1, 3).reshape(1, T, Hq, D)
+
+
+class _Committed:
+    """The committed rows of one attention layer, as a cache that attends in place (Block.forward's hook): the
+    step graph's SA and TLI blocks attend through attend_split instead of concatenating the rows."""
+
+    length = 0
+
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k, self.v = k, v  # [1, P, Hkv, D]
+
+    def attend(self, layer, q, k, v, depth_k, depth_v, *, scale: float, tree_mask: Tensor) -> Tensor:
+        P = self.k.shape[1]
+        dk = depth_k if depth_k is not None and depth_k.shape[2] > 0 else None
+        return attend_split(q, self.k, self.v, tree_mask[:, :P], k, v, tree_mask[:, P:], dk,
+                            None if dk is None else depth_v, scale)  # fmt: skip
+
+
+def _cross_attention(ca, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """tether.shared.moa.CrossAttention.forward for a step (every context row visible), its null key attended
+    beside the context rows instead of concatenated before them."""
+    B, T, _ = x.shape
+    c = ca.cfg
+    q = apply_rope(ca.q_proj(ca.q_norm(x)).view(B, T, c.n_heads, c.head_dim), cos, sin)
+    every = torch.ones(T, ctx_k.shape[1], dtype=torch.bool)
+    null = torch.ones(T, 1, dtype=torch.bool)
+    o = attend_split(q, ctx_k, ctx_v, every, ca.null_k[None, None], ca.null_v[None, None], null, None, None,
+                     c.head_dim**-0.5)  # fmt: skip
+    x = x + ca.o_proj(o.flatten(2))
+    return x + ca.ffn(ca.ffn_norm(x))
 
 
 class _MoAStep(nn.Module):
@@ -74,17 +154,16 @@ class _MoAStep(nn.Module):
         d, t = self.drafter, self.target
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         x = t.embed_tokens(tokens)  # [1, T, dim]
-        x, sk, sv = d.sa(x, cos, sin, DepthStream(x, 0, grad=True), None, 0, mask, "reference", prefix_kv=(sa_k, sa_v))
-        visible = torch.ones(tokens.shape[1], ctx_k.shape[1], dtype=torch.bool)  # CA sees every verified row
-        h = d.ca(x, ctx_k, ctx_v, visible, cos, sin)
+        x, sk, sv = d.sa(x, cos, sin, DepthStream(x, 0, grad=True), _Committed(sa_k, sa_v), 0, mask, "reference")
+        h = _cross_attention(d.ca, x, ctx_k, ctx_v, cos, sin)  # CA sees every verified row
         new_tli = []
         if self.n_tli:
             tcos, tsin = rope_cos_sin(self.tli_inv_freq, positions)
             # As MoADrafter.run_tli; grad=True picks DepthStream's list form, which traces without in-place writes.
             depth = DepthStream(h, max(0, self.n_tli - 1) * t.cfg.depth_per_layer, grad=True)
             for i, block in enumerate(d.tli_layers):
-                past = (tli_kv[2 * i], tli_kv[2 * i + 1])
-                h, k, v = block(h, tcos, tsin, depth, None, 0, mask, "reference", prefix_kv=past)
+                past = _Committed(tli_kv[2 * i], tli_kv[2 * i + 1])
+                h, k, v = block(h, tcos, tsin, depth, past, 0, mask, "reference")
                 new_tli += [k, v]
         h = h.index_select(1, logit_rows)  # [1, R, dim]
         return (t.head(t.norm(h)), sk, sv, *new_tli)
@@ -115,7 +194,7 @@ class _EagleStep(nn.Module):
         d, t = self.drafter, self.target
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         x = d.fc(torch.cat([t.embed_tokens(tokens), d.feat_norm(prev_feat)], -1))
-        feat, nk, nv = d.layer(x, cos, sin, DepthStream(x, 0, grad=True), None, 0, mask, "reference", prefix_kv=(k, v))
+        feat, nk, nv = d.layer(x, cos, sin, DepthStream(x, 0, grad=True), _Committed(k, v), 0, mask, "reference")
         return t.head(t.norm(feat.index_select(1, logit_rows))), feat, nk, nv
 
 
