@@ -57,7 +57,8 @@ def _array(t: Tensor) -> tuple[np.ndarray, str]:
     name = _NAMES.get(t.dtype)
     if name is None:
         raise CodecError(f"unsupported dtype {t.dtype} (supported: {', '.join(_BY_NAME)})")
-    t = t.detach().to("cpu").contiguous()
+    if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+        t = t.detach().to("cpu").contiguous()
     if name == "bfloat16":
         return t.view(torch.int16).numpy().view(np.uint16), name
     return t.numpy(), name

@@ -196,16 +196,7 @@ class EncodedTensor:
         return _HEAD.size + _DIM.size * len(self.shape) + _LENGTHS.size + len(self.payload) + len(self.scales)
 
     def to_bytes(self) -> bytes:
-        head = _HEAD.pack(
-            TENSOR_MAGIC,
-            FORMAT_VERSION,
-            int(self.codec),
-            _DTYPE_IDS[self.dtype],
-            _DTYPE_IDS[self.wire_dtype],
-            len(self.shape),
-        )
-        dims = b"".join(_DIM.pack(d) for d in self.shape)
-        return b"".join([head, dims, _LENGTHS.pack(len(self.payload), len(self.scales)), self.payload, self.scales])
+        return _pack_frame(self.codec, self.dtype, self.wire_dtype, self.shape, self.payload, self.scales)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> EncodedTensor:
@@ -383,12 +374,17 @@ def _name_of(dtype: np.dtype) -> str:
     return name
 
 
-def encode_array(
-    a: np.ndarray, codec: Codec, *, dtype: str | None = None, level: int = 3, fp32_as_fp16: bool = False
-) -> EncodedTensor:
-    """Encode array `a` of dtype name `dtype` (default: a's own; "bfloat16" takes uint16 bit patterns). `level` is
-    zstd's; `fp32_as_fp16` lets FP16_SHUFFLE_ZSTD send float32 as float16 (lossy, decoded back to float32).
-    Raises CodecError for unsupported input."""
+def _pack_frame(codec: int, dtype: str, wire: str, shape: tuple[int, ...], payload: bytes, scales: bytes) -> bytes:
+    head = _HEAD.pack(TENSOR_MAGIC, FORMAT_VERSION, int(codec), _DTYPE_IDS[dtype], _DTYPE_IDS[wire], len(shape))
+    dims = struct.pack(f"<{len(shape)}I", *shape)
+    return b"".join([head, dims, _LENGTHS.pack(len(payload), len(scales)), payload, scales])
+
+
+def _encode(
+    a: np.ndarray, codec: Codec, dtype: str | None, level: int, fp32_as_fp16: bool
+) -> tuple[Codec, str, str, tuple[int, ...], bytes, bytes]:
+    """A frame's fields (codec, dtype, wire dtype, shape, payload, scales): what encode_array wraps in a checked
+    EncodedTensor and encode_many packs straight into bytes (a delta's few small frames, every round)."""
     codec = Codec(codec)
     name = _name_of(a.dtype) if dtype is None else dtype
     if name not in _NP:
@@ -398,8 +394,10 @@ def encode_array(
     shape = tuple(int(d) for d in a.shape)
     if len(shape) > MAX_NDIM:
         raise CodecError(f"ndim {len(shape)} exceeds the limit of {MAX_NDIM}")
+    if any(d > _U32_MAX for d in shape):
+        raise CodecError(f"bad shape {shape!r}: each dim must be below 2^32; send the tensor in chunks")
     if codec == Codec.RAW:
-        return EncodedTensor(codec, name, shape, _le_bytes(a, name).tobytes())
+        return codec, name, name, shape, _le_bytes(a, name).tobytes(), b""
     _check_level(level)
     if codec == Codec.FP16_SHUFFLE_ZSTD:
         wire = name
@@ -409,14 +407,23 @@ def encode_array(
             if (np.isinf(half) & np.isfinite(a)).any():
                 raise CodecError("fp32_as_fp16: a finite value overflows fp16 (|x| > 65504); send it as fp32")
             a, wire = half, "float16"
-        payload = _compress(_shuffle(_le_bytes(a, wire), _itemsize(wire)), level)
-        return EncodedTensor(codec, name, shape, payload, wire_dtype=wire)
+        return codec, name, wire, shape, _compress(_shuffle(_le_bytes(a, wire), _itemsize(wire)), level), b""
     if name not in _FLOATS:
         raise CodecError(f"INT8_ZSTD quantises floating tensors, not {name}")
     rows = math.prod(shape[:-1]) if shape else 1
     x = _float_values(a, name).reshape(rows, shape[-1] if shape else 1)  # [rows, D]
     q, s = _int8_quantise(x)
-    return EncodedTensor(codec, name, shape, _compress(q.tobytes(), level), s.tobytes(), wire_dtype="int8")
+    return codec, name, "int8", shape, _compress(q.tobytes(), level), s.tobytes()
+
+
+def encode_array(
+    a: np.ndarray, codec: Codec, *, dtype: str | None = None, level: int = 3, fp32_as_fp16: bool = False
+) -> EncodedTensor:
+    """Encode array `a` of dtype name `dtype` (default: a's own; "bfloat16" takes uint16 bit patterns). `level` is
+    zstd's; `fp32_as_fp16` lets FP16_SHUFFLE_ZSTD send float32 as float16 (lossy, decoded back to float32).
+    Raises CodecError for unsupported input."""
+    codec, name, wire, shape, payload, scales = _encode(a, codec, dtype, level, fp32_as_fp16)
+    return EncodedTensor(codec, name, shape, payload, scales, wire_dtype=wire)
 
 
 def decode_array(e: EncodedTensor) -> np.ndarray:
@@ -463,9 +470,10 @@ def encode_many(
         if not key or len(key) > MAX_NAME_BYTES:
             raise CodecError(f"tensor name {name!r} must be 1..{MAX_NAME_BYTES} utf-8 bytes")
         a, dtype = entry if isinstance(entry, tuple) else (entry, None)
-        frame = encode_array(a, codec, dtype=dtype, level=level, fp32_as_fp16=fp32_as_fp16).to_bytes()
-        if len(frame) > _U32_MAX:
+        fields = _encode(a, codec, dtype, level, fp32_as_fp16)
+        if len(fields[4]) + len(fields[5]) > _U32_MAX:
             raise CodecError(f"tensor {name!r} encodes to over 4 GiB; send it in chunks")
+        frame = _pack_frame(*fields)
         parts += [_NAME_LEN.pack(len(key)), key, _FRAME_LEN.pack(len(frame)), frame]
     return b"".join(parts)
 
