@@ -58,18 +58,19 @@ class FusedFeedForward(FeedForward):
     counters: Tensor
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(linear(x, self.gate_up_weight, gated=True, counters=self.counters), self.down_proj.weight,
-                      counters=self.counters)  # fmt: skip
+        return linear(self._swiglu(x), self.down_proj.weight, counters=self.counters)
 
     def add_output(self, h: Tensor, x: Tensor) -> Tensor:
-        act = linear(h, self.gate_up_weight, gated=True, counters=self.counters)
-        return linear(act, self.down_proj.weight, residual=x, counters=self.counters)
+        return linear(self._swiglu(h), self.down_proj.weight, residual=x, counters=self.counters)
+
+    def _swiglu(self, x: Tensor) -> Tensor:
+        """silu(gate(x)) * up(x) from one GEMM over the concatenated weight."""
+        return linear(x, self.gate_up_weight, gated=True, counters=self.counters)
 
 
 class FusedTransformer(Transformer):
     def head(self, h: Tensor) -> Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, w)
+        return linear(h, self.head_weight)
 
 
 def _concat(linears: list[nn.Linear], attr: str) -> Tensor | None:

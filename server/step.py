@@ -316,10 +316,11 @@ class StepRunner:
         return done
 
     def _capture(self, g: _Graph | _DecodeGraph) -> None:
-        # One capture at a time in the process: runners share the graph memory pool, which records one capture
-        # at a time, and two Generate streams may each need a new graph at once. Thread-local capture mode: other
-        # threads (prefills, deltas, another runner's replays) keep using CUDA while this thread captures; in
-        # the default global mode their first cudaMalloc or synchronize would fail, and the capture with it.
+        # Thread-local capture mode: other threads (prefills, deltas, Generate) keep using CUDA while this one
+        # captures; in the default global mode their first cudaMalloc or synchronize failed (seen on the H200 with
+        # two Generate streams), and the broken capture left the allocator recording into the pool. One capture at
+        # a time in the process, runners of other pools included: captures are rare (once per bucket), so
+        # serialising them costs nothing and keeps the allocator's capture bookkeeping to one at a time.
         with _CAPTURE_LOCK:
             # Eager runs first, on a side stream as torch's graph capture wants: Triton compiles its kernels there
             # and the caching allocator settles, so the capture records only the step.

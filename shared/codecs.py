@@ -37,26 +37,14 @@ __all__ = [
     "parse_many",
 ]
 
-_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.bool: "bool",
-}
-_BY_NAME = {name: dt for dt, name in _NAMES.items()}
+_NAMES = {getattr(torch, name): name for name in wire.DTYPE_NAMES}  # torch dtype -> the format's name for it
 
 
 def _array(t: Tensor) -> tuple[np.ndarray, str]:
     """A tensor as the array tether.shared.wire takes (bfloat16 as its uint16 bits), and its dtype name."""
     name = _NAMES.get(t.dtype)
     if name is None:
-        raise CodecError(f"unsupported dtype {t.dtype} (supported: {', '.join(_BY_NAME)})")
+        raise CodecError(f"unsupported dtype {t.dtype} (supported: {', '.join(wire.DTYPE_NAMES)})")
     if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
         t = t.detach().to("cpu").contiguous()
     if name == "bfloat16":

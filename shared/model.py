@@ -274,9 +274,13 @@ class Transformer(nn.Module):
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.inv_freq, positions)
 
+    @property
+    def head_weight(self) -> Tensor:
+        """The LM head's weight [vocab, dim]: the embeddings when they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def head(self, h: Tensor) -> Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w)
+        return F.linear(h, self.head_weight)
 
     def run(
         self,

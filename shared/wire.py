@@ -107,6 +107,7 @@ _DTYPE_IDS = {name: i for i, name in _DTYPES.items()}
 _NP: dict[str, str] = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8", "uint8": "u1",
                        "int8": "i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "bool": "u1"}  # fmt: skip
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+DTYPE_NAMES = tuple(_NP)  # every dtype the format carries, by name (torch's names for them)
 
 
 class CodecError(ValueError):
