@@ -7,12 +7,18 @@ holding `ctx` committed tokens, for every batch B: median of `--iters` after `--
 Roofline: the bytes one rank must read per forward (its weights, less an untied embedding of which a lookup
 reads a few rows, plus its KV heads' committed K/V) over the device copy bandwidth measured in the same run
 (a large device-to-device copy; bytes read + written over time). fraction = roofline / measured.
-Eager mode is host-bound on an H200: an 8B verify launches ~1.7k kernels, so a low fraction at small batch
-measures launch overhead, not HBM; TP pays off once CUDA graphs remove it. Prints a table, then one JSON line.
+Two modes (`--mode`, both by default):
+- `step`: what the server runs. Each rank's shard fused after sharding (tether.server.fuse: rank 0 adds the
+  residual inside its GEMMs, one all-reduce per sublayer), B sessions of `ctx` tokens in a paged pool, one step =
+  StepRunner.forward of B chains of k tokens on the triton attention backend, replayed from a CUDA graph that
+  holds the NCCL all-reduces (eager on the CPU), device time between CUDA events.
+- `eager`: `model.verify` of the unfused shard over a contiguous cache (`--attn`), launched op by op. It is
+  host-bound on an H200 (an 8B verify launches ~1.7k kernels), so its low fraction measures launch overhead.
+Prints a table, then one JSON line.
 
     python bench/tp.py --tp 1 2                                 # llama3-8b, bf16, one GPU per rank
     torchrun --nproc-per-node 2 bench/tp.py                     # the launcher's TP degree only
-    python bench/tp.py --preset tiny --device cpu --tp 1 2      # smoke test on CPU (gloo)
+    TRITON_INTERPRET=1 python bench/tp.py --preset tiny --device cpu --tp 1 2   # smoke test on CPU (gloo)
 """
 
 from __future__ import annotations
@@ -29,9 +35,16 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from tether.server.fuse import fuse
+from tether.server.generate import attention_backend
+from tether.server.kv_pool import KVPool
+from tether.server.rounds import configure_steps, step_batch, step_runner
+from tether.server.step import StepConfig
 from tether.server.tp import apply_tp, init_distributed, spawn, under_torchrun
+from tether.server.verifier import SequenceVerifier
 from tether.shared.config import preset
 from tether.shared.model import Transformer
+from tether.shared.speculative import DraftTree
 
 
 @contextlib.contextmanager
@@ -93,8 +106,25 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     bw = copy_bandwidth(device, args.copy_mib << 20)
     wbytes = weight_bytes(model)
-    c = model.cfg  # local: this rank's heads
     rows = []
+
+    def row(mode: str, batch: int, ctx: int, k: int, times: list[float], kv_bytes: int) -> None:
+        ms = statistics.median(times)
+        roof = (wbytes + kv_bytes) / bw * 1e3
+        rows.append(dict(tp=world, mode=mode, batch=batch, ctx=ctx, k=k, ms=ms, min_ms=min(times), roofline_ms=roof,
+                         fraction=roof / ms, weights_gb=wbytes / 1e9, kv_gb=kv_bytes / 1e9,
+                         tokens_per_s=batch * k / ms * 1e3))  # fmt: skip
+
+    if "eager" in args.mode:
+        eager_rows(model, args, device, row)
+    if "step" in args.mode:
+        model.backend = attention_backend(str(device), "triton")
+        step_rows(fuse(model), args, device, row)
+    return {"copy_gb_s": bw / 1e9, "rows": rows}
+
+
+def eager_rows(model: Transformer, args: argparse.Namespace, device: torch.device, row) -> None:
+    cuda, c = device.type == "cuda", model.cfg
     for batch in args.batch:
         for ctx in args.ctx:
             cache = model.new_cache(batch, ctx + max(args.k))
@@ -106,30 +136,66 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> dict:
                 ids = torch.randint(0, c.vocab_size, (batch, k), device=device)
                 # verify writes its rows as pending and never commits, so every call sees the same cache
                 times = timed_ms(lambda ids=ids, cache=cache: model.verify(ids, cache), args.warmup, args.iters, cuda)
-                ms = statistics.median(times)
-                roof = (wbytes + kv_bytes) / bw * 1e3
-                rows.append(dict(tp=world, batch=batch, ctx=ctx, k=k, ms=ms, min_ms=min(times), roofline_ms=roof,
-                                 fraction=roof / ms, weights_gb=wbytes / 1e9, kv_gb=kv_bytes / 1e9,
-                                 tokens_per_s=batch * k / ms * 1e3))  # fmt: skip
+                row("eager", batch, ctx, k, times, kv_bytes)
             del cache
             if cuda:
                 torch.cuda.empty_cache()
-    return {"copy_gb_s": bw / 1e9, "rows": rows}
+
+
+def step_rows(model: Transformer, args: argparse.Namespace, device: torch.device, row) -> None:
+    """Time the server's step (see the module docstring) on this rank; every rank replays the same graphs."""
+    cuda, c = device.type == "cuda", model.cfg
+    dtype = model.embed_tokens.weight.dtype
+    configure_steps(StepConfig(graphs=cuda))
+    g = torch.Generator().manual_seed(1)
+    for batch in args.batch:
+        for ctx in args.ctx:
+            for k in args.k:
+                room = ctx + k + 16
+                pool = KVPool(c, batch * (-(-room // 16) + 1), 16, device=device, dtype=dtype)
+                pool.k.normal_()
+                pool.v.normal_()
+                vers = [SequenceVerifier(model, None, capacity=room, pool=pool) for _ in range(batch)]
+                for v in vers:
+                    v.cache.reserve(ctx)
+                    v.cache.advance(ctx)
+                trees = [DraftTree.chain(int(torch.randint(c.vocab_size, (1,), generator=g)),
+                                         torch.randint(c.vocab_size, (k - 1,), generator=g).tolist())
+                         for _ in vers]  # fmt: skip
+                step = step_batch([v.cache for v in vers], trees)
+                runner = step_runner(model, pool)
+                with runner.lock:  # the rows' pending K/V are rewritten each time and never committed
+                    times = timed_ms(lambda r=runner, s=step: r.forward(s, states=False), args.warmup, args.iters, cuda)
+                row(
+                    "step",
+                    batch,
+                    ctx,
+                    k,
+                    times,
+                    2 * c.n_layers * batch * ctx * c.n_kv_heads * c.head_dim * dtype.itemsize,
+                )
+                runner.close()
+                for v in vers:
+                    v.release()
+                del pool, vers, runner
+                if cuda:
+                    torch.cuda.empty_cache()
+    configure_steps(StepConfig())
 
 
 def report(args: argparse.Namespace, results: dict[int, dict]) -> dict:
-    base = {(r["batch"], r["ctx"], r["k"]): r["ms"] for r in results.get(1, {"rows": []})["rows"]}
+    base = {(r["mode"], r["batch"], r["ctx"], r["k"]): r["ms"] for r in results.get(1, {"rows": []})["rows"]}
     table = Table(title=f"verify latency under TP: {args.preset}, {args.device}, attention {args.attn}")
-    for col in ("TP", "B", "ctx", "k", "ms", "min ms", "roofline ms", "fraction", "speedup", "weights GB/rank",
+    for col in ("TP", "mode", "B", "ctx", "k", "ms", "min ms", "roofline ms", "fraction", "speedup", "weights GB/rank",
                 "KV GB/rank", "tok/s"):  # fmt: skip
         table.add_column(col, justify="right")
     rows = []
     for world, res in results.items():
         for r in res["rows"]:
-            one = base.get((r["batch"], r["ctx"], r["k"]))
+            one = base.get((r["mode"], r["batch"], r["ctx"], r["k"]))
             r["speedup_vs_tp1"] = one / r["ms"] if one else None
             rows.append(r)
-            table.add_row(str(world), str(r["batch"]), str(r["ctx"]), str(r["k"]), f"{r['ms']:.3f}",
+            table.add_row(str(world), r["mode"], str(r["batch"]), str(r["ctx"]), str(r["k"]), f"{r['ms']:.3f}",
                           f"{r['min_ms']:.3f}", f"{r['roofline_ms']:.3f}", f"{r['fraction']:.2f}",
                           f"{r['speedup_vs_tp1']:.2f}" if one else "-", f"{r['weights_gb']:.3f}",
                           f"{r['kv_gb']:.3f}", f"{r['tokens_per_s']:.0f}")  # fmt: skip
@@ -158,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 8, 32], help="new tokens per verify")
     ap.add_argument("--ctx", type=int, nargs="+", help="committed KV cache tokens (default 1024 8192; CPU 128 512)")
     ap.add_argument("--batch", type=int, nargs="+", help="sequences per verify (default 1 8; CPU 1 4)")
+    ap.add_argument("--mode", nargs="+", choices=["step", "eager"], default=["step", "eager"],
+                    help="the server's fused step (graphs on CUDA) and/or the eager unfused verify")  # fmt: skip
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--attn", help="attention backend (default sdpa on CUDA, reference on CPU)")

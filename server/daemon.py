@@ -38,8 +38,7 @@ from tether.server.metrics import serve_metrics
 from tether.server.rounds import step_runner
 from tether.server.rpc_server import TLSFiles, make_server
 from tether.server.service import ServiceConfig, TetherService
-from tether.server.tp import apply_tp
-from tether.server.tp_serve import TPTarget, join_rank0, start_followers
+from tether.server.tp_serve import TPTarget, join_rank0, shard, start_followers
 from tether.server.warm_cache import (
     count_entries,
     current_dir,
@@ -213,7 +212,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if cfg.tp > 1:
         # The client part ships whole weights: take them before this rank keeps only its shard.
         extra["client_weights"] = {k: v.detach().cpu().clone() for k, v in client_part_tensors(target, drafter).items()}
-        tp_target = TPTarget(apply_tp(target, 0, cfg.tp), cmd_group)
+        tp_target = TPTarget(shard(target, 0, cfg.tp), cmd_group)
         extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
         target = tp_target
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, **extra)

@@ -10,8 +10,11 @@ take to read, even replayed from a CUDA graph. `fuse(model)` changes how the sam
   at the HBM's pace and finishes in the same kernel: gate/up with SwiGLU's activation (SiLU x up), o_proj and
   down_proj with the residual add; more rows (a prefill) go to cuBLAS as before.
 Outputs equal the unfused model's within the kernels' tolerance (fp32 statistics, as the reference); the state
-dict keys and shapes are unchanged. Fusing is for inference on one device: a tensor-parallel shard re-slices each
-projection on its own (tether.server.tp), so apply one transform or the other.
+dict keys and shapes are unchanged.
+A tensor-parallel shard is fused after sharding (`fuse(apply_tp(model, rank, world))`): o_proj and down_proj then
+give this rank's partial sum, and rank 0 alone adds the residual (and a row-parallel bias) inside its GEMM, so
+one all-reduce of the GEMMs' outputs yields the residual stream on every rank (tether.server.tp), inside a
+captured step graph too.
 
     model = fuse(Transformer.from_pretrained(path, device="cuda", dtype=torch.bfloat16))
 """
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 from tether.kernels.linear import counters_needed, linear
 from tether.kernels.norm import rms_norm
 from tether.kernels.pointwise import rope
+from tether.server.tp import all_reduce
 from tether.shared.model import Attention, FeedForward, RMSNorm, Transformer
 
 
@@ -53,6 +57,16 @@ class FusedAttention(Attention):
         return linear(o, self.o_proj.weight, self.o_proj.bias, residual=x, counters=self.counters)
 
 
+class ShardedAttention(FusedAttention):
+    """FusedAttention of a tensor-parallel shard: o_proj's output is this rank's part of the residual stream."""
+
+    tp_lead: bool  # rank 0: adds the residual and the bias, once for the group
+    tp_group: object  # the shard's process group (None: the default one)
+
+    def add_output(self, o: Tensor, x: Tensor) -> Tensor:
+        return _reduced(self, o, self.o_proj, x)
+
+
 class FusedFeedForward(FeedForward):
     gate_up_weight: Tensor  # [2 * ffn_dim, dim]: gate_proj and up_proj's weights, views of it
     counters: Tensor
@@ -66,6 +80,27 @@ class FusedFeedForward(FeedForward):
     def _swiglu(self, x: Tensor) -> Tensor:
         """silu(gate(x)) * up(x) from one GEMM over the concatenated weight."""
         return linear(x, self.gate_up_weight, gated=True, counters=self.counters)
+
+
+class ShardedFeedForward(FusedFeedForward):
+    """FusedFeedForward of a tensor-parallel shard: down_proj's output is this rank's partial sum."""
+
+    tp_lead: bool
+    tp_group: object
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _reduced(self, self._swiglu(x), self.down_proj, None)
+
+    def add_output(self, h: Tensor, x: Tensor) -> Tensor:
+        return _reduced(self, self._swiglu(h), self.down_proj, x)
+
+
+def _reduced(m: ShardedAttention | ShardedFeedForward, x: Tensor, proj: nn.Linear, residual: Tensor | None) -> Tensor:
+    """residual + proj(x) over the group: every rank's partial GEMM, the lead's with the residual and the bias
+    (apply_tp moved it to `tp_bias`, out of the partial sums), then one all-reduce (sum)."""
+    lead = m.tp_lead
+    y = linear(x, proj.weight, proj.tp_bias if lead else None, residual=residual if lead else None, counters=m.counters)
+    return all_reduce(y, m.tp_group)
 
 
 class FusedTransformer(Transformer):
@@ -100,15 +135,22 @@ def _counters(module: nn.Module, like: Tensor, widths: list[int]) -> None:
 @torch.no_grad()
 def fuse(model: Transformer) -> Transformer:
     """Fuse the model in place (see the module docstring) and return it."""
+    rank, world = model.tp
     for block in model.layers:
         a, f = block.attn, block.ffn
         a.qkv_weight = _concat([a.q_proj, a.k_proj, a.v_proj], "weight")
         a.qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj], "bias")
         _counters(a, a.qkv_weight, [a.qkv_weight.shape[0], a.o_proj.weight.shape[0]])
-        _swap(a, FusedAttention)
         f.gate_up_weight = _concat([f.gate_proj, f.up_proj], "weight")
         _counters(f, f.gate_up_weight, [f.gate_proj.weight.shape[0], f.down_proj.weight.shape[0]])
-        _swap(f, FusedFeedForward)
+        if world > 1:
+            for m in (a, f):
+                m.tp_lead, m.tp_group = rank == 0, model.tp_group
+            _swap(a, ShardedAttention)
+            _swap(f, ShardedFeedForward)
+        else:
+            _swap(a, FusedAttention)
+            _swap(f, FusedFeedForward)
         for norm in (block.attn_norm, block.ffn_norm):
             _swap(norm, FusedRMSNorm)
     for norm in (model.norm, model.embed_norm):

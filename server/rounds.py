@@ -146,11 +146,23 @@ def configure_steps(config: StepConfig) -> None:
 
 
 def step_runner(target: Transformer, pool: KVPool) -> StepRunner:
-    """The pool's step runner for this target, made on first use."""
+    """The pool's step runner for this target, made on first use (or the one `register_runner` gave it)."""
     runner = _runners.get(pool)
     if runner is None or runner.target is not target:
         runner = _runners[pool] = StepRunner(target, pool, _step_config)
     return runner
+
+
+def register_runner(pool: KVPool, runner: StepRunner) -> None:
+    """Serve this pool's steps with a runner made elsewhere: a tensor-parallel target's, which broadcasts each
+    step to the other ranks before replaying its own (tether.server.tp_serve). `runner.target` is the target
+    whose rounds it serves."""
+    _runners[pool] = runner
+
+
+def step_config() -> StepConfig:
+    """The StepConfig runners are made with now (configure_steps)."""
+    return _step_config
 
 
 def decode_runner(target: Transformer, cache) -> StepRunner | None:
@@ -201,8 +213,7 @@ def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], 
     verdict packed as tether.shared.acceptance.pack does (else None). Valid inside the `with` only."""
     sizes = [len(t) for t in trees]
     in_place = attends_in_place(target, caches)
-    # A tensor-parallel target (tether.server.tp_serve) broadcasts each forward as a command: not a capturable step.
-    runner = step_runner(target, caches[0].pool) if in_place and isinstance(target, Transformer) else None
+    runner = step_runner(target, caches[0].pool) if in_place else None
     if runner is not None and runner.bucket(len(trees), max(sizes), 0, states) is not None:
         batch = step_batch(caches, trees)
         with runner.lock:

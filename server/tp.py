@@ -168,8 +168,11 @@ def _row_parallel(lin: nn.Linear, rank: int, world: int, group) -> None:
 
 def apply_tp(model: Transformer, rank: int, world_size: int, group=None) -> Transformer:
     """Shard a finished model in place for `rank` of `world_size` (see the module docstring) and return it."""
-    if getattr(model, "tp", None) is not None:
+    if model.tp[1] > 1:
         raise ValueError(f"model is already tensor-parallel: tp={model.tp}")
+    if type(model) is not Transformer:
+        # Fusing concatenates q/k/v and gate/up into buffers the shards here would not slice.
+        raise ValueError(f"shard the model before transforming it further (it is a {type(model).__name__})")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     cfg = model.cfg
@@ -181,6 +184,7 @@ def apply_tp(model: Transformer, rank: int, world_size: int, group=None) -> Tran
             )
     model.global_cfg = cfg
     model.tp = (rank, world_size)
+    model.tp_group = group
     if world_size == 1:
         return model
     W = world_size

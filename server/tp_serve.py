@@ -9,6 +9,10 @@ Each rank keeps its own shard (its KV heads) of one paged KV pool; block tables,
 on rank 0 only, and commands carry flat slot indices, so all shards stay the same shape and in step.
 Commands travel over a gloo group (CPU, pickled) and tensors over the device group (NCCL on GPUs).
 A lock on rank 0 keeps commands in one order: gRPC threads and the batcher never interleave collectives.
+On the "triton" backend every rank's shard is fused after sharding (tether.server.fuse) and the batcher's steps
+go through `TPStepRunner`: rank 0 broadcasts the step's host metadata (a StepBatch), then every rank runs its
+own StepRunner on it, replaying the same bucket's CUDA graph with the all-reduces captured inside; the K/V heads
+a drafter needs are gathered after the replay.
 
     tether-server serve --tp 2                  # one process per GPU, rank 0 listens
     tether-server serve --tp 2 --device cpu     # the same over gloo (tests)
@@ -30,6 +34,8 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
+from tether.server.rounds import register_runner, step_config
+from tether.server.step import Bucket, StepBatch, StepOutput, StepRunner
 from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
 from tether.shared.model import ForwardOutput, Transformer
 
@@ -72,6 +78,44 @@ def _execute(model: Transformer, pool: KVPool, cmd: dict) -> ForwardOutput:
     return out
 
 
+def shard(model: Transformer, rank: int, world: int) -> Transformer:
+    """This rank's part of the model: sharded, then fused when it runs the Triton kernels (every rank the same)."""
+    apply_tp(model, rank, world)
+    if model.backend == "triton":
+        from tether.server.fuse import fuse  # imports the kernels: only where they run
+
+        fuse(model)
+    return model
+
+
+def _step(runner: StepRunner, batch: StepBatch, states: bool) -> StepOutput:
+    """One step on this rank (every rank calls it with the same batch): replay, then gather the K/V heads."""
+    step = runner.forward(batch, states=states)
+    if not states:
+        return step
+    out = step.out
+    return StepOutput(dataclasses.replace(out, k=gather_heads(out.k, -2), v=gather_heads(out.v, -2)), step.greedy)
+
+
+class TPStepRunner:
+    """Rank 0's step runner (the part of StepRunner's interface tether.server.rounds uses): each step is first
+    broadcast to the followers, which replay the same bucket on their shards."""
+
+    def __init__(self, target: TPTarget, runner: StepRunner):
+        self.target, self.runner = target, runner
+        self.lock = runner.lock  # held by the caller from forward until it has copied out what it keeps
+
+    def bucket(self, rows: int, tokens: int, width: int, states: bool) -> Bucket | None:
+        return self.runner.bucket(rows, tokens, width, states)
+
+    def forward(self, batch: StepBatch, *, states: bool) -> StepOutput:
+        cmd = {"op": "step", "batch": batch, "states": states, "config": self.runner.config}
+        return self.target.broadcast(cmd, lambda: _step(self.runner, batch, states))
+
+    def shapes(self) -> list[list[int]]:
+        return self.runner.shapes()
+
+
 class TPPool(KVPool):
     """Rank 0's pool shard: slot copies (accepted tree paths) are mirrored on every rank."""
 
@@ -107,6 +151,7 @@ class TPTarget:
         """The pool shard of rank 0; followers build theirs from the same arguments (`follow`)."""
         self.pool = TPPool.for_budget(self.model.cfg, budget_bytes, block_size, device=self.model.device,
                                       dtype=self.model.embed_tokens.weight.dtype, broadcast=self.broadcast)  # fmt: skip
+        register_runner(self.pool, TPStepRunner(self, StepRunner(self.model, self.pool, step_config())))
         return self.pool
 
     @torch.inference_mode()
@@ -155,6 +200,7 @@ class TPTarget:
 
 def follow(model: Transformer, pool: KVPool, cmd_group) -> None:
     """Ranks 1..N-1: execute rank 0's commands until it says stop."""
+    runner = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=cmd_group)
@@ -164,6 +210,9 @@ def follow(model: Transformer, pool: KVPool, cmd_group) -> None:
         with torch.inference_mode():
             if cmd["op"] == "copy":
                 pool.copy_slots(cmd["src"].to(pool.device), cmd["dst"].to(pool.device))
+            elif cmd["op"] == "step":
+                runner = runner or StepRunner(model, pool, cmd["config"])
+                _step(runner, cmd["batch"], cmd["states"])
             else:
                 _execute(model, pool, cmd)
 
@@ -191,7 +240,7 @@ def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     model, _ = load(model_dir, dev, dtype, attention, fused=False)
-    apply_tp(model, rank, world)
+    shard(model, rank, world)
     torch.set_grad_enabled(False)
     pool = KVPool.for_budget(model.cfg, budget, block, device=model.device, dtype=model.embed_tokens.weight.dtype)
     try:

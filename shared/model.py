@@ -235,6 +235,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.backend = backend  # attention backend name (tether.shared.attention registry)
+        self.tp = (0, 1)  # (rank, world size) of a tensor-parallel shard (tether.server.tp.apply_tp sets it)
+        self.tp_group = None  # its process group (None: the default one)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         # Post-norm blocks feed their attention the raw residual stream, so the embeddings are normalised first

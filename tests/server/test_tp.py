@@ -11,7 +11,9 @@ import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
+from tether.kernels.moda_prefill import interpreting
 from tether.server.engine import SpeculativeEngine
+from tether.server.fuse import fuse
 from tether.server.tp import NO_MULTICAST, GatherKV, apply_tp, gather_heads, spawn
 
 WORLD = 2
@@ -94,6 +96,28 @@ def test_tp_matches_single_process(tp_results, name):
         for key, t in got.items():
             msg = lambda m, k=key, r=rank: f"{name}.{k} on rank {r}: {m}"
             torch.testing.assert_close(t, want[key], rtol=1e-5, atol=1e-5, msg=msg)
+
+
+def _fused_rank(rank: int, world: int) -> dict:
+    return {name: script(fuse(apply_tp(build(name), rank, world))) for name in ("moda", "gqa")}
+
+
+@pytest.mark.skipif(not interpreting(), reason="the fused kernels need TRITON_INTERPRET on the CPU")
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_fused_shards_match_single_process():
+    """Fused after sharding: rank 0's GEMMs add the residual and the bias, one all-reduce sums the partials."""
+    want = {name: script(build(name)) for name in ("moda", "gqa")}
+    for rank, results in enumerate(spawn(_fused_rank, WORLD, backend="gloo", timeout=TIMEOUT)):
+        for name, got in results.items():
+            got.pop("local_heads")
+            for key, t in got.items():
+                msg = lambda m, k=key, r=rank, n=name: f"{n}.{k} on rank {r}: {m}"
+                torch.testing.assert_close(t, want[name][key], rtol=1e-4, atol=1e-4, msg=msg)
+
+
+def test_sharding_a_fused_model_is_refused():
+    with pytest.raises(ValueError, match="before"):
+        apply_tp(fuse(tiny_target()), 0, 2)
 
 
 def test_ranks_run_without_nvlink_multicast(tp_results):
