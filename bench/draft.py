@@ -6,10 +6,13 @@ For each context length in `--contexts`: a random prompt of that many tokens is 
 attends over the whole context. Reported: median milliseconds per draft step (one token), for the ONNX drafter
 (exported here from the same drafter, `--threads` onnxruntime threads) and, with `--torch`, the torch drafter. The
 issue's bar ([4/7]): <= 2 ms a step for the default TLI 3 drafter, flat in context up to 2K, on a 2-core CPU.
+With `--precisions`, also the parts the server streams (tether.server.client_export: its graphs with the weights
+in fp32, fp16 or int8, widened to fp32 at load), each timed the same way, with its size on the wire.
 Prints a table, then one JSON line.
 
     python bench/draft.py
     python bench/draft.py --contexts 64 2000 --torch
+    python bench/draft.py --precisions fp32 fp16 int8
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.client.onnx_drafter import OnnxDrafter
-from tether.client.onnx_export import export_client_onnx
+from tether.server.client_export import ClientExporter
 from tether.server.generate import default_model_dir, load
+from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
+from tether.shared.weights import ONNX_PRECISIONS, TOKENIZER_TENSOR, client_part_tensors
 
 
 def step_ms(drafter, root: int, k: int, reps: int) -> float:
@@ -51,11 +56,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=30, help="chains per context")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     ap.add_argument("--torch", action="store_true", help="also time the torch drafter")
+    ap.add_argument("--precisions", nargs="*", default=[], choices=ONNX_PRECISIONS,
+                    help="also time the server's ONNX parts in these precisions")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model_dir, drafter_dir = str(default_model_dir()), str(default_model_dir("drafter"))
-    target, _ = load(model_dir, "cpu")
+    target, tok = load(model_dir, "cpu")
     drafter = load_drafter(drafter_dir, target, target_fingerprint=fingerprint(model_dir))
     capacity = max(args.contexts) + args.k + 8
     if capacity > target.cfg.max_seq_len:
@@ -63,6 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as out:
         export_client_onnx(drafter, out)
         onnx = OnnxDrafter.load(out, threads=args.threads)
+        weights = client_part_tensors(target, drafter)
+        weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok.to_json().encode()), dtype=torch.uint8)
+        exporter = ClientExporter(target.cfg, drafter.dcfg, weights, "0" * 64, out)
+        part_bytes = {p: exporter.part(p).nbytes for p in args.precisions}
+        served = {p: OnnxDrafter.load(exporter.dir / p, threads=args.threads) for p in args.precisions}
         g = torch.Generator().manual_seed(args.seed)
         rows = []
         for ctx in args.contexts:
@@ -71,19 +83,27 @@ def main(argv: list[str] | None = None) -> dict:
             root, delta = ver.open(prompt)
             onnx.begin(delta, capacity=capacity)
             row = {"context": ctx, "onnx_ms": step_ms(onnx, root, args.k, args.reps)}
+            for p, d in served.items():
+                d.begin(delta, capacity=capacity)
+                row[f"onnx_{p}_ms"] = step_ms(d, root, args.k, args.reps)
             if args.torch:
                 drafter.begin(delta, capacity=capacity)
                 row["torch_ms"] = step_ms(drafter, root, args.k, args.reps)
             rows.append(row)
             ver.release()
+        exporter.close()
     table = Table(title=f"draft step, default drafter (TLI {drafter.dcfg.tli}), k={args.k}, CPU ({platform.machine()})")
-    for col in ["context", "onnx ms / step"] + (["torch ms / step"] if args.torch else []):
-        table.add_column(col, justify="right")
+    keys = ["onnx_ms", *(f"onnx_{p}_ms" for p in args.precisions)] + (["torch_ms"] if args.torch else [])
+    table.add_column("context", justify="right")
+    for key in keys:
+        name = key.removesuffix("_ms").replace("_", " ")
+        wire = f" ({part_bytes[name[5:]] / 2**20:.1f} MiB)" if name[5:] in part_bytes else ""
+        table.add_column(f"{name}{wire} ms / step", justify="right")
     for r in rows:
-        table.add_row(str(r["context"]), f"{r['onnx_ms']:.2f}", *([f"{r['torch_ms']:.2f}"] if args.torch else []))
+        table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys))
     Console().print(table)
     record = {"bench": "draft", "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads,
-              "torch": torch.__version__, "rows": rows}  # fmt: skip
+              "torch": torch.__version__, "part_bytes": part_bytes, "rows": rows}  # fmt: skip
     print(json.dumps(record))
     return record
 

@@ -1,13 +1,20 @@
 """The onnxruntime drafting backend: the torch drafters' begin / commit / draft / draft_tree, on exported graphs.
 
-Runs the graphs tether.client.onnx_export writes (MoA with any TLI N, and EAGLE) and gives the same greedy
-drafts as tether.shared.drafter_runtime.DrafterBase over the same deltas. At run time it imports numpy,
-onnxruntime and the standard library only, never torch, so an edge install can leave torch out.
+Runs the graphs tether.server.onnx_export writes (MoA with any TLI N, and EAGLE) and gives the same greedy
+drafts as tether.shared.drafter_runtime.DrafterBase over the same deltas. It imports numpy, onnxruntime,
+safetensors and the standard library only, never torch, so an edge install can leave torch out.
 
 Contract (as DrafterBase; the differences are marked *):
 - `OnnxDrafter.load(dir, threads=1)` reads onnx_drafter.json, checks each graph's sha256 and returns the MoA or
   EAGLE runtime. `threads` is onnxruntime's intra-op thread count (0: one per core); the graphs are so small
   that one thread drafts about as fast as a pool (measured on 2 cores) and leaves a core to the rest of the client.
+- `OnnxDrafter.from_files(description, files, threads=1)`: the same from a description already read and its files
+  by name (the blobs of a part fetched from the server: tether.client.onnx_pairing, which checks the description
+  first). A graph whose description has `weights` keeps its matrices outside (tether.server.client_export): they
+  are read from that safetensors file, which must hold exactly the tensors described, in the dtype and shape of
+  the precision (tether.shared.weights.stored_layout), widened or dequantized to fp32 and handed to onnxruntime
+  by name. Every session reads external data from an empty folder, so a graph that names a file we did not
+  supply fails to load instead of reading one from the working directory.
 - `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
   states of the round's root and accepted drafts and drops the drafted rows after them.
   * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
@@ -43,17 +50,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from safetensors import safe_open
 
 from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
+from tether.shared.weights import SCALE_SUFFIX, decode_weight, stored_layout
 
 FORMAT_VERSION = 1
 MANIFEST = "onnx_drafter.json"
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "int8": "I8"}  # numpy's names -> safetensors'
+# onnxruntime reads a graph's external data from this folder (otherwise from the working directory).
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass
@@ -169,47 +183,109 @@ def _causal_mask(past: int, t: int) -> np.ndarray:
     return mask
 
 
+def load_weights(path: str | Path, spec: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A graph's external matrices as fp32, from the safetensors file `path` its description's `weights` names
+    (module docstring); ValueError unless the file holds exactly the tensors described."""
+    precision, shapes = spec["precision"], spec["tensors"]
+    expected = {
+        name + suffix: (SAFETENSORS_DTYPES[dtype], shape)
+        for name, s in shapes.items()
+        for suffix, (dtype, shape) in stored_layout(tuple(s), precision).items()
+    }
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            if set(f.keys()) != expected.keys():
+                raise ValueError(f"{Path(path).name} holds other tensors than its graph's description lists")
+            for key, (dtype, shape) in expected.items():
+                stored = f.get_slice(key)
+                if stored.get_dtype() != dtype or tuple(stored.get_shape()) != shape:
+                    raise ValueError(f"{key[:80]!r} is {stored.get_dtype()} {stored.get_shape()}, not {dtype} {shape}")
+            scaled = precision == "int8"
+            return {
+                name: decode_weight(f.get_tensor(name), f.get_tensor(name + SCALE_SUFFIX) if scaled else None)
+                for name in shapes
+            }
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors raises its own error type on a file it cannot parse
+        raise ValueError(f"{Path(path).name} is not a safetensors file: {str(e)[:200]}") from None
+
+
+def _check_sha256(name: str, data: bytes, want: str) -> None:
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != want:
+        raise ValueError(f"{name}: sha256 {digest[:12]} does not match the manifest's")
+
+
+def _session(graph: bytes, weights: Mapping[str, np.ndarray], threads: int) -> tuple[ort.InferenceSession, list]:
+    """An onnxruntime session of `graph` with `weights` as its external initializers; returns it and the values
+    it was given, which must live as long as it does."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    # Idle pool threads would otherwise busy-wait after every call, taking cores from the rest of the client.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+    if weights:
+        opts.add_external_initializers(list(weights), values)
+    with tempfile.TemporaryDirectory(prefix="tether-onnx-") as empty:
+        opts.add_session_config_entry(EXTERNAL_FOLDER_KEY, empty)
+        session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+    return session, [values, weights]
+
+
 class OnnxDrafter:
     """Common driver: chain and tree drafting over a subclass's _reset/_adopt/_step/_tree_step/_drop_drafted,
     the same contract as DrafterBase's."""
 
     kind = ""
 
-    def __init__(self, path: str | Path, manifest: dict, *, threads: int = 1):
-        self.path = Path(path)
+    def __init__(self, manifest: dict, sessions: Mapping[str, ort.InferenceSession], keep: list | None = None):
         self.manifest = manifest
         sh = manifest["shapes"]
         self.vocab_size, self.dim, self.max_seq_len = sh["vocab_size"], sh["dim"], sh["max_seq_len"]
         self.draft_kv = (sh["draft_kv_heads"], sh["draft_head_dim"])  # (Hs, Ds)
         self.target_kv = (sh["target_kv_heads"], sh["target_head_dim"])  # (Hkv, D)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        # Idle pool threads would otherwise busy-wait after every call, taking cores from the rest of the client.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sessions = {
-            name: ort.InferenceSession(str(self.path / g["file"]), opts, providers=["CPUExecutionProvider"])
-            for name, g in manifest["graphs"].items()
-        }
+        self.sessions = dict(sessions)
+        self._keep = keep  # the external weights the sessions read
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True) -> OnnxDrafter:
         path = Path(path)
         f = path / MANIFEST
         if not f.exists():
-            raise FileNotFoundError(f"{path} holds no {MANIFEST}: export one with tether.client.onnx_export")
+            raise FileNotFoundError(f"{path} holds no {MANIFEST}: export one with tether.server.onnx_export")
         manifest = json.loads(f.read_text())
+        names = [g["file"] for g in manifest.get("graphs", {}).values()]
+        names += [g["weights"]["file"] for g in manifest.get("graphs", {}).values() if "weights" in g]
+        return cls.from_files(manifest, {name: path / name for name in names}, threads=threads,
+                              check_hashes=check_hashes)  # fmt: skip
+
+    @classmethod
+    def from_files(
+        cls, manifest: dict, files: Mapping[str, Path], *, threads: int = 1, check_hashes: bool = True
+    ) -> OnnxDrafter:
         if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{f}: format version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}")
-        if check_hashes:
-            for g in manifest["graphs"].values():
-                digest = hashlib.sha256((path / g["file"]).read_bytes()).hexdigest()
-                if digest != g["sha256"]:
-                    raise ValueError(f"{path / g['file']}: sha256 {digest[:12]} does not match the manifest's")
+            raise ValueError(f"format version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}")
         kinds = {"moa": OnnxMoADrafter, "eagle": OnnxEagleDrafter}
         if manifest["kind"] not in kinds:
-            raise ValueError(f"unknown drafter kind {manifest['kind']!r} in {f}")
-        return kinds[manifest["kind"]](path, manifest, threads=threads)
+            raise ValueError(f"unknown drafter kind {manifest['kind']!r}")
+        sessions, keep = {}, []
+        for name, g in manifest["graphs"].items():
+            graph = files[g["file"]].read_bytes()
+            if check_hashes:
+                _check_sha256(g["file"], graph, g["sha256"])
+            weights, w = {}, g.get("weights")
+            if w is not None:
+                if check_hashes:
+                    _check_sha256(w["file"], files[w["file"]].read_bytes(), w["sha256"])
+                weights = load_weights(files[w["file"]], w)
+            sessions[name], held = _session(graph, weights, threads)
+            keep.append(held)
+            io = [[a.name for a in sessions[name].get_inputs()], [a.name for a in sessions[name].get_outputs()]]
+            if io != [g["inputs"], g["outputs"]]:
+                raise ValueError(f"graph {name!r} takes and gives {io}, its description says otherwise")
+        return kinds[manifest["kind"]](manifest, sessions, keep)
 
     # ---- the public loop (DrafterBase's, in numpy) ------------------------------------------------------
 
@@ -323,8 +399,8 @@ class OnnxMoADrafter(OnnxDrafter):
 
     kind = "moa"
 
-    def __init__(self, path: str | Path, manifest: dict, *, threads: int = 1):
-        super().__init__(path, manifest, threads=threads)
+    def __init__(self, manifest: dict, sessions: Mapping[str, ort.InferenceSession], keep: list | None = None):
+        super().__init__(manifest, sessions, keep)
         self.tli = manifest["shapes"]["tli"]
         self.step_inputs = manifest["graphs"]["step"]["inputs"]
 

@@ -12,8 +12,18 @@ client accepts them only when they agree with each other and stay within bounds 
   else; each shape exactly the expected one; a known dtype (a float dtype for float tensors, the tokenizer's
   bytes as uint8); nbytes == prod(shape) * itemsize; the tokenizer at most MAX_TOKENIZER_BYTES; the whole at
   most `max_bytes`; cache keys well formed. So a lying manifest is refused before a byte is written.
+- `check_onnx_manifest(entries, kind, max_bytes=...)`: the same for an ONNX client part, whose entries are files:
+  exactly the fixed names of tether.shared.weights.onnx_entries, each uint8 [nbytes], non-empty, the description
+  at most MAX_DESCRIPTION_BYTES, the tokenizer at most MAX_TOKENIZER_BYTES, the whole at most `max_bytes`.
+- `check_tokenizer(data, info)` -> Tokenizer: the tokenizer entry parses and has info's hash.
+- `request_manifest(stub, info, fmt, ...)`, `first_manifest(stream)` and `download(stub, request, man, entries,
+  cache, ...)`: the weight stream itself (both
+  formats): it starts with the manifest checked before, then sends chunks of the manifest's entries only and no
+  more bytes than they hold (plus one chunk sent again after a reconnect); they go into the WeightCache, which
+  checks every chunk's place and every entry's sha256.
 Every refusal is a ServerDataError (tether.client.errors) with Problem MODEL_INFO, FINGERPRINT, MANIFEST,
-WEIGHT_SIZE or CACHE_KEY.
+WEIGHT_SIZE, CACHE_KEY, CHUNK or TOKENIZER; the pairing-level ones are PairingError. Importing this module does
+not import torch (tether.client.onnx_pairing pairs without it); `expected_client_part` imports it when called.
 
     cfg, dcfg = check_model_info(info)
     check_manifest(manifest_entries(reply.manifest), cfg, dcfg, max_bytes=2048 << 20)
@@ -25,21 +35,21 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-import torch
-
 from tether.client.errors import Problem, ServerDataError
-from tether.client.weight_cache import is_sha256
+from tether.client.weight_cache import WeightCache, is_sha256
 from tether.shared.config import ModelConfig
-from tether.shared.drafter import DrafterConfig, build_drafter
-from tether.shared.model import Transformer
-from tether.shared.weights import TOKENIZER_TENSOR, TensorEntry, client_part_tensors
+from tether.shared.drafter_config import DrafterConfig
+from tether.shared.tokenizer import Tokenizer
+from tether.shared.weights import MAX_CHUNK, ONNX_MANIFEST, TOKENIZER_TENSOR, TensorEntry, onnx_entries
 from tether.v1 import tether_pb2 as pb
 
+DEFAULT_MAX_BYTES = 2048 << 20  # the client part's size limit when the caller gives none (ClientConfig.max_weights_mb)
 MAX_CONFIG_JSON = 64 << 10  # bytes of model_config_json / drafter_config_json (a real config is under 1 KB)
 MAX_TOKENIZER_BYTES = 32 << 20  # the tokenizer's JSON (Llama 3's is 9 MB)
+MAX_DESCRIPTION_BYTES = 1 << 20  # an ONNX part's onnx_drafter.json (the default drafter's is 10 KB)
 MAX_FINGERPRINT_CHARS = 256  # model_fingerprint is compared and saved, never parsed
 MAX_ROPE_SCALING_ITEMS = 16
 # Inclusive integer ranges: far beyond any model an edge client pairs with, far below what would overflow a
@@ -67,6 +77,10 @@ DRAFTER_LIMITS = {
 }
 FLOAT_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # what a float tensor may travel as
 ITEMSIZE = FLOAT_DTYPES | {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+
+
+class PairingError(ServerDataError):
+    """The server's model is not one this client can pair with (or its download does not check out)."""
 
 
 def _parse_config(text: str, what: str) -> dict:
@@ -141,6 +155,12 @@ def check_model_info(info: pb.ModelInfo) -> tuple[ModelConfig, DrafterConfig]:
 @functools.lru_cache(maxsize=8)  # building even a meta model takes a tenth of a second; chat pairs every line
 def expected_client_part(cfg: ModelConfig, dcfg: DrafterConfig) -> Mapping[str, tuple[tuple[int, ...], bool]]:
     """{name: (shape, is floating)} of the client part the configs imply (the tokenizer aside)."""
+    import torch
+
+    from tether.shared.drafter import build_drafter
+    from tether.shared.model import Transformer
+    from tether.shared.weights import client_part_tensors
+
     try:
         with torch.device("meta"):  # shapes only: an 8B target costs no memory here
             target = Transformer(cfg)
@@ -190,10 +210,35 @@ def check_manifest(entries: list[TensorEntry], cfg: ModelConfig, dcfg: DrafterCo
                 f"tensor {e.name!r} declares {e.nbytes} bytes, its shape and dtype "
                 f"hold {math.prod(e.shape) * ITEMSIZE[e.dtype]}",
             )
-        if not is_sha256(e.sha256):
-            raise ServerDataError(
-                Problem.CACHE_KEY, f"tensor {e.name!r}: sha256 {e.sha256[:80]!r} is not 64 lowercase hex"
-            )
+        _check_key(e)
+    _check_total(entries, max_bytes)
+
+
+def check_onnx_manifest(entries: list[TensorEntry], kind: str, *, max_bytes: int) -> None:
+    """Refuse an ONNX part's manifest that is not exactly the files of a `kind` drafter, or over a bound."""
+    names = [e.name for e in entries]
+    if sorted(names) != sorted(onnx_entries(kind)):
+        extra = [n[:80] for n in sorted(set(names) - set(onnx_entries(kind)))[:3]]
+        raise ServerDataError(Problem.MANIFEST, f"the ONNX part's entries are {len(names)} files, unknown: {extra}; "
+                              f"a {kind} drafter's are {', '.join(onnx_entries(kind))}")  # fmt: skip
+    limits = {ONNX_MANIFEST: MAX_DESCRIPTION_BYTES, TOKENIZER_TENSOR: MAX_TOKENIZER_BYTES}
+    for e in entries:
+        if e.dtype != "uint8" or e.shape != (e.nbytes,) or e.nbytes < 1:
+            raise ServerDataError(Problem.MANIFEST, f"entry {e.name!r} must be uint8 bytes, not {e.dtype[:40]!r} "
+                                  f"{list(e.shape)[:4]} of {e.nbytes} bytes")  # fmt: skip
+        if e.nbytes > limits.get(e.name, max_bytes):
+            raise ServerDataError(Problem.WEIGHT_SIZE, f"entry {e.name!r} is {e.nbytes} bytes, over its limit")
+        _check_key(e)
+    _check_total(entries, max_bytes)
+
+
+def _check_key(e: TensorEntry) -> None:
+    """An entry's sha256 names its file in the cache."""
+    if not is_sha256(e.sha256):
+        raise ServerDataError(Problem.CACHE_KEY, f"{e.name[:80]!r}: sha256 {e.sha256[:80]!r} is not 64 lowercase hex")
+
+
+def _check_total(entries: list[TensorEntry], max_bytes: int) -> None:
     total = sum(e.nbytes for e in entries)
     if total > max_bytes:
         raise ServerDataError(
@@ -201,3 +246,80 @@ def check_manifest(entries: list[TensorEntry], cfg: ModelConfig, dcfg: DrafterCo
             f"the client part is {total >> 20} MiB, over the client's limit of "
             f"{max_bytes >> 20} MiB (--max-weights-mb)",
         )
+
+
+def check_tokenizer(data: bytes, info: pb.ModelInfo) -> Tokenizer:
+    """The tokenizer entry's JSON as a Tokenizer, refused unless it parses and has info's tokenizer hash."""
+    try:
+        tokenizer = Tokenizer.from_json(data.decode())
+    except Exception as e:  # the tokenizers library raises its own types on text it cannot read
+        raise PairingError(Problem.TOKENIZER, f"the tokenizer does not parse: {str(e)[:200]}") from None
+    if tokenizer.sha256 != info.tokenizer_sha256:
+        raise PairingError(Problem.TOKENIZER, "the tokenizer received does not match the server's tokenizer hash")
+    return tokenizer
+
+
+def first_manifest(stream) -> pb.WeightManifest:
+    """The first message of a FetchWeights stream, which must be the manifest."""
+    first = next(iter(stream), None)
+    if first is None:
+        raise ConnectionError("the weight stream ended before its manifest")
+    if first.WhichOneof("body") != "manifest":
+        raise PairingError(Problem.MANIFEST, "the weight stream does not start with its manifest")
+    return first.manifest
+
+
+def request_manifest(
+    stub, info: pb.ModelInfo, fmt: int, *, metadata: tuple, timeout_s: float
+) -> tuple[pb.FetchWeightsRequest, pb.WeightManifest]:
+    """Ask for the manifest alone first (a client whose cache holds everything downloads nothing more); refused
+    unless it is of format `fmt` and of the model and drafter `info` describes. Returns (request, manifest)."""
+    req = pb.FetchWeightsRequest(model_fingerprint=info.model_fingerprint, manifest_only=True, format=fmt)
+    man = first_manifest(stub.FetchWeights(req, metadata=metadata, timeout=timeout_s))
+    if man.model_fingerprint != info.model_fingerprint or man.drafter_fingerprint != info.drafter_fingerprint:
+        raise PairingError(
+            Problem.FINGERPRINT, "the weight manifest belongs to another model than the server described"
+        )
+    if man.format != fmt:
+        raise PairingError(Problem.MANIFEST, f"the manifest is of client part format {man.format}, not {fmt}")
+    return req, man
+
+
+def download(
+    stub,
+    request: pb.FetchWeightsRequest,
+    man: pb.WeightManifest,
+    entries: list[TensorEntry],
+    cache: WeightCache,
+    *,
+    metadata: tuple,
+    timeout_s: float,
+    on_progress: Callable[[int, int], None] | None,
+) -> None:
+    """Fetch what `cache` lacks of `entries` (checked before, as `man`), from where the cache stops: the start, or
+    the middle of a download a dropped link broke (also in another process)."""
+    point = cache.resume_point(entries)
+    if point is None:
+        return
+    by_name = {e.name: e for e in entries}
+    total = sum(e.nbytes for e in entries)
+    req = pb.FetchWeightsRequest()
+    req.CopyFrom(request)  # a copy: the caller's request stays as it was
+    req.resume_tensor, req.resume_offset, req.manifest_only = point[0], point[1], False
+    stream = stub.FetchWeights(req, metadata=metadata, timeout=timeout_s)
+    if first_manifest(stream) != man:
+        raise PairingError(Problem.MANIFEST, "the weight stream's manifest differs from the one checked")
+    done = sum(cache.held_bytes(e) for e in entries)
+    for msg in stream:
+        if msg.WhichOneof("body") != "chunk" or msg.chunk.tensor not in by_name:
+            raise PairingError(Problem.CHUNK, "the weight stream sent something other than a chunk of the manifest")
+        c = msg.chunk
+        done += len(c.data)
+        # A chunk sent twice is harmless, an endless stream of them is not.
+        if done > total + MAX_CHUNK:
+            raise PairingError(Problem.CHUNK, f"the weight stream sent over {done} bytes for {total}")
+        cache.write(by_name[c.tensor], c.offset, c.data)
+        if on_progress:
+            on_progress(min(done, total), total)
+    if cache.resume_point(entries) is not None:
+        raise ConnectionError("the weight stream ended before every tensor arrived")

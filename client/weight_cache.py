@@ -4,7 +4,9 @@ Contract: `WeightCache(root)` keeps finished tensors as root/blobs/<sha256>.bin 
 root/partial/<sha256>.part. `resume_point(manifest)` says where to ask the server to continue (the first
 tensor not yet held, and how many of its bytes are); `write(entry, offset, data)` appends a chunk (a chunk
 sent again after a reconnect is accepted idempotently) and, once a tensor is complete, checks its sha256
-before it becomes a blob; `load(manifest)` returns the tensors. Two models sharing a tensor share its blob.
+before it becomes a blob; `load(manifest)` returns the tensors (torch, imported then), `blob(entry)` the verified
+file of one entry (an ONNX part's files are read from there, without torch). Two models sharing a tensor share its
+blob. Importing this module does not import torch.
 File names come from the manifest's sha256 fields, which the server writes: anything but 64 lowercase hex digits
 is refused (WeightCacheError, Problem.CACHE_KEY) before any file is touched, and every path is resolved and
 checked to lie inside the cache.
@@ -20,12 +22,14 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from tether.client.errors import Problem, ServerDataError
 from tether.shared.ids import is_sha256 as is_sha256_hex
 from tether.shared.weights import TensorEntry, tensor_from_bytes
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _HASH_BLOCK = 1 << 20  # a finished tensor is hashed in blocks, never read whole
 
@@ -109,8 +113,11 @@ class WeightCache:
                                    "starts over")  # fmt: skip
         os.replace(part, self._blob(entry))
 
+    def blob(self, entry: TensorEntry) -> Path:
+        """The file of a downloaded, verified entry."""
+        if not self.has(entry):
+            raise WeightCacheError(Problem.CHUNK, f"{entry.name[:80]!r} is not downloaded yet")
+        return self._blob(entry)
+
     def load(self, manifest: list[TensorEntry]) -> dict[str, Tensor]:
-        missing = [e.name for e in manifest if not self.has(e)]
-        if missing:
-            raise WeightCacheError(Problem.CHUNK, f"{len(missing)} tensors are not downloaded yet, e.g. {missing[0]!r}")
-        return {e.name: tensor_from_bytes(self._blob(e).read_bytes(), e.dtype, e.shape) for e in manifest}
+        return {e.name: tensor_from_bytes(self.blob(e).read_bytes(), e.dtype, e.shape) for e in manifest}

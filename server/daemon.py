@@ -8,7 +8,9 @@ Start-up is logged by phase at INFO: the kernel cache in use, models loaded in X
 how many files it added to the cache, then one line `ready in X s (warm cache|cold cache|no kernel warm-up)`,
 counted from the call of `serve` (after Python's imports) to the port taking calls. A warm-up that adds nothing
 to Triton's cache found every kernel and autotuning result there: a warm start (tether.server.warm_cache).
-`--cache-dir DIR` keeps that cache in DIR (empty: Triton's own, TRITON_CACHE_DIR or ~/.triton/cache).
+`--cache-dir DIR` keeps that cache in DIR (empty: Triton's own, TRITON_CACHE_DIR or ~/.triton/cache), and the ONNX
+client part's exports in DIR/onnx (tether.server.client_export: made on the first request for each precision, or
+before the port opens for those `--onnx-precisions` names).
 `warm(cfg)` (`tether-server warm`) loads the models, runs the same warm-up and exits: it fills a cache directory
 before the first `serve` (a Kubernetes initContainer, a provisioning step; an image build has no GPU).
 
@@ -50,7 +52,7 @@ from tether.server.warm_cache import (
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
-from tether.shared.weights import client_part_tensors
+from tether.shared.weights import ONNX_PRECISIONS, client_part_tensors
 
 log = logging.getLogger("tether.server")
 
@@ -82,6 +84,8 @@ class ServeConfig:
     log_format: str = "text"  # "json": one JSON object per line with session ids (for log pipelines); "text"
     log_level: str = "info"  # debug / info / warning / error
     cache_dir: str = ""  # keeps compiled kernels + autotuning across restarts (DIR/triton); empty = Triton's default
+    # The ONNX client part is exported on its first request, per precision, and kept in DIR/onnx with --cache-dir.
+    onnx_precisions: str = ""  # export these ONNX precisions (e.g. "fp32,int8") before the port opens
 
 
 # The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
@@ -198,6 +202,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
     config = _service_config(cfg)
+    precisions = [p for p in cfg.onnx_precisions.split(",") if p]
+    if not set(precisions) <= set(ONNX_PRECISIONS):
+        raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
     kernel_dir = _use_cache(cfg)
     followers, tp_target = [], None
     if cfg.tp > 1:
@@ -215,7 +222,13 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         tp_target = TPTarget(shard(target, 0, cfg.tp), cmd_group)
         extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
         target = tp_target
+    if cfg.cache_dir:
+        extra["export_dir"] = Path(cfg.cache_dir).expanduser() / "onnx"
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, **extra)
+    for precision in precisions:
+        t0 = time.perf_counter()
+        service.exporter.part(precision)
+        log.info("ONNX client part (%s) ready in %.1f s", precision, time.perf_counter() - t0)
     cache_state = _warm_kernels(target, service.pool, kernel_dir)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)

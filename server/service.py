@@ -3,7 +3,8 @@
 Contract (the messages are in proto/tether/v1/tether.proto):
 - GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs and limits.
 - FetchWeights: the manifest of the client part (tether.shared.weights), then chunks of at most 1 MiB, from
-  any (tensor, offset); REASON_MODEL_MISMATCH when the client expects other weights.
+  any (tensor, offset); REASON_MODEL_MISMATCH when the client expects other weights. As tensors or as ONNX files
+  exported on the first request per precision (tether.server.client_export; a failed export: REASON_INTERNAL).
 - Session: `open` prefills and answers the first token and the prompt's KV delta; each `round` is verified
   (tether.server.verifier, batched with other sessions' rounds by tether.server.batcher) and answered with
   accepted count, bonus token and delta. Round numbers make a repeated round idempotent (the recorded answer
@@ -40,6 +41,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import secrets
 import threading
 from collections.abc import AsyncIterator
@@ -50,6 +52,7 @@ import torch
 
 from tether.server.auth import CALLER
 from tether.server.batcher import RoundBatcher
+from tether.server.client_export import FORMATS, ClientExporter, ExportError
 from tether.server.errors import Reason, RequestError, inline, status_metadata
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
@@ -108,9 +111,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         model_fingerprint: str,
         client_weights: dict[str, torch.Tensor] | None = None,
         pool: KVPool | None = None,
+        export_dir: str | os.PathLike | None = None,
     ):
         """`client_weights` and `pool` are for a tensor-parallel target (tether.server.tp_serve), whose own
-        weights are sharded: the client part computed before sharding, and rank 0's mirrored pool shard."""
+        weights are sharded: the client part computed before sharding, and rank 0's mirrored pool shard.
+        `export_dir` keeps the ONNX client part's exports across restarts (None: a temporary directory)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.config = c = config or ServiceConfig()
         self.model_fingerprint = model_fingerprint
@@ -123,6 +128,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         self.drafter_fingerprint = _sha256_json(
             {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}
         )
+        self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint, export_dir)
         self.model_info = pb.ModelInfo(
             protocol_version=PROTOCOL_VERSION,
             model_id=c.model_id,
@@ -136,6 +142,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             max_prompt_tokens=c.max_prompt_tokens,
             max_draft_tokens=c.max_draft_tokens,
             max_message_bytes=c.max_message_bytes,
+            client_part_formats=[pb.CLIENT_PART_TENSORS, *FORMATS],
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
@@ -178,6 +185,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         """End the service's threads (the process is stopping)."""
         self.batcher.close()
         self.executor.shutdown(wait=True)
+        self.exporter.close()
 
     # ---- work off the event loop ------------------------------------------------------------------------
 
@@ -258,8 +266,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             size = request.max_chunk_bytes or MAX_CHUNK
             if size > MAX_CHUNK:
                 raise invalid(f"max_chunk_bytes above {MAX_CHUNK}")
+            files, manifest = await self._client_part(request.format)
             try:
-                chunks = iter_chunks(self.weights, self.manifest, request.resume_tensor, request.resume_offset, size)
+                chunks = iter_chunks(files, manifest, request.resume_tensor, request.resume_offset, size)
                 first = next(chunks, None)  # validates the resume point before anything is sent
             except (KeyError, ValueError):
                 raise invalid("resume_tensor / resume_offset is not a point in the manifest") from None
@@ -271,8 +280,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 drafter_fingerprint=self.drafter_fingerprint,
                 tensors=[
                     pb.TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes, sha256=e.sha256)
-                    for e in self.manifest
+                    for e in manifest
                 ],  # fmt: skip
+                format=request.format,
             )
         )
         if request.manifest_only:
@@ -281,6 +291,18 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         for name, offset, data in itertools.chain([first], chunks) if first is not None else ():
             sent.inc(len(data))
             yield pb.WeightChunk(chunk=pb.TensorChunk(tensor=name, offset=offset, data=data))
+
+    async def _client_part(self, fmt: int) -> tuple[dict, list]:
+        """(entries by name, manifest) in format `fmt`; ONNX ones are exported on the exporter's thread."""
+        if fmt == pb.CLIENT_PART_TENSORS:
+            return self.weights, self.manifest
+        if fmt not in FORMATS:
+            raise invalid(f"unknown client part format {fmt}")
+        try:
+            part = await self.exporter.part_async(FORMATS[fmt])
+        except ExportError as e:
+            raise RequestError(Reason.REASON_INTERNAL, str(e)) from None
+        return part.files, list(part.manifest)
 
     async def Close(self, request, context) -> pb.CloseReply:
         try:

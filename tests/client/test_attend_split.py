@@ -1,4 +1,4 @@
-"""The exported step's attention (tether.client.onnx_export.attend_split: committed rows read in place, never
+"""The exported step's attention (tether.server.onnx_export.attend_split: committed rows read in place, never
 concatenated) equals the reference MoDA attention over the concatenated rows, on awkward shapes: one and several
 new rows, no committed rows, depth keys or none, GQA groups of 3 and 2, a random visibility over the committed rows
 and a causal one over the new."""
@@ -6,7 +6,7 @@ and a causal one over the new."""
 import pytest
 import torch
 
-from tether.client.onnx_export import attend_split
+from tether.server.onnx_export import attend_split
 from tether.shared.attention import moda_attention_reference
 
 

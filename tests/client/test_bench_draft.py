@@ -1,5 +1,5 @@
-"""Smoke test of bench/draft.py: two short contexts, both drafters, checking the JSON record's fields (never a
-time: only that each is a positive number)."""
+"""Smoke test of bench/draft.py: two short contexts, both drafters and an int8 part, checking the JSON record's
+fields (never a time: only that each is a positive number)."""
 
 import importlib.util
 from pathlib import Path
@@ -11,8 +11,9 @@ def test_draft_step_record():
     spec = importlib.util.spec_from_file_location("bench_draft", BENCH)
     draft = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draft)
-    record = draft.main(["--contexts", "8", "40", "--k", "2", "--reps", "2", "--torch"])
+    record = draft.main(["--contexts", "8", "40", "--k", "2", "--reps", "2", "--torch", "--precisions", "int8"])
     assert record["bench"] == "draft" and record["k"] == 2 and record["tli"] >= 0
     assert [r["context"] for r in record["rows"]] == [8, 40]
+    assert record["part_bytes"]["int8"] > 0
     for r in record["rows"]:
-        assert r["onnx_ms"] > 0 and r["torch_ms"] > 0
+        assert r["onnx_ms"] > 0 and r["torch_ms"] > 0 and r["onnx_int8_ms"] > 0

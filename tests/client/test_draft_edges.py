@@ -12,7 +12,7 @@ import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.onnx_drafter import OnnxDrafter
-from tether.client.onnx_export import export_client_onnx
+from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 
 PROMPT = [1, 2, 3, 4, 5, 6, 0, 1, 3]

@@ -18,7 +18,7 @@ import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.onnx_drafter import OnnxDrafter
-from tether.client.onnx_export import export_client_onnx
+from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, decode_many, encode_many
 from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter, load_drafter

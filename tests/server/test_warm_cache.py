@@ -251,3 +251,14 @@ def test_serve_without_kernels_says_so(tmp_path, monkeypatch, capsys):
     assert serve_once(monkeypatch, "--attention", "reference", "--cache-dir", str(tmp_path)) == 0
     line = ready_line(capsys.readouterr().err)
     assert re.search(r"ready in [\d.]+ s \(no kernel warm-up\)", line), line
+
+
+def test_serve_exports_the_onnx_precisions_asked_into_the_cache_dir(tmp_path, monkeypatch, capsys):
+    """--onnx-precisions exports before the port opens, into --cache-dir/onnx (tether.server.client_export)."""
+    args = ("--attention", "reference", "--cache-dir", str(tmp_path))
+    assert serve_once(monkeypatch, *args, "--onnx-precisions", "int8") == 0
+    assert "ONNX client part (int8) ready" in capsys.readouterr().err
+    # int8 is derived from the fp32 export, which stays for the next start and the next precision
+    assert sorted(p.name for p in (tmp_path / "onnx").glob("*/*")) == ["fp32", "int8"]
+    with pytest.raises(ValueError, match="onnx-precisions"):
+        serve_once(monkeypatch, *args, "--onnx-precisions", "fp32,int4")

@@ -31,6 +31,13 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_RAW: _ClassVar[Codec]
     CODEC_FP16_SHUFFLE_ZSTD: _ClassVar[Codec]
     CODEC_INT8_ZSTD: _ClassVar[Codec]
+
+class ClientPartFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLIENT_PART_TENSORS: _ClassVar[ClientPartFormat]
+    CLIENT_PART_ONNX_FP32: _ClassVar[ClientPartFormat]
+    CLIENT_PART_ONNX_FP16: _ClassVar[ClientPartFormat]
+    CLIENT_PART_ONNX_INT8: _ClassVar[ClientPartFormat]
 REASON_UNSPECIFIED: ErrorReason
 REASON_CAPACITY: ErrorReason
 REASON_KEY_QUOTA: ErrorReason
@@ -50,6 +57,10 @@ REASON_SESSION_FULL: ErrorReason
 CODEC_RAW: Codec
 CODEC_FP16_SHUFFLE_ZSTD: Codec
 CODEC_INT8_ZSTD: Codec
+CLIENT_PART_TENSORS: ClientPartFormat
+CLIENT_PART_ONNX_FP32: ClientPartFormat
+CLIENT_PART_ONNX_FP16: ClientPartFormat
+CLIENT_PART_ONNX_INT8: ClientPartFormat
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "retry_after_ms")
@@ -64,7 +75,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes")
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +88,7 @@ class ModelInfo(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PART_FORMATS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     model_config_json: str
@@ -89,7 +101,8 @@ class ModelInfo(_message.Message):
     max_prompt_tokens: int
     max_draft_tokens: int
     max_message_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    client_part_formats: _containers.RepeatedScalarFieldContainer[ClientPartFormat]
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
@@ -106,28 +119,32 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class WeightManifest(_message.Message):
-    __slots__ = ("model_fingerprint", "drafter_fingerprint", "tensors")
+    __slots__ = ("model_fingerprint", "drafter_fingerprint", "tensors", "format")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     drafter_fingerprint: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
-    def __init__(self, model_fingerprint: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ...) -> None: ...
+    format: ClientPartFormat
+    def __init__(self, model_fingerprint: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., format: _Optional[_Union[ClientPartFormat, str]] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
-    __slots__ = ("model_fingerprint", "resume_tensor", "resume_offset", "max_chunk_bytes", "manifest_only")
+    __slots__ = ("model_fingerprint", "resume_tensor", "resume_offset", "max_chunk_bytes", "manifest_only", "format")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TENSOR_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     resume_tensor: str
     resume_offset: int
     max_chunk_bytes: int
     manifest_only: bool
-    def __init__(self, model_fingerprint: _Optional[str] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., manifest_only: _Optional[bool] = ...) -> None: ...
+    format: ClientPartFormat
+    def __init__(self, model_fingerprint: _Optional[str] = ..., resume_tensor: _Optional[str] = ..., resume_offset: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., manifest_only: _Optional[bool] = ..., format: _Optional[_Union[ClientPartFormat, str]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("manifest", "chunk")

@@ -78,7 +78,7 @@ class TetherServicer:
 
     def FetchWeights(self, request, context):
         """The client's partial weights: first the manifest, then chunks of at most max_chunk_bytes;
-        resumable from any (tensor, offset).
+        resumable from any (tensor, offset). As tensors, or as ONNX graphs the server exported (ClientPartFormat).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,4 @@
-"""Export the edge client's drafting step to ONNX, for the onnxruntime backend (tether.client.onnx_drafter).
+"""Export the edge client's drafting step to ONNX, for the onnxruntime drafter (tether.client.onnx_drafter).
 
 Only the client part is exported (docs/ARCHITECTURE.md section 3; LSA stays on the server). The caches never live inside
 a graph: each call takes the committed cache rows as inputs and returns the new rows, so the runtime keeps the
@@ -28,17 +28,24 @@ Hs/Ds: the drafter's own KV heads/width, Hkv/D: the target's):
 runtime allocates, and per graph its file, sha256, input and output names in order, and signature
 (name -> [dtype, shape], dynamic axes named as above).
 
+`split_weights(graph_bytes, location)` takes a written graph's weight matrices out of it: every fp32 initializer of
+two or more dimensions becomes an external reference (ONNX's external-data form, pointing at `location`) and is
+returned as a numpy array, so they can travel in another file and another precision (tether.server.client_export);
+onnxruntime is then given them by name (SessionOptions.add_external_initializers). The graph is edited without
+the `onnx` package: a message class built at run time knows the few ONNX fields touched (_onnx_subset) and
+protobuf keeps every other field as it was.
+
 Exporter: torch.onnx.export's TorchScript exporter (dynamo=False); the dynamo exporter needs onnxscript. The
 TorchScript one imports the `onnx` package only to splice onnxscript custom functions into the model, which
 these graphs do not use, so when `onnx` is missing that step is skipped (see _skip_onnxscript_step).
 
-    from tether.client.onnx_export import export_client_onnx
+    from tether.server.onnx_export import export_client_onnx
     export_client_onnx(load_drafter("deploy/models/drafter", target), "build/onnx-drafter")
 
-    python -m tether.client.onnx_export --target deploy/models/target --drafter deploy/models/drafter \\
+    python -m tether.server.onnx_export --target deploy/models/target --drafter deploy/models/drafter \\
         --out build/onnx-drafter
 
-Tests: tests/client/test_onnx_backend.py.
+Tests: tests/client/test_onnx_backend.py, tests/server/test_client_export.py.
 """
 
 from __future__ import annotations
@@ -46,16 +53,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torch import Tensor, nn
 
 from tether.shared.model import DepthStream, apply_rope, rope_cos_sin, rope_frequencies
+from tether.shared.weights import onnx_graph_io
 
 FORMAT_VERSION = 1
 MANIFEST = "onnx_drafter.json"
@@ -290,12 +301,10 @@ def export_client_onnx(drafter, out_dir: str | Path) -> dict:
         "logits": {1: "R"},
     }
     graphs: dict[str, dict] = {}
+    io = onnx_graph_io(dcfg.kind, dcfg.tli)
     if dcfg.kind == "moa":
-        n = dcfg.tli
-        tli_in = [f"tli_{kv}.{i}" for i in range(n) for kv in "kv"]
-        tli_out = [f"tli_{kv}_new.{i}" for i in range(n) for kv in "kv"]
-        inputs = ["tokens", "positions", "mask", "logit_rows", "sa_k", "sa_v", "ctx_k", "ctx_v", *tli_in]
-        outputs = ["logits", "sa_k_new", "sa_v_new", *tli_out]
+        inputs, outputs = io["step"]
+        tli_in, tli_out = inputs[8:], outputs[3:]
         axes = dict(step_axes, ctx_k={1: "S"}, ctx_v={1: "S"})
         axes.update({name: {1: "P"} for name in ["sa_k", "sa_v", *tli_in]})
         axes.update({name: {1: "T"} for name in ["sa_k_new", "sa_v_new", *tli_out]})
@@ -311,21 +320,18 @@ def export_client_onnx(drafter, out_dir: str | Path) -> dict:
             *[torch.randn(1, P, tcfg.n_kv_heads, tcfg.head_dim) for _ in tli_in],
         )
         graphs["step"] = _export(_MoAStep(drafter).eval(), args, out / "step.onnx", inputs, outputs, axes)
-        ctx_in, ctx_out = ["lsa", "positions"], ["ctx_k", "ctx_v"]
+        ctx_in, ctx_out = io["context"]
         ctx_axes = {"lsa": {1: "n"}, "positions": {1: "n"}, "ctx_k": {1: "n"}, "ctx_v": {1: "n"}}
         ctx_args = (torch.randn(1, S, tcfg.dim), torch.arange(2, 2 + S)[None])
         graphs["context"] = _export(
             _MoAContext(drafter).eval(), ctx_args, out / "context.onnx", ctx_in, ctx_out, ctx_axes
         )
-    elif dcfg.kind == "eagle":
-        inputs = ["tokens", "positions", "mask", "logit_rows", "prev_feat", "k", "v"]
-        outputs = ["logits", "feat", "k_new", "v_new"]
+    else:
+        inputs, outputs = io["step"]
         axes = dict(step_axes, prev_feat={1: "T"}, k={1: "P"}, v={1: "P"}, feat={1: "T"})
         axes.update(k_new={1: "T"}, v_new={1: "T"})
         args = (tokens, positions, mask, logit_rows, torch.randn(1, T, tcfg.dim), *torch.randn(2, 1, P, hs, ds))
         graphs["step"] = _export(_EagleStep(drafter).eval(), args, out / "step.onnx", inputs, outputs, axes)
-    else:
-        raise ValueError(f"cannot export a drafter of kind {dcfg.kind!r} (supported: moa, eagle)")
     for g in graphs.values():
         g["sha256"] = _sha256(out / g["file"])
     manifest = {
@@ -351,11 +357,60 @@ def export_client_onnx(drafter, out_dir: str | Path) -> dict:
     return manifest
 
 
+ONNX_FLOAT = 1  # TensorProto.DataType FLOAT
+ONNX_EXTERNAL = 1  # TensorProto.DataLocation EXTERNAL
+
+
+@functools.cache
+def _onnx_subset():
+    """ModelProto -> graph -> initializer -> the TensorProto fields split_weights reads or writes, with onnx.proto's
+    field numbers; parsing a model with it keeps every other field as unknown fields, written back unchanged."""
+    F = descriptor_pb2.FieldDescriptorProto
+    f = descriptor_pb2.FileDescriptorProto(name="tether_onnx_subset.proto", package="tether_onnx_subset")
+    f.syntax = "proto2"  # as onnx.proto
+    one, many = F.LABEL_OPTIONAL, F.LABEL_REPEATED
+    messages = {
+        "StringStringEntryProto": [("key", 1, F.TYPE_STRING, one, ""), ("value", 2, F.TYPE_STRING, one, "")],
+        "TensorProto": [("dims", 1, F.TYPE_INT64, many, ""), ("data_type", 2, F.TYPE_INT32, one, ""),
+                        ("name", 8, F.TYPE_STRING, one, ""), ("raw_data", 9, F.TYPE_BYTES, one, ""),
+                        ("external_data", 13, F.TYPE_MESSAGE, many, "StringStringEntryProto"),
+                        ("data_location", 14, F.TYPE_INT32, one, "")],
+        "GraphProto": [("initializer", 5, F.TYPE_MESSAGE, many, "TensorProto")],
+        "ModelProto": [("graph", 7, F.TYPE_MESSAGE, one, "GraphProto")],
+    }  # fmt: skip
+    for name, fields in messages.items():
+        m = f.message_type.add(name=name)
+        for field, number, kind, label, type_name in fields:
+            d = m.field.add(name=field, number=number, type=kind, label=label)
+            if type_name:
+                d.type_name = f".tether_onnx_subset.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tether_onnx_subset.ModelProto"))
+
+
+def split_weights(graph: bytes, location: str) -> tuple[bytes, dict[str, np.ndarray]]:
+    """(the graph with its fp32 matrices as external references to `location`, {initializer name: fp32 array})."""
+    model = _onnx_subset()()
+    model.ParseFromString(graph)
+    weights: dict[str, np.ndarray] = {}
+    for t in model.graph.initializer:
+        if t.data_type != ONNX_FLOAT or len(t.dims) < 2 or not t.HasField("raw_data") or t.name in weights:
+            continue  # vectors and scalars stay inside: small, and a norm's weights are worth their fp32
+        array = np.frombuffer(t.raw_data, dtype="<f4").reshape(tuple(t.dims)).astype(np.float32)
+        weights[t.name] = array
+        t.ClearField("raw_data")
+        t.data_location = ONNX_EXTERNAL
+        for key, value in (("location", location), ("offset", "0"), ("length", str(array.nbytes))):
+            t.external_data.add(key=key, value=value)
+    return model.SerializeToString(), weights
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from tether.shared.drafter import load_drafter
     from tether.shared.model import Transformer
 
-    p = argparse.ArgumentParser(prog="python -m tether.client.onnx_export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tether.server.onnx_export", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory")
     p.add_argument("--drafter", required=True, help="drafter directory (MoA or EAGLE)")
     p.add_argument("--out", required=True, help="output directory for the graphs and onnx_drafter.json")
