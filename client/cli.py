@@ -5,6 +5,7 @@ tether-client chat --server HOST:PORT    # interactive: each line you type, the 
 tether-client info                       # what this edge install can run (backends, versions)
 tether-client info --model DIR           # a model directory's config and fingerprint (what pairing checks)
 tether-client <command> --help
+tether-client --version
 
 The API key comes from --api-key, else --api-key-file, else the TETHER_API_KEY environment variable (a key on
 the command line is visible to every user of the machine in `ps`). Anything invalid the server sends ends the
@@ -15,31 +16,37 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+# Only the standard library and light modules at the top: the session (grpc, numpy, the drafter's runtime) is
+# imported inside the commands, and a subcommand's flags are built only when it is parsed (LazyParser), so a bare
+# `--help` or `--version` stays fast on an edge box (tests/test_client_install.py checks they import no torch).
 from tether.client import env
-from tether.shared.cli_support import add_dataclass_args, build_config, run_cli
-
-
-def _version(distribution: str) -> str | None:
-    """An installed distribution's version; None when it is absent (or, for tether, run from a source tree)."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+from tether.shared.cli_support import (
+    LazyParser,
+    add_dataclass_args,
+    add_version_flag,
+    build_config,
+    installed_version,
+    run_cli,
+)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    report: dict = {"tether": _version("tether"), "python": sys.version.split()[0]}
+    report: dict = {"tether": installed_version("tether"), "python": sys.version.split()[0]}
     for name in ("torch", "onnxruntime", "tokenizers", "grpcio"):
-        report[name] = _version(name)
+        report[name] = installed_version(name)
     if args.model:
-        from tether.shared.checkpoint import fingerprint
-        from tether.shared.model import Transformer
+        try:
+            from tether.shared.checkpoint import fingerprint
+            from tether.shared.model import Transformer
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            raise ValueError("describing a model directory needs torch, which this install leaves out") from None
 
         model = Transformer.from_pretrained(args.model)
         report["model"] = {
@@ -132,6 +139,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
 API_KEY_FILE_HELP = "a file holding the bearer key (instead of --api-key, which others can read in ps)"
 
 
+def _session_args(parser: argparse.ArgumentParser) -> None:
+    """The flags generate and chat share: one per ClientConfig field (importing the session), and the key file."""
+    from tether.client.session import ClientConfig
+
+    add_dataclass_args(parser, ClientConfig)
+    parser.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
+
+
+def _generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object at the end: text, token_ids, tags, stats"
+    )
+    parser.add_argument("--plain", action="store_true", help="stream plain text even on a terminal (no live view)")
+    _session_args(parser)
+
+
+def _info_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a model directory to describe")
+    parser.add_argument("--json", action="store_true", help="one line of JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tether-client",
@@ -139,24 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("info", help="show what this edge install can run, and a model's fingerprint")
-    p.add_argument("--model", help="a model directory to describe")
-    p.add_argument("--json", action="store_true", help="one line of JSON")
-    p.set_defaults(func=cmd_info)
-    from tether.client.session import ClientConfig
-
-    p = sub.add_parser("generate", help="generate from a prompt through a tether server, surviving outages")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end: text, token_ids, tags, stats")
-    p.add_argument("--plain", action="store_true", help="stream plain text even on a terminal (no live view)")
-    add_dataclass_args(p, ClientConfig)
-    p.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
-    p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("chat", help="an interactive session: each line you type, the model continues")
-    add_dataclass_args(p, ClientConfig)
-    p.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
-    p.set_defaults(func=cmd_chat)
+    add_version_flag(parser, "tether")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=LazyParser)
+    info = sub.add_parser(
+        "info", help="show what this edge install can run, and a model's fingerprint", add_arguments=_info_args
+    )
+    info.set_defaults(func=cmd_info)
+    generate = sub.add_parser(
+        "generate",
+        help="generate from a prompt through a tether server, surviving outages",
+        add_arguments=_generate_args,
+    )
+    generate.set_defaults(func=cmd_generate)
+    chat = sub.add_parser(
+        "chat", help="an interactive session: each line you type, the model continues", add_arguments=_session_args
+    )
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
