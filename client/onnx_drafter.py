@@ -27,9 +27,9 @@ Contract (as DrafterBase; the differences are marked *):
   tokens are drawn with a numpy Generator (`generator`: np.random.Generator or an int seed): the same truncated
   distributions as the torch backend, not the same random stream. DraftTree.chain wants torch tensors:
   torch.from_numpy(q_ids).
-- `draft_tree(root, depth=, top_k=, total_tokens=)`: the EAGLE-2 dynamic tree of
-  tether.shared.speculative.expand_dynamic_tree (ported to numpy here; tests check both agree).
-  * It returns a TreeDraft of plain lists; `TreeDraft.to_draft_tree()` builds the torch DraftTree.
+- `draft_tree(root, depth=, top_k=, total_tokens=)`: the EAGLE-2 dynamic tree of tether.shared.draft_trees, the
+  expansion the torch drafters use too.
+  * It returns a tether.shared.draft_trees.TreeDraft of plain lists; `DraftTree.from_lists` builds the torch one.
 
 Caches are numpy buffers sized `capacity` rows; each graph call takes the committed rows and returns the new
 ones (onnx_export's docstring has the graph contract), so rolling back drafted rows is just a shorter length.
@@ -52,7 +52,6 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,9 @@ import numpy as np
 import onnxruntime as ort
 from safetensors import safe_open
 
+from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
 from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
+from tether.shared.sampling import probabilities_np, proposal
 from tether.shared.weights import SCALE_SUFFIX, decode_weight, stored_layout
 
 FORMAT_VERSION = 1
@@ -70,27 +71,6 @@ SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "int8": "I8"}  # numpy
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
-@dataclass
-class TreeDraft:
-    """A draft tree as plain lists, in DraftTree's order: node 0 is the root, parents come first."""
-
-    tokens: list[int]
-    parents: list[int]  # parents[0] == -1
-    source_ids: list[int]  # the id each node had while the tree grew
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def to_draft_tree(self):
-        """The torch DraftTree the verifier takes (imports torch)."""
-        import torch
-
-        from tether.shared.speculative import DraftTree
-
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
-        return DraftTree(as_long(self.tokens), as_long(self.parents), source_ids=as_long(self.source_ids))
-
-
 def _f32(x: Any) -> np.ndarray:
     """A delta tensor as fp32 numpy; a torch tensor (bf16 included) goes through its own methods."""
     if hasattr(x, "detach"):
@@ -98,82 +78,10 @@ def _f32(x: Any) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def probabilities(logits: np.ndarray, temperature: float, top_p: float = 1.0) -> np.ndarray:
-    """tether.shared.sampling.probabilities for temperature > 0, in numpy: logits [V] -> fp32 [V]."""
-    if temperature <= 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    x = logits.astype(np.float32) / np.float32(temperature)
-    p = np.exp(x - x.max())
-    p /= p.sum()
-    if top_p < 1:
-        order = np.argsort(-p, kind="stable")
-        sorted_p = p[order]
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-        sorted_p[(np.cumsum(sorted_p) - sorted_p) >= top_p] = 0
-        p = np.zeros_like(p)
-        p[order] = sorted_p
-        p /= p.sum()
-    return p
-
-
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float32)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-class _Grown:
-    """The candidate tree while it grows: ids in creation order (tether.shared.speculative.GrowingTree)."""
-
-    def __init__(self, root: int):
-        self.tokens, self.parents, self.scores, self.depths = [root], [-1], [0.0], [0]
-
-    def add(self, parent: int, token: int, logprob: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.scores.append(self.scores[parent] + logprob)
-        self.depths.append(self.depths[parent] + 1)
-        return len(self.tokens) - 1
-
-    def path_to(self, i: int) -> list[int]:
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = self.parents[i]
-        return path[::-1]
-
-
-def expand_tree(root: int, step, *, depth: int, top_k: int, total_tokens: int) -> TreeDraft:
-    """tether.shared.speculative.expand_dynamic_tree without torch (the rules are documented there):
-    step(frontier, grown) -> (ids, logprobs), each [len(frontier), top_k]."""
-    if depth < 1 or top_k < 1 or total_tokens < 1:
-        raise ValueError(f"need depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
-    grown = _Grown(root)
-    frontier = [0]
-    for level in range(depth):
-        ids, logps = step(frontier, grown)
-        logps = np.minimum(np.asarray(logps, dtype=np.float64), 0.0)  # a rounded-up log-prob breaks closure
-        if np.isnan(logps).any():
-            raise ValueError("step returned NaN log-probabilities")
-        new = [
-            grown.add(parent, token, lp)
-            for parent, row_ids, row_lp in zip(frontier, ids.tolist(), logps.tolist(), strict=True)
-            for token, lp in zip(row_ids, row_lp, strict=True)
-        ]
-        if level + 1 < depth:
-            frontier = sorted(new, key=lambda i: (-grown.scores[i], i))[:top_k]
-    ranked = sorted(range(1, len(grown.tokens)), key=lambda i: (-grown.scores[i], i))
-    kept = {0, *ranked[: total_tokens - 1]}
-    kids: dict[int, list[int]] = {i: [] for i in kept}
-    for i in sorted(kept)[1:]:
-        kids[grown.parents[i]].append(i)
-    order, head = [0], 0
-    while head < len(order):
-        order.extend(sorted(kids[order[head]], key=lambda c: (-grown.scores[c], c)))
-        head += 1
-    index = {src: out for out, src in enumerate(order)}
-    parents = [-1] + [index[grown.parents[i]] for i in order[1:]]
-    return TreeDraft([grown.tokens[i] for i in order], parents, order)
 
 
 def _causal_mask(past: int, t: int) -> np.ndarray:
@@ -322,12 +230,10 @@ class OnnxDrafter:
             if rng is None:
                 token = int(logits.argmax())
             else:
-                p = probabilities(logits, temperature, top_p)
-                top = np.argsort(-p, kind="stable")[: min(support, p.size)]
-                q = p[top] / p[top].sum()
+                top, q = proposal(probabilities_np(logits, temperature, top_p), support)
                 token = int(top[rng.choice(top.size, p=q.astype(np.float64) / q.sum(dtype=np.float64))])
-                q_ids.append(top.astype(np.int64))
-                q_probs.append(q.astype(np.float32))
+                q_ids.append(top)
+                q_probs.append(q)
             tokens.append(token)
         if rng is None:
             return tokens, None, None
@@ -344,7 +250,7 @@ class OnnxDrafter:
         base = self.verified_length()
         rows: dict[int, int] = {}  # grown id -> drafted row offset (position base + offset in the caches)
 
-        def step(frontier: list[int], grown: _Grown) -> tuple[np.ndarray, np.ndarray]:
+        def step(frontier: list[int], grown: GrowingTree) -> tuple[np.ndarray, np.ndarray]:
             n_rows, F = len(rows), len(frontier)
             mask = np.zeros((F, base + n_rows + F), dtype=bool)
             mask[:, :base] = True  # every node sees the verified prefix

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from tether.shared.drafter import DraftDelta, DrafterConfig
 from tether.shared.drafter_config import ArrayDelta
 from tether.shared.model import Transformer
-from tether.shared.sampling import probabilities
+from tether.shared.sampling import probabilities_np, proposal
 from tether.shared.speculative import DraftTree, GrowingTree, expand_dynamic_tree
 
 
@@ -94,11 +94,10 @@ class DrafterBase(nn.Module):
             if temperature == 0:
                 token = int(logits.argmax())
             else:
-                p = probabilities(logits, temperature, top_p).cpu()
-                top = p.topk(min(support, p.numel()))
-                q = top.values / top.values.sum()
-                token = int(top.indices[torch.multinomial(q, 1, generator=generator)])
-                q_ids.append(top.indices)
+                p = probabilities_np(logits.float().cpu().numpy(), temperature, top_p)
+                ids, q = (torch.from_numpy(a) for a in proposal(p, support))
+                token = int(ids[torch.multinomial(q, 1, generator=generator)])
+                q_ids.append(ids)
                 q_probs.append(q)
             tokens.append(token)
         if temperature == 0:

@@ -1,43 +1,74 @@
 """Token sampling: greedy, temperature and nucleus (top-p), the one place these are defined.
 
-Contract: `probabilities(logits, temperature, top_p)` is the distribution a sampler draws from; with
-temperature 0 it is the one-hot argmax. `sample_token` draws from it, and drafters sample their proposals from
-it. The speculative verifier applies the same temperature and top-p rule to the target's logits in float64
-(tether.shared.speculative.target_probs), so lossless rejection sampling compares like with like.
+Contract: `probabilities_np(logits, temperature, top_p)` is the distribution a sampler draws from, on numpy (the
+edge's onnxruntime drafter uses it as is); with temperature 0 it is the one-hot argmax. `proposal(p, width)` is a
+drafted token's proposal: the `width` most probable tokens of p, renormalised, which both drafters draw from and
+send as q. `probabilities` and `sample_token` are the same rule for torch tensors (torch drafters, the model's
+own `generate`, the server's plain decoding): they compute it through `probabilities_np`, so the two ends cannot
+drift apart, and return to the tensor's device. The speculative verifier applies the same temperature and top-p
+rule to the target's logits in float64 on the device (tether.shared.speculative.target_probs), so lossless
+rejection sampling compares like with like. Importing this module does not import torch.
 
+    p = probabilities_np(logits_np[-1], temperature=0.8, top_p=0.95)
     tok = sample_token(logits[-1], temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(0))
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 
-def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0) -> Tensor:
+def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0) -> np.ndarray:
     """logits [..., V] -> probabilities [..., V] in fp32 after temperature and top-p truncation."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    logits = logits.float()
+    x = np.asarray(logits, dtype=np.float32)
     if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = (logits / temperature).softmax(-1)
+        return (np.arange(x.shape[-1]) == x.argmax(-1)[..., None]).astype(np.float32)
+    x = x / np.float32(temperature)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
     if top_p < 1:
-        sorted_p, order = probs.sort(-1, descending=True)
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, -1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        sorted_p[(np.cumsum(sorted_p, -1) - sorted_p) >= top_p] = 0
+        p = np.zeros_like(p)
+        np.put_along_axis(p, order, sorted_p, -1)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+def proposal(p: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The proposal a drafted token is drawn from: the `width` most probable ids of p [V] (ties to the lower id)
+    and their probabilities renormalised, int64 [w] and fp32 [w], w = min(width, V)."""
+    top = np.argsort(-p, kind="stable")[: min(width, p.shape[-1])]
+    q = p[top] / p[top].sum()
+    return top.astype(np.int64), q.astype(np.float32)
+
+
+def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0) -> Tensor:
+    """probabilities_np for a tensor: logits [..., V] -> fp32 [..., V] on the logits' device."""
+    import torch
+
+    p = probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p)
+    return torch.from_numpy(p).to(logits.device)
 
 
 def sample_token(
     logits: Tensor, *, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
 ) -> int:
     """One token id from logits [V]."""
+    import torch
+
     if temperature == 0:
         return int(logits.argmax(-1))
-    p = probabilities(logits, temperature, top_p)
     # Drawn on the CPU so a seeded CPU generator gives the same tokens whatever device the model is on.
-    return int(torch.multinomial(p.cpu(), 1, generator=generator))
+    p = torch.from_numpy(probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p))
+    return int(torch.multinomial(p, 1, generator=generator))

@@ -51,6 +51,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tether.shared.draft_trees import GrowingTree as GrowingTree  # re-exported: torch drafters' step callbacks take it
+from tether.shared.draft_trees import TreeDraft, expand_tree
+
 # Below this much residual mass, rejection was a rounding artefact (p <= q everywhere means p == q), so the
 # residual is noise; the bonus is drawn from the distribution being matched instead.
 _RESIDUAL_EPS = 1e-6
@@ -130,6 +133,12 @@ class DraftTree:
             q_ids = torch.cat([root_ids, q_ids.reshape(-1, K).long()])  # [k + 1, K]
             q_probs = torch.cat([root_probs, q_probs.reshape(-1, K)])  # [k + 1, K]
         return cls(tokens, parents, q_ids, q_probs)
+
+    @classmethod
+    def from_lists(cls, tree: TreeDraft) -> DraftTree:
+        """A tree grown on plain lists (tether.shared.draft_trees), as the onnxruntime drafter returns them."""
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
+        return cls(as_long(tree.tokens), as_long(tree.parents), source_ids=as_long(tree.source_ids))
 
     @cached_property
     def _tokens(self) -> list[int]:
@@ -322,99 +331,19 @@ def _draw(p: np.ndarray, u: float) -> int:
     return i if i < len(p) else int(np.flatnonzero(p)[-1])
 
 
-class GrowingTree:
-    """The candidate tree `expand_dynamic_tree` grows, handed to the drafter's step callback.
-
-    Ids are creation order: 0 is the root, then each level's children parent by parent, k by k, so a drafter
-    can index per-candidate state (hidden states, its own KV rows) by id. Every field is a plain list.
-    """
-
-    def __init__(self, root_token: int):
-        self.tokens: list[int] = [root_token]
-        self.parents: list[int] = [-1]
-        self.scores: list[float] = [0.0]  # cumulative drafter log-prob of the path from the root
-        self.depths: list[int] = [0]
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def add(self, parent: int, token: int, logprob: float) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.scores.append(self.scores[parent] + logprob)
-        self.depths.append(self.depths[parent] + 1)
-        return len(self.tokens) - 1
-
-    def path_to(self, i: int) -> list[int]:
-        """Ids from the root to node i, both included."""
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = self.parents[i]
-        return path[::-1]
-
-    def ancestor_mask(self) -> Tensor:
-        """[m, m] bool over every node so far, True where j is i or an ancestor of i (the drafter's tree mask)."""
-        m = len(self)
-        mask = torch.eye(m, dtype=torch.bool)
-        for i in range(1, m):
-            mask[i] |= mask[self.parents[i]]
-        return mask
-
-
 StepFn = Callable[[list[int], GrowingTree], tuple[Tensor, Tensor]]
 
 
 def expand_dynamic_tree(root_token: int, step: StepFn, *, depth: int, top_k: int, total_tokens: int) -> DraftTree:
-    """EAGLE-2 dynamic draft tree: expand the most probable paths, then keep the most probable nodes.
+    """EAGLE-2 dynamic draft tree for a torch drafter: tether.shared.draft_trees.expand_tree (the rules are there)
+    with `step` returning two [len(frontier), top_k] tensors (ids, log-probs), and the kept tree as a DraftTree
+    whose `source_ids` map each node back to its GrowingTree id."""
 
-    step(frontier, tree) gets the GrowingTree ids to expand (their tokens, parents and paths are in `tree`) and
-    returns the drafter's top_k next tokens and their log-probabilities for each, both [len(frontier), top_k].
-    A node's score is its path's cumulative log-probability (root 0). Each of the `depth` levels expands the
-    frontier into top_k children per node, all of which become candidates; the next frontier is the top_k
-    highest-scoring new children of the level, across parents. Finally the best total_tokens - 1 candidates
-    (ties to the earlier-created) are kept with the root, re-indexed parents first with siblings by descending
-    score, so the verifier tries the drafter's favourite child first. Children are deterministic picks (no q).
-    The result has min(total_tokens, 1 + candidates) nodes; `source_ids` maps each back to its GrowingTree id.
-    """
-    if depth < 1 or top_k < 1 or total_tokens < 1:
-        raise ValueError(f"need depth, top_k, total_tokens >= 1, got {depth}, {top_k}, {total_tokens}")
-    grown = GrowingTree(root_token)
-    frontier = [0]
-    for level in range(depth):
-        ids, logps = step(frontier, grown)
-        if ids.shape != (len(frontier), top_k) or logps.shape != ids.shape:
-            raise ValueError(f"step must return two [{len(frontier)}, {top_k}] tensors, got {ids.shape}, {logps.shape}")
-        logps = logps.double().cpu()
-        if bool(logps.isnan().any()):
-            raise ValueError("step returned NaN log-probabilities")
-        # A log-prob rounded above 0 would let a child outscore its parent and break ancestor closure.
-        logps = logps.clamp(max=0.0).tolist()
-        new = [
-            grown.add(parent, token, lp)
-            for parent, row_ids, row_lp in zip(frontier, ids.tolist(), logps, strict=True)
-            for token, lp in zip(row_ids, row_lp, strict=True)
-        ]
-        if level + 1 < depth:
-            frontier = sorted(new, key=lambda i: (-grown.scores[i], i))[:top_k]
+    def as_arrays(frontier: list[int], tree: GrowingTree) -> tuple[np.ndarray, np.ndarray]:
+        ids, logps = step(frontier, tree)
+        return ids.cpu().numpy(), logps.double().cpu().numpy()
 
-    ranked = sorted(range(1, len(grown)), key=lambda i: (-grown.scores[i], i))
-    kept = {0, *ranked[: total_tokens - 1]}
-    # Scores never rise along a path and ties go to the older node, so every kept node's parent ranks above it.
-    assert all(grown.parents[i] in kept for i in kept if i), "kept candidates are not closed under ancestors"
-
-    kids: dict[int, list[int]] = {i: [] for i in kept}
-    for i in sorted(kept)[1:]:
-        kids[grown.parents[i]].append(i)
-    order = [0]  # breadth-first: parents precede children, siblings by descending score
-    head = 0
-    while head < len(order):
-        order.extend(sorted(kids[order[head]], key=lambda c: (-grown.scores[c], c)))
-        head += 1
-    index = {src: out for out, src in enumerate(order)}
-    tokens = torch.tensor([grown.tokens[i] for i in order], dtype=torch.long)  # [n]
-    parents = torch.tensor([-1] + [index[grown.parents[i]] for i in order[1:]], dtype=torch.long)  # [n]
-    return DraftTree(tokens, parents, source_ids=torch.tensor(order, dtype=torch.long))
+    return DraftTree.from_lists(expand_tree(root_token, as_arrays, depth=depth, top_k=top_k, total_tokens=total_tokens))
 
 
 def accept_length_stats(verdicts: Sequence[Verdict]) -> dict[str, float]:
