@@ -1,15 +1,21 @@
 """`tether-client`: the edge end of tether.
 
 tether-client generate --server HOST:PORT --prompt TEXT [--policy keep|rewind] [--json]
+tether-client generate ... --backend onnx|torch --precision fp32|fp16|int8
 tether-client chat --server HOST:PORT    # interactive: each line you type, the model continues
 tether-client info                       # what this edge install can run (backends, versions)
 tether-client info --model DIR           # a model directory's config and fingerprint (what pairing checks)
 tether-client <command> --help
 tether-client --version
 
+The drafter runs on onnxruntime by default (`--backend onnx`): the server sends the client part as ONNX graphs,
+their weights in `--precision` (fp16 halves and int8 quarters the download; drafting computes in fp32 either way),
+and no torch is needed. `--backend torch` drafts with torch from the tensors instead (torch must be installed);
+use it too with a server too old to offer the ONNX part.
 The API key comes from --api-key, else --api-key-file, else the TETHER_API_KEY environment variable (a key on
 the command line is visible to every user of the machine in `ps`). Anything invalid the server sends ends the
-command with one line on stderr and exit status 2; a server that refuses the request, status 1.
+command with one line on stderr and exit status 2; a server that refuses the request or cannot be reached,
+status 1.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from tether.shared.cli_support import (
     add_dataclass_args,
     add_version_flag,
     build_config,
+    field_comments,
     installed_version,
     run_cli,
 )
@@ -72,7 +79,7 @@ def _api_key(args: argparse.Namespace) -> str:
 
 
 def _config(args: argparse.Namespace):
-    from tether.client.session import ClientConfig
+    from tether.client.session_types import ClientConfig
 
     return dataclasses.replace(build_config(ClientConfig, args), api_key=_api_key(args))
 
@@ -102,16 +109,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 print()
     except (ServerError, LinkDown) as e:
-        print(f"tether-client generate: {e}", file=sys.stderr)
-        return 1
+        return _failed("generate", e)
     finally:
         session.close()
     return 0
 
 
+def _failed(command: str, error: Exception) -> int:
+    """A server that refuses (FormatNotOffered included) or cannot be reached: one line on stderr, status 1."""
+    print(f"tether-client {command}: {error}", file=sys.stderr)
+    return 1
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from tether.client.live_view import PlainStream
-    from tether.client.session import EdgeSession
+    from tether.client.session import EdgeSession, LinkDown, ServerError
 
     cfg = _config(args)
     transcript = ""
@@ -129,6 +141,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             session.pair()
             session.on_event = PlainStream(session.models.tokenizer).on_event
             result = session.run(transcript)
+        except (ServerError, LinkDown) as e:
+            return _failed("chat", e)
         finally:
             session.close()
         transcript += result.text
@@ -140,10 +154,15 @@ API_KEY_FILE_HELP = "a file holding the bearer key (instead of --api-key, which 
 
 
 def _session_args(parser: argparse.ArgumentParser) -> None:
-    """The flags generate and chat share: one per ClientConfig field (importing the session), and the key file."""
-    from tether.client.session import ClientConfig
+    """The flags generate and chat share: one per ClientConfig field (importing its module, not the session's
+    runtimes), those of a fixed set of values with their choices and default, and the key file."""
+    from tether.client.session_types import CHOICES, ClientConfig
 
-    add_dataclass_args(parser, ClientConfig)
+    add_dataclass_args(parser, ClientConfig, skip=tuple(CHOICES))
+    helps = field_comments(ClientConfig)
+    for name, choices in CHOICES.items():
+        parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name),
+                            help=f"{helps[name]} (default: %(default)s)")  # fmt: skip
     parser.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
 
 

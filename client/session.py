@@ -1,14 +1,17 @@
 """The edge client's generation loop: draft, get verified over the tether, keep going alone when it snaps.
 
 States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE.
-- CONNECTING: `pair()`: GetModelInfo, the client part from the weight cache or the server
-  (tether.client.pairing); then open the session with the prompt.
+- CONNECTING: `pair()`: GetModelInfo, then the client part from the weight cache or the server, in the form the
+  backend drafts with: ONNX graphs for onnxruntime (the default; tether.client.onnx_pairing, no torch anywhere on
+  that path), or tensors for the torch drafter (tether.client.pairing, imported only by that backend); then open
+  the session with the prompt, or go on from the session file (tether.client.session_file).
 - ONLINE: each round drafts k tokens after the root (the last token the target decided), sends them, and on
   the verdict adopts the verified states (KV delta) and emits the accepted drafts and the bonus token, tagged
   "verified". A round unanswered within `round_timeout_s`, or a broken stream, means OFFLINE.
 - OFFLINE: the drafter goes on alone from what it holds (SA over its own tokens, CA over the last verified
   LSA vectors, TLI layers with their own KV cache); each token is emitted tagged "offline". Reconnection is
-  tried with exponential backoff and jitter.
+  tried with exponential backoff and jitter (tether.client.transport.Backoff, which also paces the connect loop
+  and the weight download's retries), failing over along `--server`'s replicas.
 - RESYNCING: Resync sends the verified length and the tokens produced since (the root first). Policy `keep`:
   the target absorbs them all. Policy `rewind`: it keeps those before the first one it disagrees with, the
   rest are retracted, and the text then equals what the target alone would have produced (greedy). A server
@@ -16,136 +19,58 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
   Then a new stream attaches to the session and rounds go on.
 Every emitted token is final except offline ones, which `rewind` may retract (Event "retract"). The client
 never depends on the server's memory to keep its text: tokens, tags and the verified length are its own.
+A server that does not offer the ONNX part in the precision asked: FormatNotOffered (use `--backend torch`).
 
     result = generate(ClientConfig(server="127.0.0.1:50051", max_new_tokens=64), "def f(x):", on_event=print)
     result.text, result.tags, result.stats
+
+Tests: tests/e2e (test_backends, test_chaos, test_failover, test_capacity, test_client_restart, ...),
+tests/client/test_session_file.py, tests/test_client_install.py (the onnx backend in a virtualenv without torch).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
-from pathlib import Path
 
 import grpc
 import numpy as np
-import torch
 
 from tether.client.delta_gate import DeltaGate, DeltaLayout, WireDelta
 from tether.client.errors import Problem, ServerDataError
-from tether.client.pairing import ClientModels, build_client_models, fetch_client_part
+from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
 from tether.client.pairing_checks import check_model_info
 from tether.client.refusals import Refusal
+from tether.client.session_file import SessionRecord, load_record, save_record
+from tether.client.session_types import (
+    CODECS,
+    ClientConfig,
+    Event,
+    Paired,
+    Result,
+    State,
+    Stats,
+)
 from tether.client.transport import (
+    Backoff,
     BadMessage,
+    FormatNotOffered,
     LinkDown,
-    ServerBusy,
+    Replicas,
     ServerError,
     SessionLost,
     SessionStream,
-    open_channel,
-    refused,
     rpc_error,
 )
-from tether.shared.codecs import Codec
 from tether.shared.ids import is_session_id
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
 AFFINITY_HEADER = "x-tether-affinity"  # per-generation key for load balancers' session affinity
-CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
-
-
-class State(StrEnum):
-    CONNECTING = "connecting"
-    ONLINE = "online"
-    OFFLINE = "offline"
-    RESYNCING = "resyncing"
-    DONE = "done"
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    server: str = "127.0.0.1:50051"  # HOST:PORT of tether-server or a load balancer; a comma list = replicas
-    max_new_tokens: int = 128  # tokens to generate (verified and offline together)
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus sampling threshold
-    seed: int = 0  # sampling seed (drafter and server)
-    policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
-    backend: str = "torch"  # drafter runtime: "torch" or "onnx"
-    k: int = 5  # draft tokens per round
-    codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
-    api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
-    tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
-    tls_cert: str = ""  # PEM client certificate (mTLS)
-    tls_key: str = ""  # PEM key of tls_cert
-    cache_dir: str = "~/.cache/tether"  # downloaded client weights, by sha256
-    round_timeout_s: float = 5.0  # a round unanswered this long means the link is down
-    connect_timeout_s: float = 10.0  # deadline of GetModelInfo, open, resync and attach
-    backoff_initial_s: float = 0.2  # first reconnection delay
-    backoff_max_s: float = 5.0  # reconnection delay cap
-    backoff_jitter: float = 0.2  # +- fraction of random jitter on each delay
-    keepalive_s: float = 10.0  # gRPC keepalive ping interval (detects dead links without traffic)
-    pace_tokens_per_s: float = 0.0  # cap the output rate (a slower device, a reader); 0 = as fast as possible
-    max_offline_tokens: int = 0  # stop drafting alone after this many tokens in one outage; 0 = no limit
-    resync_piece_tokens: int = 1024  # offline tokens per Resync call (each reply's KV delta stays well under 4 MiB)
-    final_resync_s: float = 30.0  # rewind: how long to wait for the link when generation ends offline
-    session_file: str = ""  # save the session here as it goes; a restarted client resumes from it
-    max_weights_mb: int = 2048  # refuse a server whose client part (weights and tokenizer) is over this many MiB
-
-
-@dataclass
-class Event:
-    kind: str  # "state", "tokens", "retract", "info"
-    state: State | None = None
-    tokens: list[int] = field(default_factory=list)
-    tag: str = ""  # "verified" or "offline" for "tokens"
-    count: int = 0  # tokens retracted
-    detail: str = ""
-
-
-@dataclass
-class Stats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    offline_tokens: int = 0
-    retracted: int = 0
-    resyncs: int = 0
-    rebuilt: int = 0
-    outages: int = 0
-    failovers: int = 0  # switches to another endpoint of --server's list
-    bytes_up: int = 0
-    bytes_down: int = 0
-    weights_bytes: int = 0
-    bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
-    wall_s: float = 0.0
-    resync_s: list[float] = field(default_factory=list)  # each resync's duration
-    resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each Resync call's payload bytes (up, down)
-
-    @property
-    def tau(self) -> float:
-        return (self.accepted + self.rounds) / max(self.rounds, 1)
-
-
-@dataclass
-class Result:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    tags: list[str]
-    text: str
-    stats: Stats
-
-    def to_json(self) -> dict:
-        s = asdict(self.stats)
-        s["tau"] = self.stats.tau
-        return {"text": self.text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
+DOWNLOAD_ATTEMPTS = 20  # a download a flaky link breaks resumes where the cache stops, this many times in a row
 
 
 def _delta(kv: pb.KVDelta) -> WireDelta:
@@ -157,30 +82,19 @@ class EdgeSession:
     """One generation: owns the channel, the drafter and the text. See the module docstring."""
 
     def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None):
-        if cfg.policy not in ("keep", "rewind"):
-            raise ValueError(f"policy must be keep or rewind, not {cfg.policy!r}")
-        if cfg.codec not in CODECS:
-            raise ValueError(f"codec must be one of {', '.join(CODECS)}, not {cfg.codec!r}")
-        if cfg.backend not in ("torch", "onnx"):
-            raise ValueError(f"backend must be torch or onnx, not {cfg.backend!r}")
+        cfg.check()
         self.cfg = cfg
         self.on_event = on_event or (lambda e: None)
-        self.endpoints = [e.strip() for e in cfg.server.split(",") if e.strip()]
-        if not self.endpoints:
-            raise ValueError("--server needs at least one HOST:PORT")
         # A random key of this generation, sent with every call: a load balancer hashing it (Envoy ring hash)
         # keeps the session on one replica. It also picks this client's first endpoint, which spreads clients.
         self.affinity = secrets.token_hex(8)
-        self.endpoint = int(self.affinity, 16) % len(self.endpoints)
+        self.replicas = _replicas(cfg, first=int(self.affinity, 16))
         auth = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
         self.metadata = (*auth, (AFFINITY_HEADER, self.affinity))
-        self.channel = self._open_channel()
-        self.stub = tether_pb2_grpc.TetherStub(self.channel)
         self.stats = Stats()
-        self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.rng = random.Random(cfg.seed)
+        self.backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_jitter, random.Random(cfg.seed))
         self.state = State.CONNECTING
-        self.models: ClientModels | None = None
+        self.models: Paired | None = None  # set by pair(); the CLI and the demo read its tokenizer
         self.stream: SessionStream | None = None
         self.session_id = self.resume_token = ""
         self.prompt: list[int] = []
@@ -222,43 +136,24 @@ class EdgeSession:
         self._save()
         self.on_event(Event("tokens", tokens=tokens, tag=tag))
 
-    # ---- the session file: what a restarted client needs to go on ------------------------------------------
+    # ---- the session file: what a restarted client needs to go on (tether.client.session_file) ------------------
 
     def _save(self, done: bool = False) -> None:
         # Only consistent points: the root (position `verified`) emitted, i.e. not halfway through a paced round.
         if not self.cfg.session_file or len(self.sequence) <= self.verified:
             return
-        path = Path(self.cfg.session_file)
-        record = {"server": self.cfg.server, "model_fingerprint": self.info.model_fingerprint,
-                  "session_id": self.session_id, "resume_token": self.resume_token, "prompt": self.prompt,
-                  "tokens": self.tokens, "tags": self.tags, "verified": self.verified, "done": done}  # fmt: skip
-        tmp = path.with_name(path.name + ".tmp")
-        # The record holds the resume token, which proves ownership of the session: owner-only from the first byte
-        # (fchmod too, for a tmp file a killed client left behind with other permissions).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(fd, 0o600)
-            f.write(json.dumps(record))
-        tmp.replace(path)  # atomic: a client killed mid-write leaves the previous record
+        record = SessionRecord(self.cfg.server, self.info.model_fingerprint, self.session_id, self.resume_token,
+                               self.prompt, self.tokens, self.tags, self.verified, done)  # fmt: skip
+        save_record(self.cfg.session_file, record)
 
-    def _load(self) -> dict | None:
-        path = Path(self.cfg.session_file) if self.cfg.session_file else None
-        if path is None or not path.exists():
-            return None
-        record = json.loads(path.read_text())
-        if record["model_fingerprint"] != self.info.model_fingerprint:
-            raise ServerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{path} was written for another model than the server's")  # fmt: skip
-        return record
-
-    def _restore(self, record: dict) -> None:
+    def _restore(self, record: SessionRecord) -> None:
         """Go on from a saved session: a new server session over the verified history gives the drafter its
         states back; the loop then resyncs the root and any offline tail from there, as after an outage."""
-        self.prompt, self.tokens, self.tags = record["prompt"], record["tokens"], record["tags"]
-        self.verified = record["verified"]
-        if record["session_id"]:
+        self.prompt, self.tokens, self.tags = list(record.prompt), list(record.tokens), list(record.tags)
+        self.verified = record.verified
+        if record.session_id:
             try:
-                self.stub.Close(pb.CloseRequest(session_id=record["session_id"]), metadata=self.metadata, timeout=2.0)
+                self.stub.Close(pb.CloseRequest(session_id=record.session_id), metadata=self.metadata, timeout=2.0)
             except grpc.RpcError:
                 pass  # gone already (or unreachable): nothing is lost, it held only what we re-send now
         self.stream = SessionStream(self.stub, self.metadata)
@@ -267,7 +162,7 @@ class EdgeSession:
                                delta_codec=CODECS[self.cfg.codec],
                                model_fingerprint=self.info.model_fingerprint)  # fmt: skip
         self.stats.bytes_up += 4 * len(history)
-        o = self._opened(self._check(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s)))
+        o = self._opened(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s))
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
         self.stream.close()
@@ -301,54 +196,61 @@ class EdgeSession:
 
     # ---- connecting ----------------------------------------------------------------------------------
 
-    def pair(self) -> ClientModels:
-        """Learn the server's model and get the client part (cached on disk by hash); builds the drafter.
-        Waits up to `connect_timeout_s` for a server that is not up yet."""
-        cfg = self.cfg
-        deadline = time.monotonic() + cfg.connect_timeout_s
-        delay = cfg.backoff_initial_s
-        while True:
-            try:
-                info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
-                                              timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
-                break
-            except grpc.RpcError as e:
-                err = rpc_error(e)
-                if not isinstance(err, LinkDown) or time.monotonic() + delay > deadline:
-                    raise ServerError(e.code(), f"{cfg.server}: {e.details()}") from None
-                time.sleep(self._jitter(delay))
-                delay = min(delay * 2, cfg.backoff_max_s)
-        model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
-        for attempt in range(20):  # a download a flaky link breaks resumes where the cache stops
-            try:
-                tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata,
-                                            max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
-                break
-            except (grpc.RpcError, ConnectionError) as e:
-                err = rpc_error(e) if isinstance(e, grpc.RpcError) else LinkDown(str(e))
-                if not isinstance(err, LinkDown) or attempt == 19:
-                    raise err from None
-                self.on_event(Event("info", detail=f"weight download interrupted ({err}); resuming"))
-                time.sleep(self._jitter(delay))
-                delay = min(delay * 2, cfg.backoff_max_s)
-        self.stats.weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.models = build_client_models(info, tensors)
-        if cfg.backend == "onnx":
-            from tether.client.onnx_backend import onnx_drafter_for
+    @property
+    def stub(self) -> tether_pb2_grpc.TetherStub:
+        return self.replicas.stub
 
-            drafter = onnx_drafter_for(self.models, cfg.cache_dir)
-            self._draft_rng = np.random.default_rng(cfg.seed)  # onnxruntime's drafter samples with numpy
-        else:
-            drafter = self.models.drafter
-            self._draft_rng = self.generator
+    def pair(self) -> Paired:
+        """Learn the server's model and get the client part (cached on disk by hash) in the form the backend
+        drafts with; builds the drafter. Waits up to `connect_timeout_s` for a server that is not up yet."""
+        cfg = self.cfg
+        backoff = self.backoff.fresh()
+        deadline = time.monotonic() + cfg.connect_timeout_s
+
+        def model_info() -> pb.ModelInfo:
+            return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
+                                          timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
+
+        info = backoff.retry(model_info, deadline=deadline,
+                             give_up=lambda e: ServerError(e.code(), f"{cfg.server}: {e.details()}"))  # fmt: skip
+        model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
+        if cfg.backend == "onnx" and FORMATS[cfg.precision] not in info.client_part_formats:
+            raise FormatNotOffered(f"{cfg.server} does not offer the ONNX client part in {cfg.precision} (a server "
+                                   "older than this client): pass --backend torch, or upgrade the server")  # fmt: skip
+
+        def interrupted(e: Exception) -> None:
+            self.on_event(Event("info", detail=f"weight download interrupted ({e}); resuming"))
+
+        self.models = backoff.retry(lambda: self._fetch_part(info), attempts=DOWNLOAD_ATTEMPTS, on_retry=interrupted)
+        self.stats.weights_bytes = self.models.nbytes
         # Every delta the server sends is checked against this session before it is decoded: it may cover only
         # the client's own tokens after the verified ones (those it has, plus a round's drafts in flight).
         self._drafts: list[int] = []
-        self.drafter = DeltaGate(drafter, DeltaLayout.for_config(model_cfg, drafter_cfg),
+        self.drafter = DeltaGate(self.models.drafter, DeltaLayout.for_config(model_cfg, drafter_cfg),
                                  coverable=lambda start: self.sequence[start:] + self._drafts,
                                  refuse=lambda message: self._bad_message(Problem.DELTA, message))  # fmt: skip
         self.info = info
         return self.models
+
+    def _fetch_part(self, info: pb.ModelInfo) -> Paired:
+        """The client part for the backend, and the random stream its drafter samples with."""
+        cfg = self.cfg
+        if cfg.backend == "onnx":
+            part = fetch_onnx_part(self.stub, info, cfg.cache_dir, precision=cfg.precision, metadata=self.metadata,
+                                   max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
+            self._draft_rng = np.random.default_rng(cfg.seed)
+            return Paired(info, part.tokenizer, part.drafter, part.nbytes)
+        # The torch backend (kept to compare against) is the only part of the client that imports torch.
+        import torch
+
+        from tether.client.pairing import build_client_models, fetch_client_part
+
+        tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata,
+                                    max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
+        models = build_client_models(info, tensors)
+        self._draft_rng = torch.Generator().manual_seed(cfg.seed)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return Paired(info, models.tokenizer, models.drafter, nbytes)
 
     def _open(self) -> None:
         cfg = self.cfg
@@ -357,7 +259,7 @@ class EdgeSession:
                                delta_codec=CODECS[cfg.codec],
                                model_fingerprint=self.info.model_fingerprint)  # fmt: skip
         self.stats.bytes_up += 4 * len(self.prompt)
-        reply = self._check(self.stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s))
+        reply = self.stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s)
         o = self._opened(reply)
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
@@ -382,7 +284,7 @@ class EdgeSession:
             raise self._bad_message(Problem.SESSION_ID, "not 32 lowercase hex digits")
 
     def _check_token(self, token: int, what: str) -> None:
-        if not 0 <= token < self.models.target.cfg.vocab_size:
+        if not 0 <= token < self.drafter.layout.vocab_size:
             raise self._bad_message(Problem.TOKEN, f"{what} {token} is outside the vocabulary")
 
     def _begin(self, o: pb.Opened) -> None:
@@ -390,17 +292,12 @@ class EdgeSession:
         self._count_down(o.delta)
         self.drafter.begin(_delta(o.delta), capacity=self._capacity())
         for _ in range(o.delta_parts):
-            part = self._check(self.stream.receive(self.cfg.connect_timeout_s)).delta
+            part = self.stream.receive(self.cfg.connect_timeout_s).delta
             self._count_down(part)
             self.drafter.commit(_delta(part))
 
     def _capacity(self) -> int:
         return len(self.prompt) + self.cfg.max_new_tokens + self.cfg.k + 2
-
-    def _check(self, reply: pb.ServerMessage) -> pb.ServerMessage:
-        if reply.WhichOneof("body") == "error":
-            raise refused(Refusal.of_inline(reply.error))
-        return reply
 
     # ---- online ----------------------------------------------------------------------------------------
 
@@ -416,7 +313,7 @@ class EdgeSession:
             msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
         self.stats.bytes_up += 4 * (1 + len(drafts)) + (8 * int(np.prod(q_ids.shape)) if q_ids is not None else 0)
         try:
-            reply = self._check(self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s))
+            reply = self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s)
             v = self._verdict(reply, msg)
             self._count_down(v.delta)
             self._drafts = drafts
@@ -554,7 +451,7 @@ class EdgeSession:
             self.stream.close()
         self.stream = SessionStream(self.stub, self.metadata)
         att = pb.AttachSession(session_id=self.session_id, resume_token=self.resume_token)
-        reply = self._check(self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s))
+        reply = self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s)
         if reply.attached.verified_length != self.verified:
             raise ServerError(grpc.StatusCode.INTERNAL, "the server's verified length differs after resync")
 
@@ -562,35 +459,17 @@ class EdgeSession:
 
     def run(self, prompt_text: str) -> Result:
         t0 = time.monotonic()
-        delay = self.cfg.backoff_initial_s
+        self.backoff.reset()
+        # Nothing to draft from before the first verified delta: wait for the server (until it refuses for good).
+        finished = self.backoff.retry(
+            lambda: self._connect(prompt_text),
+            transient=(LinkDown, SessionLost),
+            on_retry=lambda e: self.on_event(Event("info", detail=f"connecting: {e}")),
+        )
+        if finished:
+            return self._result(t0)
         next_try = 0.0
-        while True:
-            try:
-                if self.models is None:
-                    self.pair()
-                record = self._load()
-                if record is not None and record["done"]:
-                    self.prompt, self.tokens, self.tags = record["prompt"], record["tokens"], record["tags"]
-                    self._set_state(State.DONE, "already finished")
-                    return self._result(t0)
-                if record is not None:
-                    self._restore(record)
-                    break
-                if not self.prompt:
-                    self.prompt = self.models.tokenizer.encode(prompt_text)
-                    if not self.prompt:
-                        raise ValueError("the prompt encodes to no tokens")
-                self._open()
-                break
-            except (grpc.RpcError, LinkDown, ConnectionError) as e:
-                # Nothing to draft from before the first verified delta: wait for the server.
-                err = rpc_error(e) if isinstance(e, grpc.RpcError) else e
-                if isinstance(err, ServerError):
-                    raise err from None
-                self.on_event(Event("info", detail=f"connecting: {err}"))
-                time.sleep(self._wait(delay, err))
-                delay = min(delay * 2, self.cfg.backoff_max_s)
-        delay = self.cfg.backoff_initial_s
+        self.backoff.reset()
         give_up = None  # when generation ended offline under rewind: how long to wait for the link
         while True:
             # Done online, or done with every token verified (a resync absorbed the whole tail and the stream
@@ -608,7 +487,7 @@ class EdgeSession:
                     self._round()
                 elif time.monotonic() >= next_try:
                     self._resync()
-                    delay = self.cfg.backoff_initial_s
+                    self.backoff.reset()
                     give_up = None
                 elif not self.done:
                     self._offline_step()
@@ -624,13 +503,12 @@ class EdgeSession:
                     self._set_state(State.OFFLINE, str(e))
                     # A lost session answers at once: resync now. A dead link or a full server: draft alone, try
                     # again soon (a full server says when).
-                    next_try = time.monotonic() + (0.0 if lost else self._wait(delay, e))
+                    next_try = time.monotonic() + (0.0 if lost else self.backoff.wait(e))
                 else:
                     self._set_state(State.OFFLINE, str(e))
-                    if len(self.endpoints) > 1 and not lost:
+                    if len(self.replicas.addresses) > 1 and not lost:
                         self._next_endpoint()  # its replica is unreachable or full: fail over (a full-history resync)
-                    next_try = time.monotonic() + self._wait(delay, e)
-                    delay = min(delay * 2, self.cfg.backoff_max_s)
+                    next_try = time.monotonic() + self.backoff.failed(e)
         self._finish()
         self._save(done=True)
         return self._result(t0)
@@ -639,27 +517,29 @@ class EdgeSession:
         self.stats.wall_s = time.monotonic() - t0
         return Result(self.prompt, self.tokens, self.tags, self.models.tokenizer.decode(self.tokens), self.stats)
 
+    def _connect(self, prompt_text: str) -> bool:
+        """Pair, then open the session, or go on from the session file; True when that file's generation is done."""
+        if self.models is None:
+            self.pair()
+        record = load_record(self.cfg.session_file, self.info.model_fingerprint) if self.cfg.session_file else None
+        if record is not None and record.done:
+            self.prompt, self.tokens, self.tags = record.prompt, record.tokens, record.tags
+            self._set_state(State.DONE, "already finished")
+            return True
+        if record is not None:
+            self._restore(record)
+            return False
+        if not self.prompt:
+            self.prompt = self.models.tokenizer.encode(prompt_text)
+            if not self.prompt:
+                raise ValueError("the prompt encodes to no tokens")
+        self._open()
+        return False
+
     def _next_endpoint(self) -> None:
-        self.channel.close()
-        self.endpoint = (self.endpoint + 1) % len(self.endpoints)
-        self.channel = self._open_channel()
-        self.stub = tether_pb2_grpc.TetherStub(self.channel)
+        address = self.replicas.failover()
         self.stats.failovers += 1
-        self.on_event(Event("info", detail=f"trying replica {self.endpoints[self.endpoint]}"))
-
-    def _open_channel(self) -> grpc.Channel:
-        c = self.cfg
-        return open_channel(self.endpoints[self.endpoint], keepalive_s=c.keepalive_s, tls_ca=c.tls_ca,
-                            tls_cert=c.tls_cert, tls_key=c.tls_key)  # fmt: skip
-
-    def _jitter(self, delay: float) -> float:
-        j = self.cfg.backoff_jitter
-        return delay * (1 + self.rng.uniform(-j, j))
-
-    def _wait(self, delay: float, error: Exception) -> float:
-        """How long to wait before the next try: our backoff, or longer when a full server advises it."""
-        advised = error.retry_after_s if isinstance(error, ServerBusy) else 0.0
-        return max(self._jitter(delay), self._jitter(advised))
+        self.on_event(Event("info", detail=f"trying replica {address}"))
 
     def _finish(self) -> None:
         """Close the session if the server is reachable; the text is complete either way."""
@@ -674,7 +554,12 @@ class EdgeSession:
         self._set_state(State.DONE)
 
     def close(self) -> None:
-        self.channel.close()
+        self.replicas.close()
+
+
+def _replicas(cfg: ClientConfig, first: int) -> Replicas:
+    return Replicas(cfg.server, first, keepalive_s=cfg.keepalive_s, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert,
+                    tls_key=cfg.tls_key)  # fmt: skip
 
 
 def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] | None = None) -> Result:
@@ -689,14 +574,8 @@ def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] |
 def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
     """The baseline: the server decodes alone and streams its tokens; nothing is drafted on the edge, and an
     outage simply stops the text until the server can be asked again."""
-    channel = open_channel(
-        cfg.server.split(",")[0].strip(),
-        keepalive_s=cfg.keepalive_s,
-        tls_ca=cfg.tls_ca,
-        tls_cert=cfg.tls_cert,
-        tls_key=cfg.tls_key,
-    )
-    stub = tether_pb2_grpc.TetherStub(channel)
+    replicas = _replicas(cfg, first=0)
+    stub = replicas.stub
     metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
     stats = Stats()
     t0 = time.monotonic()
@@ -715,6 +594,6 @@ def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
             tokens += list(msg.tokens)
             stats.bytes_down += 4 * len(msg.tokens)
     finally:
-        channel.close()
+        replicas.close()
     stats.wall_s = time.monotonic() - t0
     return Result(ids, tokens, ["verified"] * len(tokens), tokenizer.decode(tokens), stats)

@@ -1,30 +1,52 @@
-"""The client's end of the wire: channels, one Session stream, and what the server's refusals mean to the session.
+"""The client's end of the wire: the replicas it talks to, one Session stream, what the server's refusals mean to the
+session, and the one backoff policy every retry follows.
 
 Contract:
 - `open_channel(address, keepalive_s=..., tls_ca=...)`: keepalive pings to notice dead links, prompt reconnects
   (the session's own backoff paces attempts), TLS or mTLS when certificates are given.
+- `Replicas(server, first, keepalive_s=..., tls_ca=...)`: the endpoints of a `--server` list (HOST:PORT, comma
+  separated) and the channel and stub of the one in use, number `first` modulo their count to begin with (the
+  session passes its affinity key, which spreads clients over the list); `failover()` moves to the next.
 - `SessionStream(stub, metadata)`: one Session stream whose replies a reader thread queues, so `request` can wait
-  with a deadline; a missing reply, a broken or closed stream raise LinkDown (or what the status says).
+  with a deadline; a missing reply, a broken or closed stream raise LinkDown (or what the status says), and an
+  inline Error what `refused` makes of it.
 - The exceptions the session loop acts on, chosen by `refused` from the typed reason first and the status code
   second, never from the message: ServerBusy (the server is full: back off as advised, draft alone, retry),
   SessionLost (resync with the full history), LinkDown (an outage), BadMessage (a message the client refused:
-  a lost round), ServerError (a refusal retrying will not fix).
+  a lost round), ServerError (a refusal retrying will not fix; FormatNotOffered: the server does not stream the
+  client part in the form this client drafts with). `typed(e)` maps any failed call to one of them.
+- `Backoff(initial_s, max_s, jitter, rng)`: exponential backoff with jitter, or the server's retry advice when that
+  is longer. `wait(error)` is the next pause, `failed(error)` that pause with the delay doubled (up to max_s) for
+  the one after, `reset()` starts over; `retry(call, ...)` calls until it returns, pausing after each transient
+  failure, within a number of attempts or a deadline. The connect loop, the weight download and the reconnect
+  path all use it; `fresh()` gives a second run of the same policy over the same random stream.
 
     stream = SessionStream(stub, metadata)
     reply = stream.request(pb.ClientMessage(round=...), timeout=5.0)
+    info = Backoff(0.2, 5.0, 0.2, random.Random(0)).retry(lambda: stub.GetModelInfo(req), deadline=t0 + 10)
+
+Tests: tests/client/test_transport.py (Backoff), tests/e2e (test_chaos, test_capacity, test_failover),
+tests/client/test_hostile_server.py.
 """
 
 from __future__ import annotations
 
 import queue
+import random
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 from tether.client.errors import ServerDataError
 from tether.client.refusals import LOST, Refusal
 from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
+
+T = TypeVar("T")
 
 
 class LinkDown(Exception):
@@ -59,6 +81,14 @@ class ServerError(RuntimeError):
         self.reason = reason  # a tether.v1.ErrorReason value
 
 
+class FormatNotOffered(ServerError):
+    """The server does not stream the client part in the form this client drafts with (an ONNX precision an older
+    server, or one without the export, does not list in ModelInfo.client_part_formats)."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
 def _code_name(value: int) -> str:
     return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
 
@@ -80,6 +110,72 @@ def refused(r: Refusal) -> Exception:
 
 def rpc_error(e: grpc.RpcError) -> Exception:
     return refused(Refusal.of_rpc_error(e))
+
+
+def typed(e: Exception) -> Exception:
+    """The exception the session acts on for a failed call: a gRPC error by its refusal, a stream that broke
+    mid-download (ConnectionError) as LinkDown, anything else as it is."""
+    if isinstance(e, grpc.RpcError):
+        return rpc_error(e)
+    if isinstance(e, ConnectionError):
+        return LinkDown(str(e))
+    return e
+
+
+class Backoff:
+    """Exponential backoff with jitter, and the server's retry advice; see the module docstring."""
+
+    def __init__(self, initial_s: float, max_s: float, jitter: float, rng: random.Random):
+        self.initial_s, self.max_s, self.jitter, self.rng = initial_s, max_s, jitter, rng
+        self.delay = initial_s
+
+    def fresh(self) -> Backoff:
+        return Backoff(self.initial_s, self.max_s, self.jitter, self.rng)
+
+    def reset(self) -> None:
+        self.delay = self.initial_s
+
+    def _jittered(self, delay: float) -> float:
+        return delay * (1 + self.rng.uniform(-self.jitter, self.jitter))
+
+    def wait(self, error: Exception | None = None) -> float:
+        """The pause before the next try: the delay, jittered, or longer when a full server advises it."""
+        advised = error.retry_after_s if isinstance(error, ServerBusy) else 0.0
+        return max(self._jittered(self.delay), self._jittered(advised))
+
+    def failed(self, error: Exception | None = None) -> float:
+        """`wait(error)`; the delay after it doubles, up to max_s."""
+        pause = self.wait(error)
+        self.delay = min(self.delay * 2, self.max_s)
+        return pause
+
+    def retry(
+        self,
+        call: Callable[[], T],
+        *,
+        transient: tuple[type[Exception], ...] = (LinkDown,),
+        attempts: int = 0,
+        deadline: float | None = None,
+        on_retry: Callable[[Exception], None] | None = None,
+        give_up: Callable[[Exception], Exception] = typed,
+    ) -> T:
+        """`call()` until it returns. A failed call (a gRPC error, a broken stream, LinkDown) whose `typed` error is
+        `transient` pauses (`failed`) and is tried again, unless it was try number `attempts` (0: no limit) or the
+        next would start past `deadline` (time.monotonic()); then, and for any other failure of those kinds,
+        `give_up(the exception raised)` is raised. Other exceptions pass through at once."""
+        tries = 0
+        while True:
+            try:
+                return call()
+            except (grpc.RpcError, ConnectionError, LinkDown) as e:
+                err = typed(e)
+                tries += 1
+                late = deadline is not None and time.monotonic() + self.delay > deadline
+                if not isinstance(err, transient) or tries == attempts or late:
+                    raise give_up(e) from None
+                if on_retry is not None:
+                    on_retry(err)
+                time.sleep(self.failed(err))
 
 
 class SessionStream:
@@ -110,6 +206,8 @@ class SessionStream:
             raise LinkDown(f"no answer within {timeout:.1f} s") from None
         if isinstance(reply, Exception):
             raise reply
+        if reply.WhichOneof("body") == "error":
+            raise refused(Refusal.of_inline(reply.error))
         return reply
 
     def close(self) -> None:
@@ -139,3 +237,34 @@ def open_channel(address: str, *, keepalive_s: float, tls_ca: str = "", tls_cert
     key = Path(tls_key).read_bytes() if tls_key else None
     cert = Path(tls_cert).read_bytes() if tls_cert else None
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
+
+
+class Replicas:
+    """The endpoints of a --server list and the channel to the one in use; see the module docstring."""
+
+    def __init__(self, server: str, first: int, *, keepalive_s: float, tls_ca: str = "", tls_cert: str = "",
+                 tls_key: str = ""):  # fmt: skip
+        self.addresses = [e.strip() for e in server.split(",") if e.strip()]
+        if not self.addresses:
+            raise ValueError("--server needs at least one HOST:PORT")
+        self.index = first % len(self.addresses)
+        self._channel_args = {"keepalive_s": keepalive_s, "tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+        self._connect()
+
+    def _connect(self) -> None:
+        self.channel = open_channel(self.address, **self._channel_args)
+        self.stub = tether_pb2_grpc.TetherStub(self.channel)
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.index]
+
+    def failover(self) -> str:
+        """Close the channel in use and open one to the next replica; returns its address."""
+        self.channel.close()
+        self.index = (self.index + 1) % len(self.addresses)
+        self._connect()
+        return self.address
+
+    def close(self) -> None:
+        self.channel.close()

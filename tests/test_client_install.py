@@ -4,6 +4,10 @@ Contract: the `client` extra brings numpy, grpcio, protobuf, zstandard, tokenize
 they need) and never torch or the server's extras; its site-packages stays under SIZE_BUDGET_MB; `tether-client
 --help` and `--version` work there, and importing tether.client.cli pulls neither torch nor onnxruntime. The same
 import check runs in this (main) virtualenv, where torch is installed and would be imported if anything reached it.
+End to end: `tether-server serve` on the CPU (the default models, from the main virtualenv, in a subprocess on a
+loopback port) and, in the client virtualenv, a generation of GREEDY_TOKENS tokens with the default backend
+(onnxruntime, the ONNX part the server exports): it gives the greedy text the torch backend gives in the main
+virtualenv against the same server, and torch is never imported.
 
 `client_venv` (module scope) builds the virtualenv once and returns its python, for tests that run the edge client
 from it (next to a server from the main virtualenv). It installs a wheel built from a copy of the working tree's
@@ -16,8 +20,10 @@ takes about 15 s on 2 cores (pip fetching some 70 MB of wheels); `-s` prints the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +42,22 @@ SERVER_ONLY = ("torch", "triton", "nvidia-", "matplotlib", "prometheus-client", 
 # Modules a bare --help or --version must not import: the drafter runtimes, and the session's heavy imports.
 HEAVY = ("torch", "onnxruntime", "grpc", "numpy")
 PIP_TIMEOUT_S = 480
+GREEDY_TOKENS = 16
+PROMPT = "def parse_args(argv):\n    "
+PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}  # a slow round must not look like an outage
+# The edge client's generation, run by the client virtualenv's python: argv is the server, the cache directory and
+# the prompt; it prints one JSON line.
+EDGE_GENERATION = f"""
+import json, sys
+from tether.client.session import ClientConfig, generate
+
+server, cache, prompt = sys.argv[1:]
+cfg = ClientConfig(server=server, max_new_tokens={GREEDY_TOKENS}, cache_dir=cache, **{PATIENT!r})
+result = generate(cfg, prompt)
+torch = sorted(m for m in sys.modules if m.split(".")[0] == "torch")
+print(json.dumps({{"backend": cfg.backend, "token_ids": result.token_ids, "text": result.text, "tags": result.tags,
+                  "torch": torch}}))
+"""
 
 
 def _source_copy(dest: Path) -> Path:
@@ -87,7 +109,8 @@ if sys.argv[1:] != ["--import-only"]:
         assert not e.code, e.code
 print(" ".join(sorted({m.split(".")[0] for m in sys.modules})))
 """
-    loaded = set(_run(python, code, *(argv if argv is not None else ["--import-only"])).split())
+    out = _run(python, code, *(argv if argv is not None else ["--import-only"]))
+    loaded = set(out.splitlines()[-1].split())  # the last line: above it is the help, which names torch too
     return loaded & set(HEAVY)
 
 
@@ -136,3 +159,37 @@ def test_tether_client_help_and_version_run_there(client_venv):
 @pytest.mark.parametrize("argv", [None, ["--help"]], ids=["import", "help"])
 def test_client_cli_there_imports_neither_torch_nor_onnxruntime(client_venv, argv):
     assert heavy_modules(client_venv, argv) == set()
+
+
+@pytest.fixture(scope="module")
+def cpu_server(tmp_path_factory):
+    """`tether-server serve --device cpu` with the default models, from this (main) virtualenv, on a free loopback
+    port; yields its address and stops it (SIGTERM, then kill) when the module is done."""
+    cache = tmp_path_factory.mktemp("server_cache")
+    cmd = [sys.executable, "-m", "tether.server.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+           "--cache-dir", str(cache)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()  # the server's first line, once its port is bound ("" if it died)
+        assert line.startswith("listening on 127.0.0.1:"), f"tether-server serve said {line!r}"
+        yield line.removeprefix("listening on ")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.install
+def test_onnx_client_without_torch_generates_the_torch_backends_greedy_text(client_venv, cpu_server, tmp_path):
+    from tether.client.session import ClientConfig, generate
+
+    edge = json.loads(_run(client_venv, EDGE_GENERATION, cpu_server, str(tmp_path / "edge"), PROMPT).splitlines()[-1])
+    assert edge["backend"] == "onnx" and edge["torch"] == []
+    assert len(edge["token_ids"]) == GREEDY_TOKENS and set(edge["tags"]) == {"verified"}
+    cfg = ClientConfig(server=cpu_server, max_new_tokens=GREEDY_TOKENS, backend="torch",
+                       cache_dir=str(tmp_path / "main"), **PATIENT)  # fmt: skip
+    reference = generate(cfg, PROMPT)
+    assert edge["token_ids"] == reference.token_ids and edge["text"] == reference.text

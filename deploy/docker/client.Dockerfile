@@ -1,41 +1,42 @@
 # syntax=docker/dockerfile:1
-# tether-client on a CPU (an edge box, a CI job): drafts with onnxruntime by default (`--backend onnx`).
+# tether-client on a CPU (an edge box, a CI job): drafts with onnxruntime (`--backend onnx`, the default) from the
+# ONNX client part the server exports, so the image holds no torch (tether[client]: numpy, onnxruntime, gRPC).
 #
 # Build from the repository root:
 #   docker build -f deploy/docker/client.Dockerfile -t tether-client:0.1.0 .
-# Run (the cache volume keeps the downloaded client weights and the ONNX export between runs):
+# Run (the cache volume keeps the downloaded client part between runs; add --precision int8 for a quarter of the
+# bytes):
 #   docker run --rm -v tether-cache:/var/cache/tether -e TETHER_API_KEY tether-client:0.1.0 generate \
 #       --server tether.example.com:443 --tls-ca /certs/ca.pem --prompt "def main():" --json
 # (the key comes from the environment, TETHER_API_KEY, or --api-key-file: on the command line ps would show it)
 # generate and chat get `--backend onnx --cache-dir /var/cache/tether` first; flags you pass come later and win.
-#
-# torch stays (the ONNX export of the paired drafter runs once per drafter with torch), but as the CPU wheel from
-# the PyTorch CPU index, pinned: PyPI's default torch wheel for Linux is a multi-GB CUDA build.
+# `--backend torch` needs torch, which this image leaves out: it is there to compare against, and for servers too
+# old to offer the ONNX part.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build ---------------------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS build
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PATH=/opt/tether/bin:$PATH
-RUN python -m venv /opt/tether \
-    && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+RUN python -m venv /opt/tether
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY deploy/docker/client-constraints.txt ./constraints.txt
+# Every package of the distribution, as pyproject.toml maps them (the wheel holds them all; the client imports no
+# server or kernel module, and the client extra brings none of their dependencies).
 COPY shared ./shared
 COPY server ./server
 COPY client ./client
 COPY kernels ./kernels
 COPY netsim ./netsim
 COPY proto ./proto
-# The project itself; every dependency is pinned by the constraints file (deploy/docker/lock.py).
+# The project itself; every dependency is pinned by the constraints file (deploy/docker/lock.py). Then the session
+# must import, and without torch.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir --constraint constraints.txt ".[client]" \
-    && python -c "import onnxruntime, tether.client.session, tether.client.onnx_drafter"
+    && python -c "import sys, onnxruntime, tether.client.session; assert 'torch' not in sys.modules"
 
 # ---- runtime ---------------------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}

@@ -2,7 +2,9 @@
 the weight cache, and nothing downloaded before the model info and the manifest check out.
 
 The fake server (plain gRPC on 127.0.0.1) describes a tiny model honestly, then each case changes one thing the
-way a hostile server would, recomputing the drafter fingerprint so that the lie is self-consistent.
+way a hostile server would, recomputing the drafter fingerprint so that the lie is self-consistent. It streams the
+client part as tensors only (like a server older than the ONNX part), so the client runs `--backend torch`; the
+ONNX part's hostile manifests are tests/client/test_onnx_pairing.py's.
 """
 
 import dataclasses
@@ -120,7 +122,8 @@ def escape(model: Model, key: str) -> Model:
 
 def generate(address: str, cache: Path, *extra: str) -> list[str]:
     return ["generate", "--server", address, "--prompt", "def f(x):", "--json", "--cache-dir", str(cache),
-            "--connect-timeout-s", "5", "--backoff-initial-s", "0.01", "--backoff-max-s", "0.02", *extra]  # fmt: skip
+            "--backend", "torch", "--connect-timeout-s", "5", "--backoff-initial-s", "0.01", "--backoff-max-s", "0.02",
+            *extra]  # fmt: skip
 
 
 EMBED = "target.model.embed_tokens.weight"

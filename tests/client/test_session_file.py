@@ -1,11 +1,15 @@
 """The session file holds the resume token, which proves ownership of the server's session: owner-only (0600)
-from its first byte, whatever the umask and whatever a killed client left behind."""
+from its first byte, whatever the umask and whatever a killed client left behind. A record reads back as it was
+written, and one written for another model is refused."""
 
 import os
 import stat
 from pathlib import Path
 
-from tether.client.session import ClientConfig, EdgeSession
+import pytest
+
+from tether.client.session import ClientConfig, EdgeSession, ServerError
+from tether.client.session_file import SessionRecord, load_record, save_record
 from tether.v1 import tether_pb2 as pb
 
 
@@ -38,3 +42,14 @@ def test_session_file_and_its_tmp_are_owner_only(tmp_path, monkeypatch):
         session.close()
     assert mode(path) == 0o600 and "secret-token" in path.read_text()
     assert seen and all(m == 0o600 for _, m in seen)
+
+
+def test_a_record_reads_back_and_one_for_another_model_is_refused(tmp_path):
+    path = tmp_path / "session.json"
+    assert load_record(path, "f" * 64) is None
+    record = SessionRecord("h:1,h:2", "f" * 64, "s" * 32, "t" * 32, [1, 2], [3, 4], ["verified", "offline"], 3, False)
+    save_record(path, record)
+    assert load_record(path, "f" * 64) == record
+    with pytest.raises(ServerError) as refused:
+        load_record(path, "e" * 64)
+    assert refused.value.code == "FAILED_PRECONDITION"

@@ -10,12 +10,31 @@ from tether.shared.drafter import load_drafter
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    """The shipped target and drafter served on the CPU over loopback: (address, tokenizer, model fingerprint)."""
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
-    server, port = make_server(service, "127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", tok, service.model_fingerprint
-    server.stop(None)
+def start_server():
+    """start_server(edit=None) -> (address, service): the shipped target and drafter served on the CPU over
+    loopback, `edit(service)` applied before it starts (to make it look like another server); every server started
+    is stopped after the module."""
+    servers = []
+
+    def start(edit=None):
+        target, tok = load(default_model_dir(), "cpu")
+        drafter = load_drafter(default_model_dir("drafter"), target)
+        service = TetherService(target, drafter, tok, ServiceConfig(),
+                                model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
+        if edit is not None:
+            edit(service)
+        server, port = make_server(service, "127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}", service
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def default_server(start_server):
+    """The default models' server: (address, tokenizer, model fingerprint)."""
+    address, service = start_server()
+    return address, service.tokenizer, service.model_fingerprint

@@ -1,14 +1,25 @@
-"""The edge client with the onnxruntime backend agrees with the torch backend end to end: the same greedy text,
-the same rounds and acceptance (so the same drafts), through a real server; and sampling works with it.
+"""The edge client's two backends end to end through a real server.
+
+- onnxruntime (the default: it drafts from the ONNX client part the server exports) agrees with torch: the same
+  greedy text, the same rounds and acceptance (so the same drafts) at fp32;
+- fp16 and int8 weights download fewer bytes and the text is still the target's greedy text (the target decides
+  every token; only the drafts may differ);
+- sampling works with it;
+- a server that does not offer the ONNX part (one older than the client) is refused before anything is downloaded,
+  with a typed error (FormatNotOffered) in the library and one line with status 1 from `tether-client generate`.
 
 No link fault here: the deadlines are generous so that a busy machine never makes a slow round look like an outage
 (an outage would change the rounds compared)."""
 
 import pytest
 
-from tether.client.session import ClientConfig, generate
+from tether.client.cli import main
+from tether.client.session import ClientConfig, EdgeSession, generate
+from tether.client.transport import FormatNotOffered
+from tether.v1 import tether_pb2 as pb
 
 PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
+PROMPT = "def write_lines(path, lines):\n    "
 
 
 @pytest.fixture(scope="module")
@@ -16,20 +27,59 @@ def address(default_server):
     return default_server[0]
 
 
-def test_onnx_and_torch_backends_agree_end_to_end(address, tmp_path):
-    runs = {}
-    for backend in ("torch", "onnx"):
-        cfg = ClientConfig(server=address, max_new_tokens=48, backend=backend, cache_dir=str(tmp_path), **PATIENT)
-        runs[backend] = generate(cfg, "def write_lines(path, lines):\n    ")
-    t, o = runs["torch"], runs["onnx"]
+@pytest.fixture(scope="module")
+def fp32_onnx(address, tmp_path_factory):
+    """The default backend's greedy run (fp32), which the other tests compare against."""
+    cfg = ClientConfig(server=address, max_new_tokens=48, cache_dir=str(tmp_path_factory.mktemp("fp32")), **PATIENT)
+    return generate(cfg, PROMPT)
+
+
+def test_onnx_and_torch_backends_agree_end_to_end(address, fp32_onnx, tmp_path):
+    cfg = ClientConfig(server=address, max_new_tokens=48, backend="torch", cache_dir=str(tmp_path), **PATIENT)
+    t, o = generate(cfg, PROMPT), fp32_onnx
     assert o.token_ids == t.token_ids
     assert (o.stats.rounds, o.stats.accepted, o.stats.drafted) == (t.stats.rounds, t.stats.accepted, t.stats.drafted)
     assert t.stats.accepted > 0
-    assert (tmp_path / "onnx").is_dir()  # exported once, cached by the drafter's fingerprint
+
+
+@pytest.mark.parametrize(("precision", "at_most"), [("fp16", 0.6), ("int8", 0.4)])
+def test_smaller_onnx_weights_give_the_same_greedy_text(address, fp32_onnx, tmp_path, precision, at_most):
+    cfg = ClientConfig(server=address, max_new_tokens=48, precision=precision, cache_dir=str(tmp_path), **PATIENT)
+    result = generate(cfg, PROMPT)
+    assert result.token_ids == fp32_onnx.token_ids and result.stats.accepted > 0
+    assert result.stats.weights_bytes <= at_most * fp32_onnx.stats.weights_bytes
 
 
 def test_onnx_backend_samples(address, tmp_path):
-    cfg = ClientConfig(server=address, max_new_tokens=24, backend="onnx", temperature=0.8, seed=3,
-                       cache_dir=str(tmp_path), **PATIENT)  # fmt: skip
+    cfg = ClientConfig(server=address, max_new_tokens=24, temperature=0.8, seed=3, cache_dir=str(tmp_path), **PATIENT)
     result = generate(cfg, "import os\n")
     assert len(result.token_ids) == 24 and result.stats.rounds > 0
+
+
+@pytest.fixture(scope="module")
+def tensors_only(start_server):
+    """A server from before the ONNX client part: its model info lists the tensors alone."""
+
+    def tensors_only(service):
+        del service.model_info.client_part_formats[:]
+        service.model_info.client_part_formats.append(pb.CLIENT_PART_TENSORS)
+
+    return start_server(tensors_only)[0]
+
+
+def test_a_server_without_the_onnx_part_is_a_typed_refusal(tensors_only, tmp_path, capsys):
+    session = EdgeSession(ClientConfig(server=tensors_only, cache_dir=str(tmp_path), **PATIENT))
+    try:
+        with pytest.raises(FormatNotOffered) as refused:
+            session.pair()
+    finally:
+        session.close()
+    assert refused.value.code == "FAILED_PRECONDITION"
+    assert not any(tmp_path.iterdir()), "nothing is downloaded before the format is known to be offered"
+    argv = ["generate", "--server", tensors_only, "--prompt", "x", "--precision", "int8", "--cache-dir", str(tmp_path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backend torch" in err[0] and "int8" in err[0], err
+    # The torch backend still pairs with it.
+    cfg = ClientConfig(server=tensors_only, backend="torch", max_new_tokens=8, cache_dir=str(tmp_path), **PATIENT)
+    assert len(generate(cfg, PROMPT).token_ids) == 8

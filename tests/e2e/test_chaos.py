@@ -262,14 +262,15 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
         # Right after a resync the server holds exactly what the client verified: compare the TLI K/V.
         if e.kind == "state" and e.state == State.ONLINE and session.stats.resyncs > len(checked):
             ver = server_verifier(service, session.session_id)
-            n = session.drafter.dcfg.tli
+            n = session.drafter.tli  # the onnxruntime drafter's TLI caches: numpy, [N, capacity, Hkv, D]
             L = session.verified
             assert ver.length == L
-            client_k = session.drafter.tli_cache.k[:, 0, :L]  # [N, L, Hkv, D]
+            client_k = torch.from_numpy(session.drafter.tli_k[:, :L])
+            client_v = torch.from_numpy(session.drafter.tli_v[:, :L])
             for i in range(n):
                 server_k, server_v = ver.cache.rows(ver.target.cfg.n_layers - n + i)
                 assert torch.equal(client_k[i], server_k.to(torch.bfloat16).float())
-                assert torch.equal(session.drafter.tli_cache.v[i, 0, :L], server_v.to(torch.bfloat16).float())
+                assert torch.equal(client_v[i], server_v.to(torch.bfloat16).float())
             checked.append(L)
 
     result, struck, _ = run_with_faults(models, tmp_path, "keep", outages, after_resync, piece=piece)

@@ -29,6 +29,7 @@ from tether.v1 import tether_pb2_grpc
 PROMPT = "def read_config(path):\n    with open(path"
 N_NEW = 40
 CORRUPT_ROUND = 3
+MAX_OFFLINE = 8  # offline tokens per outage: a resync always follows before the text is done
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +163,12 @@ def one_round(edit):
 
 
 def run(address: str, tmp_path, policy: str = "rewind"):
+    # Alone, the drafter can write the rest of the text before the backoff lets it reconnect (onnxruntime drafts
+    # these in about a millisecond a token), and under keep a generation that ends offline never resyncs: it holds
+    # the text after MAX_OFFLINE tokens instead, until a resync succeeds.
     cfg = ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, cache_dir=str(tmp_path / "cache"),
-                       round_timeout_s=30, connect_timeout_s=30, backoff_initial_s=0.05, backoff_max_s=0.2)  # fmt: skip
+                       round_timeout_s=30, connect_timeout_s=30, backoff_initial_s=0.05, backoff_max_s=0.2,
+                       max_offline_tokens=MAX_OFFLINE)  # fmt: skip
     session = EdgeSession(cfg)
     try:
         return session.run(PROMPT)

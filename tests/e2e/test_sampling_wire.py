@@ -29,17 +29,19 @@ def server(default_server):
 
 @pytest.fixture
 def paired_once(monkeypatch, tmp_path_factory):
-    """Every EdgeSession of a test reuses the first one's client models: each pairing would otherwise rebuild
-    them from the cache (a third of a second), which dominates a generation of a few tokens."""
-    built: dict = {}
-    real = session_module.build_client_models
+    """Every EdgeSession of a test reuses the first one's ONNX client part (each session's `begin` resets the
+    drafter): each pairing would otherwise load it from the cache again, which dominates a generation of a few
+    tokens."""
+    parts: dict = {}
+    real = session_module.fetch_onnx_part
 
-    def build(info, tensors):
-        if info.model_fingerprint not in built:
-            built[info.model_fingerprint] = real(info, tensors)
-        return built[info.model_fingerprint]
+    def fetch(stub, info, cache_dir, **kwargs):
+        key = (info.drafter_fingerprint, kwargs.get("precision"))
+        if key not in parts:
+            parts[key] = real(stub, info, cache_dir, **kwargs)
+        return parts[key]
 
-    monkeypatch.setattr(session_module, "build_client_models", build)
+    monkeypatch.setattr(session_module, "fetch_onnx_part", fetch)
     return str(tmp_path_factory.mktemp("cache"))
 
 

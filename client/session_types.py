@@ -1,0 +1,134 @@
+"""The edge session's vocabulary: what a caller configures, the events and states it is told about, and what a
+generation returns. The session itself is tether.client.session, which re-exports the names its callers use.
+
+Contract:
+- `ClientConfig`: frozen; one field per `tether-client generate` flag (the trailing comment of each field is its
+  --help). CHOICES names the values its string fields of a fixed set take (the CLI offers them as choices);
+  `cfg.check()` raises ValueError for another, and EdgeSession checks its config so.
+- `State`: CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE (docs/ARCHITECTURE.md, section 7).
+- `Event`: what the session reports as it goes ("state", "tokens" tagged verified or offline, "retract", "info").
+- `Stats` and `Result`: a generation's counters and its text; `Result.to_json()` is `tether-client --json`'s line.
+- `Paired`: what pairing gave the session, whichever the backend: model info, tokenizer, drafter, bytes.
+Importing this module imports no torch and no onnxruntime.
+
+    cfg = ClientConfig(server="127.0.0.1:50051", backend="onnx", precision="int8")
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from tether.shared.tokenizer import Tokenizer
+from tether.shared.weights import ONNX_PRECISIONS
+from tether.shared.wire import Codec
+from tether.v1 import tether_pb2 as pb
+
+BACKENDS = ("onnx", "torch")  # the drafter runtimes; torch only to compare against (it needs torch installed)
+PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
+POLICIES = ("keep", "rewind")
+CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
+CHOICES = {"policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS)}
+
+
+class State(StrEnum):
+    CONNECTING = "connecting"
+    ONLINE = "online"
+    OFFLINE = "offline"
+    RESYNCING = "resyncing"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    server: str = "127.0.0.1:50051"  # HOST:PORT of tether-server or a load balancer; a comma list = replicas
+    max_new_tokens: int = 128  # tokens to generate (verified and offline together)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling threshold
+    seed: int = 0  # sampling seed (drafter and server)
+    policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
+    backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
+    precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire; computation is fp32 either way
+    k: int = 5  # draft tokens per round
+    codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
+    api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
+    tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
+    tls_cert: str = ""  # PEM client certificate (mTLS)
+    tls_key: str = ""  # PEM key of tls_cert
+    cache_dir: str = "~/.cache/tether"  # downloaded client weights, by sha256
+    round_timeout_s: float = 5.0  # a round unanswered this long means the link is down
+    connect_timeout_s: float = 10.0  # deadline of GetModelInfo, open, resync and attach
+    backoff_initial_s: float = 0.2  # first reconnection delay
+    backoff_max_s: float = 5.0  # reconnection delay cap
+    backoff_jitter: float = 0.2  # +- fraction of random jitter on each delay
+    keepalive_s: float = 10.0  # gRPC keepalive ping interval (detects dead links without traffic)
+    pace_tokens_per_s: float = 0.0  # cap the output rate (a slower device, a reader); 0 = as fast as possible
+    max_offline_tokens: int = 0  # stop drafting alone after this many tokens in one outage; 0 = no limit
+    resync_piece_tokens: int = 1024  # offline tokens per Resync call (each reply's KV delta stays well under 4 MiB)
+    final_resync_s: float = 30.0  # rewind: how long to wait for the link when generation ends offline
+    session_file: str = ""  # save the session here as it goes; a restarted client resumes from it
+    max_weights_mb: int = 2048  # refuse a server whose client part (weights and tokenizer) is over this many MiB
+
+    def check(self) -> None:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+
+
+@dataclass
+class Event:
+    kind: str  # "state", "tokens", "retract", "info"
+    state: State | None = None
+    tokens: list[int] = field(default_factory=list)
+    tag: str = ""  # "verified" or "offline" for "tokens"
+    count: int = 0  # tokens retracted
+    detail: str = ""
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    offline_tokens: int = 0
+    retracted: int = 0
+    resyncs: int = 0
+    rebuilt: int = 0
+    outages: int = 0
+    failovers: int = 0  # switches to another endpoint of --server's list
+    bytes_up: int = 0
+    bytes_down: int = 0
+    weights_bytes: int = 0
+    bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
+    wall_s: float = 0.0
+    resync_s: list[float] = field(default_factory=list)  # each resync's duration
+    resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each Resync call's payload bytes (up, down)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+
+@dataclass
+class Result:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    tags: list[str]
+    text: str
+    stats: Stats
+
+    def to_json(self) -> dict:
+        s = asdict(self.stats)
+        s["tau"] = self.stats.tau
+        return {"text": self.text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
+
+
+@dataclass(frozen=True)
+class Paired:
+    """What pairing gives a session, whichever the backend."""
+
+    info: pb.ModelInfo
+    tokenizer: Tokenizer
+    drafter: Any  # an OnnxDrafter, or the torch drafter module (tether.shared.drafter)
+    nbytes: int  # the client part's bytes (weights and tokenizer), as downloaded or found in the cache
