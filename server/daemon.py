@@ -2,7 +2,11 @@
 
 Contract: prints one line `listening on HOST:PORT` once the port is bound (port 0 picks a free one), serves
 until SIGTERM/SIGINT, then stops taking new calls and gives the ones in flight `grace_s` seconds to finish.
-Defaults serve deploy/models on 127.0.0.1:50051.
+Defaults serve deploy/models on 127.0.0.1:50051. With `--http-port P` (0: any free port) it also serves the
+OpenAI-compatible HTTP API (tether.server.http_api) on `--http-host`, on the same event loop, and prints a second
+line `http listening on HOST:PORT`; it takes the same API keys and TLS files as gRPC. `--drafter none` serves
+without a drafter: server-only decoding over Generate and HTTP (ModelInfo.server_only; Session, Resync and
+FetchWeights are refused with REASON_NO_DRAFTER).
 
 Start-up is logged by phase at INFO: the kernel cache in use, models loaded in X s, the kernel warm-up in X s and
 how many files it added to the cache, then one line `ready in X s (warm cache|cold cache|no kernel warm-up)`,
@@ -15,6 +19,7 @@ before the port opens for those `--onnx-precisions` names).
 before the first `serve` (a Kubernetes initContainer, a provisioning step; an image build has no GPU).
 
     tether-server serve --port 50051 --max-sessions 64 --cache-dir /var/cache/tether
+    tether-server serve --http-port 8000 --drafter none   # an OpenAI-compatible endpoint, the target decoding alone
     tether-server serve --tp 2          # a tensor-parallel target over 2 GPUs (tether.server.tp_serve)
     tether-server warm --cache-dir /var/cache/tether
 """
@@ -35,6 +40,7 @@ import torch
 
 from tether.server.batcher import warm_up
 from tether.server.generate import attention_backend, default_model_dir, load, pick_device
+from tether.server.http_api import start_http
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
 from tether.server.rounds import step_runner
@@ -49,6 +55,7 @@ from tether.server.warm_cache import (
     record_shapes,
     use_cache_dir,
 )
+from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
@@ -60,7 +67,7 @@ log = logging.getLogger("tether.server")
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = str(default_model_dir())  # target model directory
-    drafter: str = str(default_model_dir("drafter"))  # drafter directory trained for that target
+    drafter: str = str(default_model_dir("drafter"))  # drafter directory trained for that target; "none": no drafter
     host: str = "127.0.0.1"  # address to listen on
     port: int = 50051  # port to listen on (0 = any free port)
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
@@ -86,6 +93,10 @@ class ServeConfig:
     cache_dir: str = ""  # keeps compiled kernels + autotuning across restarts (DIR/triton); empty = Triton's default
     # The ONNX client part is exported on its first request, per precision, and kept in DIR/onnx with --cache-dir.
     onnx_precisions: str = ""  # export these ONNX precisions (e.g. "fp32,int8") before the port opens
+    http_host: str = "127.0.0.1"  # address of the OpenAI-compatible HTTP API
+    http_port: int = -1  # port of the OpenAI-compatible HTTP API: -1 = off, 0 = any free port
+    http_max_streams: int = 256  # HTTP generations at once; past it requests get 429 with Retry-After
+    served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
 
 
 # The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
@@ -115,20 +126,38 @@ def _service_config(cfg: ServeConfig) -> ServiceConfig:
     for name in ("max_sessions", "max_sessions_per_key", "max_streams", "session_lease_s", "stream_idle_s"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys),
+    return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys), model_id=model_name(cfg),
                          max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
                          stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
                          kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
                          prefill_chunk=cfg.prefill_chunk)  # fmt: skip
 
 
+def model_name(cfg: ServeConfig) -> str:
+    """--served-model-name, else "tether-default" for the default models, else the model directory's name."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    model = Path(cfg.model).resolve()
+    return "tether-default" if model == default_model_dir().resolve() else model.name
+
+
 def _load_models(cfg: ServeConfig, device: str):
     t0 = time.perf_counter()
     target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
     model_fp = fingerprint(cfg.model)
-    drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
+    drafter = None
+    if cfg.drafter != "none":
+        drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
     log.info("models loaded in %.1f s", time.perf_counter() - t0, extra={"event": "models_loaded"})
     return target, tokenizer, drafter, model_fp
+
+
+def _http_config(cfg: ServeConfig, config: ServiceConfig):
+    from tether.shared.openai_app import HttpConfig
+
+    return HttpConfig(host=cfg.http_host, port=cfg.http_port, api_keys=config.api_keys,
+                      max_streams=cfg.http_max_streams, grace_s=cfg.grace_s, tls_cert=cfg.tls_cert,
+                      tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
 
 
 def _warm_kernels(target, pool, kernel_dir: Path) -> str:
@@ -205,6 +234,10 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     precisions = [p for p in cfg.onnx_precisions.split(",") if p]
     if not set(precisions) <= set(ONNX_PRECISIONS):
         raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
+    if precisions and cfg.drafter == "none":
+        raise ValueError("--onnx-precisions exports the drafter's client part: it needs a drafter, not --drafter none")
+    if cfg.http_port < -1 or cfg.http_max_streams < 1:
+        raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams at least 1")
     kernel_dir = _use_cache(cfg)
     followers, tp_target = [], None
     if cfg.tp > 1:
@@ -218,13 +251,16 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     extra = {}
     if cfg.tp > 1:
         # The client part ships whole weights: take them before this rank keeps only its shard.
-        extra["client_weights"] = {k: v.detach().cpu().clone() for k, v in client_part_tensors(target, drafter).items()}
+        if drafter is not None:
+            part = client_part_tensors(target, drafter)
+            extra["client_weights"] = {k: v.detach().cpu().clone() for k, v in part.items()}
         tp_target = TPTarget(shard(target, 0, cfg.tp), cmd_group)
         extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
         target = tp_target
     if cfg.cache_dir:
         extra["export_dir"] = Path(cfg.cache_dir).expanduser() / "onnx"
-    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, **extra)
+    chat = ChatFormat.from_model_dir(cfg.model, tokenizer)
+    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, chat_format=chat, **extra)
     for precision in precisions:
         t0 = time.perf_counter()
         service.exporter.part(precision)
@@ -240,6 +276,10 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     server.start()
     print(f"listening on {cfg.host}:{port}" + (f" (tensor-parallel over {cfg.tp} ranks)" if cfg.tp > 1 else ""),
           flush=True)  # fmt: skip
+    http = None
+    if cfg.http_port >= 0:
+        http, http_port = start_http(service, config.model_id, _http_config(cfg, config))
+        print(f"http listening on {cfg.http_host}:{http_port}", flush=True)
     ready_s = time.perf_counter() - t_start
     log.info("ready in %.1f s (%s)", ready_s, cache_state,
              extra={"event": "ready", "ready_s": round(ready_s, 2), "kernel_cache": cache_state})  # fmt: skip
@@ -249,6 +289,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     # the main thread acts on when it runs, and a plain wait() would sleep through it.
     while not stop.wait(0.5):
         pass
+    if http is not None:
+        http.stop()
     if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
     _record_shapes(target, service.pool)

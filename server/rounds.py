@@ -333,7 +333,8 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
             verdicts = unpack_verdicts(trees, greedy.cpu())  # the one wait: the deltas' copies came before it
         else:
             verdicts = verify_rows(trees, out.logits[: len(items)], [ver.temperature for ver, _ in items],
-                                   [ver.top_p for ver, _ in items], [ver.generator for ver, _ in items])  # fmt: skip
+                                   [ver.top_p for ver, _ in items], [ver.generator for ver, _ in items],
+                                   [ver.top_k for ver, _ in items])  # fmt: skip
         deltas: dict[int, DraftDelta] = {}
         by_drafter: dict[int, list[int]] = {}
         for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):

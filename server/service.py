@@ -1,7 +1,7 @@
 """The gRPC service `tether.v1.Tether`: model info, weight streaming, verification sessions, resync, close.
 
 Contract (the messages are in proto/tether/v1/tether.proto):
-- GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs and limits.
+- GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs, limits, chat format.
 - FetchWeights: the manifest of the client part (tether.shared.weights), then chunks of at most 1 MiB, from
   any (tensor, offset); REASON_MODEL_MISMATCH when the client expects other weights. As tensors or as ONNX files
   exported on the first request per precision (tether.server.client_export; a failed export: REASON_INTERNAL).
@@ -15,7 +15,10 @@ Contract (the messages are in proto/tether/v1/tether.proto):
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
   disagreement and the next token. A session the server does not hold is rebuilt from the full history under a
   new id (the reply's session_id); without the history the answer is REASON_HISTORY_REQUIRED.
-- Close frees a session. Generate: plain server-side decoding streamed token by token (the baseline).
+- Close frees a session. Generate: plain server-side decoding streamed token by token (the baseline;
+  tether.server.plain_decoding, which the OpenAI-compatible HTTP API decodes through too).
+- Without a drafter (`serve --drafter none`) ModelInfo says `server_only`, and Session, Resync and FetchWeights
+  answer REASON_NO_DRAFTER; Generate and the HTTP API work as ever.
 grpc.health.v1 and reflection are served beside it (tether.server.rpc_server).
 
 Trust: every field is validated before anything is allocated or logged (ids have the server's shape, tokens
@@ -56,21 +59,21 @@ from tether.server.client_export import FORMATS, ClientExporter, ExportError
 from tether.server.errors import Reason, RequestError, inline, status_metadata
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
+from tether.server.plain_decoding import POOL_RETRY_S, PlainDecoding
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
-from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
+from tether.server.verifier import SequenceVerifier
+from tether.shared.chat_template import ChatFormat
 from tether.shared.codecs import Codec, CodecError, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
-from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
 PROTOCOL_VERSION = 1
-POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
 log = logging.getLogger("tether.server")
 
 
@@ -100,7 +103,7 @@ def _sha256_json(obj: dict) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-class TetherService(tether_pb2_grpc.TetherServicer):
+class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
     def __init__(
         self,
         target: Transformer,
@@ -112,37 +115,50 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         client_weights: dict[str, torch.Tensor] | None = None,
         pool: KVPool | None = None,
         export_dir: str | os.PathLike | None = None,
+        chat_format: ChatFormat | None = None,
     ):
-        """`client_weights` and `pool` are for a tensor-parallel target (tether.server.tp_serve), whose own
-        weights are sharded: the client part computed before sharding, and rank 0's mirrored pool shard.
-        `export_dir` keeps the ONNX client part's exports across restarts (None: a temporary directory)."""
+        """`drafter` None serves without one (server-only decoding). `client_weights` and `pool` are for a
+        tensor-parallel target (tether.server.tp_serve), whose own weights are sharded: the client part computed
+        before sharding, and rank 0's mirrored pool shard. `export_dir` keeps the ONNX client part's exports across
+        restarts (None: a temporary directory). `chat_format`: the model's chat template (None: the built-in one)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.chat_format = chat_format or ChatFormat.builtin_for(tokenizer)
         self.config = c = config or ServiceConfig()
         self.model_fingerprint = model_fingerprint
-        part = client_weights if client_weights is not None else client_part_tensors(target, drafter)
-        self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
-                        for k, v in part.items()}  # fmt: skip
-        # The tokenizer travels with the weights (resumable, cached by hash): a client needs nothing but an address.
-        self.weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer.to_json().encode()), dtype=torch.uint8)
-        self.manifest = build_manifest(self.weights)
-        self.drafter_fingerprint = _sha256_json(
-            {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}
-        )
-        self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint, export_dir)
+        # Without a drafter (`serve --drafter none`) there is no client part: only Generate and the HTTP API decode.
+        self.weights: dict[str, torch.Tensor] = {}
+        self.manifest: list = []
+        self.drafter_fingerprint = ""
+        self.exporter: ClientExporter | None = None
+        if drafter is not None:
+            part = client_weights if client_weights is not None else client_part_tensors(target, drafter)
+            self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
+                            for k, v in part.items()}  # fmt: skip
+            # The tokenizer travels with the weights (resumable, cached by hash): a client needs only an address.
+            self.weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer.to_json().encode()),
+                                                              dtype=torch.uint8)  # fmt: skip
+            self.manifest = build_manifest(self.weights)
+            self.drafter_fingerprint = _sha256_json(
+                {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}
+            )
+            self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint,
+                                           export_dir)  # fmt: skip
         self.model_info = pb.ModelInfo(
             protocol_version=PROTOCOL_VERSION,
             model_id=c.model_id,
             model_config_json=json.dumps(target.cfg.to_dict()),
             model_fingerprint=model_fingerprint,
             tokenizer_sha256=tokenizer.sha256,
-            drafter_config_json=json.dumps(drafter.dcfg.to_dict()),
+            drafter_config_json=json.dumps(drafter.dcfg.to_dict()) if drafter is not None else "",
             drafter_fingerprint=self.drafter_fingerprint,
-            tli_layers=drafter.dcfg.tli,
+            tli_layers=drafter.dcfg.tli if drafter is not None else 0,
             codecs=[pb.CODEC_RAW, pb.CODEC_FP16_SHUFFLE_ZSTD, pb.CODEC_INT8_ZSTD],
             max_prompt_tokens=c.max_prompt_tokens,
             max_draft_tokens=c.max_draft_tokens,
             max_message_bytes=c.max_message_bytes,
-            client_part_formats=[pb.CLIENT_PART_TENSORS, *FORMATS],
+            client_part_formats=[pb.CLIENT_PART_TENSORS, *FORMATS] if drafter is not None else [],
+            server_only=drafter is None,
+            chat_format_json=self.chat_format.to_json(),
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
@@ -185,7 +201,8 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         """End the service's threads (the process is stopping)."""
         self.batcher.close()
         self.executor.shutdown(wait=True)
-        self.exporter.close()
+        if self.exporter is not None:
+            self.exporter.close()
 
     # ---- work off the event loop ------------------------------------------------------------------------
 
@@ -224,8 +241,13 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
         generator = torch.Generator().manual_seed(sampling.seed)
         return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
-                                top_p=sampling.top_p or 1.0, generator=generator, pool=self.pool,
-                                prefill_chunk=self.config.prefill_chunk)  # fmt: skip
+                                top_p=sampling.top_p or 1.0, top_k=sampling.top_k, generator=generator,
+                                pool=self.pool, prefill_chunk=self.config.prefill_chunk)  # fmt: skip
+
+    def _need_drafter(self) -> None:
+        if self.drafter is None:
+            raise RequestError(Reason.REASON_NO_DRAFTER,
+                               "this server runs no drafter (serve --drafter none): decode with Generate")  # fmt: skip
 
     def _owned(self, session_id: str, caller: str) -> Session:
         check_id(session_id, "session_id")
@@ -262,6 +284,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def FetchWeights(self, request, context) -> AsyncIterator[pb.WeightChunk]:
         try:
+            self._need_drafter()
             self.check.fingerprint(request.model_fingerprint)
             size = request.max_chunk_bytes or MAX_CHUNK
             if size > MAX_CHUNK:
@@ -363,6 +386,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def _open(self, req: pb.OpenSession, caller: str) -> tuple[Session, list[pb.ServerMessage]]:
         c = self.config
+        self._need_drafter()
         self.check.fingerprint(req.model_fingerprint)
         prompt = self.check.tokens(req.prompt, "prompt", c.max_prompt_tokens)
         if not prompt:
@@ -398,6 +422,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     async def _attach(self, req: pb.AttachSession, caller: str) -> tuple[Session, int, pb.ServerMessage]:
         """A new stream takes over a held session (after a reconnect): rounds continue where it stands. Returns the
         session, its resync count (the stream's epoch) and the reply."""
+        self._need_drafter()
         session = self._owned(req.session_id, caller)
         self._check_token(session, req.resume_token)
         async with await self.table.claim(session):
@@ -471,6 +496,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def _resync(self, req: pb.ResyncRequest, caller: str) -> pb.ResyncReply:
         c = self.config
+        self._need_drafter()
         self.check.fingerprint(req.model_fingerprint)
         check_sampling(req.sampling)
         codec = check_codec(req.delta_codec)
@@ -546,53 +572,3 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                f"the reply for {len(offline)} offline tokens would take {reply.ByteSize()} bytes, over "
                                f"the {limit}-byte message limit: resync fewer tokens per call")  # fmt: skip
         return reply
-
-    # ---- Generate -----------------------------------------------------------------------------------------
-
-    async def Generate(self, request: pb.OpenSession, context) -> AsyncIterator[pb.GeneratedTokens]:
-        """Plain decoding on the server, streamed token by token (the baseline tether's drafting competes with)."""
-        c = self.config
-        try:
-            self.check.fingerprint(request.model_fingerprint)
-            prompt = self.check.tokens(request.prompt, "prompt", c.max_prompt_tokens)
-            if not prompt:
-                raise invalid("empty prompt")
-            check_sampling(request.sampling)
-            self.check.fits_pool(len(prompt), "prompt")
-        except RequestError as e:
-            await self._abort(context, e, "generate")
-        s = request.sampling
-        n = min(self._max_new(request.max_new_tokens), self.target.cfg.max_seq_len - len(prompt))
-        generator = torch.Generator().manual_seed(s.seed)
-        # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
-        cache = self.table.lend(len(prompt) + n)
-        ver = SequenceVerifier(self.target, None, capacity=cache.capacity, temperature=s.temperature,
-                               top_p=s.top_p or 1.0, generator=generator, cache=cache)  # fmt: skip
-        # A stream alone decodes 16 chained steps per replay; with others, each stream's next token is a round of the
-        # batcher, verified in one step with every other stream's and every Session's rounds.
-        self._generating += 1  # handlers all run on the one event loop: no lock
-        work: concurrent.futures.Future | None = None
-        try:
-            work = self.executor.submit(ver.open, prompt)
-            token, _ = await self._wait(work)
-            yield pb.GeneratedTokens(tokens=[token])
-            left = n - 1
-            while left > 0 and ver.room > 0:
-                if self._generating == 1:
-                    work = self.executor.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
-                    chunk = await self._wait(work)
-                else:
-                    work = self.batcher.submit(ver, DraftTree.chain(token, []))
-                    chunk = [(await self._wait(work))[0].bonus]
-                token, left = chunk[-1], left - len(chunk)
-                self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(chunk))
-                yield pb.GeneratedTokens(tokens=chunk)
-        except PoolExhausted:
-            e = RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S)
-            await self._abort(context, e, "generate")
-        finally:
-            self._generating -= 1
-            if work is None or work.done():
-                self.table.give_back(cache)
-            else:  # still running on a thread: the cache goes back when it is done with it
-                work.add_done_callback(lambda _: self.table.give_back(cache))

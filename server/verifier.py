@@ -1,6 +1,6 @@
 """The server half of speculative decoding for one sequence: prefill, then verify a draft tree per round.
 
-Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_p=..., generator=...)`.
+Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_p=..., top_k=..., generator=...)`.
 `open(prompt)` prefills the target's KV cache (in chunks of `prefill_chunk` positions) and returns the target's
 first token and the drafter's delta for the prompt positions. `verify(tree)` runs root + drafts through the target
 in one forward (tree mask, tree positions), decides the verdict (greedy or lossless rejection sampling,
@@ -41,6 +41,7 @@ class SequenceVerifier:
         capacity: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         generator: torch.Generator | None = None,
         pool: KVPool | None = None,
         prefill_chunk: int = 2048,
@@ -48,7 +49,7 @@ class SequenceVerifier:
     ):
         self.target = target
         self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.temperature, self.top_p, self.top_k, self.generator = temperature, top_p, top_k, generator
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk  # prompt positions per prefill forward
@@ -83,7 +84,8 @@ class SequenceVerifier:
 
     def sample(self, logits: torch.Tensor) -> int:
         """The target's next token from logits [V] under this sequence's sampling settings and generator."""
-        return sample_token(logits, temperature=self.temperature, top_p=self.top_p, generator=self.generator)
+        return sample_token(logits, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            generator=self.generator)  # fmt: skip
 
     @torch.inference_mode()
     def open(self, prompt_ids: list[int]) -> tuple[int, DraftDelta | None]:

@@ -20,7 +20,7 @@ Contract: exactly `verify`'s verdict, row by row, from the same logits and the s
   `accept` would need a sync); `verify_rows` turns that row alone into a ValueError, as `verify` would raise.
 
     out = target.run(tokens, ...)  # logits [B, T, V]
-    verdicts = verify_rows(trees, out.logits, temperatures, top_ps, generators)
+    verdicts = verify_rows(trees, out.logits, temperatures, top_ps, generators, top_ks)
     for v in verdicts:  # a Verdict, or the ValueError `verify` would have raised for that row
         ...
 """
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tether.shared.sampling import check_rule
 from tether.shared.speculative import _RESIDUAL_EPS, DraftTree, Verdict, draw_uniforms, target_probs
 
 
@@ -57,6 +58,7 @@ def accept(
     q_probs: Tensor | None = None,  # [B, T, K] float: its probabilities; None with q_ids = point masses
     uniforms: Tensor | None = None,  # [B, 2, T] float64, the `draw_uniforms` layout; None = drawn on the device
     *,
+    top_k: Tensor | None = None,  # [B] long; 0 = off; None = off for every row (keyword only: added last)
     sampled: bool = True,
 ) -> Acceptance:
     """The verdicts of B padded draft trees; see the module docstring.
@@ -83,7 +85,16 @@ def accept(
         if uniforms is None:
             uniforms = torch.rand(B, 2, T, dtype=torch.float64, device=dev)
         s_on_path, s_leaf, s_bonus, s_bad = _sampled(
-            logits, tokens, parents, real, torch.where(greedy, 1.0, temperature), top_p, q_ids, q_probs, uniforms
+            logits,
+            tokens,
+            parents,
+            real,
+            torch.where(greedy, 1.0, temperature),
+            top_p,
+            top_k,
+            q_ids,
+            q_probs,
+            uniforms,
         )
         on_path = torch.where(greedy[:, None], on_path, s_on_path)
         leaf = torch.where(greedy, leaf, s_leaf)
@@ -124,6 +135,7 @@ def _sampled(
     real: Tensor,
     temperature: Tensor,
     top_p: Tensor | None,
+    top_k: Tensor | None,
     q_ids: Tensor | None,
     q_probs: Tensor | None,
     uniforms: Tensor,
@@ -140,6 +152,8 @@ def _sampled(
     dev = logits.device
     if top_p is not None:
         top_p = top_p.to(dev, torch.float64, non_blocking=True)  # [B]
+    if top_k is not None:
+        top_k = top_k.to(dev, torch.long, non_blocking=True)  # [B]
     if q_ids is None:  # every node a deterministic pick: q = delta(token)
         q_ids, q_probs = tokens[..., None], torch.ones(B, T, 1, dtype=torch.float64, device=dev)
     q_ids = q_ids.to(dev, torch.long, non_blocking=True)  # [B, T, K]
@@ -151,7 +165,7 @@ def _sampled(
     rows = torch.arange(B, device=dev)
 
     def probs_at(j: int) -> Tensor:  # [B, V] node j's target distribution, every row's own settings
-        return target_probs(logits[:, j], temperature, 1.0 if top_p is None else top_p)
+        return target_probs(logits[:, j], temperature, 1.0 if top_p is None else top_p, 0 if top_k is None else top_k)
 
     p = probs_at(0)  # [B, V] the current distribution, residual-adjusted after rejections
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] the current node
@@ -191,12 +205,14 @@ def verify_rows(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
+    top_ks: Sequence[int] | None = None,
 ) -> list[Verdict | ValueError]:
-    """`verify` for every row at once: the same verdict, from the same logits rows and the same generators.
+    """`verify` for every row at once: the same verdict, from the same logits rows and the same generators
+    (top_ks None: top-k off for every row).
 
     Each sampled row draws `draw_uniforms(len(tree), generator)` on the CPU, in row order (rows may share one
     generator; it then advances exactly as B calls of `verify` in row order would). A row `verify` would raise
-    for (a token outside its q's support, a bad temperature or top_p) gets its ValueError in its slot; the
+    for (a token outside its q's support, a bad temperature, top_p or top_k) gets its ValueError in its slot; the
     other rows are unaffected. One host sync: the packed result's single copy to the host.
     """
     B = len(trees)
@@ -205,7 +221,7 @@ def verify_rows(
     if B == 0:
         return []
     T = logits.shape[1]
-    rows = _pad_rows(trees, T, temperatures, top_ps, generators)
+    rows = _pad_rows(trees, T, temperatures, top_ps, generators, top_ks)
     dev = logits.device
     moved = {k: None if v is None else v.to(dev, non_blocking=True) for k, v in rows.tensors().items()}
     result = accept(logits, **moved, sampled=rows.sampled)
@@ -255,6 +271,7 @@ class _Rows:
     sizes: Tensor  # [B] long
     temperature: Tensor  # [B] float64; 0 for greedy rows and for rows already failed
     top_p: Tensor | None  # [B] float64; None when no sampled row truncates
+    top_k: Tensor | None  # [B] long, 0 = off; None when no sampled row keeps only its top k
     q_ids: Tensor | None  # [B, T, K] long; None when no row is sampled
     q_probs: Tensor | None  # [B, T, K] float64
     uniforms: Tensor | None  # [B, 2, T] float64
@@ -262,7 +279,7 @@ class _Rows:
     errors: list[ValueError | None]  # per row, what `verify` raises before it draws anything
 
     def tensors(self) -> dict[str, Tensor | None]:
-        names = ("tokens", "parents", "sizes", "temperature", "top_p", "q_ids", "q_probs", "uniforms")
+        names = ("tokens", "parents", "sizes", "temperature", "top_p", "top_k", "q_ids", "q_probs", "uniforms")
         return {k: getattr(self, k) for k in names}
 
 
@@ -272,17 +289,23 @@ def _pad_rows(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
+    top_ks: Sequence[int] | None = None,
 ) -> _Rows:
     """Pad trees to T nodes and draw each sampled row's uniforms, in row order, on the CPU."""
     B = len(trees)
-    if not (len(temperatures) == len(top_ps) == len(generators) == B):
-        raise ValueError(f"need one temperature, top_p and generator per tree ({B})")
+    top_ks = [0] * B if top_ks is None else top_ks
+    if not (len(temperatures) == len(top_ps) == len(generators) == len(top_ks) == B):
+        raise ValueError(f"need one temperature, top_p, top_k and generator per tree ({B})")
     errors: list[ValueError | None] = [None] * B
     temps = [0.0] * B
-    for b, (t, tp) in enumerate(zip(temperatures, top_ps, strict=True)):
-        if t != 0 and (t < 0 or not 0 < tp <= 1):
-            errors[b] = ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {t}, {tp}")
-        elif t != 0:
+    for b, (t, tp, tk) in enumerate(zip(temperatures, top_ps, top_ks, strict=True)):
+        if t == 0:
+            continue
+        try:
+            check_rule(t, tp, tk)
+        except ValueError as e:
+            errors[b] = e
+        else:
             temps[b] = float(t)
     sampled = [b for b in range(B) if temps[b] > 0]
 
@@ -292,7 +315,7 @@ def _pad_rows(
     for b, tree in enumerate(trees):
         tokens[b, : len(tree)] = tree.tokens
         parents[b, : len(tree)] = tree.parents
-    q_ids = q_probs = uniforms = top_p = None
+    q_ids = q_probs = uniforms = top_p = top_k = None
     if sampled:
         K = max((trees[b].q_ids.shape[1] for b in sampled if trees[b].q_ids is not None), default=1)
         # Point masses by default (rows without q, padding nodes); zero-probability padding adds nothing.
@@ -310,5 +333,7 @@ def _pad_rows(
             uniforms[b, :, :n] = draw_uniforms(n, generators[b])
         if any(top_ps[b] < 1 for b in sampled):
             top_p = torch.tensor([float(top_ps[b]) if temps[b] > 0 else 1.0 for b in range(B)], dtype=torch.float64)
+        if any(top_ks[b] > 0 for b in sampled):
+            top_k = torch.tensor([int(top_ks[b]) if temps[b] > 0 else 0 for b in range(B)], dtype=torch.long)
     temperature = torch.tensor(temps, dtype=torch.float64)
-    return _Rows(tokens, parents, sizes, temperature, top_p, q_ids, q_probs, uniforms, bool(sampled), errors)
+    return _Rows(tokens, parents, sizes, temperature, top_p, top_k, q_ids, q_probs, uniforms, bool(sampled), errors)

@@ -1,15 +1,19 @@
-"""Token sampling: greedy, temperature and nucleus (top-p), the one place these are defined.
+"""Token sampling: greedy, temperature, top-k and nucleus (top-p), the one place these are defined.
 
-Contract: `probabilities_np(logits, temperature, top_p)` is the distribution a sampler draws from, on numpy (the
-edge's onnxruntime drafter uses it as is); with temperature 0 it is the one-hot argmax. `proposal(p, width)` is a
-drafted token's proposal: the `width` most probable tokens of p, renormalised, which both drafters draw from and
-send as q. `probabilities` and `sample_token` are the same rule for torch tensors (torch drafters, the model's
-own `generate`, the server's plain decoding): they compute it through `probabilities_np`, so the two ends cannot
-drift apart, and return to the tensor's device. The speculative verifier applies the same temperature and top-p
-rule to the target's logits in float64 on the device (tether.shared.speculative.target_probs), so lossless
-rejection sampling compares like with like. Importing this module does not import torch.
+Contract: `probabilities_np(logits, temperature, top_p, top_k)` is the distribution a sampler draws from, on numpy
+(the edge's onnxruntime drafter uses it as is); with temperature 0 it is the one-hot argmax. The rule, in order:
+divide by the temperature and softmax; keep the `top_k` most probable tokens (ties to the lower id; 0 or >= V keeps
+all) and renormalise; keep the smallest prefix of those, most probable first, whose mass reaches `top_p` (the first
+always survives) and renormalise. vLLM and transformers apply top-k before top-p in the same way (transformers
+keeps every token tied with the k-th; here exactly k survive). `proposal(p, width)` is a drafted token's proposal:
+the `width` most probable tokens of p, renormalised, which both drafters draw from and send as q. `probabilities`
+and `sample_token` are the same rule for torch tensors (torch drafters, the model's own `generate`, the server's
+plain decoding): they compute it through `probabilities_np`, so the two ends cannot drift apart, and return to the
+tensor's device. The speculative verifier applies the same rule to the target's logits in float64 on the device
+(tether.shared.speculative.target_probs), so lossless rejection sampling compares like with like. Importing this
+module does not import torch.
 
-    p = probabilities_np(logits_np[-1], temperature=0.8, top_p=0.95)
+    p = probabilities_np(logits_np[-1], temperature=0.8, top_p=0.95, top_k=40)
     tok = sample_token(logits[-1], temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(0))
 """
 
@@ -24,21 +28,31 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
-def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0) -> np.ndarray:
-    """logits [..., V] -> probabilities [..., V] in fp32 after temperature and top-p truncation."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+def check_rule(temperature: float, top_p: float, top_k: int = 0) -> None:
+    """ValueError unless temperature >= 0, 0 < top_p <= 1 and top_k >= 0 (what every caller of the rule needs)."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0, got {temperature}, {top_p}, {top_k}")
+
+
+def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """logits [..., V] -> probabilities [..., V] in fp32 after temperature, top-k and top-p truncation."""
+    check_rule(temperature, top_p, top_k)
     x = np.asarray(logits, dtype=np.float32)
     if temperature == 0:
         return (np.arange(x.shape[-1]) == x.argmax(-1)[..., None]).astype(np.float32)
     x = x / np.float32(temperature)
     p = np.exp(x - x.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    if top_p < 1:
+    cut_k = 0 < top_k < p.shape[-1]
+    if top_p < 1 or cut_k:
         order = np.argsort(-p, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(p, order, -1)
+        if cut_k:
+            sorted_p[..., top_k:] = 0
+            sorted_p /= sorted_p.sum(-1, keepdims=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-        sorted_p[(np.cumsum(sorted_p, -1) - sorted_p) >= top_p] = 0
+        if top_p < 1:
+            sorted_p[(np.cumsum(sorted_p, -1) - sorted_p) >= top_p] = 0
         p = np.zeros_like(p)
         np.put_along_axis(p, order, sorted_p, -1)
         p /= p.sum(-1, keepdims=True)
@@ -53,16 +67,21 @@ def proposal(p: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return top.astype(np.int64), q.astype(np.float32)
 
 
-def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0) -> Tensor:
+def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> Tensor:
     """probabilities_np for a tensor: logits [..., V] -> fp32 [..., V] on the logits' device."""
     import torch
 
-    p = probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p)
+    p = probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p, top_k)
     return torch.from_numpy(p).to(logits.device)
 
 
 def sample_token(
-    logits: Tensor, *, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
+    logits: Tensor,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
 ) -> int:
     """One token id from logits [V]."""
     import torch
@@ -70,5 +89,5 @@ def sample_token(
     if temperature == 0:
         return int(logits.argmax(-1))
     # Drawn on the CPU so a seeded CPU generator gives the same tokens whatever device the model is on.
-    p = torch.from_numpy(probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p))
+    p = torch.from_numpy(probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p, top_k))
     return int(torch.multinomial(p, 1, generator=generator))

@@ -35,7 +35,7 @@ what a float64 uniform resolves. Greedy draws nothing.
     tree = DraftTree.chain(root_token, draft_tokens, q_ids, q_probs)  # or expand_dynamic_tree(...)
     mask, pos = tree.ancestor_mask(), tree.positions(cache.length)
     out = target.verify(tree.tokens[None], cache, tree_mask=mask, positions=pos)
-    verdict = verify(tree, out.logits[0], temperature=0.8, top_p=0.95, generator=gen)
+    verdict = verify(tree, out.logits[0], temperature=0.8, top_p=0.95, top_k=40, generator=gen)
     cache.accept(verdict.path)  # commits the root and the accepted tokens
     emitted = verdict.emitted_tokens(tree)  # accepted tokens + bonus; the bonus is the next round's root
 """
@@ -53,6 +53,7 @@ from torch import Tensor
 
 from tether.shared.draft_trees import GrowingTree as GrowingTree  # re-exported: torch drafters' step callbacks take it
 from tether.shared.draft_trees import TreeDraft, expand_tree
+from tether.shared.sampling import check_rule
 
 # Below this much residual mass, rejection was a rounding artefact (p <= q everywhere means p == q), so the
 # residual is noise; the bonus is drawn from the distribution being matched instead.
@@ -240,30 +241,51 @@ def draw_uniforms(n: int, generator: torch.Generator | None = None) -> Tensor:
     return torch.rand(2, n, dtype=torch.float64, generator=generator)
 
 
-def target_probs(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor = 1.0) -> Tensor:
-    """logits [..., V] -> float64 probabilities [..., V] under temperature (> 0) and top-p, row by row.
+def target_probs(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor = 1.0,
+                 top_k: int | Tensor = 0) -> Tensor:  # fmt: skip
+    """logits [..., V] -> float64 probabilities [..., V] under temperature (> 0), top-k and top-p, row by row.
 
-    The rule is `sampling.probabilities`' (keep the smallest prefix of the sorted probabilities whose mass reaches
-    top_p, the first always survives, renormalise; top_p 1 keeps everything untouched), in float64 instead of
-    float32: the verifier compares these against float64 uniforms, and float32 rounding (which differs between
-    a CPU and a GPU) would flip a comparison about once in 10^7. temperature and top_p are floats, or tensors
-    of shape logits.shape[:-1] for a batch of rows with their own settings. Ties sort stably (lower token id
-    first), so every device truncates the same tokens.
+    The rule is `sampling.probabilities`' (keep the top_k most probable tokens, 0 keeping all, and renormalise;
+    then keep the smallest prefix of the sorted probabilities whose mass reaches top_p, the first always survives,
+    and renormalise; top_p 1 and top_k 0 keep everything untouched), in float64 instead of float32: the verifier
+    compares these against float64 uniforms, and float32 rounding (which differs between a CPU and a GPU) would
+    flip a comparison about once in 10^7. temperature, top_p and top_k are numbers, or tensors of shape
+    logits.shape[:-1] for a batch of rows with their own settings. Ties sort stably (lower token id first), so
+    every device truncates the same tokens.
     """
     logits = logits.double()
-    temperature = torch.as_tensor(temperature, dtype=torch.float64, device=logits.device)
+    V, dev = logits.shape[-1], logits.device
+    temperature = torch.as_tensor(temperature, dtype=torch.float64, device=dev)
     probs = (logits / temperature[..., None]).softmax(-1)  # [..., V]
-    per_row = isinstance(top_p, Tensor)
-    if not per_row and top_p >= 1:
+    per_row = isinstance(top_p, Tensor) or isinstance(top_k, Tensor)
+    if not per_row and top_p >= 1 and not 0 < top_k < V:
         return probs  # no truncation at all: skip the sort
-    cut = top_p.to(logits.device, torch.float64)[..., None] if per_row else top_p  # [..., 1] or a float
+    # Numbers stay numbers and tensors stay on the device: building a tensor from a number here would copy it to
+    # the device, which the batched verifier (shared/acceptance.py) must never wait for.
+    cut = top_p.to(dev, torch.float64)[..., None] if isinstance(top_p, Tensor) else top_p  # [..., 1] or a number
+    if isinstance(top_k, Tensor):
+        k = top_k.to(dev, torch.long)[..., None]
+        k = torch.where((k > 0) & (k < V), k, V)  # [..., 1]: the tokens top-k keeps, V where it is off
+    else:
+        k = top_k if 0 < top_k < V else V
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V] each
-    drop = (sorted_p.cumsum(-1) - sorted_p) >= cut
+    if isinstance(k, Tensor) or k < V:
+        cut_k = sorted_p.masked_fill(torch.arange(V, device=dev) >= k, 0.0)
+        cut_k = cut_k / cut_k.sum(-1, keepdim=True)
+        # Rows whose top-k is off keep their sorted probabilities bit for bit (top-p alone computes as before).
+        sorted_p = torch.where(k < V, cut_k, sorted_p) if isinstance(k, Tensor) else cut_k
+    # Only where top_p < 1: a cumsum that rounds up to 1 before the tail would otherwise drop its smallest tokens.
+    if isinstance(cut, Tensor):
+        drop = ((sorted_p.cumsum(-1) - sorted_p) >= cut) & (cut < 1)
+    else:
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= cut if cut < 1 else torch.zeros_like(sorted_p, dtype=torch.bool)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     kept = kept / kept.sum(-1, keepdim=True)
-    # A row with top_p 1 keeps its untruncated probabilities bit for bit, exactly as the float path returns them
-    # (a cumsum that rounds up to 1 before the tail would otherwise drop its smallest tokens).
-    return torch.where(cut < 1, kept, probs) if per_row else kept
+    if not per_row:
+        return kept
+    # A row that truncates nothing keeps its untruncated probabilities bit for bit, as the number path returns them.
+    truncates = (cut < 1) if isinstance(cut, Tensor) else torch.full_like(kept[..., :1], cut < 1, dtype=torch.bool)
+    return torch.where(truncates | (k < V), kept, probs)
 
 
 def verify(
@@ -272,6 +294,7 @@ def verify(
     *,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     generator: torch.Generator | None = None,
 ) -> Verdict:
     """Walk the tree from the root, accepting children the target agrees with; see the module docstring.
@@ -294,15 +317,14 @@ def verify(
                 return Verdict(path, best[cur])
             path.append(nxt)
 
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    check_rule(temperature, top_p, top_k)
     proposals = tree._proposals
     u_accept, u_bonus = draw_uniforms(len(tree), generator).tolist()  # [n] each
     while True:
         cur = path[-1]
         # Only rows on the walk are needed, so they are moved and truncated one at a time; numpy because these
         # vocab-sized steps are tiny and torch's per-op overhead would dominate them.
-        p = target_probs(target_logits[cur].cpu(), temperature, top_p).numpy()  # [V]
+        p = target_probs(target_logits[cur].cpu(), temperature, top_p, top_k).numpy()  # [V]
         for child in tree.children(cur):
             x = tokens[child]
             q = {x: 1.0} if proposals is None else proposals[child]

@@ -65,9 +65,9 @@ def open_msg(prompt, **kw):
     return pb.ClientMessage(open=pb.OpenSession(prompt=prompt, max_new_tokens=64, **kw))
 
 
-def run_session(stub, drafter, prompt, n, k=4, repeat_every=0, metadata=None):
+def run_session(stub, drafter, prompt, n, k=4, repeat_every=0, metadata=None, sampling=None):
     client = Client(stub, metadata)
-    opened = client.send(open_msg(prompt)).opened
+    opened = client.send(open_msg(prompt, sampling=sampling)).opened
     drafter.begin(to_delta(opened.delta))
     out, root, rnd = [opened.first_token], opened.first_token, 0
     while len(out) < n:
@@ -495,6 +495,21 @@ def test_generate_beside_other_streams_decodes_through_the_batcher(served):
     assert (
         count(service.metrics.batch_size.collect()[0].samples) - count(before) == 8
     )  # one round per token after the first
+
+
+def test_top_k_one_samples_the_argmax_in_sessions_and_generate(served):
+    """Sampling with top_k 1 keeps only the argmax, so sampled verification and sampled Generate are greedy decoding
+    whatever the temperature: top_k reaches the verifier's rule on both paths."""
+    target, drafter, _, stub = served
+    prompt = [1, 2, 3, 4, 5, 6]
+    sampling = pb.SamplingParams(temperature=1.7, top_k=1, seed=5)
+    out, *_ = run_session(stub, drafter, prompt, 20, sampling=sampling)
+    assert out == plain(target, prompt, len(out))
+    req = pb.OpenSession(prompt=prompt, max_new_tokens=12, model_fingerprint=FP, sampling=sampling)
+    assert [t for msg in stub.Generate(req) for t in msg.tokens] == plain(target, prompt, 12)
+    loose = pb.OpenSession(prompt=prompt, max_new_tokens=12, model_fingerprint=FP,
+                           sampling=pb.SamplingParams(temperature=1.7, seed=5))  # fmt: skip
+    assert [t for msg in stub.Generate(loose) for t in msg.tokens] != plain(target, prompt, 12)  # it does sample
 
 
 def test_json_logs_carry_session_ids(served, capsys):

@@ -15,7 +15,7 @@ from tether.shared.acceptance import _pad_rows, accept, verify_rows
 from tether.shared.speculative import DraftTree, Verdict, draw_uniforms, verify
 
 VOCAB = 37  # small (so drafts get accepted) and not a power of two
-KINDS = ["greedy_chain", "greedy_tree", "sampled_chain", "sampled_tree", "point_mass", "top_p"]
+KINDS = ["greedy_chain", "greedy_tree", "sampled_chain", "sampled_tree", "point_mass", "top_p", "top_k", "top_k_p"]
 
 
 # ---------------------------------------------------------------------------------------------- random cases
@@ -45,8 +45,8 @@ def sparse_q(rng: random.Random, token: int, k: int, K: int) -> tuple[list[int],
     return ids + pad, [pr / total for pr in probs] + [0.0] * (K - k)
 
 
-def random_case(rng: random.Random, kind: str) -> tuple[DraftTree, torch.Tensor, float, float]:
-    """One tree of `kind`, target logits [n, V] correlated with its drafts, temperature and top_p."""
+def random_case(rng: random.Random, kind: str) -> tuple[DraftTree, torch.Tensor, float, float, int]:
+    """One tree of `kind`, target logits [n, V] correlated with its drafts, temperature, top_p and top_k."""
     n = rng.randint(1, 10)
     chain = kind.endswith("chain")
     parents = random_parents(rng, n, chain)
@@ -58,7 +58,7 @@ def random_case(rng: random.Random, kind: str) -> tuple[DraftTree, torch.Tensor,
             for a, b in zip(sibs, sibs[1:], strict=False):
                 if rng.random() < 0.4:
                     tokens[b] = tokens[a]
-    elif kind in ("sampled_chain", "sampled_tree", "top_p"):
+    elif kind in ("sampled_chain", "sampled_tree", "top_p", "top_k", "top_k_p"):
         K = 6
         q_ids = [[tokens[0]] * K] + [[0] * K for _ in range(n - 1)]
         q_probs = [[1.0] + [0.0] * (K - 1)] + [[0.0] * K for _ in range(n - 1)]
@@ -92,9 +92,10 @@ def random_case(rng: random.Random, kind: str) -> tuple[DraftTree, torch.Tensor,
         if rng.random() < 0.6:
             logits[parents[i], tokens[i]] += rng.uniform(1.0, 6.0)
     if kind in ("greedy_chain", "greedy_tree"):
-        return tree, logits, 0.0, 1.0
+        return tree, logits, 0.0, 1.0, 0
     temperature = rng.choice([0.3, 0.7, 1.0, 1.6])
-    return tree, logits, temperature, (rng.choice([0.3, 0.6, 0.9, 0.97]) if kind == "top_p" else 1.0)
+    top_p = rng.choice([0.3, 0.6, 0.9, 0.97]) if kind in ("top_p", "top_k_p") else 1.0
+    return tree, logits, temperature, top_p, (rng.choice([1, 3, 8, 20]) if kind in ("top_k", "top_k_p") else 0)
 
 
 def random_batch(seed: int, kinds: list[str], dtype=torch.float32):
@@ -105,16 +106,24 @@ def random_batch(seed: int, kinds: list[str], dtype=torch.float32):
     logits = 8 * torch.randn(len(cases), T, VOCAB, generator=torch.Generator().manual_seed(seed))  # [B, T, V]
     for b, (tree, row, *_) in enumerate(cases):
         logits[b, : len(tree)] = row
-    trees, _, temps, top_ps = zip(*cases, strict=True)
-    return list(trees), logits.to(dtype), list(temps), list(top_ps)
+    trees, _, temps, top_ps, top_ks = zip(*cases, strict=True)
+    return list(trees), logits.to(dtype), list(temps), list(top_ps), list(top_ks)
 
 
-def reference(trees, logits, temps, top_ps, generators) -> list:
+def reference(trees, logits, temps, top_ps, generators, top_ks=None) -> list:
+    top_ks = top_ks or [0] * len(trees)
     out = []
     for b, tree in enumerate(trees):
         try:
             out.append(
-                verify(tree, logits[b, : len(tree)], temperature=temps[b], top_p=top_ps[b], generator=generators[b])
+                verify(
+                    tree,
+                    logits[b, : len(tree)],
+                    temperature=temps[b],
+                    top_p=top_ps[b],
+                    top_k=top_ks[b],
+                    generator=generators[b],
+                )
             )
         except ValueError as e:
             out.append(e)
@@ -138,10 +147,10 @@ def check_batches(kinds: list[str], seeds: range, device: str = "cpu", dtype=tor
     """verify_rows equals verify on every row of every seed's batch, generators left in the same state."""
     seen = []
     for seed in seeds:
-        trees, logits, temps, top_ps = random_batch(seed, kinds, dtype)
+        trees, logits, temps, top_ps, top_ks = random_batch(seed, kinds, dtype)
         want_gens, got_gens = seeded(seed, len(trees)), seeded(seed, len(trees))
-        want = reference(trees, logits, temps, top_ps, want_gens)
-        got = verify_rows(trees, logits.to(device), temps, top_ps, got_gens)
+        want = reference(trees, logits, temps, top_ps, want_gens, top_ks)
+        got = verify_rows(trees, logits.to(device), temps, top_ps, got_gens, top_ks)
         assert_same(got, want)
         for gw, gg in zip(want_gens, got_gens, strict=True):  # the same number of uniforms consumed
             assert torch.equal(gw.get_state(), gg.get_state())
@@ -177,10 +186,10 @@ def test_verify_rows_bf16_logits():
 def test_shared_generator_advances_as_sequential_verify():
     """Rows sharing one generator: each draws its uniforms in row order, exactly as B calls of verify would."""
     for seed in range(30):
-        trees, logits, temps, top_ps = random_batch(seed, KINDS)
+        trees, logits, temps, top_ps, top_ks = random_batch(seed, KINDS)
         g_want, g_got = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        want = reference(trees, logits, temps, top_ps, [g_want] * len(trees))
-        assert_same(verify_rows(trees, logits, temps, top_ps, [g_got] * len(trees)), want)
+        want = reference(trees, logits, temps, top_ps, [g_want] * len(trees), top_ks)
+        assert_same(verify_rows(trees, logits, temps, top_ps, [g_got] * len(trees), top_ks), want)
         assert torch.equal(g_want.get_state(), g_got.get_state())
 
 
@@ -253,7 +262,7 @@ def test_rounding_residual_keeps_p(monkeypatch):
 
 
 def test_token_outside_support_fails_only_its_row():
-    trees, logits, temps, top_ps = random_batch(7, ["sampled_tree", "greedy_tree", "point_mass"])
+    trees, logits, temps, top_ps, _ = random_batch(7, ["sampled_tree", "greedy_tree", "point_mass"])
     outside = DraftTree.chain(ROOT, [4], torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))
     bad_top_p = DraftTree.chain(ROOT, [3])
     trees = trees[:2] + [outside] + trees[2:] + [bad_top_p]
@@ -334,17 +343,17 @@ def first_token_counts(name: str, uniforms_fn=None) -> tuple[torch.Tensor, torch
     """N trials in one batch: draw a tree by weight, verify all at once, count the first emitted token.
     uniforms_fn, if given, rewrites the uniforms before `accept` sees them. Returns (counts [V], p [V])."""
     logits, p, trees, weights = sibling_trees(name)
-    temperature, top_p = SETUPS[name]["temperature"], SETUPS[name]["top_p"]
+    temperature, top_p, top_k = (SETUPS[name][k] for k in ("temperature", "top_p", "top_k"))
     g = torch.Generator().manual_seed(0)
     batch = [trees[d] for d in torch.multinomial(weights, N, replacement=True, generator=g).tolist()]
     rows = logits[None, None].expand(N, 5, V)  # a context-independent target: every row is `logits`
-    temps, top_ps = [temperature] * N, [top_p] * N
+    temps, top_ps, top_ks = [temperature] * N, [top_p] * N, [top_k] * N
     if uniforms_fn is None:
-        verdicts = verify_rows(batch, rows, temps, top_ps, [g] * N)
+        verdicts = verify_rows(batch, rows, temps, top_ps, [g] * N, top_ks)
         assert sum(v.accepted > 0 for v in verdicts) > N / 10  # acceptance is partial, not all or nothing
         assert sum(v.accepted == 0 for v in verdicts) > N / 10
     else:
-        padded = _pad_rows(batch, 5, temps, top_ps, [g] * N)
+        padded = _pad_rows(batch, 5, temps, top_ps, [g] * N, top_ks)
         res = accept(rows, **(padded.tensors() | {"uniforms": uniforms_fn(padded.uniforms)}))
         bonus = res.bonus.tolist()
         verdicts = [
@@ -386,8 +395,8 @@ def test_cuda_equals_verify_without_host_sync():
     check_batches(KINDS, range(100), device="cuda")
     check_batches(KINDS, range(20), device="cuda", dtype=torch.bfloat16)
     # accept itself never waits for the device: any synchronising call raises in this mode.
-    trees, logits, temps, top_ps = random_batch(3, KINDS)
-    rows = _pad_rows(trees, logits.shape[1], temps, top_ps, seeded(3, len(trees)))
+    trees, logits, temps, top_ps, top_ks = random_batch(3, KINDS)
+    rows = _pad_rows(trees, logits.shape[1], temps, top_ps, seeded(3, len(trees)), top_ks)
     moved = {k: None if v is None else v.cuda() for k, v in rows.tensors().items()}
     logits = logits.cuda()
     torch.cuda.synchronize()

@@ -204,28 +204,31 @@ def assert_matches(counts: torch.Tensor, p: torch.Tensor) -> None:
     assert chi2 < df + 6 * math.sqrt(2 * df), f"chi-square {chi2:.1f} with {df} degrees of freedom"
 
 
-def target_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    return probabilities(logits, temperature, top_p).double()
+def target_p(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    return probabilities(logits, temperature, top_p, top_k).double()
 
 
 SETUPS = {
     # Random target logits; the drafter's top-3 support is the target's three LEAST likely tokens, weighted
     # against the target, so most draft tokens get rejected and most of p lies outside q's support.
-    "t1": dict(seed=3, temperature=1.0, top_p=1.0),
+    "t1": dict(seed=3, temperature=1.0, top_p=1.0, top_k=0),
     # Top-p leaves some tokens at p = 0; the drafter proposes some of those.
-    "t0.7-p0.8": dict(seed=1, temperature=0.7, top_p=0.8),
+    "t0.7-p0.8": dict(seed=1, temperature=0.7, top_p=0.8, top_k=0),
+    # Top-k alone, and top-k then top-p: more tokens at p = 0, cut by rank rather than by mass.
+    "t1.5-k4": dict(seed=5, temperature=1.5, top_p=1.0, top_k=4),
+    "t1.3-k5-p0.95": dict(seed=2, temperature=1.3, top_p=0.95, top_k=5),
 }
 
 
-def make_setup(seed: int, temperature: float, top_p: float):
+def make_setup(seed: int, temperature: float, top_p: float, top_k: int):
     logits = 1.5 * torch.randn(V, generator=torch.Generator().manual_seed(seed))  # [V]
-    p = target_p(logits, temperature, top_p)
+    p = target_p(logits, temperature, top_p, top_k)
     q_ids = logits.argsort()[:3]  # [3] the least likely first
     q_probs = torch.tensor([0.6, 0.3, 0.1])  # [3]
     return logits, p, q_ids, q_probs
 
 
-def first_token_counts(sampler, logits, q_ids, q_probs, temperature, top_p, seed=0) -> torch.Tensor:
+def first_token_counts(sampler, logits, q_ids, q_probs, temperature, top_p, top_k=0, seed=0) -> torch.Tensor:
     """Draft one token from q, let `sampler` verify it, count the first emitted token over N trials."""
     g = torch.Generator().manual_seed(seed)
     draws = torch.multinomial(q_probs, N, replacement=True, generator=g).tolist()
@@ -234,7 +237,7 @@ def first_token_counts(sampler, logits, q_ids, q_probs, temperature, top_p, seed
     rows = logits[None].expand(2, V)  # [2, V] row 1 (after the draft token) never decides the first token
     counts = [0] * V  # a list: indexing a tensor would cost more than the verification
     for d in draws:
-        verdict = sampler(trees[d], rows, temperature=temperature, top_p=top_p, generator=g)
+        verdict = sampler(trees[d], rows, temperature=temperature, top_p=top_p, top_k=top_k, generator=g)
         counts[support[d] if verdict.accepted else verdict.bonus] += 1
     return torch.tensor(counts)
 
@@ -251,7 +254,7 @@ def wrong_sampler(mistake: str, p: torch.Tensor, q_ids: torch.Tensor, q_probs: t
     cdf = bonus_law.cumsum(0)
     p_list, q_list = p.tolist(), q.tolist()
 
-    def sampler(tree, logits, *, temperature, top_p, generator):
+    def sampler(tree, logits, *, temperature, top_p, top_k, generator):
         x = int(tree.tokens[1])
         u, v = torch.rand(2, dtype=torch.float64, generator=generator).tolist()
         accept_prob = p_list[x] if mistake == "accept_with_p" else p_list[x] / q_list[x]
@@ -270,9 +273,9 @@ def test_rejection_sampling_is_lossless_chain(name):
     outside = torch.ones(V, dtype=torch.bool)
     outside[q_ids] = False
     assert float(p[outside].sum()) > 0.5
-    if cfg["top_p"] < 1:
+    if cfg["top_p"] < 1 or cfg["top_k"]:
         assert float(p[q_ids].min()) == 0
-    counts = first_token_counts(verify, logits, q_ids, q_probs, cfg["temperature"], cfg["top_p"])
+    counts = first_token_counts(verify, logits, q_ids, q_probs, cfg["temperature"], cfg["top_p"], cfg["top_k"])
     assert_matches(counts, p)
 
 

@@ -25,6 +25,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_STREAM_IDLE: _ClassVar[ErrorReason]
     REASON_INTERNAL: _ClassVar[ErrorReason]
     REASON_SESSION_FULL: _ClassVar[ErrorReason]
+    REASON_NO_DRAFTER: _ClassVar[ErrorReason]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,7 @@ REASON_TOO_LONG: ErrorReason
 REASON_STREAM_IDLE: ErrorReason
 REASON_INTERNAL: ErrorReason
 REASON_SESSION_FULL: ErrorReason
+REASON_NO_DRAFTER: ErrorReason
 CODEC_RAW: Codec
 CODEC_FP16_SHUFFLE_ZSTD: Codec
 CODEC_INT8_ZSTD: Codec
@@ -75,7 +77,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats")
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,8 @@ class ModelInfo(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PART_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     model_config_json: str
@@ -102,7 +106,9 @@ class ModelInfo(_message.Message):
     max_draft_tokens: int
     max_message_bytes: int
     client_part_formats: _containers.RepeatedScalarFieldContainer[ClientPartFormat]
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ...) -> None: ...
+    server_only: bool
+    chat_format_json: str
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
@@ -165,14 +171,16 @@ class TensorChunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed")
+    __slots__ = ("temperature", "top_p", "seed", "top_k")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")

@@ -1,0 +1,97 @@
+"""The server's OpenAI-compatible HTTP API: the target answers /v1/completions and /v1/chat/completions itself.
+
+Contract:
+- `ServiceBackend(service, model_id)` is tether.shared.openai_app's Backend over a TetherService: a request's
+  prompt and sampling go through the service's own checks and its server-only decoding
+  (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share the paged KV pool, the model
+  threads and the batcher with every gRPC Session and Generate stream, and are batched with them. The service's
+  refusals map onto HTTP: REASON_INVALID_REQUEST 400, REASON_TOO_LONG 400 (context_length_exceeded),
+  REASON_CAPACITY 503 with Retry-After. `outstanding` counts generations whose KV has not been given back yet;
+  `wait_released(timeout)` waits until there are none (tests, shutdown).
+- `start_http(service, model_id, config)` serves the API on the gRPC server's event loop
+  (tether.server.rpc_server.event_loop: uvicorn runs there as a task, so one loop routes both protocols and the
+  model work stays on the service's threads) and returns the running server and its port.
+
+Why the same loop: handlers on both sides only route (decode() awaits futures of the service's model threads and
+batcher); one loop means the service's state (its generation count, the session table's claims) is touched from
+one thread, as tether.server.service assumes.
+
+    server, port = start_http(service, "tether-default", HttpConfig(port=8000))
+    ...
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+
+from tether.server.errors import Reason, RequestError
+from tether.server.rpc_server import event_loop
+from tether.server.service import TetherService
+from tether.shared.openai_api import ApiError, ErrorKind, Sampling
+from tether.v1 import tether_pb2 as pb
+
+# The service's refusals as HTTP errors; anything else it raises for a request is a server bug (500).
+KINDS = {
+    Reason.REASON_INVALID_REQUEST: ErrorKind.INVALID_REQUEST,
+    Reason.REASON_TOO_LONG: ErrorKind.CONTEXT_LENGTH,
+    Reason.REASON_CAPACITY: ErrorKind.OVERLOADED,
+}
+
+
+def api_error(e: RequestError) -> ApiError:
+    kind = KINDS.get(e.reason, ErrorKind.INTERNAL)
+    return ApiError(kind, e.message if kind is not ErrorKind.INTERNAL else "internal server error",
+                    retry_after_s=e.retry_after_s)  # fmt: skip
+
+
+class ServiceBackend:
+    """An OpenAIApp backend decoding on a TetherService (see the module docstring)."""
+
+    def __init__(self, service: TetherService, model_id: str):
+        self.service, self.model_id = service, model_id
+        self.chat = service.chat_format
+        self.max_context = service.target.cfg.max_seq_len
+        self.max_prompt_tokens = service.config.max_prompt_tokens
+        self.max_new_tokens = service.config.max_new_tokens
+        self.outstanding = 0  # generations whose KV is still held (any thread)
+        self._released = threading.Condition()
+
+    async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[list[int]]:
+        params = pb.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                   seed=sampling.seed)  # fmt: skip
+        try:
+            ids = self.service.check_generation(prompt, params)
+        except RequestError as e:
+            raise api_error(e) from None
+        with self._released:
+            self.outstanding += 1
+        chunks = self.service.decode(ids, params, max_tokens, released=self._release)
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        except RequestError as e:
+            raise api_error(e) from None
+
+    def _release(self) -> None:
+        with self._released:
+            self.outstanding -= 1
+            self._released.notify_all()
+
+    def wait_released(self, timeout: float) -> bool:
+        """True once every generation's KV has been given back (False if that takes over `timeout` seconds)."""
+        with self._released:
+            return self._released.wait_for(lambda: self.outstanding == 0, timeout)
+
+
+def start_http(service: TetherService, model_id: str, config):
+    """Serve the OpenAI-compatible API for `service` on the gRPC event loop: (HttpServer, bound port). `config` is
+    a tether.shared.openai_app.HttpConfig."""
+    from tether.shared.openai_app import HttpServer, OpenAIApp
+
+    app = OpenAIApp(ServiceBackend(service, model_id), config)
+    server = HttpServer(app, config)
+    return server, server.start(event_loop())

@@ -1,0 +1,118 @@
+"""Server-only decoding: the target decodes a prompt alone, for the Generate RPC and for the OpenAI-compatible HTTP
+API (tether.server.http_api), through one loop.
+
+Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
+- `check_generation(prompt, sampling)` checks a prompt (ids in the vocabulary, not empty, within
+  max_prompt_tokens and the KV pool) and sampling values before anything is allocated: RequestError otherwise.
+- `decode(prompt, sampling, max_new_tokens, released=None)` is an async generator of token chunks: the first token
+  alone right after the prefill, then the rest as they are decided, at most max_new_tokens (0: the server's limit)
+  and never past the model's context. It stops only at that length (EOS is the caller's business). A stream alone
+  decodes 16 chained steps per replay (tether.server.verifier.DECODE_CHUNK); while others decode, each stream's next
+  token is a round of the batcher (tether.server.batcher), verified in one step with every other stream's and every
+  Session's rounds. Its KV lives in the paged pool, lent by the session table (tether.server.sessions) and given
+  back however the generator ends: closed by its consumer (a client went away) it gives the KV back at once, or
+  when the step in flight on a model thread ends; `released` is called then. A full pool raises
+  RequestError(REASON_CAPACITY) with retry advice.
+- `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens.
+
+The mixin runs on the service's event loop and uses its table, threads, batcher, checks and metrics.
+
+    async with contextlib.aclosing(service.decode(prompt, pb.SamplingParams(), 64)) as chunks:
+        async for tokens in chunks:
+            ...
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import torch
+
+from tether.server.errors import Reason, RequestError
+from tether.server.kv_pool import PoolExhausted
+from tether.server.validation import check_sampling, invalid
+from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
+from tether.shared.speculative import DraftTree
+from tether.v1 import tether_pb2 as pb
+
+POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
+
+
+class PlainDecoding:
+    """Generate and the HTTP API's decoding, over TetherService's state (see the module docstring)."""
+
+    _generating: int  # server-only generations decoding now (event loop only; TetherService starts it at 0)
+
+    def check_generation(self, prompt: Sequence[int], sampling: pb.SamplingParams) -> list[int]:
+        """A server-only generation's prompt and sampling, checked before anything is allocated (Generate and the
+        HTTP API): the prompt as a list, or a RequestError (INVALID_REQUEST, TOO_LONG)."""
+        ids = self.check.tokens(prompt, "prompt", self.config.max_prompt_tokens)
+        if not ids:
+            raise invalid("empty prompt")
+        check_sampling(sampling)
+        self.check.fits_pool(len(ids), "prompt")
+        return ids
+
+    async def Generate(self, request: pb.OpenSession, context) -> AsyncIterator[pb.GeneratedTokens]:
+        """Plain decoding on the server, streamed token by token (the baseline tether's drafting competes with)."""
+        try:
+            self.check.fingerprint(request.model_fingerprint)
+            prompt = self.check_generation(request.prompt, request.sampling)
+        except RequestError as e:
+            await self._abort(context, e, "generate")
+        try:
+            async with contextlib.aclosing(self.decode(prompt, request.sampling, request.max_new_tokens)) as chunks:
+                async for chunk in chunks:
+                    self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(chunk))
+                    yield pb.GeneratedTokens(tokens=chunk)
+        except RequestError as e:
+            await self._abort(context, e, "generate")
+
+    async def decode(self, prompt: list[int], sampling: pb.SamplingParams, max_new_tokens: int = 0, *,
+                     released: Callable[[], None] | None = None) -> AsyncIterator[list[int]]:  # fmt: skip
+        """Server-only decoding of a checked prompt (`check_generation`): the target's tokens in chunks as they are
+        decided, the first one alone right after the prefill; `max_new_tokens` (0: the server's limit) at most, EOS
+        included (the caller stops where it wants). RequestError(REASON_CAPACITY) when the KV pool is full.
+        Closing the generator ends the generation at once; its KV goes back when the step in flight (if any) has
+        finished, and then `released` is called (on whichever thread that is)."""
+        n = min(self._max_new(max_new_tokens), self.target.cfg.max_seq_len - len(prompt))
+        generator = torch.Generator().manual_seed(sampling.seed)
+        # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
+        cache = self.table.lend(len(prompt) + n)
+        ver = SequenceVerifier(self.target, None, capacity=cache.capacity, temperature=sampling.temperature,
+                               top_p=sampling.top_p or 1.0, top_k=sampling.top_k, generator=generator,
+                               cache=cache)  # fmt: skip
+
+        def give_back(_=None) -> None:
+            self.table.give_back(cache)
+            if released is not None:
+                released()
+
+        # A stream alone decodes 16 chained steps per replay; with others, each stream's next token is a round of the
+        # batcher, verified in one step with every other stream's and every Session's rounds.
+        self._generating += 1  # handlers all run on the one event loop: no lock
+        work: concurrent.futures.Future | None = None
+        try:
+            work = self.executor.submit(ver.open, prompt)
+            token, _ = await self._wait(work)
+            yield [token]
+            left = n - 1
+            while left > 0 and ver.room > 0:
+                if self._generating == 1:
+                    work = self.executor.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
+                    chunk = await self._wait(work)
+                else:
+                    work = self.batcher.submit(ver, DraftTree.chain(token, []))
+                    chunk = [(await self._wait(work))[0].bonus]
+                token, left = chunk[-1], left - len(chunk)
+                yield chunk
+        except PoolExhausted:
+            raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S) from None
+        finally:
+            self._generating -= 1
+            if work is None or work.done():
+                give_back()
+            else:  # still running on a thread: the cache goes back when it is done with it
+                work.add_done_callback(give_back)

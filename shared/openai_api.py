@@ -1,0 +1,366 @@
+"""The OpenAI-compatible API's protocol, without a web framework or a model: requests checked into frozen values,
+errors in OpenAI's shape, token ids turned into text with stop strings, and the response and SSE chunk bodies.
+
+Contract:
+- `parse_completion(body)` / `parse_chat(body)` take the decoded JSON body of POST /v1/completions and
+  /v1/chat/completions and return a `GenerationRequest`, or raise `ApiError` (400, `param` naming the field) for
+  anything malformed: a wrong type (a bool is not a number), a value out of range, a field OpenAI does not have,
+  or one tether does not implement at other than its neutral value (n > 1, logprobs, penalties, tools, echo ...),
+  so nothing is silently ignored. Supported: model, prompt (a string, a token-id list, or a list of one of
+  either) / messages, max_tokens (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (0 or -1: off),
+  seed, stop (a string or up to 16), stream, stream_options.include_usage, n = 1, user, and vLLM's ignore_eos
+  (generate through end-of-text: benchmarks).
+- `ApiError(kind, message, param, retry_after_s)`: `ErrorKind` fixes the HTTP status, OpenAI's error type and
+  code; `body()` is {"error": {"message", "type", "param", "code"}}; `headers()` carries Retry-After.
+- `TextStream(tokenizer, stop, stop_ids, hidden_ids)`: `push(token)` returns the text that may be shown now (a
+  character split across tokens waits until whole; text that could be the start of a stop string waits until it
+  is known not to be). A stop id (end of text) or a stop string ends it with finish_reason "stop"; the text
+  returned ends before the stop string; hidden ids (special tokens) add no text. `flush()` gives what was held.
+- `completion_body`, `chat_body`, `completion_chunk`, `chat_chunk`, `usage` build the JSON bodies; `sse(obj)` and
+  `SSE_DONE` frame a stream.
+
+Torch- and gRPC-free: the server's HTTP API (tether.server.http_api) and an edge endpoint use it alike.
+
+    req = parse_chat(json.loads(body))
+    text = TextStream(tokenizer, req.stop, stop_ids=fmt.stop_ids)
+    for token in tokens:
+        piece = text.push(token)
+        if text.finish_reason:
+            break
+"""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import json
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tether.shared.tokenizer import Tokenizer
+
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_MESSAGES = 4096  # chat messages per request
+SEED_RANGE = (-(1 << 63), 1 << 64)  # accepted seeds; negative ones are taken modulo 2^64
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+                 "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                 "ignore_eos"}  # fmt: skip
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                               "tool_choice", "parallel_tool_calls"}  # fmt: skip
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class ErrorKind(enum.Enum):
+    """Each refusal's HTTP status, OpenAI error type and code (the value's order)."""
+
+    INVALID_REQUEST = (400, "invalid_request_error", "invalid_request")
+    CONTEXT_LENGTH = (400, "invalid_request_error", "context_length_exceeded")
+    UNAUTHENTICATED = (401, "authentication_error", "invalid_api_key")
+    NOT_FOUND = (404, "invalid_request_error", "not_found")
+    MODEL_NOT_FOUND = (404, "invalid_request_error", "model_not_found")
+    METHOD_NOT_ALLOWED = (405, "invalid_request_error", "method_not_allowed")
+    TOO_LARGE = (413, "invalid_request_error", "request_too_large")
+    RATE_LIMITED = (429, "rate_limit_error", "rate_limit_exceeded")
+    INTERNAL = (500, "server_error", "internal_error")
+    OVERLOADED = (503, "server_error", "overloaded")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+
+class ApiError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, retry_after_s: float = 0.0):
+        super().__init__(message)
+        self.kind, self.message, self.param, self.retry_after_s = kind, message, param, retry_after_s
+
+    def body(self) -> dict:
+        _, kind, code = self.kind.value
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.retry_after_s > 0 else {}
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(ErrorKind.INVALID_REQUEST, message, param)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0: greedy (OpenAI's default is 1)
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # keep the k most probable tokens; 0: off
+    seed: int = 0  # in [0, 2^64); drawn at random when the request gives none
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    chat: bool  # /v1/chat/completions (messages) or /v1/completions (prompt)
+    model: str | None  # the model named; None: the one served
+    prompt: str | tuple[int, ...] | None  # completions: text, or token ids
+    messages: tuple[dict, ...] | None  # chat: {"role", "content"} with content as one string
+    max_tokens: int | None  # None: the endpoint's default
+    sampling: Sampling
+    stop: tuple[str, ...]  # stop strings, matched on the decoded text
+    stream: bool  # server-sent events
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    ignore_eos: bool = False  # vLLM's extension: end-of-text does not end the generation (benchmarks)
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    f = _Fields(body, COMPLETION_FIELDS)
+    for name, neutral in (("echo", (False,)), ("best_of", (1,)), ("suffix", ("",)), ("logprobs", (0, False))):
+        f.neutral(name, neutral)
+    prompt = f.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if not all(t >= 0 for t in prompt):
+            raise invalid("prompt token ids must be non-negative", "prompt")
+        prompt = tuple(prompt)
+    elif isinstance(prompt, list):
+        raise invalid("one prompt per request: a string or a list of token ids", "prompt")
+    elif not isinstance(prompt, str):
+        raise invalid("prompt is required: a string or a list of token ids", "prompt")
+    return _request(f, chat=False, prompt=prompt, messages=None, max_tokens=f.integer("max_tokens", 1))
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    f = _Fields(body, CHAT_FIELDS)
+    for name, neutral in (("logprobs", (False,)), ("top_logprobs", (0,)), ("tools", ([],)),
+                          ("tool_choice", ("none", "auto"))):  # fmt: skip
+        f.neutral(name, neutral)
+    if f.get("response_format") not in (None, {"type": "text"}):
+        raise invalid('response_format: only {"type": "text"} is supported', "response_format")
+    f.typed("parallel_tool_calls", bool)
+    messages = f.get("messages")
+    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
+        raise invalid(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")
+    checked = tuple(_message(m, i) for i, m in enumerate(messages))
+    limit = f.integer("max_completion_tokens", 1)
+    return _request(f, chat=True, prompt=None, messages=checked, max_tokens=limit or f.integer("max_tokens", 1))
+
+
+def _message(m: Any, i: int) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
+        raise invalid(f"{param} needs a role, one of {', '.join(sorted(ROLES))}", f"{param}.role")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text ones, joined as vLLM joins them
+        if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):  # fmt: skip
+            raise invalid(f"{param}.content: only text parts are supported", f"{param}.content")
+        content = "\n".join(p["text"] for p in content)
+    if content is None and m["role"] == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise invalid(f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    extra = set(m) - {"role", "content", "name"}
+    if extra:
+        raise invalid(f"{param}: unsupported field {sorted(extra)[0]!r} (tool calls are not supported)", param)
+    if "name" in m and not isinstance(m["name"], str):
+        raise invalid(f"{param}.name must be a string", f"{param}.name")
+    return {"role": m["role"], "content": content} | ({"name": m["name"]} if "name" in m else {})
+
+
+def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None) -> GenerationRequest:
+    model = f.typed("model", str)
+    f.neutral("n", (1,))
+    f.neutral("presence_penalty", (0,))
+    f.neutral("frequency_penalty", (0,))
+    f.neutral("logit_bias", ({},))
+    f.typed("user", str)
+    temperature = f.number("temperature", 0.0, 2.0)
+    top_p = f.number("top_p", 0.0, 1.0)
+    if top_p == 0:
+        raise invalid("top_p must be in (0, 1]", "top_p")
+    top_k = f.integer("top_k", -1)
+    seed = f.integer("seed", SEED_RANGE[0], SEED_RANGE[1] - 1)
+    stream = bool(f.typed("stream", bool))
+    options = f.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, Mapping) or set(options) - {"include_usage"}):
+        raise invalid('stream_options is {"include_usage": bool}, and only with stream', "stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage must be a boolean", "stream_options")
+    stop = f.get("stop")
+    stop = (stop,) if isinstance(stop, str) else stop
+    if stop is None:
+        stop = ()
+    if (
+        not isinstance(stop, list | tuple)
+        or len(stop) > MAX_STOP
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+    ):
+        raise invalid(f"stop must be a string or a list of up to {MAX_STOP} non-empty strings", "stop")
+    sampling = Sampling(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=max(top_k or 0, 0),
+        seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
+    )
+    ignore_eos = bool(f.typed("ignore_eos", bool))
+    return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage,
+                             ignore_eos)  # fmt: skip
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Fields:
+    """A request body's fields, each read once with its type and range checked; unknown names refused up front."""
+
+    def __init__(self, body: Any, allowed: set[str]):
+        if not isinstance(body, Mapping):
+            raise invalid("the request body must be a JSON object")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise invalid(f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def typed(self, name: str, kind: type) -> Any:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise invalid(f"{name} must be a {kind.__name__}", name)
+        return value
+
+    def number(self, name: str, low: float, high: float) -> float | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            raise invalid(f"{name} must be a number in [{low:g}, {high:g}]", name)
+        return float(value)
+
+    def integer(self, name: str, low: int, high: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if not _is_int(value) or value < low or (high is not None and value > high):
+            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise invalid(f"{name} must be an integer {bound}", name)
+        return value
+
+    def neutral(self, name: str, allowed: Sequence[Any]) -> None:
+        """A field tether does not implement: accepted only absent, null or at a value that changes nothing."""
+        value = self.body.get(name)
+        if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
+            raise invalid(f"{name} is not supported (only {json.dumps(allowed[0])})", name)
+
+
+class TextStream:
+    """Generated token ids -> the text to show, with stop ids and stop strings; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, stop_ids: frozenset[int] = frozenset(),
+                 hidden_ids: frozenset[int] = frozenset()):  # fmt: skip
+        self.tokenizer, self.stop, self.stop_ids = tokenizer, tuple(stop), stop_ids
+        self.hidden_ids = hidden_ids | stop_ids
+        self.tokens = 0  # tokens consumed, the one that stopped it included
+        self.finish_reason: str | None = None  # "stop" once a stop id or string was met
+        self._held = ""  # decoded text that may be the start of a stop string
+        try:
+            tokenizer.decode_bytes([])
+            self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._ids: list[int] | None = None
+        except ValueError:  # not byte-level (a SentencePiece tokenizer): decode the whole text each time
+            self._decoder, self._ids, self._shown = None, [], ""
+
+    def push(self, token: int) -> str:
+        if self.finish_reason is not None:
+            raise ValueError("the stream has finished")
+        self.tokens += 1
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return self._release(self._held)
+        return "" if token in self.hidden_ids else self._cut(self._decode(token))
+
+    def flush(self) -> str:
+        """The text held back, once no more tokens come (the generation reached its length)."""
+        if self.finish_reason is not None:
+            return ""
+        tail = self._decoder.decode(b"", final=True) if self._decoder is not None else self._decode_all(final=True)
+        return self._release(self._cut(tail) + self._held)
+
+    def _release(self, text: str) -> str:
+        self._held = ""
+        return text
+
+    def _decode(self, token: int) -> str:
+        if self._decoder is not None:
+            return self._decoder.decode(self.tokenizer.decode_bytes([token]))
+        self._ids.append(token)
+        return self._decode_all(final=False)
+
+    def _decode_all(self, *, final: bool) -> str:
+        text = self.tokenizer.decode(self._ids)
+        if not final and text.endswith("\ufffd"):  # a character still incomplete
+            return ""
+        new, self._shown = text[len(self._shown) :], text
+        return new
+
+    def _cut(self, piece: str) -> str:
+        """Add `piece` to the held text; return what is known not to be, or to precede, a stop string."""
+        text = self._held + piece
+        if not self.stop:
+            return self._release(text)
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.finish_reason = "stop"
+            return self._release(text[: min(found)])
+        hold = 0
+        for n in range(min(len(text), max(map(len, self.stop)) - 1), 0, -1):
+            if any(s.startswith(text[-n:]) for s in self.stop):
+                hold = n
+                break
+        self._held = text[len(text) - hold :]
+        return text[: len(text) - hold]
+
+
+# ---- response bodies -------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish: str, used: dict) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+            "usage": used}  # fmt: skip
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish: str, used: dict) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": used}  # fmt: skip
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None) -> dict:
+    """A streamed piece; text None with no finish reason: the usage-only last chunk (no choices)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None) -> dict:
+    """A streamed piece of the assistant's message; delta None: the usage-only last chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

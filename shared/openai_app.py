@@ -1,0 +1,427 @@
+"""An OpenAI-compatible HTTP API (Starlette, served by uvicorn) in front of anything that decodes token ids.
+
+Contract:
+- `OpenAIApp(backend, HttpConfig)`: GET /health, GET /v1/models (and /v1/models/{id}), POST /v1/completions and
+  POST /v1/chat/completions, streamed as server-sent events (`data: {...}` chunks, then `data: [DONE]`) or not.
+  Requests are checked by tether.shared.openai_api before anything is allocated; the prompt is built here (the
+  chat template and tokenizer of `backend.chat`, tether.shared.chat_template) and checked against the backend's
+  limits; the first token is awaited before the response starts, so a full server answers with a status (503 and
+  Retry-After) rather than a broken stream. Every error has OpenAI's shape and its status: 400 malformed or too long,
+  401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404 an unknown
+  model or route, 413 a body over the limit, 429 past `max_streams` generations at once, 503 when the backend has
+  no room, 500 only for a server bug. A client that goes away, streaming or not, closes its generation at once.
+- `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of token-id chunks
+  (closing it ends the generation); `ApiError` from it becomes the response's status, or an error event
+  mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it.
+- `HttpServer(app, config).start(loop)` runs uvicorn as a task on an existing asyncio loop (the gRPC server's: one
+  event loop for both) and returns the bound port (config.port 0 picks a free one); `stop()` stops taking requests
+  and gives those in flight `grace_s` seconds.
+
+    app = OpenAIApp(backend, HttpConfig(port=8000))
+    port = HttpServer(app, app.config).start(loop)
+    # curl http://127.0.0.1:8000/v1/chat/completions -d '{"model": "m", "messages": [...], "stream": true}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tether.shared.chat_template import ChatFormat, ChatTemplateError
+from tether.shared.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ErrorKind,
+    GenerationRequest,
+    Sampling,
+    TextStream,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    completion_chunk,
+    invalid,
+    parse_chat,
+    parse_completion,
+    sse,
+    usage,
+)
+
+log = logging.getLogger("tether.http")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"  # address to listen on
+    port: int = 0  # port to listen on (0: any free one)
+    api_keys: frozenset[str] = frozenset()  # accepted bearer keys; empty = no authentication (loopback use)
+    max_streams: int = 256  # generations at once; past it requests get 429 with Retry-After
+    max_body_bytes: int = 4 << 20  # request bodies larger than this get 413
+    retry_after_s: float = 1.0  # Retry-After advice when max_streams is reached
+    completion_tokens: int = 16  # max_tokens of /v1/completions when the request gives none (OpenAI's default)
+    grace_s: float = 5.0  # seconds requests in flight get to finish when the server stops
+    tls_cert: str = ""  # PEM certificate: serve HTTPS (with tls_key)
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mutual TLS)
+
+
+class Backend(Protocol):
+    model_id: str  # the one model served, as /v1/models lists it
+    chat: ChatFormat  # its tokenizer and chat template
+    max_context: int  # positions a sequence may hold: prompt + completion
+    max_prompt_tokens: int  # longest prompt accepted
+    max_new_tokens: int  # most completion tokens per request
+
+    def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[list[int]]: ...
+
+
+class OpenAIApp:
+    def __init__(self, backend: Backend, config: HttpConfig | None = None):
+        self.backend, self.config = backend, config or HttpConfig()
+        self.created = int(time.time())
+        self.live = 0  # generations running (event loop only)
+        self._keys = [hashlib.sha256(k.encode()).digest() for k in self.config.api_keys]
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"]),
+        ]
+        self.asgi = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+
+    # ---- routes ---------------------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generation(request, parse_completion)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generation(request, parse_chat)
+
+    # ---- checks -----------------------------------------------------------------------------------------------
+
+    def _guard(self, endpoint: Callable) -> Callable:
+        """Authentication, then the endpoint; every refusal as OpenAI's error JSON with its status."""
+
+        async def guarded(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                return await endpoint(request)
+            except ApiError as e:
+                return error_response(e)
+            except Exception:  # a bug: the caller gets a 500 in the usual shape, the log gets the traceback
+                log.exception("internal error in %s", request.url.path)
+                return error_response(ApiError(ErrorKind.INTERNAL, "internal server error"))
+
+        return guarded
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        kind = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED}.get(exc.status_code, ErrorKind.INTERNAL)
+        return error_response(ApiError(kind, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    def _authorize(self, request: Request) -> None:
+        if not self._keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(digest, k) for k in self._keys):
+            raise ApiError(ErrorKind.UNAUTHENTICATED, "a valid API key is required: Authorization: Bearer KEY")
+
+    def _model(self, name: str | None) -> str:
+        if name is not None and name != self.backend.model_id:
+            raise ApiError(ErrorKind.MODEL_NOT_FOUND, f"the model `{name}` does not exist; this server serves "
+                                                      f"`{self.backend.model_id}`", "model")  # fmt: skip
+        return self.backend.model_id
+
+    def _model_card(self) -> dict:
+        return {"id": self.backend.model_id, "object": "model", "created": self.created, "owned_by": "tether",
+                "max_model_len": self.backend.max_context}  # fmt: skip
+
+    async def _body(self, request: Request) -> object:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise ApiError(ErrorKind.TOO_LARGE, f"the request body is over {self.config.max_body_bytes} bytes")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.config.max_body_bytes:
+                raise ApiError(ErrorKind.TOO_LARGE, f"the request body is over {self.config.max_body_bytes} bytes")
+        try:
+            return json.loads(data, parse_constant=_no_constant)
+        except ValueError as e:
+            raise invalid(f"the request body is not valid JSON: {e}") from None
+
+    def _prompt(self, req: GenerationRequest) -> list[int]:
+        chat, b = self.backend.chat, self.backend
+        if req.messages is not None:
+            try:
+                ids = chat.encode(chat.render(req.messages))
+            except ChatTemplateError as e:
+                raise invalid(str(e), "messages") from None
+        elif isinstance(req.prompt, str):
+            ids = chat.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            if any(t >= chat.tokenizer.vocab_size for t in ids):
+                raise invalid(f"prompt token ids must be below the vocabulary size {chat.tokenizer.vocab_size}",
+                              "prompt")  # fmt: skip
+        if not ids:
+            raise invalid("the prompt is empty", "messages" if req.chat else "prompt")
+        if len(ids) > b.max_prompt_tokens:
+            message = f"the prompt has {len(ids)} tokens; this server takes at most {b.max_prompt_tokens}"
+            raise ApiError(ErrorKind.CONTEXT_LENGTH, message, "messages" if req.chat else "prompt")
+        return ids
+
+    def _max_tokens(self, req: GenerationRequest, prompt: int) -> int:
+        b = self.backend
+        room = min(b.max_context - prompt, b.max_new_tokens)
+        if req.max_tokens is None:
+            wanted = room if req.chat else min(self.config.completion_tokens, room)
+        elif req.max_tokens > b.max_new_tokens:
+            raise invalid(f"max_tokens is at most {b.max_new_tokens} on this server", "max_tokens")
+        else:
+            wanted = req.max_tokens
+        if wanted < 1 or prompt + wanted > b.max_context:
+            raise ApiError(ErrorKind.CONTEXT_LENGTH, f"this model's maximum context length is {b.max_context} "
+                                                     f"tokens; the request asks for {prompt + max(wanted, 1)} "
+                                                     f"({prompt} in the prompt)", "max_tokens")  # fmt: skip
+        return wanted
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    async def _generation(self, request: Request, parse: Callable[[object], GenerationRequest]) -> Response:
+        req = parse(await self._body(request))
+        model = self._model(req.model)
+        prompt = self._prompt(req)
+        max_tokens = self._max_tokens(req, len(prompt))
+        if self.live >= self.config.max_streams:
+            message = f"{self.live} generations are running, the limit is {self.config.max_streams}; try again shortly"
+            raise ApiError(ErrorKind.RATE_LIMITED, message, retry_after_s=self.config.retry_after_s)
+        gen = _Generation(self, req, model, prompt, max_tokens)
+        await gen.start()
+        if req.stream:
+            return _EventStream(gen.events(), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        return await gen.respond(request)
+
+
+class _Generation:
+    """One request's generation: holds one of the app's slots from construction until `close`."""
+
+    def __init__(self, app: OpenAIApp, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int):
+        chat = app.backend.chat
+        self.app, self.req, self.model, self.prompt, self.max_tokens = app, req, model, prompt, max_tokens
+        self.rid = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        stop_ids = frozenset() if req.ignore_eos else chat.stop_ids
+        self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids)
+        self.finish = "length"
+        self.first: list[int] = []
+        app.live += 1
+        self._closed = False
+        self.chunks = app.backend.generate(prompt, req.sampling, max_tokens)
+
+    async def start(self) -> None:
+        """Wait for the first token (the prefill): a refusal here is still the response's status."""
+        try:
+            self.first = await anext(self.chunks)
+        except StopAsyncIteration:
+            self.first = []
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.app.live -= 1
+            await self.chunks.aclose()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The completion's text as it is decided; `finish` is "stop" or "length" once it ends."""
+        chunk = self.first
+        while True:
+            for token in chunk:
+                piece = self.text.push(token)
+                if piece:
+                    yield piece
+                if self.text.finish_reason is not None or self.text.tokens >= self.max_tokens:
+                    break
+            if self.text.finish_reason is not None:
+                self.finish = "stop"
+                return
+            if self.text.tokens >= self.max_tokens:
+                break
+            try:
+                chunk = await anext(self.chunks)
+            except StopAsyncIteration:
+                break
+        tail = self.text.flush()
+        self.finish = "stop" if self.text.finish_reason is not None else "length"
+        if tail:
+            yield tail
+
+    def _usage(self) -> dict:
+        return usage(len(self.prompt), self.text.tokens)
+
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> bytes:
+        if self.req.chat:
+            delta = None if text is None else ({"role": "assistant", "content": text} if role else
+                                                {"content": text} if text or not finish else {})  # fmt: skip
+            body = chat_chunk(self.rid, self.created, self.model, delta, finish)
+        else:
+            body = completion_chunk(self.rid, self.created, self.model, text, finish)
+        if self.req.include_usage:
+            body["usage"] = self._usage() if text is None else None
+        return sse(body)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            if self.req.chat:
+                yield self._chunk("", role=True)
+            async for piece in self.pieces():
+                yield self._chunk(piece)
+            yield self._chunk("", self.finish)
+            if self.req.include_usage:
+                yield self._chunk(None)
+        except ApiError as e:  # the backend ran out of room mid-stream: say so in the stream, as vLLM does
+            yield sse(e.body())
+        finally:
+            await self.close()
+        yield SSE_DONE
+
+    async def respond(self, request: Request) -> Response:
+        """The whole completion as one JSON body; the generation is closed at once if the client goes away."""
+
+        async def whole() -> str:
+            return "".join([piece async for piece in self.pieces()])
+
+        text_task = asyncio.ensure_future(whole())
+        gone_task = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({text_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not text_task.done():
+                return Response(status_code=499)  # nobody is listening; the status is for the access log only
+            text = text_task.result()
+        finally:
+            for task in (text_task, gone_task):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await text_task
+            await self.close()
+        build = chat_body if self.req.chat else completion_body
+        return JSONResponse(build(self.rid, self.created, self.model, text, self.finish, self._usage()))
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose generator is closed however the response ends (a disconnect cancels the sending
+    task while the generator waits at a yield, where nothing else would close it until garbage collection)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.kind.status, headers=e.headers())
+
+
+class HttpServer:
+    """uvicorn serving an OpenAIApp as a task on an asyncio loop that is already running (on another thread)."""
+
+    def __init__(self, app: OpenAIApp, config: HttpConfig):
+        self.app, self.config = app, config
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._server = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> int:
+        """Bind, start serving on `loop` and return the port once requests are taken."""
+        c = self.config
+        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((c.host, c.port))
+        tls = dict(ssl_certfile=c.tls_cert, ssl_keyfile=c.tls_key) if c.tls_cert else {}
+        if c.tls_client_ca:
+            tls |= dict(ssl_ca_certs=c.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(self.app.asgi, lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=max(c.grace_s, 0.1), **tls)  # fmt: skip
+        self._loop = loop
+        self._server = server = _Server(config)
+        port = sock.getsockname()[1]
+
+        async def begin() -> None:
+            self._task = asyncio.create_task(server.serve(sockets=[sock]))
+            ready = asyncio.ensure_future(server.ready.wait())
+            await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if not server.ready.is_set():
+                ready.cancel()
+                await self._task  # raises what failed
+                raise OSError(f"the HTTP server on {c.host}:{port} did not start")
+
+        asyncio.run_coroutine_threadsafe(begin(), loop).result()
+        return port
+
+    def stop(self) -> None:
+        """Stop taking requests; those in flight get `grace_s` seconds, then they are cancelled."""
+        if self._task is None:
+            return
+
+        async def end() -> None:
+            self._server.should_exit = True
+            await self._task
+
+        asyncio.run_coroutine_threadsafe(end(), self._loop).result()
+        self._task = None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying when it has started (serve() itself returns only when it stops)."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = asyncio.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        self.ready.set()

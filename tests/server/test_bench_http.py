@@ -1,0 +1,21 @@
+"""Smoke test of bench/http_api.py: a tiny run against the in-process server, checking the JSON record's fields and
+counts (never its timings)."""
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "http_api.py"
+
+
+def test_http_and_generate_rows():
+    spec = importlib.util.spec_from_file_location("bench_http", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    record = bench.main(["--device", "cpu", "--clients", "1", "3", "--tokens", "5", "--prompt-len", "8",
+                         "--drafter", "none"])  # fmt: skip
+    assert record["bench"] == "http" and [(r["protocol"], r["clients"]) for r in record["rows"]] == [
+        ("http", 1), ("grpc", 1), ("http", 3), ("grpc", 3)]  # fmt: skip
+    for row in record["rows"]:
+        assert row["tokens"] == 5 * row["clients"]  # ignore_eos: every stream runs to its length
+        assert row["tokens_per_s"] > 0 and row["wall_s"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"]
