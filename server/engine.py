@@ -79,14 +79,16 @@ class SpeculativeEngine:
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
     ) -> Iterator[list[int]]:
         self.stats = EngineStats()
         per_round = self.tree[2] if self.tree else self.k + 1
         capacity = min(len(prompt_ids) + max_new_tokens + per_round, self.target.cfg.max_seq_len)
+        # top_k is the verifier's: drafts proposed without it stay lossless, the target's rule decides.
         server = SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=temperature, top_p=top_p,
-                                  generator=generator, pool=self._pool_for(capacity))  # fmt: skip
+                                  top_k=top_k, generator=generator, pool=self._pool_for(capacity))  # fmt: skip
         try:
             yield from self._rounds(server, prompt_ids, max_new_tokens, temperature, top_p, eos_id, generator)
         finally:

@@ -43,6 +43,7 @@ class GenerateConfig:
     max_new_tokens: int = 128  # upper bound on generated tokens (stops early at end-of-text)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = 0  # sample among the k most probable tokens only (0: no limit)
     seed: int = 0  # sampling seed
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
 
@@ -120,8 +121,8 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
 
     t0 = time.perf_counter()
     chunks = engine.generate(
-        prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, eos_id=tok.eos_id,
-        generator=generator,
+        prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        eos_id=tok.eos_id, generator=generator,
     )  # fmt: skip
     for chunk in chunks:
         new += chunk

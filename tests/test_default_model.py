@@ -33,3 +33,14 @@ def test_default_model_generates_python_like_text():
     text = result["text"]
     assert sum(c.isascii() for c in text) / len(text) > 0.95
     assert any(word in text for word in ("import", "def ", "class ", "="))
+
+
+def test_top_k_one_samples_what_greedy_picks_with_and_without_the_drafter():
+    """`tether-server generate --top-k 1` at a high temperature: the target's rule keeps only its argmax, so plain and
+    speculative sampling (whose drafts ignore top_k: the verifier decides) both give greedy's tokens."""
+    plain = dict(model=str(DEFAULT), prompt="def main():\n", max_new_tokens=24, device="cpu", drafter="none")
+    greedy = generate_text(GenerateConfig(**plain))["token_ids"]
+    hot = dict(temperature=1.5, top_k=1, seed=3)
+    assert generate_text(GenerateConfig(**plain, **hot))["token_ids"] == greedy
+    spec = generate_text(GenerateConfig(**{**plain, "drafter": str(DEFAULT.parent / "drafter")}, **hot))
+    assert spec["token_ids"] == greedy
