@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -239,14 +240,29 @@ def open_channel(address: str, *, keepalive_s: float, tls_ca: str = "", tls_cert
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert), options=options)
 
 
+_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
+
+
+def parse_endpoints(server: str) -> list[str]:
+    """The HOST:PORT addresses of a --server list (comma-separated), each checked: gRPC would read a bare host as
+    port 443 and a typo as a name to resolve, and the user would wait for a timeout instead of reading why."""
+    addresses = [e.strip() for e in server.split(",") if e.strip()]
+    if not addresses:
+        raise ValueError("--server needs at least one HOST:PORT")
+    for a in addresses:
+        m = _ENDPOINT.match(a)
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f"--server {a!r} is not HOST:PORT (for example 127.0.0.1:50051 or [::1]:50051; "
+                             f"tether-server listens on 50051 unless told otherwise)")  # fmt: skip
+    return addresses
+
+
 class Replicas:
     """The endpoints of a --server list and the channel to the one in use; see the module docstring."""
 
     def __init__(self, server: str, first: int, *, keepalive_s: float, tls_ca: str = "", tls_cert: str = "",
                  tls_key: str = ""):  # fmt: skip
-        self.addresses = [e.strip() for e in server.split(",") if e.strip()]
-        if not self.addresses:
-            raise ValueError("--server needs at least one HOST:PORT")
+        self.addresses = parse_endpoints(server)
         self.index = first % len(self.addresses)
         self._channel_args = {"keepalive_s": keepalive_s, "tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
         self._connect()

@@ -10,7 +10,7 @@ import pytest
 
 from tether.client import transport
 from tether.client.refusals import Refusal
-from tether.client.transport import Backoff, LinkDown, ServerBusy, ServerError
+from tether.client.transport import Backoff, LinkDown, ServerBusy, ServerError, parse_endpoints
 from tether.v1 import tether_pb2 as pb
 
 
@@ -70,3 +70,15 @@ def test_a_full_servers_advice_lengthens_the_pause():
     backoff = Backoff(0.1, 0.5, 0.0, random.Random(0))
     assert backoff.wait(busy) == 3.0 and backoff.wait(LinkDown("down")) == 0.1
     assert backoff.failed(busy) == 3.0 and backoff.delay == 0.2
+
+
+@pytest.mark.parametrize("server", ["127.0.0.1:50051", "localhost:1", "[::1]:50051", "a.example:443, b-2:50052"])
+def test_server_lists_of_host_port_pass(server):
+    assert parse_endpoints(server) == [e.strip() for e in server.split(",")]
+
+
+@pytest.mark.parametrize("server", ["localhost", "127.0.0.1", "host:0", "host:65536", "::1:50051", "host:50051/x",
+                                    "http://host:50051", " , ", "a:1,b"])  # fmt: skip
+def test_an_address_without_a_port_is_refused_before_dialing(server):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_endpoints(server)
