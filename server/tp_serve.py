@@ -112,9 +112,6 @@ class TPStepRunner:
         cmd = {"op": "step", "batch": batch, "states": states, "config": self.runner.config}
         return self.target.broadcast(cmd, lambda: _step(self.runner, batch, states))
 
-    def shapes(self) -> list[list[int]]:
-        return self.runner.shapes()
-
 
 class TPPool(KVPool):
     """Rank 0's pool shard: slot copies (accepted tree paths) are mirrored on every rank."""
