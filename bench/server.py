@@ -519,7 +519,7 @@ def start_server(args: argparse.Namespace):
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
     if target.backend == "triton":
-        warm_up(target, service.pool)  # as `tether-server serve` does before it listens
+        warm_up(target, service.pool, drafter=drafter)  # as `tether-server serve` does before it listens
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     return service, server, port

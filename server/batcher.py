@@ -11,7 +11,8 @@ Contract:
   (tether.server.rounds.verify_batch, deltas in host memory for the encoder); rounds arriving meanwhile join the
   next step, and a round left out is first in the next. `window_s` > 0 waits that long for more rounds before
   each step. If the batch as a whole fails, each round is verified on its own, so one bad round fails alone.
-- `warm_up(target, pool)`: every kernel variant and step graph a server needs, run once before it listens.
+- `warm_up(target, pool, drafter=None)`: every kernel variant and step graph a server needs, run once before it
+  listens.
 """
 
 from __future__ import annotations
@@ -34,18 +35,20 @@ from tether.shared.speculative import DraftTree
 
 
 @torch.inference_mode()
-def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32), absorb_max: int = 64) -> None:
+def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32), absorb_max: int = 64,
+            drafter=None) -> None:  # fmt: skip
     """Run every kernel variant a server will need once, so Triton compiles (and autotunes) them before the first
     client instead of inside its open or round deadline (a compile there costs seconds: an outage on a healthy
     link). Covered, for short and split-K contexts: prefills with and without a cached prefix; batched verify
     rounds of every tile class in `sizes` (chains and a branching tree), each sequence alone and all together
     (one split or several); the same trees verified one sequence at a time (the batcher's fallback); and a
     resync's absorb, a causal chain of up to `absorb_max` offline tokens. tests/kernels/test_kernel_variants.py
-    checks that a session launches nothing else."""
+    checks that a session launches nothing else. With the served `drafter`, the rounds are the batcher's own
+    (host deltas), so the drafter's server part is captured beside each step graph they use too."""
     vocab, room = target.cfg.vocab_size, target.cfg.max_seq_len
     grow = 2 * max(*sizes, absorb_max) + 2
     lens = [n for n in (24, 600) if n + grow <= room]  # 600: past moda_backend's VERIFY_MIN_PREFIX
-    vers = [SequenceVerifier(target, None, capacity=n + grow, pool=pool) for n in lens]
+    vers = [SequenceVerifier(target, drafter, capacity=n + grow, pool=pool) for n in lens]
     try:
         for v, n in zip(vers, lens, strict=True):
             v.open([(7 * i + 1) % vocab for i in range(n)])
@@ -56,7 +59,7 @@ def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32
             chain = DraftTree.chain(1 % vocab, [i % vocab for i in range(n - 1)])
             for t in (chain, tree):
                 for batch in [[(v, t)] for v in vers] + [[(v, t) for v in vers]]:
-                    verify_batch(target, batch)
+                    verify_batch(target, batch, host_deltas=True)
                     for v, n0 in zip(vers, lens, strict=True):
                         v.cache.truncate(n0)
                 for v, n0 in zip(vers, lens, strict=True):

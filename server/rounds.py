@@ -272,15 +272,14 @@ def _to_host(tensors: dict[str, Tensor], *, sync: bool) -> dict[str, Tensor]:
     return staged
 
 
-def every_token_delta(out: ForwardOutput, drafter, rows: int) -> dict[str, Tensor]:
+def every_token_delta(out: ForwardOutput, drafter, rows: int, runner: StepRunner) -> dict[str, Tensor]:
     """The drafter's server part over every token of the forward's first `rows` rows, copied to pinned host
     memory without waiting: [rows * T] along each tensor's position axis (POSITION_AXIS), row b's node j at
     b * T + j. Enqueued before the step's verdicts are read, it runs on the GPU behind the step and arrives with
     the verdicts' copy: one wait per round instead of two, and no gather that waits on the verdicts. The server
-    parts are per position, so a row's slice (`slice_deltas`) equals what gather_deltas computes for it."""
-    flat = TargetStates(k=out.k[:, :rows].flatten(1, 2), v=out.v[:, :rows].flatten(1, 2),
-                        hidden=out.hidden[0][:rows].flatten(0, 1))  # fmt: skip
-    return _to_host(drafter.server_delta(flat, 0, []).tensors, sync=False)
+    parts are per position, so a row's slice (`slice_deltas`) equals what gather_deltas computes for it. `runner`
+    made `out` (its step graph has a graph of the server part beside it: StepRunner.server_part)."""
+    return _to_host(runner.server_part(drafter, out, rows), sync=False)
 
 
 def slice_deltas(tensors: dict[str, Tensor], T: int, rows: Sequence[tuple[int, int, list[int], list[int]]]):
@@ -329,7 +328,8 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
         early = None
         if greedy is not None and all(ver.temperature == 0 for ver, _ in items):
             if host and len(drafters) == 1:
-                early = every_token_delta(out, next(iter(drafters.values())), len(items))
+                runner = step_runner(target, caches[0].pool)
+                early = every_token_delta(out, next(iter(drafters.values())), len(items), runner)
             verdicts = unpack_verdicts(trees, greedy.cpu())  # the one wait: the deltas' copies came before it
         else:
             verdicts = verify_rows(trees, out.logits[: len(items)], [ver.temperature for ver, _ in items],

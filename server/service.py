@@ -263,7 +263,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             raise RequestError(Reason.REASON_WRONG_RESUME_TOKEN, "wrong resume token for this session")
 
     def _delta(self, delta: DraftDelta, codec: Codec) -> pb.KVDelta:
-        tensors = {k: v.to(torch.bfloat16) for k, v in delta.tensors.items()}
+        tensors = {k: v if v.dtype == torch.bfloat16 else v.to(torch.bfloat16) for k, v in delta.tensors.items()}
         payload = encode_many(tensors, codec)
         self.metrics.bytes_out.labels(kind="kv_delta").inc(len(payload))
         return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=payload)

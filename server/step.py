@@ -40,6 +40,7 @@ from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedKernelView
 from tether.shared.acceptance import greedy_packed
+from tether.shared.drafter import POSITION_AXIS, TargetStates
 from tether.shared.model import ForwardOutput, Transformer
 
 log = logging.getLogger("tether.server")
@@ -109,6 +110,7 @@ class _Graph:
         self.copied: torch.cuda.Event | None = None  # the last upload: staging is rewritten only after it
         self.graph: torch.cuda.CUDAGraph | None = None
         self.result: StepOutput | None = None
+        self.parts: dict[object, _PartGraph] = {}  # drafter -> its server part over this bucket's states, captured
 
     def stage(self, runner: StepRunner, batch: StepBatch | None) -> None:
         """Write the batch, padded to the bucket, into the staging buffers (numpy views: a few microseconds) and
@@ -158,6 +160,28 @@ class _Graph:
         out = target.run(tokens, cache=view, positions=positions.view(B, T), tree_mask=self.mask,
                          hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
         return StepOutput(out, greedy_packed(out.logits, tokens, parents.view(B, T), q_lens))
+
+
+def _server_part(drafter, out: ForwardOutput, rows: int) -> dict[str, Tensor]:
+    """The drafter's server part over every token of a forward's first `rows` rows: [rows * T] along each
+    POSITION_AXIS."""
+    flat = TargetStates(k=out.k[:, :rows].flatten(1, 2), v=out.v[:, :rows].flatten(1, 2),
+                        hidden=out.hidden[0][:rows].flatten(0, 1))  # fmt: skip
+    return drafter.server_delta(flat, 0, []).tensors
+
+
+class _PartGraph:
+    """A drafter's server part (MoA's LSA: a small transformer block over each token's layers) captured over one
+    step bucket's output states, which the step graph rewrites in place at every replay. Eager, it is ~50 kernel
+    launches a round: on the H200 the batcher's host spent 60% of its time launching them at 128 clients."""
+
+    def __init__(self, drafter, step: _Graph):
+        self.drafter, self.step = drafter, step
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.result: dict[str, Tensor] | None = None
+
+    def run(self, runner: StepRunner) -> dict[str, Tensor]:
+        return _server_part(self.drafter, self.step.result.out, self.step.bucket.rows)
 
 
 class DecodeBucket(NamedTuple):
@@ -223,6 +247,7 @@ class StepRunner:
         self._graphs: dict[Bucket, _Graph] = {}
         self._decode: dict[DecodeBucket, _DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._last: _Graph | None = None  # the bucket `forward` ran last: its outputs are what the caller holds
         self.max_width = -(-target.cfg.max_seq_len // pool.block_size)
 
     def close(self) -> None:
@@ -246,7 +271,7 @@ class StepRunner:
             return None
         return Bucket(B, T, self._width(width), states)
 
-    def _replay(self, g: _Graph | _DecodeGraph):
+    def _replay(self, g: _Graph | _DecodeGraph | _PartGraph):
         """Run a staged step: eagerly without graphs, else its graph (captured on first use)."""
         if not self.use_graphs:
             return g.run(self)
@@ -265,7 +290,23 @@ class StepRunner:
                 raise ValueError(f"no step bucket holds {b} rows of {t} tokens (tether.server.rounds runs it eagerly)")
             g = self._graphs.get(bucket) or self._graphs.setdefault(bucket, _Graph(self, bucket))
             g.stage(self, batch)
+            self._last = g
             return self._replay(g)
+
+    @torch.inference_mode()
+    def server_part(self, drafter, out: ForwardOutput, rows: int) -> dict[str, Tensor]:
+        """The drafter's server part (DraftDelta tensors) over every token of `out`'s first `rows` rows, [rows * T]
+        along each tensor's POSITION_AXIS (row b's token j at b * T + j); `out` needs states. For the step `forward`
+        just returned, under the same hold of `lock`, it is a graph of its own over all the bucket's rows (captured
+        on first use per drafter and bucket; views of its memory, valid until the next step); otherwise it runs
+        eagerly."""
+        with self.lock:
+            g = self._last
+            if not self.use_graphs or g is None or g.result is None or g.result.out is not out:
+                return _server_part(drafter, out, rows)
+            part = g.parts.get(drafter) or g.parts.setdefault(drafter, _PartGraph(drafter, g))
+            n = rows * out.logits.shape[1]
+            return {k: t.narrow(POSITION_AXIS[k], 0, n) for k, t in self._replay(part).items()}
 
     @torch.inference_mode()
     def decode(self, cache, token: int, wanted: int) -> list[int]:
@@ -293,8 +334,9 @@ class StepRunner:
             return verify + [[b.steps, b.width] for b, g in self._decode.items() if g.graph]
 
     @torch.inference_mode()
-    def capture_shapes(self, shapes: list[list[int]]) -> int:
-        """Capture the graphs `shapes()` listed (unknown or out-of-range entries are skipped); returns how many."""
+    def capture_shapes(self, shapes: list[list[int]], drafter=None) -> int:
+        """Capture the graphs `shapes()` listed (unknown or out-of-range entries are skipped), and with a `drafter`
+        its server part beside each verify step that returns states; returns how many steps."""
         if not self.use_graphs:
             return 0
         done = 0
@@ -312,10 +354,13 @@ class StepRunner:
                     continue
                 if g.graph is None:
                     self._capture(g)
+                if drafter is not None and isinstance(g, _Graph) and g.bucket.states and drafter not in g.parts:
+                    part = g.parts[drafter] = _PartGraph(drafter, g)
+                    self._capture(part)
                 done += 1
         return done
 
-    def _capture(self, g: _Graph | _DecodeGraph) -> None:
+    def _capture(self, g: _Graph | _DecodeGraph | _PartGraph) -> None:
         # Thread-local capture mode: other threads (prefills, deltas, Generate) keep using CUDA while this one
         # captures; in the default global mode their first cudaMalloc or synchronize failed (seen on the H200 with
         # two Generate streams), and the broken capture left the allocator recording into the pool. One capture at
@@ -334,4 +379,4 @@ class StepRunner:
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 g.result = g.run(self)
             g.graph = graph
-        log.debug("captured the step graph for %s", g.bucket)
+        log.debug("captured a step graph: %s", type(g).__name__)

@@ -112,6 +112,10 @@ class TPStepRunner:
         cmd = {"op": "step", "batch": batch, "states": states, "config": self.runner.config}
         return self.target.broadcast(cmd, lambda: _step(self.runner, batch, states))
 
+    def server_part(self, drafter, out, rows: int) -> dict:
+        """The drafter runs on rank 0 alone, over the states the step gathered."""
+        return self.runner.server_part(drafter, out, rows)
+
 
 class TPPool(KVPool):
     """Rank 0's pool shard: slot copies (accepted tree paths) are mirrored on every rank."""

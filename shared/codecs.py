@@ -45,11 +45,12 @@ def _array(t: Tensor) -> tuple[np.ndarray, str]:
     name = _NAMES.get(t.dtype)
     if name is None:
         raise CodecError(f"unsupported dtype {t.dtype} (supported: {', '.join(wire.DTYPE_NAMES)})")
-    if t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
-        t = t.detach().to("cpu").contiguous()
-    if name == "bfloat16":
-        return t.view(torch.int16).numpy().view(np.uint16), name
-    return t.numpy(), name
+    if t.device.type != "cpu" or t.requires_grad:
+        t = t.detach().to("cpu")
+    # A strided view (a row's slice of a step's delta) goes to numpy as it is and is made contiguous there: one
+    # numpy copy instead of torch's, whose per-call cost the server pays on every tensor of every round.
+    a = t.view(torch.int16).numpy().view(np.uint16) if name == "bfloat16" else t.numpy()
+    return (a if a.flags.c_contiguous else a.copy()), name
 
 
 def _tensor(a: np.ndarray, name: str) -> Tensor:

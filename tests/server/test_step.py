@@ -52,7 +52,7 @@ def rounds_of(seed: int, vocab: int, n_sessions: int, n_rounds: int) -> list[lis
     return out
 
 
-def run_sessions(target, drafter, config: StepConfig | None, backend: str):
+def run_sessions(target, drafter, config: StepConfig | None, backend: str, host_deltas: bool = False):
     """Three rounds of three sessions (ragged chains and trees, contexts across block edges), batched; returns the
     verdicts, the deltas and every session's committed pool rows."""
     target.backend = backend
@@ -67,7 +67,7 @@ def run_sessions(target, drafter, config: StepConfig | None, backend: str):
                 DraftTree(torch.cat([torch.tensor([r]), t.tokens[1:]]), t.parents)
                 for r, t in zip(roots, trees, strict=True)
             ]
-            res = rounds.verify_batch(target, list(zip(vers, trees, strict=True)))
+            res = rounds.verify_batch(target, list(zip(vers, trees, strict=True)), host_deltas=host_deltas)
             got.append([(v.path, v.bonus, {k: t.float().cpu() for k, t in d.tensors.items()}) for v, d in res])
             roots = [v.bonus for v, _ in res]
         kv = [pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length].float().cpu() for v in vers]
@@ -98,6 +98,17 @@ def test_bucketed_steps_equal_the_gathering_path(triton_backend):
     target = tiny_target(vocab_size=7).to(DEV)
     drafter = tiny_moa_drafter(target).to(DEV)
     stepped = run_sessions(target, drafter, StepConfig(graphs=DEV == "cuda"), "triton")
+    reference = run_sessions(target, drafter, None, "reference")
+    assert_same(stepped, reference, 1e-4)
+
+
+def test_the_batchers_deltas_equal_the_gathering_path(triton_backend):
+    """The batcher's deltas (host_deltas: the drafter's server part over every token of the step, on CUDA a graph
+    replayed beside the step's over its padded rows, then sliced per row) across rounds that reuse buckets with new
+    data: those of the reference path, which gathers each row's accepted states and runs the drafter on them."""
+    target = tiny_target(vocab_size=7).to(DEV)
+    drafter = tiny_moa_drafter(target).to(DEV)
+    stepped = run_sessions(target, drafter, StepConfig(graphs=DEV == "cuda"), "triton", host_deltas=True)
     reference = run_sessions(target, drafter, None, "reference")
     assert_same(stepped, reference, 1e-4)
 
