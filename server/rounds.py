@@ -13,7 +13,8 @@ Contract:
   ForwardOutput whose row i, token j is trees[i]'s node j (a resync's absorb uses it too).
 - Deltas: the accepted rows of every sequence are gathered on the device and the drafter's server part runs once
   for the whole batch (its output is position-wise, as DraftDelta.split already assumes); with `host_deltas`
-  the tensors are copied to the host once, into pinned memory, so encoding them never waits on the GPU.
+  the tensors are copied to the host once, into pinned memory, so encoding them never waits on the GPU, and a
+  greedy batch's deltas come back as numpy bfloat16 bits (ArrayDelta: what the wire sends, sliced per row).
 
 How the forward runs, fastest first:
 - the target on the "triton" backend with every sequence in one paged pool and the batch within a step bucket:
@@ -39,8 +40,10 @@ from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, PoolExhau
 from tether.server.step import StepBatch, StepConfig, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
+from tether.shared.drafter_config import ArrayDelta
 from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.speculative import DraftTree, Verdict
+from tether.shared.wire import f32_to_bf16
 
 if TYPE_CHECKING:
     from tether.server.verifier import SequenceVerifier
@@ -187,6 +190,7 @@ def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> Step
     lens = np.zeros(B, np.int64)
     q_lens = np.zeros(B, np.int64)
     table = np.full((B, max(len(c.blocks) for c in caches)), -1, np.int64)
+    causal = np.tri(T, dtype=np.bool_)  # a chain of n nodes sees its own [:n, :n] corner
     for i, (c, t) in enumerate(zip(caches, trees, strict=True)):
         n, L = len(t), c.length
         blocks = np.asarray(c.blocks, np.int64)
@@ -195,7 +199,7 @@ def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> Step
         parents[i, :n] = t._parents
         if t.is_chain:
             positions[i, :n] = np.arange(L, L + n)
-            mask[i, :n, :n] = np.tri(n, dtype=np.bool_)
+            mask[i, :n, :n] = causal[:n, :n]
         else:
             positions[i, :n] = L + t.depths.numpy()
             mask[i, :n, :n] = t.ancestor_mask().numpy()
@@ -282,18 +286,24 @@ def every_token_delta(out: ForwardOutput, drafter, rows: int, runner: StepRunner
     return _to_host(runner.server_part(drafter, out, rows), sync=False)
 
 
-def slice_deltas(tensors: dict[str, Tensor], T: int, rows: Sequence[tuple[int, int, list[int], list[int]]]):
-    """Each row's DraftDelta out of every_token_delta's tensors (after the stream has reached them): a view for a
-    contiguous path (a chain's accepted prefix), a gathered copy for a tree's."""
+def slice_deltas(tensors: dict[str, Tensor], T: int,
+                 rows: Sequence[tuple[int, int, list[int], list[int]]]) -> list[ArrayDelta]:  # fmt: skip
+    """Each row's delta out of every_token_delta's tensors (after the stream has reached them), as numpy arrays of
+    bfloat16 bits, the form the wire sends (ArrayDelta, as a client decodes it): each tensor goes to numpy once per
+    step, and a row's part is a numpy view for a contiguous path (a chain's accepted prefix) or a gathered copy for
+    a tree's. Per row that is a few numpy slices where torch took microseconds per call on the batcher's thread."""
+    bits = {k: t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16
+            else f32_to_bf16(t.float().numpy()) for k, t in tensors.items()}  # fmt: skip
     deltas = []
     for b, start, path, tokens in rows:
         first = b * T + path[0]
         if path == list(range(path[0], path[0] + len(path))):
-            parts = {k: t.narrow(POSITION_AXIS[k], first, len(path)) for k, t in tensors.items()}
+            at = slice(first, first + len(path))
+            parts = {k: a[(slice(None),) * POSITION_AXIS[k] + (at,)] for k, a in bits.items()}
         else:
-            idx = torch.tensor([b * T + j for j in path])
-            parts = {k: t.index_select(POSITION_AXIS[k], idx) for k, t in tensors.items()}
-        deltas.append(DraftDelta(start, list(tokens), parts))
+            idx = [b * T + j for j in path]
+            parts = {k: np.take(a, idx, axis=POSITION_AXIS[k]) for k, a in bits.items()}
+        deltas.append(ArrayDelta(start, list(tokens), parts))
     return deltas
 
 

@@ -63,9 +63,11 @@ from tether.server.plain_decoding import POOL_RETRY_S, PlainDecoding
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
 from tether.server.verifier import SequenceVerifier
+from tether.shared import wire
 from tether.shared.chat_template import ChatFormat
 from tether.shared.codecs import Codec, CodecError, encode_many
 from tether.shared.drafter import DraftDelta
+from tether.shared.drafter_config import ArrayDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
@@ -262,9 +264,14 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         if not secrets.compare_digest(token.encode(), session.resume_token.encode()):
             raise RequestError(Reason.REASON_WRONG_RESUME_TOKEN, "wrong resume token for this session")
 
-    def _delta(self, delta: DraftDelta, codec: Codec) -> pb.KVDelta:
-        tensors = {k: v if v.dtype == torch.bfloat16 else v.to(torch.bfloat16) for k, v in delta.tensors.items()}
-        payload = encode_many(tensors, codec)
+    def _delta(self, delta: DraftDelta | ArrayDelta, codec: Codec) -> pb.KVDelta:
+        """A delta on the wire, in bfloat16: torch tensors (prefills, absorbs), or the batcher's numpy arrays of
+        bfloat16 bits (tether.server.rounds.slice_deltas), which go to the wire format as they are."""
+        if isinstance(delta, ArrayDelta):
+            payload = wire.encode_many({k: (a, "bfloat16") for k, a in delta.tensors.items()}, codec)
+        else:
+            tensors = {k: v if v.dtype == torch.bfloat16 else v.to(torch.bfloat16) for k, v in delta.tensors.items()}
+            payload = encode_many(tensors, codec)
         self.metrics.bytes_out.labels(kind="kv_delta").inc(len(payload))
         return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=payload)
 
