@@ -7,8 +7,10 @@ tether-netsim --listen 127.0.0.1:0 --upstream 127.0.0.1:50051 --bandwidth-kbps 2
 Contract: prints one line `listening on HOST:PORT` once bound (port 0 picks a free one and prints it), logs link
 events on stderr (unless --quiet), and on SIGTERM/SIGINT, or when the scenario's `end` event plays, prints the
 bytes delivered each way (up = client->server, down = server->client) and connection counts: one line of text,
-or with --json one JSON line (tether.netsim.proxy.NetSimStats.summary()). Exits 2 on a bad flag or scenario.
-Scenario files: tether.netsim.scenario (times in seconds from the moment the proxy listens).
+or with --json one JSON line (tether.netsim.proxy.NetSimStats.summary()). Exits 2 on a bad flag or scenario, or
+an address that is not HOST:PORT. Scenario files: tether.netsim.scenario (times in seconds from the moment the proxy
+listens). Every flag can also come from a TETHER_* environment variable, --foo-bar from TETHER_FOO_BAR (a switch:
+1/0, true/false, yes/no); the command line wins, and --help lists each flag's default and variable.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from dataclasses import dataclass
 
 from tether.netsim.proxy import LinkConfig, NetSim, NetSimEvent, NetSimStats
 from tether.netsim.scenario import Scenario, load_scenario
-from tether.shared.cli_support import add_dataclass_args, build_config
+from tether.shared.cli_support import (
+    EnvParser,
+    HelpFormatter,
+    add_dataclass_args,
+    add_version_flag,
+    build_config,
+    host_port,
+)
 
 
 @dataclass(frozen=True)
@@ -79,13 +88,14 @@ def run(cfg: NetSimConfig) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = EnvParser(
         prog="tether-netsim",
         description="tether's network harness: a TCP proxy with latency, jitter, a bandwidth cap, cuts and stalls.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    add_dataclass_args(parser, NetSimConfig, skip=("json", "quiet"))
+    add_version_flag(parser, "tether")
+    add_dataclass_args(parser, NetSimConfig, skip=("json", "quiet"), types={"listen": host_port, "upstream": host_port})
     # Plain switches rather than BooleanOptionalAction's --no-json / --no-quiet pairs.
     parser.add_argument("--json", action="store_true", help="print the final counts as one JSON line")
     parser.add_argument("--quiet", action="store_true", help="no event log on stderr")
@@ -96,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One command, no subcommands, so not cli_support.run_cli (it reports errors per subcommand): same policy,
     # plus OSError, which here is what a taken port looks like.
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a bad flag or variable, which argparse has reported
+        return 0 if e.code is None else int(e.code)
     try:
         return run(build_config(NetSimConfig, args))
     except (OSError, ValueError) as e:

@@ -1,11 +1,21 @@
 """`tether-server`: the GPU end of tether. Subcommands map one-to-one onto frozen config dataclasses.
 
 tether-server build-corpus --out data/corpus            # stdlib sources -> tokenizer + token files
+tether-server build-corpus --tokenizer MODEL_DIR --out data/corpus-hf   # token files in a Hugging Face model's ids
 tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
+tether-server train-drafter --target MODEL_DIR --data data/corpus-hf --out runs/drafter --device cuda
 tether-server generate --prompt "def fib(n):"           # speculative decoding with the default models
 tether-server serve --port 50051                        # the gRPC server (SIGTERM stops it gracefully)
+tether-server serve --model MODEL_DIR --drafter none --http-port 8000   # any Llama / Qwen2 checkpoint, no drafter
 tether-server warm --cache-dir /var/cache/tether        # compile + tune serve's kernels into a cache dir, exit
 tether-server <command> --help
+tether-server --version
+
+Every flag can also come from a TETHER_* environment variable, --foo-bar from TETHER_FOO_BAR (one variable per
+flag name: TETHER_DEVICE is the --device of every command that has one); the command line wins. A variable is read
+as the flag's value (a switch: 1/0, true/false, yes/no; a list: values separated by spaces); an empty one counts
+as unset. Each command's --help lists its flags' defaults, choices and variables. An invalid flag or variable, or
+an error a user can act on (a missing file, a bad value), ends the command with one line on stderr and status 2.
 """
 
 from __future__ import annotations
@@ -16,12 +26,24 @@ import json
 import sys
 from collections.abc import Sequence
 
-from tether.shared.cli_support import add_dataclass_args, build_config, parse_overrides, run_cli
-from tether.shared.config import PRESETS
+# Only light modules here: each subcommand's flags are built when it is parsed (LazyParser), so `--help` and
+# `--version` import no torch.
+from tether.shared.cli_support import (
+    EnvParser,
+    HelpFormatter,
+    LazyParser,
+    add_dataclass_args,
+    add_version_flag,
+    build_config,
+    parse_overrides,
+    run_cli,
+)
+
+SAVE_DTYPES = ("float32", "bfloat16", "float16")  # what train-target and train-drafter may write their weights in
 
 
 def cmd_build_corpus(args: argparse.Namespace) -> int:
-    from tether.server.corpus import build_corpus
+    from tether.server.corpus import build_corpus, model_tokenizer
 
     manifest = build_corpus(
         args.out,
@@ -29,6 +51,7 @@ def cmd_build_corpus(args: argparse.Namespace) -> int:
         holdout_fraction=args.holdout_fraction,
         vocab_size=args.vocab_size,
         max_files=args.max_files or None,
+        tokenizer=model_tokenizer(args.tokenizer) if args.tokenizer else None,
     )
     print(json.dumps(dataclasses.asdict(manifest) | {"files": len(manifest.files)}, default=str))
     return 0
@@ -83,64 +106,82 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from tether.server.generate import GenerateConfig
-    from tether.server.train_target import TrainConfig
-
-    parser = argparse.ArgumentParser(
-        prog="tether-server",
-        description="tether's GPU server: trains and runs the MoDA target model that verifies edge drafts.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("build-corpus", help="build the training corpus: stdlib sources -> tokenizer + token files")
+def _build_corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="data/corpus", help="output directory")
-    p.add_argument("--extra-files", nargs="*", default=[], help="more text files to add to the corpus")
+    p.add_argument("--extra-files", nargs="*", default=[], metavar="FILE", help="more text files to add to the corpus")
     p.add_argument("--holdout-fraction", type=float, default=0.02, help="fraction of files held out (by file)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
-    p.add_argument("--max-files", type=int, default=0, help="use only the first N files (0 = all)")
-    p.set_defaults(func=cmd_build_corpus)
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the BPE trained here (no --tokenizer)")
+    p.add_argument("--max-files", type=int, default=0, help="use only the first N stdlib files (0 = all)")
+    p.add_argument("--tokenizer", default="", metavar="MODEL_DIR",
+                   help="tokenize with this Hugging Face model's tokenizer.json instead of training a BPE, so a "
+                        "drafter can be trained for that model; empty = train one")  # fmt: skip
 
-    p = sub.add_parser("train-target", help="train a target model from a preset")
-    helps = {"preset": f"model preset: {', '.join(PRESETS)}"}
-    add_dataclass_args(p, TrainConfig, skip=("overrides", "quiet"), helps=helps)
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=JSON",
-        help="override a ModelConfig field of the preset, e.g. --set moda=false --set n_layers=12",
-    )
+
+def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help=f"override a field, e.g. {example}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train_target)
 
+
+def _train_target_args(p: argparse.ArgumentParser) -> None:
+    from tether.server.train_target import TrainConfig
+    from tether.shared.config import PRESETS
+
+    choices = {"preset": tuple(PRESETS), "save_dtype": SAVE_DTYPES}
+    add_dataclass_args(p, TrainConfig, skip=("overrides", "quiet"), choices=choices)
+    _set_flag(p, "--set moda=false --set n_layers=12 (a ModelConfig field of the preset)")
+
+
+def _train_drafter_args(p: argparse.ArgumentParser) -> None:
     from tether.server.train_drafter import DrafterTrainConfig
 
-    p = sub.add_parser("train-drafter", help="train a MoA or EAGLE drafter against a frozen target")
-    add_dataclass_args(p, DrafterTrainConfig, skip=("overrides", "quiet"))
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                   help="override a DrafterConfig field, e.g. --set ffn_dim=768")  # fmt: skip
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train_drafter)
+    choices = {"kind": ("moa", "eagle"), "save_dtype": SAVE_DTYPES}
+    add_dataclass_args(p, DrafterTrainConfig, skip=("overrides", "quiet"), choices=choices)
+    _set_flag(p, "--set ffn_dim=768 (a DrafterConfig field)")
 
-    from tether.server.daemon import ServeConfig
 
-    p = sub.add_parser("serve", help="serve the target and drafter over gRPC (tether.v1.Tether)")
-    add_dataclass_args(p, ServeConfig)
-    p.set_defaults(func=cmd_serve)
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from tether.server.daemon import CHOICES, TYPES, ServeConfig
 
-    from tether.server.daemon import WARM_FIELDS
+    add_dataclass_args(p, ServeConfig, choices=CHOICES, types=TYPES)
 
-    p = sub.add_parser("warm", help="load the models, compile and tune serve's kernels into --cache-dir, and exit")
-    add_dataclass_args(p, ServeConfig, skip=[n for n in ServeConfig.__dataclass_fields__ if n not in WARM_FIELDS])
-    p.set_defaults(func=cmd_warm)
 
-    p = sub.add_parser("generate", help="generate text in-process with the target model")
+def _warm_args(p: argparse.ArgumentParser) -> None:
+    from tether.server.daemon import CHOICES, TYPES, WARM_FIELDS, ServeConfig
+
+    skip = [n for n in ServeConfig.__dataclass_fields__ if n not in WARM_FIELDS]
+    add_dataclass_args(p, ServeConfig, skip=skip, choices=CHOICES, types=TYPES)
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    from tether.server.generate import GenerateConfig
+
     add_dataclass_args(p, GenerateConfig)
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, wall_s, ...)")
-    p.set_defaults(func=cmd_generate)
+
+
+COMMANDS = (  # name, help, flags, function
+    ("build-corpus", "build the training corpus: stdlib sources -> tokenizer + token files", _build_corpus_args,
+     cmd_build_corpus),
+    ("train-target", "train a target model from a preset", _train_target_args, cmd_train_target),
+    ("train-drafter", "train a MoA or EAGLE drafter against a frozen target", _train_drafter_args, cmd_train_drafter),
+    ("serve", "serve the target and drafter over gRPC (tether.v1.Tether) and, with --http-port, an OpenAI API",
+     _serve_args, cmd_serve),
+    ("warm", "load the models, compile and tune serve's kernels into --cache-dir, and exit", _warm_args, cmd_warm),
+    ("generate", "generate text in-process with the target model", _generate_args, cmd_generate),
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = EnvParser(
+        prog="tether-server",
+        description="tether's GPU server: trains and runs the MoDA target model that verifies edge drafts.",
+        formatter_class=HelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    add_version_flag(parser, "tether")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=LazyParser)
+    for name, help_text, add_arguments, func in COMMANDS:
+        sub.add_parser(name, help=help_text, add_arguments=add_arguments).set_defaults(func=func)
     return parser
 
 

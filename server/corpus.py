@@ -9,6 +9,11 @@ Contract (docs/ARCHITECTURE.md, section 9):
   (likely for a handful of files at 2%), the file whose hash lies nearest the boundary moves over: the lowest
   hash into val, the highest into train; the manifest records the final split of every file.
 - Without a given tokenizer, a byte-level BPE is trained on the train documents only, so val stays unseen.
+  `model_tokenizer(MODEL_DIR)` gives a Hugging Face model's own (its tokenizer.json), so that a drafter can be
+  trained for that model on token ids it reads: documents end with the model's end-of-text token, which is the
+  tokenizer's `<|endoftext|>` (Qwen2), else config.json's eos_token_id (Llama 3's `<|end_of_text|>`; the first
+  of a list), else generation_config.json's, else tokenizer_config.json's eos_token. A directory without
+  tokenizer.json, or a tokenizer without any of those, is refused (ValueError / FileNotFoundError, one line).
 - out_dir gets tokenizer.json, train.bin and val.bin (flat native-endian uint16 arrays, uint32 above 65536
   ids: every document followed by the eos id) and manifest.json (interpreter version, split fraction,
   tokenizer sha256, token counts, every file with its sha256, size and split). manifest.json is written last,
@@ -16,8 +21,9 @@ Contract (docs/ARCHITECTURE.md, section 9):
 - The CPU machines (Python 3.11) and the GPU image (3.12) have different stdlibs: build on one machine and
   carry out_dir over, rather than rebuilding, so tokenizer, training and evaluation see the same files.
 
-    python -m tether.server.corpus data/corpus --vocab-size 4096       # or, from Python:
+    tether-server build-corpus --out data/corpus --vocab-size 4096     # or, from Python:
     manifest = build_corpus("data/corpus")
+    manifest = build_corpus("data/corpus-qwen", tokenizer=model_tokenizer("models/Qwen2-0.5B"))
     train = load_tokens("data/corpus", "train")                         # read-only np.memmap
 
 Tested by tests/server/test_corpus.py (`python -m pytest tests/server/test_corpus.py -q`).
@@ -25,7 +31,6 @@ Tested by tests/server/test_corpus.py (`python -m pytest tests/server/test_corpu
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -37,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
@@ -171,6 +177,45 @@ def _assign_splits(names: Sequence[str], holdout_fraction: float) -> list[str]:
     return splits
 
 
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def model_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """A Hugging Face model directory's tokenizer.json, its eos the model's end-of-text (see the module docstring)."""
+    directory = Path(model_dir)
+    path = directory / TOKENIZER_NAME
+    if not path.is_file():
+        what = "has no tokenizer.json" if directory.is_dir() else "is not a directory"
+        raise FileNotFoundError(f"{directory} {what} (--tokenizer takes a Hugging Face model's directory)")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot read
+        raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
+    if tokenizer.eos_id is not None:
+        return tokenizer
+    for name in ("config.json", "generation_config.json"):
+        eos = _read_json(directory / name).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < tokenizer.vocab_size:
+            return Tokenizer.from_file(path, eos_id=eos)
+    eos_token = _read_json(directory / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos_token, dict):
+        eos_token = eos_token.get("content")
+    if (
+        isinstance(eos_token, str)
+        and (eos := tokenizers.Tokenizer.from_file(str(path)).token_to_id(eos_token)) is not None
+    ):
+        return Tokenizer.from_file(path, eos_id=eos)
+    raise ValueError(
+        f"{directory}: no end-of-text token (no <|endoftext|> in tokenizer.json, no eos_token_id in config.json or "
+        "generation_config.json, no eos_token in tokenizer_config.json); the corpus ends each document with it"
+    )
+
+
 def load_tokens(directory: str | Path, split: str) -> np.ndarray:
     """The token ids of `split` as a read-only memory map (documents each followed by the eos id)."""
     _check_split(split)
@@ -292,35 +337,3 @@ def _write_atomically(path: Path, data: bytes) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_bytes(data)
     os.replace(partial, path)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the tether training corpus from the stdlib sources.")
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--extra", nargs="*", default=[], type=Path, help="more UTF-8 files to include")
-    parser.add_argument("--holdout-fraction", type=float, default=0.02)
-    parser.add_argument("--max-files", type=int, default=None, help="keep only the first N stdlib files")
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--tokenizer", type=Path, default=None, help="use this tokenizer.json instead of training")
-    args = parser.parse_args(argv)
-    manifest = build_corpus(
-        args.out_dir,
-        extra_files=args.extra,
-        holdout_fraction=args.holdout_fraction,
-        max_files=args.max_files,
-        vocab_size=args.vocab_size,
-        tokenizer=Tokenizer.from_file(args.tokenizer) if args.tokenizer else None,
-    )
-    summary = {
-        "out_dir": str(args.out_dir),
-        "python_version": manifest.python_version,
-        "files": len(manifest.files),
-        "skipped": len(manifest.skipped),
-        "tokens": {split: manifest.tokens(split) for split in SPLITS},
-        "tokenizer_sha256": manifest.tokenizer_sha256,
-    }
-    print(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main()

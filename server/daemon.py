@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from tether.server.batcher import warm_up
-from tether.server.generate import attention_backend, default_model_dir, load, pick_device
+from tether.server.generate import DTYPES, attention_backend, default_model_dir, load, pick_device
 from tether.server.http_api import start_http
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
@@ -57,6 +57,7 @@ from tether.server.warm_cache import (
 )
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
+from tether.shared.cli_support import host
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.weights import ONNX_PRECISIONS, client_part_tensors
@@ -71,8 +72,8 @@ class ServeConfig:
     host: str = "127.0.0.1"  # address to listen on
     port: int = 50051  # port to listen on (0 = any free port)
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
-    dtype: str = ""  # "float32" / "bfloat16" / "float16"; empty = bfloat16 on CUDA, float32 on CPU
-    attention: str = "auto"  # "auto" (Triton MoDA kernels on CUDA, reference elsewhere), "triton", "reference", "sdpa"
+    dtype: str = ""  # weights and activations; empty = bfloat16 on CUDA, float32 on CPU
+    attention: str = "auto"  # attention backend; auto = the Triton MoDA kernels on CUDA, the reference elsewhere
     max_sessions: int = 256  # sessions held at once (the least recently used idle one is evicted past it)
     max_sessions_per_key: int = 64  # sessions one API key may hold at once
     session_lease_s: float = 300.0  # a session idle this long expires: its quota and KV memory go back
@@ -88,16 +89,21 @@ class ServeConfig:
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
-    log_format: str = "text"  # "json": one JSON object per line with session ids (for log pipelines); "text"
-    log_level: str = "info"  # debug / info / warning / error
+    log_format: str = "text"  # json: one JSON object per line with session ids (for log pipelines)
+    log_level: str = "info"  # the least severe log records written
     cache_dir: str = ""  # keeps compiled kernels + autotuning across restarts (DIR/triton); empty = Triton's default
     # The ONNX client part is exported on its first request, per precision, and kept in DIR/onnx with --cache-dir.
-    onnx_precisions: str = ""  # export these ONNX precisions (e.g. "fp32,int8") before the port opens
+    onnx_precisions: str = ""  # export these before the port opens: a comma list of fp32, fp16, int8 (e.g. fp32,int8)
     http_host: str = "127.0.0.1"  # address of the OpenAI-compatible HTTP API
     http_port: int = -1  # port of the OpenAI-compatible HTTP API: -1 = off, 0 = any free port
     http_max_streams: int = 256  # HTTP generations at once; past it requests get 429 with Retry-After
     served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
 
+
+# The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
+CHOICES = {"dtype": ("", *DTYPES), "attention": ("auto", "triton", "reference", "sdpa"), "log_format": ("text", "json"),
+           "log_level": ("debug", "info", "warning", "error")}  # fmt: skip
+TYPES = {"host": host("--port"), "http_host": host("--http-port")}
 
 # The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
 WARM_FIELDS = ("model", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_block_size", "prefill_chunk",

@@ -12,8 +12,12 @@ The MoA recipe (REFERENCES.md), scaled to our models:
 The EAGLE baseline trains on the same batches and budget with its own objective (teacher-forced features
 plus uniform noise, as EAGLE does), so comparisons are like for like.
 Held-out evaluation: loss, and the mean acceptance length of greedy chain drafting on held-out prompts.
+The corpus must hold the target's token ids: its tokenizer is checked against the target's tokenizer.json (sha256)
+before anything loads, so a Hugging Face target needs a corpus built with `build-corpus --tokenizer`.
 
     tether-server train-drafter --target deploy/models/target --kind moa --tli 1 --out runs/moa1 --device cuda
+    tether-server build-corpus --tokenizer MODEL_DIR --out data/corpus-hf        # a Hugging Face target's ids
+    tether-server train-drafter --target MODEL_DIR --data data/corpus-hf --out runs/drafter-hf --device cuda
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
+from tether.server.corpus import CorpusManifest
 from tether.server.engine import SpeculativeEngine
 from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import DrafterConfig, build_drafter, save_drafter
 from tether.shared.model import Transformer
+from tether.shared.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -145,7 +151,19 @@ def acceptance_length(drafter, target: Transformer, val: np.ndarray, cfg: Drafte
     return float(np.mean(taus))
 
 
+def check_corpus_tokenizer(target: str | Path, data: str | Path) -> None:
+    """A drafter learns the target's token ids: refuse a corpus tokenized with another tokenizer (say tether's own
+    BPE for a Hugging Face target), which would train it on ids that mean other text, or none at all."""
+    path = Path(target) / "tokenizer.json"
+    if path.is_file() and Tokenizer.from_file(path).sha256 != CorpusManifest.load(data).tokenizer_sha256:
+        raise ValueError(
+            f"the corpus in {data} was not tokenized with {target}'s tokenizer: build one that is with "
+            f"`tether-server build-corpus --tokenizer {target} --out DIR`, then --data DIR"
+        )
+
+
 def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> dict:
+    check_corpus_tokenizer(cfg.target, cfg.data)
     console = console or Console(stderr=True, quiet=cfg.quiet)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,32 @@
-"""What both command lines share: frozen config dataclasses as argparse flags, and one way to report errors.
+"""What the command lines share: config dataclasses as flags, TETHER_* variables, help, errors, --version.
 
 Contract:
-- `add_dataclass_args(parser, Cls)` adds one --flag per field (defaults from the dataclass, help from the
-  field's trailing comment); `build_config(Cls, args)` turns the parsed flags back into a frozen instance.
-- `parse_overrides(["field=JSON", ...])` reads `--set` overrides into (field, value) pairs.
+- `EnvParser`: an ArgumentParser (the class of every parser and subcommand parser of tether-server, tether-client
+  and tether-netsim) whose every flag can also come from its TETHER_* variable (tether.shared.env: `--foo-bar`
+  from TETHER_FOO_BAR, one variable per flag name). A variable is parsed as the flag's value would be: its type and
+  choices, a switch as 1/0/true/false/yes/no, a flag of several values (or one that may be repeated) as values
+  separated by spaces. An invalid one ends the command in one line naming the variable, with exit status 2. The
+  command line wins: a flag given there, or another flag of its mutually exclusive group, leaves the variable
+  unread; a required flag may come from its variable alone. --help shows every flag's default, its choices and its
+  variable (`HelpFormatter`).
+- `LazyParser`: an EnvParser for a subcommand (`add_subparsers(parser_class=LazyParser)`) whose
+  `add_arguments(parser)` runs the first time it parses or prints help, so a top-level `--help` never imports what
+  the flags are built from (the edge client's come from its session module, and everything that imports).
+- `add_dataclass_args(parser, Cls, choices=..., types=...)` adds one --flag per field (defaults from the dataclass,
+  help from the field's trailing comment; `choices` for the fields that take one of a fixed set of values, `types`
+  for those checked by a function such as `host_port`); `build_config(Cls, args)` turns the parsed flags back into a
+  frozen instance. `parse_overrides(["field=JSON", ...])` reads `--set` overrides into (field, value) pairs.
+- `host_port` / `host(port_flag)`: argparse types of a flag that takes HOST:PORT, or a host whose port is another
+  flag; each refuses the other form when parsing, before anything dials or binds.
 - `run_cli(parser, argv)` parses, runs the chosen subcommand and turns the errors a user can act on (a missing
   file, a bad value) into one line on stderr and exit status 2, without a traceback.
-- `LazyParser`: a subcommand parser (`add_subparsers(parser_class=LazyParser)`) whose `add_arguments(parser)`
-  runs the first time it parses or prints help, so a top-level `--help` never imports what the flags are built from
-  (the edge client's come from its session module, and everything that imports).
 - `add_version_flag(parser, distribution)`: `--version` that reads the installed version only when it is asked.
 
+    parser = EnvParser(prog="tether-thing")
+    add_version_flag(parser, "tether")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     sub.add_parser("generate", add_arguments=lambda p: add_dataclass_args(p, Config)).set_defaults(func=generate)
-    run_cli(parser, argv)
+    run_cli(parser, argv)        # TETHER_PROMPT=hi tether-thing generate  ==  tether-thing generate --prompt hi
 """
 
 from __future__ import annotations
@@ -21,10 +34,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import itertools
 import json
 import re
+import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from tether.shared import env
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -33,20 +50,32 @@ def field_comments(cls) -> dict[str, str]:
     return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: Sequence[str] = (), helps: dict | None = None):
-    """One --flag per field; defaults from the dataclass; help from `helps`, else the field's comment."""
-    helps = field_comments(cls) | (helps or {})
+def add_dataclass_args(
+    parser: argparse.ArgumentParser,
+    cls,
+    skip: Sequence[str] = (),
+    helps: Mapping[str, str] | None = None,
+    choices: Mapping[str, Sequence[str]] | None = None,
+    types: Mapping[str, Callable[[str], object]] | None = None,
+) -> None:
+    """One --flag per field; defaults from the dataclass; help from `helps`, else the field's comment; `choices`
+    and `types` (a function of the text, for a list flag of each item) by field name."""
+    helps = field_comments(cls) | dict(helps or {})
+    choices, types = choices or {}, types or {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
+        extra = {"choices": tuple(choices[f.name])} if f.name in choices else {}
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
         elif isinstance(default, tuple):
-            parser.add_argument(flag, nargs="*", default=list(default), help=helps.get(f.name))
+            parser.add_argument(flag, nargs="*", default=list(default), type=types.get(f.name), help=helps.get(f.name),
+                                **extra)  # fmt: skip
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=helps.get(f.name))
+            parser.add_argument(flag, type=types.get(f.name, type(default)), default=default, help=helps.get(f.name),
+                                **extra)  # fmt: skip
 
 
 def build_config(cls, args: argparse.Namespace, **extra):
@@ -78,7 +107,212 @@ def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) 
         return 2
 
 
-class LazyParser(argparse.ArgumentParser):
+# ---- addresses -------------------------------------------------------------------------------------------------
+
+_PORT = r"\d{1,5}"
+_HOST_PORT = re.compile(rf"(?:\[[0-9A-Fa-f:.%\w]+\]|[^\s:\[\]/]+):({_PORT})", re.ASCII)
+
+
+def host_port(text: str) -> str:
+    """The argparse type of a flag that takes HOST:PORT ([v6]:PORT for IPv6): the text as given, or an error. A
+    bare host is refused: gRPC would dial it on port 443 and the user would wait for a timeout to learn why."""
+    m = _HOST_PORT.fullmatch(text)
+    if m is None or int(m.group(1)) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} (such as 127.0.0.1:50051 or [::1]:50051)")
+    return text
+
+
+def host(port_flag: str) -> Callable[[str], str]:
+    """The argparse type of a flag that takes a host alone, its port being `port_flag` (--host and --port)."""
+
+    def parse(text: str) -> str:
+        if _HOST_PORT.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"{text!r} has a port: give the host alone, and the port with {port_flag}")
+        if any(c.isspace() or c == "/" for c in text):  # "" passes, as it always has
+            raise argparse.ArgumentTypeError(f"expected a host name or IP address, got {text!r}")
+        return text
+
+    parse.__name__ = "host"
+    return parse
+
+
+# ---- the environment and help ----------------------------------------------------------------------------------
+
+
+def flag_variable(action: argparse.Action) -> str | None:
+    """The TETHER_* variable of a flag; None for what reads none: positionals, --help, --version, counters."""
+    flag = next((s for s in action.option_strings if s.startswith("--")), None)
+    if flag is None or action.nargs in (argparse.PARSER, argparse.REMAINDER, argparse.SUPPRESS):
+        return None
+    if action.nargs == 0 and not isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreConstAction)):
+        return None
+    return env.variable(flag)
+
+
+def _shown(value: object) -> str:
+    """A default or choice as a user would type it."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return " ".join(_shown(v) for v in value) if value else "none"
+    return str(value) if value != "" else '""'
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its choices (when its metavar hides them), its default (unless the help says it
+    in its own words, "(default: ...)") and its variable: `port to listen on (default: 50051) (env: TETHER_PORT)`.
+    An empty string shows as "". Descriptions and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings:
+            return text
+        notes = []
+        if action.choices is not None and action.metavar is not None and "%(choices)" not in text:
+            notes.append("choices: " + ", ".join(_shown(c) for c in action.choices))
+        if action.required:
+            notes.append("required")
+        elif action.default is not argparse.SUPPRESS and "%(default)" not in text and "(default: " not in text:
+            notes.append("default: %(default)s")
+        name = flag_variable(action)
+        if name is not None:
+            notes.append(f"env: {name}")
+        text += "".join(f" ({note})" for note in notes)
+        if action.default is not argparse.SUPPRESS:
+            text = text.replace("%(default)s", _shown(action.default).replace("%", "%%"))
+        return text
+
+    def _metavar_formatter(self, action: argparse.Action, default_metavar: str):
+        if action.metavar is None and action.choices is not None and action.option_strings:
+            shown = "{" + ",".join(_shown(c) for c in action.choices) + "}"
+            return lambda size: (shown,) * size
+        return super()._metavar_formatter(action, default_metavar)
+
+
+class _Unset:
+    """Stands in a parse's namespace for a flag whose variable is set, until the command line does or does not."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+class EnvParser(argparse.ArgumentParser):
+    """An ArgumentParser whose flags also come from TETHER_* variables (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        found = self._environment()
+        if not found:
+            return super().parse_known_args(args, namespace)
+        namespace = argparse.Namespace() if namespace is None else namespace
+        # Each flag that has a variable, and the flags it excludes, start as a marker no command line can produce:
+        # after the parse, a marker still there means the command line left that flag out. Flags that may repeat
+        # start as None, which argparse's append turns into a fresh list rather than adding to the variable's.
+        markers: dict[argparse.Action, object] = {}
+        for action in found:
+            for a in self._excluding(action):
+                if a not in markers and not hasattr(namespace, a.dest):
+                    markers[a] = None if isinstance(a, argparse._AppendAction) else _Unset()
+                    setattr(namespace, a.dest, markers[a])
+        # A variable satisfies a required flag, or a required group (--prompt or --prompt-file), like the flag.
+        supplied = {a for a in found if a in markers}
+        required: list = [a for a in supplied if a.required]
+        required += [g for g in self._mutually_exclusive_groups if g.required and supplied & set(g._group_actions)]
+        for a in required:
+            a.required = False
+        try:
+            namespace, extras = super().parse_known_args(args, namespace)
+        finally:
+            for a in required:
+                a.required = True
+        given = {a for a, marker in markers.items() if getattr(namespace, a.dest, marker) is not marker}
+        applied = [a for a in found if a in supplied and not given & self._excluding(a)]
+        for a, b in itertools.combinations(applied, 2):
+            if b in self._excluding(a):
+                self.exit(2, f"{self.prog}: error: {flag_variable(a)} and {flag_variable(b)} are both set, but "
+                             f"{a.option_strings[0]} and {b.option_strings[0]} exclude each other\n")  # fmt: skip
+        for a, marker in markers.items():
+            if getattr(namespace, a.dest, marker) is marker:
+                self._restore_default(namespace, a)
+        for a in applied:
+            setattr(namespace, a.dest, found[a])
+        return namespace, extras
+
+    def _environment(self) -> dict[argparse.Action, object]:
+        """The value of every flag whose variable is set, parsed as the flag's; exit 2 on an invalid one."""
+        found = {}
+        for action in self._actions:
+            name = flag_variable(action)
+            text = None if name is None else env.value(name)
+            if text is None:
+                continue
+            try:
+                found[action] = self._parse_variable(action, text)
+            except (argparse.ArgumentError, ValueError) as e:
+                message = e.message if isinstance(e, argparse.ArgumentError) else str(e)
+                flags = "/".join(action.option_strings)
+                self.exit(2, f"{self.prog}: error: {name} (for {flags}): {message}\n")
+        return found
+
+    def _parse_variable(self, action: argparse.Action, text: str) -> object:
+        """What the flag would leave in the namespace had the command line given it the variable's text."""
+        flag = action.option_strings[0]
+        if action.nargs == 0:
+            on = env.parse_bool(text)
+            if isinstance(action, argparse.BooleanOptionalAction):
+                return on
+            return action.const if on else action.default  # store_true, store_false, store_const
+        repeated = isinstance(action, argparse._AppendAction)
+        several = (
+            repeated or action.nargs in (argparse.ZERO_OR_MORE, argparse.ONE_OR_MORE) or isinstance(action.nargs, int)
+        )
+        words = shlex.split(text) if several else [text]
+        single = action.nargs in (None, argparse.OPTIONAL)
+        scratch = argparse.Namespace()
+        if action.default is not argparse.SUPPRESS:
+            setattr(scratch, action.dest, action.default)
+        for strings in [[w] for w in words] if repeated and single else [words]:
+            action(self, scratch, self._convert(action, strings, single), flag)
+        return getattr(scratch, action.dest)
+
+    def _convert(self, action: argparse.Action, strings: list[str], single: bool) -> object:
+        if single:
+            value = self._get_value(action, strings[0])
+            self._check_value(action, value)
+            return value
+        if action.nargs == argparse.ONE_OR_MORE and not strings:
+            raise ValueError("expected at least one value")
+        if isinstance(action.nargs, int) and len(strings) != action.nargs:
+            raise ValueError(f"expected {action.nargs} values separated by spaces, got {len(strings)}")
+        values = [self._get_value(action, s) for s in strings]
+        for v in values:
+            self._check_value(action, v)
+        return values
+
+    def _excluding(self, action: argparse.Action) -> set[argparse.Action]:
+        """The flag and those of its mutually exclusive groups."""
+        out = {action}
+        for group in self._mutually_exclusive_groups:
+            if action in group._group_actions:
+                out.update(group._group_actions)
+        return out
+
+    def _restore_default(self, namespace: argparse.Namespace, action: argparse.Action) -> None:
+        """What argparse leaves for a flag the command line left out: its default (a string one converted)."""
+        if action.default is argparse.SUPPRESS:
+            delattr(namespace, action.dest)
+        elif isinstance(action.default, str):
+            setattr(namespace, action.dest, self._get_value(action, action.default))
+        else:
+            setattr(namespace, action.dest, action.default)
+
+
+class LazyParser(EnvParser):
     """A subcommand's parser whose arguments are added by `add_arguments(self)` on first use: parsing, help, usage."""
 
     def __init__(self, *args, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
@@ -101,6 +335,9 @@ class LazyParser(argparse.ArgumentParser):
     def format_usage(self) -> str:
         self._complete()
         return super().format_usage()
+
+
+# ---- --version -------------------------------------------------------------------------------------------------
 
 
 def installed_version(distribution: str) -> str | None:

@@ -1,23 +1,29 @@
 """Corpus builder: deterministic stdlib file list, per-file hash split, well-formed and reproducible outputs.
 
-Builds from the first 40 stdlib files with a 512-token vocabulary (a few seconds).
+Builds from the first 40 stdlib files with a 512-token vocabulary (a few seconds), and corpora in a Hugging Face
+model's token ids (`model_tokenizer`): its end-of-text found where transformers keeps it, a model without one refused.
 Run: `python -m pytest tests/server/test_corpus.py -q`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tether.server.corpus import (
     CorpusManifest,
     build_corpus,
     load_tokens,
+    model_tokenizer,
     split_of,
     stdlib_files,
     stdlib_root,
@@ -141,3 +147,68 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
         build_corpus(tmp_path, max_files=2, extra_files=["a.py", "./a.py"], progress=False)
     with pytest.raises(ValueError, match="holdout_fraction"):
         build_corpus(tmp_path, max_files=2, holdout_fraction=0.0, progress=False)
+
+
+# ---- a Hugging Face model's tokenizer (tether-server build-corpus --tokenizer MODEL_DIR) ------------------------
+
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>")  # ids 0 and 1: no <|endoftext|>
+QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+
+
+def model_dir(root: Path, specials: Sequence[str], **json_files: dict) -> Path:
+    """A Hugging Face-style model directory as far as the tokenizer goes: a byte-level BPE tokenizer.json (its
+    special tokens first, in order) and the given JSON files (config, generation_config, tokenizer_config)."""
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    backend.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer=trainer)
+    root.mkdir(parents=True)
+    backend.save(str(root / "tokenizer.json"))
+    for name, doc in json_files.items():
+        (root / f"{name}.json").write_text(json.dumps(doc))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("specials", "files", "eos"),
+    [
+        (QWEN2_SPECIALS, {"config": {"eos_token_id": 2}}, 0),  # its <|endoftext|> separates documents
+        (LLAMA3_SPECIALS, {"config": {"eos_token_id": [1, 0]}}, 1),  # an instruct model's list: the first
+        (LLAMA3_SPECIALS, {"config": {}, "generation_config": {"eos_token_id": 1}}, 1),
+        (LLAMA3_SPECIALS, {"tokenizer_config": {"eos_token": {"content": "<|end_of_text|>"}}}, 1),
+        (LLAMA3_SPECIALS, {"tokenizer_config": {"eos_token": "<|end_of_text|>"}}, 1),
+    ],
+    ids=["endoftext", "config-list", "generation-config", "tokenizer-config-dict", "tokenizer-config-str"],
+)
+def test_a_models_end_of_text_is_found_where_transformers_keeps_it(tmp_path, specials, files, eos) -> None:
+    assert model_tokenizer(model_dir(tmp_path / "m", specials, **files)).eos_id == eos
+
+
+def test_a_corpus_in_a_models_token_ids_ends_each_document_with_its_end_of_text(tmp_path: Path) -> None:
+    model = model_dir(tmp_path / "llama3", LLAMA3_SPECIALS, config={"eos_token_id": 1})
+    manifest = build_corpus(tmp_path / "c", max_files=6, tokenizer=model_tokenizer(model), progress=False)
+    served = Tokenizer.from_pretrained(model)  # what serve and train-drafter read from the model directory
+    assert manifest.tokenizer_sha256 == served.sha256
+    assert (manifest.eos_id, manifest.vocab_size) == (1, served.vocab_size)
+    assert Tokenizer.from_file(tmp_path / "c" / "tokenizer.json").sha256 == served.sha256
+    for split in ("train", "val"):
+        docs = _documents(np.asarray(load_tokens(tmp_path / "c", split)), 1)
+        files = manifest.files_in(split)
+        assert len(docs) == len(files) > 0
+        for doc, f in zip(docs, files, strict=True):
+            assert served.decode_bytes(doc.tolist()) == (stdlib_root() / f.name).read_bytes()
+
+
+def test_a_directory_without_a_usable_tokenizer_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        model_tokenizer(tmp_path / "missing")
+    (tmp_path / "weights-only").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        model_tokenizer(tmp_path / "weights-only")
+    (tmp_path / "weights-only" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a tokenizer"):
+        model_tokenizer(tmp_path / "weights-only")
+    with pytest.raises(ValueError, match="no end-of-text token"):
+        model_tokenizer(model_dir(tmp_path / "no-eos", LLAMA3_SPECIALS, config={"eos_token_id": 999}))
