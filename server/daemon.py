@@ -166,7 +166,7 @@ def _http_config(cfg: ServeConfig, config: ServiceConfig):
                       tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
 
 
-def _warm_kernels(target, pool, kernel_dir: Path) -> str:
+def _warm_kernels(target, pool, kernel_dir: Path, drafter=None) -> str:
     """serve's kernel warm-up (batcher.warm_up) on the Triton backend; "warm cache" when it added no file to
     Triton's cache (everything was there), "cold cache" when it compiled or tuned anything."""
     if not (isinstance(target, Transformer) and target.backend == "triton"):
@@ -174,10 +174,11 @@ def _warm_kernels(target, pool, kernel_dir: Path) -> str:
     from tether.kernels.moda_prefill import interpreting
 
     before, t0 = count_entries(kernel_dir), time.perf_counter()
-    warm_up(target, pool)
+    warm_up(target, pool, drafter=drafter)
     root = current_dir()
     if root is not None:  # the step graphs the last run captured (serve records them when it stops)
-        n = step_runner(target, pool).capture_shapes(load_shapes(root, _shapes_key(target, pool)))
+        shapes = load_shapes(root, _shapes_key(target, pool))
+        n = step_runner(target, pool).capture_shapes(shapes, drafter=drafter)
         log.info("captured %d step graphs recorded by an earlier run", n)
     seconds, added = time.perf_counter() - t0, count_entries(kernel_dir) - before
     if interpreting():
@@ -217,7 +218,7 @@ def warm(cfg: ServeConfig) -> int:
     torch.set_grad_enabled(False)
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
     try:
-        state = _warm_kernels(target, service.pool, kernel_dir)
+        state = _warm_kernels(target, service.pool, kernel_dir, drafter)
     finally:
         service.close()
     print(f"warmed {kernel_dir} in {time.perf_counter() - t_start:.1f} s ({state})", flush=True)
@@ -271,7 +272,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         t0 = time.perf_counter()
         service.exporter.part(precision)
         log.info("ONNX client part (%s) ready in %.1f s", precision, time.perf_counter() - t0)
-    cache_state = _warm_kernels(target, service.pool, kernel_dir)
+    cache_state = _warm_kernels(target, service.pool, kernel_dir, drafter)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:
