@@ -179,7 +179,8 @@ def gpu_warm_up(monkeypatch) -> list:
     monkeypatch.setattr(moda_prefill, "interpreting", lambda: False)
     pools = []
 
-    def warm_up(target, pool):
+    def warm_up(target, pool, drafter=None):
+        assert drafter is not None  # serve's rounds deliver deltas: the drafter's server part is warmed with them
         pools.append(pool)
         for name in KERNELS:
             path = warm_cache.kernel_cache_dir() / name.split(".")[0] / name
