@@ -5,7 +5,9 @@ Contract:
   Future of the round's (verdict, delta), or of `finish((verdict, delta))` when given: the service's encoding of
   the reply, run on the batcher's finishing thread, which takes each batch's results as a whole while the next
   step runs (one thread for every round's encoding: no hop through a thread pool, no contention with prefills
-  for it). A worker thread runs continuous batching, as vLLM's scheduler does per iteration: whenever it is
+  for it). `submit_here(...)`, called on an event loop, also returns an asyncio Future that the finishing
+  thread settles with the rest of its step in one call on that loop. A worker thread runs continuous batching,
+  as vLLM's scheduler does per iteration: whenever it is
   free it takes every round waiting, oldest first, as long as the step stays within `max_batch` rows and
   `max_tokens` rows x tokens (the largest step bucket), and verifies them as one step
   (tether.server.rounds.verify_batch, deltas in host memory for the encoder); rounds arriving meanwhile join the
@@ -17,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import queue
 import threading
@@ -93,8 +96,20 @@ class RoundBatcher:
         self, verifier: SequenceVerifier, tree: DraftTree, finish: Callable[[tuple], Any] | None = None
     ) -> Future:
         fut: Future = Future()
-        self.inbox.put((verifier, tree, (fut, finish)))
+        self.inbox.put((verifier, tree, (fut, finish, None)))
         return fut
+
+    def submit_here(
+        self, verifier: SequenceVerifier, tree: DraftTree, finish: Callable[[tuple], Any] | None = None
+    ) -> tuple[Future, asyncio.Future]:
+        """`submit` from a coroutine: the same Future (done when the worker threads are through with the verifier)
+        and an asyncio Future of this event loop with the same outcome. The finishing thread settles the asyncio
+        Futures of one step's rounds on their loop in one call, where a wrapped Future wakes the loop once per
+        round (a pipe write on this thread and a read on the loop's, for every round)."""
+        fut: Future = Future()
+        here = asyncio.get_running_loop().create_future()
+        self.inbox.put((verifier, tree, (fut, finish, here)))
+        return fut, here
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -159,11 +174,32 @@ class RoundBatcher:
     def _finish(self) -> None:
         """Each step's rounds, finished and answered in order (their futures' results or errors)."""
         while (step := self._done.get()) is not None:
-            for (fut, finish), result in step:
+            settle: dict[asyncio.AbstractEventLoop, list] = {}
+            for (fut, finish, here), result in step:
+                if not isinstance(result, Exception):
+                    try:
+                        result = result if finish is None else finish(result)
+                    except Exception as e:
+                        result = e
                 if isinstance(result, Exception):
                     fut.set_exception(result)
-                    continue
+                else:
+                    fut.set_result(result)
+                if here is not None:
+                    settle.setdefault(here.get_loop(), []).append((here, result))
+            for loop, outcomes in settle.items():
                 try:
-                    fut.set_result(result if finish is None else finish(result))
-                except Exception as e:
-                    fut.set_exception(e)
+                    loop.call_soon_threadsafe(_settle, outcomes)
+                except RuntimeError:  # the loop has closed: nobody is waiting any more
+                    pass
+
+
+def _settle(outcomes: list[tuple[asyncio.Future, Any]]) -> None:
+    """On the loop: each asyncio Future's outcome (an exception is raised to its awaiter), unless it was cancelled."""
+    for here, result in outcomes:
+        if here.cancelled():
+            continue
+        if isinstance(result, Exception):
+            here.set_exception(result)
+        else:
+            here.set_result(result)

@@ -104,8 +104,8 @@ class PlainDecoding:
                     work = self.executor.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
                     chunk = await self._wait(work)
                 else:
-                    work = self.batcher.submit(ver, DraftTree.chain(token, []))
-                    chunk = [(await self._wait(work))[0].bonus]
+                    work, here = self.batcher.submit_here(ver, DraftTree.chain(token, []))
+                    chunk = [(await self._wait(work, None, here))[0].bonus]
                 token, left = chunk[-1], left - len(chunk)
                 yield chunk
         except PoolExhausted:

@@ -218,11 +218,13 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         with self._inflight_lock:
             self._inflight.discard(work)
 
-    async def _wait(self, work: concurrent.futures.Future, claim: Claim | None = None):
-        """The result of work running on a thread. If the call is cancelled meanwhile (its client went away), the
-        session stays claimed until the thread has finished with it."""
+    async def _wait(self, work: concurrent.futures.Future, claim: Claim | None = None,
+                    here: asyncio.Future | None = None):  # fmt: skip
+        """The result of work running on a thread (from `here`, its outcome on this loop, when the batcher gave
+        one: RoundBatcher.submit_here). If the call is cancelled meanwhile (its client went away), the session
+        stays claimed until the thread has finished with it."""
         self._track(work)
-        result = asyncio.wrap_future(work)
+        result = asyncio.wrap_future(work) if here is None else here
         try:
             return await asyncio.shield(result)
         except asyncio.CancelledError:
@@ -463,7 +465,8 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                 with self.metrics.verify_seconds.time():
                     # The reply is encoded on the batcher's finishing thread, straight after the step.
                     finish = functools.partial(self._verdict_reply, req.round, s.codec)
-                    verdict, message = await self._wait(self.batcher.submit(s.verifier, tree, finish), claim)
+                    work, here = self.batcher.submit_here(s.verifier, tree, finish)
+                    verdict, message = await self._wait(work, claim, here)
             except ValueError as e:
                 raise invalid(str(e)) from None
             except PoolExhausted:

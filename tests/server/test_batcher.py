@@ -139,3 +139,53 @@ def test_continuous_batching_takes_what_waits_oldest_first_within_the_step_shape
     assert [f.result(10) for f in futures] == [("done", i) for i in range(7)]
     # 3 x 2 tokens fit; 16 would make 4 x 16 = 64 > 32; then 16 + 2 (2 x 16 = 32); then the last 2.
     assert steps == [[2], [2, 2, 2], [16, 2], [2]]
+
+
+def test_rounds_submitted_from_a_loop_are_settled_there_a_step_at_a_time(monkeypatch):
+    """submit_here: each round's asyncio Future gets its outcome (finish's result, or the exception of its row or of
+    its finish) on the loop that submitted it, in one call per step; the concurrent Future has the same outcome; a
+    Future its awaiter cancelled is left alone."""
+    import asyncio
+
+    from tether.server import batcher as batcher_module
+
+    started, gate = threading.Event(), threading.Event()
+
+    def fake_verify_batch(target, items, host_deltas=False):
+        started.set()
+        gate.wait(10)  # the first step holds the worker until every other round is queued: they share the next step
+        return [ValueError(f"bad {v}") if v == 2 else ("done", v) for v, _ in items]
+
+    monkeypatch.setattr(batcher_module, "verify_batch", fake_verify_batch)
+    calls = []
+    real_settle = batcher_module._settle
+    monkeypatch.setattr(
+        batcher_module, "_settle", lambda outcomes: (calls.append(len(outcomes)), real_settle(outcomes))
+    )
+
+    def finish(result):
+        if result[1] == 3:
+            raise RuntimeError("encoding failed")
+        return ("finished",) + result
+
+    async def main():
+        b = RoundBatcher(None, max_batch=8, max_tokens=64)
+        first = b.submit_here(0, DraftTree.chain(0, []), finish)
+        assert started.wait(10)  # the worker has taken round 0 into a step of its own
+        rest = [b.submit_here(i, DraftTree.chain(0, []), finish) for i in range(1, 5)]
+        rest[-1][1].cancel()  # its client went away
+        gate.set()
+        b.close()
+        assert await first[1] == ("finished", "done", 0)
+        assert await rest[0][1] == ("finished", "done", 1)
+        with pytest.raises(ValueError, match="bad 2"):
+            await rest[1][1]
+        with pytest.raises(RuntimeError, match="encoding failed"):
+            await rest[2][1]
+        assert rest[3][0].result(10) == ("finished", "done", 4) and rest[3][1].cancelled()
+        assert rest[2][0].exception(10) is not None
+        b.worker.join(10)
+        b.finisher.join(10)
+
+    asyncio.run(main())
+    assert calls == [1, 4]  # round 0's step, then the other four's, one call each
