@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from tether.server.errors import Reason, RequestError
 from tether.server.rpc_server import event_loop
 from tether.server.service import TetherService
-from tether.shared.openai_api import ApiError, ErrorKind, Sampling
+from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
 from tether.v1 import tether_pb2 as pb
 
 # The service's refusals as HTTP errors; anything else it raises for a request is a server bug (500).
@@ -50,6 +50,8 @@ def api_error(e: RequestError) -> ApiError:
 class ServiceBackend:
     """An OpenAIApp backend decoding on a TetherService (see the module docstring)."""
 
+    drafts_offline = False  # the target decides every token
+
     def __init__(self, service: TetherService, model_id: str):
         self.service, self.model_id = service, model_id
         self.chat = service.chat_format
@@ -59,7 +61,7 @@ class ServiceBackend:
         self.outstanding = 0  # generations whose KV is still held (any thread)
         self._released = threading.Condition()
 
-    async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[list[int]]:
+    async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]:
         params = pb.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                                    seed=sampling.seed)  # fmt: skip
         try:
@@ -72,7 +74,7 @@ class ServiceBackend:
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    yield chunk
+                    yield Tokens(chunk)
         except RequestError as e:
             raise api_error(e) from None
 

@@ -18,6 +18,12 @@ Contract:
   returned ends before the stop string; hidden ids (special tokens) add no text. `flush()` gives what was held.
 - `completion_body`, `chat_body`, `completion_chunk`, `chat_chunk`, `usage` build the JSON bodies; `sse(obj)` and
   `SSE_DONE` frame a stream.
+- `Tokens(ids, offline)`: a chunk of token ids as a backend yields them; `offline` marks ids the edge drafted alone
+  while its link was down. A backend that can do that (the edge's) gets tether's one extension of OpenAI's schema,
+  `with_offline(body, n)`: every choice (of a body or a chunk) carries `"tether": {"offline_tokens": n}`, the
+  number of completion tokens behind that choice's text that were made offline and not verified (in a stream:
+  since the chunk before, so they add up to the body's count). Clients that do not know it ignore it (the openai
+  package keeps unknown fields as extras).
 
 Torch- and gRPC-free: the server's HTTP API (tether.server.http_api) and an edge endpoint use it alike.
 
@@ -68,6 +74,7 @@ class ErrorKind(enum.Enum):
     TOO_LARGE = (413, "invalid_request_error", "request_too_large")
     RATE_LIMITED = (429, "rate_limit_error", "rate_limit_exceeded")
     INTERNAL = (500, "server_error", "internal_error")
+    UPSTREAM = (502, "server_error", "upstream_error")  # a gateway's upstream (the edge's tether server) refused
     OVERLOADED = (503, "server_error", "overloaded")
 
     @property
@@ -90,6 +97,14 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(ErrorKind.INVALID_REQUEST, message, param)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A chunk of generated token ids, as a backend yields them."""
+
+    ids: list[int]  # in order, after those of the chunks before
+    offline: bool = False  # drafted at the edge while the link was down, and not verified by the target
 
 
 @dataclass(frozen=True)
@@ -357,6 +372,13 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: s
     """A streamed piece of the assistant's message; delta None: the usage-only last chunk (no choices)."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+
+
+def with_offline(body: dict, offline_tokens: int) -> dict:
+    """`body` with tether's extension in its choice: how many of the choice's tokens were made offline."""
+    for choice in body["choices"]:
+        choice["tether"] = {"offline_tokens": offline_tokens}
+    return body
 
 
 def sse(obj: dict) -> bytes:

@@ -10,9 +10,11 @@ Contract:
   401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404 an unknown
   model or route, 413 a body over the limit, 429 past `max_streams` generations at once, 503 when the backend has
   no room, 500 only for a server bug. A client that goes away, streaming or not, closes its generation at once.
-- `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of token-id chunks
+- `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
   (closing it ends the generation); `ApiError` from it becomes the response's status, or an error event
-  mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it.
+  mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it, tether.client.edge_api
+  the edge's sessions. A backend with `drafts_offline` may yield tokens marked offline; every choice it answers
+  then carries tether's extension field, `"tether": {"offline_tokens": n}` (tether.shared.openai_api).
 - `HttpServer(app, config).start(loop)` runs uvicorn as a task on an existing asyncio loop (the gRPC server's: one
   event loop for both) and returns the bound port (config.port 0 picks a free one); `stop()` stops taking requests
   and gives those in flight `grace_s` seconds.
@@ -53,6 +55,7 @@ from tether.shared.openai_api import (
     GenerationRequest,
     Sampling,
     TextStream,
+    Tokens,
     chat_body,
     chat_chunk,
     completion_body,
@@ -62,6 +65,7 @@ from tether.shared.openai_api import (
     parse_completion,
     sse,
     usage,
+    with_offline,
 )
 
 log = logging.getLogger("tether.http")
@@ -88,8 +92,9 @@ class Backend(Protocol):
     max_context: int  # positions a sequence may hold: prompt + completion
     max_prompt_tokens: int  # longest prompt accepted
     max_new_tokens: int  # most completion tokens per request
+    drafts_offline: bool  # True: chunks may be marked offline, and every choice carries the "tether" field
 
-    def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[list[int]]: ...
+    def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]: ...
 
 
 class OpenAIApp:
@@ -243,7 +248,9 @@ class _Generation:
         stop_ids = frozenset() if req.ignore_eos else chat.stop_ids
         self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids)
         self.finish = "length"
-        self.first: list[int] = []
+        self.first = Tokens([])
+        self.offline_tokens = 0  # tokens consumed that were made offline
+        self._offline_unsent = 0  # of those, the ones no streamed chunk has counted yet
         app.live += 1
         self._closed = False
         self.chunks = app.backend.generate(prompt, req.sampling, max_tokens)
@@ -253,7 +260,7 @@ class _Generation:
         try:
             self.first = await anext(self.chunks)
         except StopAsyncIteration:
-            self.first = []
+            self.first = Tokens([])
         except BaseException:
             await self.close()
             raise
@@ -268,8 +275,11 @@ class _Generation:
         """The completion's text as it is decided; `finish` is "stop" or "length" once it ends."""
         chunk = self.first
         while True:
-            for token in chunk:
+            for token in chunk.ids:
                 piece = self.text.push(token)
+                if chunk.offline:
+                    self.offline_tokens += 1
+                    self._offline_unsent += 1
                 if piece:
                     yield piece
                 if self.text.finish_reason is not None or self.text.tokens >= self.max_tokens:
@@ -298,6 +308,8 @@ class _Generation:
             body = chat_chunk(self.rid, self.created, self.model, delta, finish)
         else:
             body = completion_chunk(self.rid, self.created, self.model, text, finish)
+        if self.app.backend.drafts_offline:
+            body, self._offline_unsent = with_offline(body, self._offline_unsent), 0
         if self.req.include_usage:
             body["usage"] = self._usage() if text is None else None
         return sse(body)
@@ -337,7 +349,8 @@ class _Generation:
                 await text_task
             await self.close()
         build = chat_body if self.req.chat else completion_body
-        return JSONResponse(build(self.rid, self.created, self.model, text, self.finish, self._usage()))
+        body = build(self.rid, self.created, self.model, text, self.finish, self._usage())
+        return JSONResponse(with_offline(body, self.offline_tokens) if self.app.backend.drafts_offline else body)
 
 
 class _EventStream(StreamingResponse):
