@@ -21,7 +21,6 @@ tether.client.pairing_checks.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from tether.client.pairing_checks import (
 from tether.client.weight_cache import WeightCache
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
-from tether.shared.weights import TOKENIZER_TENSOR, ClientPartMismatch, build_client_part
+from tether.shared.weights import TOKENIZER_TENSOR, ClientPartMismatch, build_client_part, drafter_fingerprint
 from tether.v1 import tether_pb2 as pb
 
 
@@ -54,10 +53,6 @@ class ClientModels:
     drafter: torch.nn.Module
     tokenizer: Tokenizer
     info: pb.ModelInfo
-
-
-def _sha256_json(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def fetch_client_part(
@@ -76,7 +71,7 @@ def fetch_client_part(
     req, man = request_manifest(stub, info, pb.CLIENT_PART_TENSORS, metadata=metadata, timeout_s=timeout_s)
     manifest = manifest_entries(man)
     check_manifest(manifest, cfg, dcfg, max_bytes=max_bytes)
-    want = _sha256_json({"config": json.loads(info.drafter_config_json), "tensors": [e.sha256 for e in manifest]})
+    want = drafter_fingerprint(json.loads(info.drafter_config_json), manifest)
     if want != info.drafter_fingerprint:
         raise PairingError(
             Problem.FINGERPRINT, f"drafter fingerprint {info.drafter_fingerprint[:12]} does not match its manifest"

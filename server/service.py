@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import hashlib
 import itertools
 import json
 import logging
@@ -71,7 +70,14 @@ from tether.shared.drafter_config import ArrayDelta
 from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
-from tether.shared.weights import MAX_CHUNK, TOKENIZER_TENSOR, build_manifest, client_part_tensors, iter_chunks
+from tether.shared.weights import (
+    MAX_CHUNK,
+    TOKENIZER_TENSOR,
+    build_manifest,
+    client_part_tensors,
+    drafter_fingerprint,
+    iter_chunks,
+)
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -99,10 +105,6 @@ class ServiceConfig:
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     model_threads: int = 2  # threads for prefills, resync absorbs and Generate steps
-
-
-def _sha256_json(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
@@ -140,9 +142,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             self.weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer.to_json().encode()),
                                                               dtype=torch.uint8)  # fmt: skip
             self.manifest = build_manifest(self.weights)
-            self.drafter_fingerprint = _sha256_json(
-                {"config": drafter.dcfg.to_dict(), "tensors": [e.sha256 for e in self.manifest]}
-            )
+            self.drafter_fingerprint = drafter_fingerprint(drafter.dcfg.to_dict(), self.manifest)
             self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint,
                                            export_dir)  # fmt: skip
         self.model_info = pb.ModelInfo(

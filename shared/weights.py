@@ -8,6 +8,8 @@ names) and "drafter.".
 Contract:
 - `client_part_tensors(target, drafter)` -> {name: tensor}; `build_manifest(tensors)` -> [TensorEntry] with
   each tensor's dtype, shape, byte count and sha256 of its bytes (row-major, little-endian), in a fixed order.
+- `drafter_fingerprint(config, manifest)`: the sha256 that names a drafter and its client part (ModelInfo's
+  drafter_fingerprint): of its config and its tensors' hashes, so the server computes it and a client checks it.
 - `iter_chunks(tensors, manifest, resume_tensor, resume_offset, max_chunk)` yields (name, offset, bytes) from
   any (tensor, offset) on, each at most `max_chunk` bytes (1 MiB by default), so a broken download resumes
   exactly where it stopped. A value may be a tensor or bytes-like (bytes, an mmap of a file: the files of an ONNX
@@ -28,6 +30,7 @@ constants from it); the functions that handle tensors import it when called.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import mmap
 from collections.abc import Iterator, Mapping
@@ -165,6 +168,12 @@ def client_part_tensors(target: torch.nn.Module, drafter: torch.nn.Module | None
             if not name.startswith("lsa."):  # LSA runs on the server
                 out["drafter." + name] = t
     return out
+
+
+def drafter_fingerprint(config: Mapping[str, Any], manifest: list[TensorEntry]) -> str:
+    """sha256 of the drafter's config (a DrafterConfig's dict) and its client part's tensor hashes, in order."""
+    obj = {"config": dict(config), "tensors": [e.sha256 for e in manifest]}
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def build_manifest(tensors: dict[str, Tensor]) -> list[TensorEntry]:
