@@ -298,6 +298,11 @@ async def client_process(args: argparse.Namespace, n: int, seed: int, first: int
         if prompt_len > info.max_prompt_tokens or k > info.max_draft_tokens:
             raise SystemExit(f"the server takes prompts of {info.max_prompt_tokens} and rounds of "
                              f"{info.max_draft_tokens} tokens at most")  # fmt: skip
+        room = json.loads(info.model_config_json)["max_seq_len"] - prompt_len
+        if args.mode == "random" and (args.warmup_rounds + args.rounds) * (k + 1) > room:
+            raise SystemExit(f"{args.warmup_rounds} + {args.rounds} rounds of {k + 1} tokens after a {prompt_len}-"
+                             f"token prompt exceed the model's {room + prompt_len} positions: at most "
+                             f"{room // (k + 1) - args.warmup_rounds} rounds")  # fmt: skip
         if args.mode == "generate":
             rng = random.Random(seed)
 
@@ -515,7 +520,8 @@ def start_server(args: argparse.Namespace):
     target, drafter, tok, fp = load_models(args)
     most = max(args.clients)
     config = ServiceConfig(max_sessions=max(256, 2 * most), max_streams=max(4096, 2 * most),
-                           max_new_tokens=max(1024, args.tokens), kv_pool_bytes=args.kv_pool_mb << 20,
+                           max_new_tokens=max(1024, args.tokens, (args.warmup_rounds + args.rounds) * (args.k + 1)),
+                           kv_pool_bytes=args.kv_pool_mb << 20,
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
     if target.backend == "triton":
