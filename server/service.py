@@ -224,9 +224,11 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         one: RoundBatcher.submit_here). If the call is cancelled meanwhile (its client went away), the session
         stays claimed until the thread has finished with it."""
         self._track(work)
+        # A wrapped Future is shielded (cancelling it would cancel `work`); `here` is this call's own: cancelling it
+        # only tells the batcher nobody waits for it any more.
         result = asyncio.wrap_future(work) if here is None else here
         try:
-            return await asyncio.shield(result)
+            return await (asyncio.shield(result) if here is None else here)
         except asyncio.CancelledError:
             result.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now: no warning
             if claim is not None:

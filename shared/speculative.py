@@ -120,11 +120,14 @@ class DraftTree:
     ) -> DraftTree:
         """A chain root -> d_0 -> d_1 -> ...; q_ids / q_probs [k, K] give one row per draft token (no root row)."""
         # One tensor op for a list of ids: a server builds one of these per round on its event loop.
+        ids = None
         if isinstance(draft_tokens, Tensor):
             tokens = torch.cat([torch.tensor([root_token], dtype=torch.long), draft_tokens.reshape(-1).long().cpu()])
         else:
-            tokens = torch.tensor([root_token, *draft_tokens], dtype=torch.long)  # [k + 1]
-        parents = _chain_parents(tokens.numel())  # [k + 1]
+            ids = [root_token, *draft_tokens]
+            tokens = torch.tensor(ids, dtype=torch.long)  # [k + 1]
+        n = tokens.numel()
+        parents = _chain_parents(n)  # [k + 1]
         if q_ids is not None and q_probs is not None:
             # The root was not sampled from anything; a point mass on itself keeps row 0 a valid distribution.
             K = q_ids.shape[-1]
@@ -133,7 +136,12 @@ class DraftTree:
             root_probs[0, 0] = 1
             q_ids = torch.cat([root_ids, q_ids.reshape(-1, K).long()])  # [k + 1, K]
             q_probs = torch.cat([root_probs, q_probs.reshape(-1, K)])  # [k + 1, K]
-        return cls(tokens, parents, q_ids, q_probs)
+        tree = cls(tokens, parents, q_ids, q_probs)
+        # What the server's step reads of every round, known here without reading the tensors back.
+        tree.__dict__.update(is_chain=True, _parents=list(range(-1, n - 1)))
+        if ids is not None:
+            tree.__dict__["_tokens"] = [int(t) for t in ids]
+        return tree
 
     @classmethod
     def from_lists(cls, tree: TreeDraft) -> DraftTree:
