@@ -29,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -110,7 +111,6 @@ class _Graph:
         self.copied: torch.cuda.Event | None = None  # the last upload: staging is rewritten only after it
         self.graph: torch.cuda.CUDAGraph | None = None
         self.result: StepOutput | None = None
-        self.parts: dict[object, _PartGraph] = {}  # drafter -> its server part over this bucket's states, captured
 
     def stage(self, runner: StepRunner, batch: StepBatch | None) -> None:
         """Write the batch, padded to the bucket, into the staging buffers (numpy views: a few microseconds) and
@@ -159,6 +159,8 @@ class _Graph:
         tokens = tokens.view(B, T)
         out = target.run(tokens, cache=view, positions=positions.view(B, T), tree_mask=self.mask,
                          hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+        if states and runner.use_graphs:
+            out = runner.shared_states(B, T, out)
         return StepOutput(out, greedy_packed(out.logits, tokens, parents.view(B, T), q_lens))
 
 
@@ -171,17 +173,18 @@ def _server_part(drafter, out: ForwardOutput, rows: int) -> dict[str, Tensor]:
 
 
 class _PartGraph:
-    """A drafter's server part (MoA's LSA: a small transformer block over each token's layers) captured over one
-    step bucket's output states, which the step graph rewrites in place at every replay. Eager, it is ~50 kernel
-    launches a round: on the H200 the batcher's host spent 60% of its time launching them at 128 clients."""
+    """A drafter's server part (MoA's LSA: a small transformer block over each token's layers) captured over the
+    states of every step of `rows` x `tokens` (StepRunner.shared_states: each such step graph, whatever its
+    block-table width, copies its states there). Eager, it is ~50 kernel launches a round: on the H200 the
+    batcher's host spent 60% of its time launching them at 128 clients."""
 
-    def __init__(self, drafter, step: _Graph):
-        self.drafter, self.step = drafter, step
+    def __init__(self, drafter, states: ForwardOutput, rows: int):
+        self.drafter, self.states, self.rows = drafter, states, rows
         self.graph: torch.cuda.CUDAGraph | None = None
         self.result: dict[str, Tensor] | None = None
 
     def run(self, runner: StepRunner) -> dict[str, Tensor]:
-        return _server_part(self.drafter, self.step.result.out, self.step.bucket.rows)
+        return _server_part(self.drafter, self.states, self.rows)
 
 
 class DecodeBucket(NamedTuple):
@@ -248,6 +251,8 @@ class StepRunner:
         self._decode: dict[DecodeBucket, _DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._last: _Graph | None = None  # the bucket `forward` ran last: its outputs are what the caller holds
+        self._states: dict[tuple[int, int], ForwardOutput] = {}  # (rows, tokens) -> the states its steps leave
+        self._parts: dict[tuple[object, int, int], _PartGraph] = {}  # (drafter, rows, tokens) -> its server part
         self.max_width = -(-target.cfg.max_seq_len // pool.block_size)
 
     def close(self) -> None:
@@ -255,6 +260,8 @@ class StepRunner:
         with self.lock:
             self._graphs.clear()
             self._decode.clear()
+            self._parts.clear()
+            self._states.clear()
 
     def _width(self, width: int) -> int:
         """A block-table width padded to the next bucket: doubling from min_width, capped at what max_seq_len needs."""
@@ -293,18 +300,38 @@ class StepRunner:
             self._last = g
             return self._replay(g)
 
+    def shared_states(self, rows: int, tokens: int, out: ForwardOutput) -> ForwardOutput:
+        """`out` with its K/V and last hidden state copied into the buffers every step of `rows` x `tokens` shares
+        (allocated by the first, eager, run: before any capture), so one server-part graph serves every block-table
+        width of that shape. Inside a step graph the copies are three more kernels of it."""
+        buf = self._states.get((rows, tokens))
+        if buf is None:
+            buf = self._states[(rows, tokens)] = ForwardOutput(None, torch.empty_like(out.k), torch.empty_like(out.v),
+                                                               (torch.empty_like(out.hidden[0]),))  # fmt: skip
+        buf.k.copy_(out.k)
+        buf.v.copy_(out.v)
+        buf.hidden[0].copy_(out.hidden[0])
+        return dataclasses.replace(out, k=buf.k, v=buf.v, hidden=buf.hidden)
+
+    def _part(self, drafter, rows: int, tokens: int) -> _PartGraph:
+        key = (drafter, rows, tokens)
+        part = self._parts.get(key)
+        if part is None:
+            part = self._parts[key] = _PartGraph(drafter, self._states[(rows, tokens)], rows)
+        return part
+
     @torch.inference_mode()
     def server_part(self, drafter, out: ForwardOutput, rows: int) -> dict[str, Tensor]:
         """The drafter's server part (DraftDelta tensors) over every token of `out`'s first `rows` rows, [rows * T]
         along each tensor's POSITION_AXIS (row b's token j at b * T + j); `out` needs states. For the step `forward`
         just returned, under the same hold of `lock`, it is a graph of its own over all the bucket's rows (captured
-        on first use per drafter and bucket; views of its memory, valid until the next step); otherwise it runs
-        eagerly."""
+        on first use per drafter and rows x tokens, whatever the width; views of its memory, valid until the next
+        step); otherwise it runs eagerly."""
         with self.lock:
             g = self._last
             if not self.use_graphs or g is None or g.result is None or g.result.out is not out:
                 return _server_part(drafter, out, rows)
-            part = g.parts.get(drafter) or g.parts.setdefault(drafter, _PartGraph(drafter, g))
+            part = self._part(drafter, g.bucket.rows, g.bucket.tokens)
             n = rows * out.logits.shape[1]
             return {k: t.narrow(POSITION_AXIS[k], 0, n) for k, t in self._replay(part).items()}
 
@@ -354,9 +381,10 @@ class StepRunner:
                     continue
                 if g.graph is None:
                     self._capture(g)
-                if drafter is not None and isinstance(g, _Graph) and g.bucket.states and drafter not in g.parts:
-                    part = g.parts[drafter] = _PartGraph(drafter, g)
-                    self._capture(part)
+                if drafter is not None and isinstance(g, _Graph) and g.bucket.states:
+                    part = self._part(drafter, g.bucket.rows, g.bucket.tokens)
+                    if part.graph is None:
+                        self._capture(part)
                 done += 1
         return done
 
