@@ -38,8 +38,10 @@ the server's mean round time (a round's wait, batch and verdict) and mean batch 
 verdicts, deltas: its batch_size, verify_seconds and batch_seconds histograms over the timed window; with
 --target, scraped from --metrics-url), the server process's CPU time per round (getrusage; the client process
 is not counted) and what the open sessions hold before the window (sessions, KV blocks, resident and CUDA
-memory). Trace rows add the recording's tau over the same rounds and the share of rounds whose verdict matched
-it. Generate rows: tokens/s, per stream, TTFT and CPU per token. Prints a table, then one JSON line.
+memory); then, in random mode with an in-process CUDA server, the GPU's own time for one client's round
+(torch.profiler's kernel time), which the one-client p50 is compared with. Trace rows add the recording's tau
+over the same rounds and the share of rounds whose verdict matched it. Generate rows: tokens/s, per stream, TTFT
+and CPU per token. Prints a table, then one JSON line.
 
     python bench/server.py --clients 1 32 128                    # CUDA when present, random drafts, k=5
     python bench/server.py --device cpu --clients 1 8 32 --rounds 20
@@ -536,6 +538,43 @@ def baseline(rows: list[dict]) -> dict:
     return next((r for r in rows if r["clients"] == 1), rows[0])
 
 
+def gpu_round_ms(service, args: argparse.Namespace, rounds_n: int = 20) -> float | None:
+    """The GPU's own time for one client's round (a chain of --k random drafts after a --prompt-len prompt): the
+    kernels of the batcher's call (the replayed step, the drafter's server part, the verdicts' and deltas' copies)
+    summed by torch.profiler, per round. What a one-client round costs beyond it is the request path's. None
+    without an in-process CUDA server."""
+    if service is None or service.target.device.type != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tether.server.rounds import verify_batch
+    from tether.server.verifier import SequenceVerifier
+    from tether.shared.speculative import DraftTree
+
+    rng, vocab = random.Random(0), service.target.cfg.vocab_size
+    ver = SequenceVerifier(service.target, service.drafter, capacity=args.prompt_len + (rounds_n + 4) * (args.k + 1),
+                           pool=service.pool)  # fmt: skip
+    try:
+        root, _ = ver.open([rng.randrange(vocab) for _ in range(args.prompt_len)])
+
+        def one_round() -> int:
+            tree = DraftTree.chain(root, [rng.randrange(vocab) for _ in range(args.k)])
+            ((verdict, _),) = verify_batch(service.target, [(ver, tree)], host_deltas=True)
+            return verdict.bonus
+
+        for _ in range(3):  # any capture outside the profile
+            root = one_round()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(rounds_n):
+                root = one_round()
+            torch.cuda.synchronize()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / rounds_n
+    finally:
+        ver.release()
+
+
 def table(args: argparse.Namespace, rows: list[dict], where: str):
     from rich.table import Table
 
@@ -721,6 +760,7 @@ def main(argv: list[str] | None = None) -> dict:
         recorded = traces.load(args.traces) if args.traces else None
         for n in args.clients:
             rows.append(measure(args, address, n, probe))
+        gpu_ms = gpu_round_ms(service, args) if args.mode == "random" else None
     finally:
         if server is not None:
             server.stop(grace=1).wait(30)
@@ -735,6 +775,13 @@ def main(argv: list[str] | None = None) -> dict:
               "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")}, "rows": rows}  # fmt: skip
     if recorded:
         record["traces"] = {k: v for k, v in recorded.items() if k != "traces"} | traces.summary(recorded)
+    if gpu_ms is not None:
+        one = baseline(rows)
+        record["gpu_round_ms"] = gpu_ms
+        print(
+            f"GPU time of one client's round (kernels, torch.profiler): {gpu_ms:.3f} ms; the {one['clients']}-client "
+            f"p50 is {one['p50_ms'] - gpu_ms:.2f} ms above it"
+        )
     print(json.dumps(record))
     return record
 
