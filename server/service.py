@@ -5,9 +5,10 @@ Contract (the messages are in proto/tether/v1/tether.proto):
 - FetchWeights: the manifest of the client part (tether.shared.weights), then chunks of at most 1 MiB, from
   any (tensor, offset); REASON_MODEL_MISMATCH when the client expects other weights. As tensors or as ONNX files
   exported on the first request per precision (tether.server.client_export; a failed export: REASON_INTERNAL).
-- Session: `open` prefills and answers the first token and the prompt's KV delta; each `round` is verified
-  (tether.server.verifier, batched with other sessions' rounds by tether.server.batcher) and answered with
-  accepted count, bonus token and delta. Round numbers make a repeated round idempotent (the recorded answer
+- Session: `open` prefills and answers the first token and the prompt's KV delta; each `round` (a draft chain,
+  or a draft tree when it carries `parents`) is verified (tether.server.verifier, batched with other sessions'
+  rounds by tether.server.batcher) and answered with accepted count, bonus token and delta, and for a tree the
+  accepted path. Round numbers make a repeated round idempotent (the recorded answer
   is sent again); a bad message gets an inline Error (status code, reason, retry advice) and the stream goes
   on. `attach` lets a new stream take over a held session (session id + resume token), e.g. after a Resync.
   A stream that sends nothing for `stream_idle_s` is closed (REASON_STREAM_IDLE); its session stays held.
@@ -161,6 +162,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             client_part_formats=[pb.CLIENT_PART_TENSORS, *FORMATS] if drafter is not None else [],
             server_only=drafter is None,
             chat_format_json=self.chat_format.to_json(),
+            max_tree_nodes=c.max_draft_tokens if drafter is not None else 0,  # a tree's nodes take a chain's room
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
@@ -458,15 +460,14 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             if req.root != s.root:
                 raise RequestError(Reason.REASON_OUT_OF_ORDER,
                                    f"round root {req.root} is not the last decided token {s.root}")  # fmt: skip
-            drafts = self.check.tokens(req.tokens, "draft", c.max_draft_tokens)
-            tree = self.check.draft_tree(req, drafts)
+            tree = self.check.draft_tree(req, c.max_draft_tokens)
             if len(tree) > s.verifier.room:
                 raise RequestError(Reason.REASON_SESSION_FULL,
                                    f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
             try:
                 with self.metrics.verify_seconds.time():
                     # The reply is encoded on the batcher's finishing thread, straight after the step.
-                    finish = functools.partial(self._verdict_reply, req.round, s.codec)
+                    finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents))
                     work, here = self.batcher.submit_here(s.verifier, tree, finish)
                     verdict, message = await self._wait(work, claim, here)
             except ValueError as e:
@@ -476,20 +477,22 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                                    retry_after_s=POOL_RETRY_S) from None  # fmt: skip
             m = self.metrics
             m.rounds.inc()
-            m.drafted.inc(len(drafts))
+            m.drafted.inc(len(tree) - 1)
             m.accepted.inc(verdict.accepted)
             m.tau.observe(verdict.tau)
             s.root, s.last_round, s.last_reply = verdict.bonus, req.round, message
             return message
 
-    def _verdict_reply(self, round_no: int, codec: Codec, result: tuple) -> tuple:
-        """(verdict, its ServerMessage) from a round's (verdict, delta)."""
+    def _verdict_reply(self, round_no: int, codec: Codec, tree_round: bool, result: tuple) -> tuple:
+        """(verdict, its ServerMessage) from a round's (verdict, delta). A tree round's reply names the accepted
+        nodes (`path`, the root left out); a chain round's is what it has always been."""
         verdict, delta = result
         try:
             payload = self._delta(delta, codec)
         except CodecError as e:  # the session's codec was checked at open: this is the server's fault, not the call's
             raise RuntimeError(f"encoding a round's delta failed: {e}") from e
-        v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload)
+        v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload,
+                       path=verdict.path[1:] if tree_round else ())  # fmt: skip
         return verdict, pb.ServerMessage(verdict=v)
 
     # ---- Resync -------------------------------------------------------------------------------------------

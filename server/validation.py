@@ -4,16 +4,19 @@ or log anything of a request.
 Contract: every check either returns the value in the form the service uses or raises a
 tether.server.errors.RequestError with its reason: REASON_INVALID_REQUEST for malformed values (ids not of the
 server's shape, token ids outside the vocabulary, NaN or out-of-range sampling values, unknown codecs, malformed
-draft distributions), REASON_TOO_LONG for lengths past the limits or past what the whole KV pool can hold (never
+draft distributions, a draft tree whose parents are not one earlier node per token or that has more nodes than the
+limit), REASON_TOO_LONG for lengths past the limits or past what the whole KV pool can hold (never
 retryable), REASON_MODEL_MISMATCH for another model's fingerprint. Messages never echo what the caller sent.
 
     check = Checks(vocab_size, model_fingerprint, pool)
     prompt = check.tokens(req.prompt, "prompt", limit=1536)
     check_sampling(req.sampling)
+    tree = check.draft_tree(round_msg, limit=64)  # a chain, or a tree when round_msg.parents is set
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -25,6 +28,8 @@ from tether.shared.codecs import Codec
 from tether.shared.ids import is_session_id
 from tether.shared.speculative import DraftTree
 from tether.v1 import tether_pb2 as pb
+
+Q_SUM_TOLERANCE = 1e-3  # how far a draft distribution's sum may be from 1 (float32 rows; DraftTree's own bound)
 
 
 def invalid(message: str) -> RequestError:
@@ -77,17 +82,49 @@ class Checks:
             held = self.pool.num_blocks
             raise RequestError(Reason.REASON_TOO_LONG, f"the {what} needs {blocks} KV blocks, the pool holds {held}")
 
-    def draft_tree(self, req: pb.DraftRound, drafts: list[int]) -> DraftTree:
-        """The round as the verifier's DraftTree; with q (sampling), one well-formed distribution per draft."""
-        if not req.q:
-            return DraftTree.chain(req.root, drafts)
-        widths = {len(d.ids) for d in req.q} | {len(d.probs) for d in req.q}
-        if len(req.q) != len(drafts) or len(widths) != 1 or not 0 < next(iter(widths)) <= self.vocab:
+    def draft_tree(self, req: pb.DraftRound, limit: int) -> DraftTree:
+        """The round as the verifier's DraftTree: a chain, or a tree when `parents` is set (tether.v1 DraftRound),
+        of at most `limit` draft nodes; with q (sampling), one well-formed distribution per draft node."""
+        if req.parents and len(req.tokens) > limit:
+            # A tree past the advertised ModelInfo.max_tree_nodes is a field out of range. A chain that long keeps
+            # the answer older clients have always had (too long).
+            raise invalid(f"a draft tree has at most {limit} nodes, this one has {len(req.tokens)}")
+        drafts = self.tokens(req.tokens, "draft", limit)
+        q_ids, q_probs = self.proposals(req.q, drafts) if req.q else (None, None)
+        chain = DraftTree.chain(req.root, drafts, q_ids, q_probs)
+        if not req.parents:
+            return chain
+        parents = tree_parents(req.parents, len(drafts))
+        return dataclasses.replace(chain, parents=torch.tensor([-1, *parents], dtype=torch.long))
+
+    def proposals(self, q: Sequence[pb.SparseDistribution], drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_ids, q_probs) [k, K]: one distribution per draft node, as DraftTree takes them, each giving its own
+        node's token a positive probability (it was drawn from it)."""
+        widths = {len(d.ids) for d in q} | {len(d.probs) for d in q}
+        if len(q) != len(drafts) or len(widths) != 1 or not 0 < next(iter(widths)) <= self.vocab:
             raise invalid("q needs one row per draft token, all of one width in [1, vocab]")
-        q_ids = torch.tensor([list(d.ids) for d in req.q], dtype=torch.long)  # [k, K]
-        q_probs = torch.tensor([list(d.probs) for d in req.q], dtype=torch.float32)  # [k, K]
+        q_ids = torch.tensor([list(d.ids) for d in q], dtype=torch.long)  # [k, K]
+        q_probs = torch.tensor([list(d.probs) for d in q], dtype=torch.float32)  # [k, K]
         if bool((q_ids >= self.vocab).any()):
             raise invalid(f"q: a token id is outside [0, {self.vocab})")
         if not bool(torch.isfinite(q_probs).all()) or bool((q_probs < 0).any()) or bool((q_probs > 1).any()):
             raise invalid("q: probabilities must be finite and in [0, 1]")
-        return DraftTree.chain(req.root, drafts, q_ids, q_probs)
+        # DraftTree's own test of a distribution, made here so that a bad row is the caller's error, not the server's.
+        if bool(((q_probs.double().sum(-1) - 1).abs() > Q_SUM_TOLERANCE).any()):
+            raise invalid(f"q: each row's probabilities must sum to 1 (within {Q_SUM_TOLERANCE:g})")
+        # The verifier would find this only once it tested the node, after the target's forward.
+        own = torch.where(q_ids == torch.tensor(drafts, dtype=torch.long)[:, None], q_probs, 0.0).sum(-1)  # [k]
+        if not bool((own > 0).all()):
+            raise invalid("q: a draft token has no probability in its own row")
+        return q_ids, q_probs
+
+
+def tree_parents(parents: Sequence[int], nodes: int) -> list[int]:
+    """A tree round's parent numbers, checked: one per draft node, each the root (0) or an earlier node."""
+    if len(parents) != nodes:
+        raise invalid(f"parents needs one entry per draft token: {nodes}, got {len(parents)}")
+    checked = list(parents)
+    # Node i + 1's parent must come before it: this also rules out negative numbers and cycles.
+    if any(not 0 <= p <= i for i, p in enumerate(checked)):
+        raise invalid("parents: each node's parent must be the root (0) or a node before it")
+    return checked

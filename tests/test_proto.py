@@ -39,3 +39,19 @@ def test_messages_round_trip_and_service_is_complete():
         "Generate",
     }
     assert hasattr(tether_pb2_grpc, "TetherServicer") and hasattr(tether_pb2_grpc, "TetherStub")
+
+
+def test_tree_fields_are_additive():
+    """A chain round from an older client is the same bytes as ever (no parents on the wire), and the tree fields
+    (DraftRound.parents, Verdict.path, ModelInfo.max_tree_nodes) round-trip."""
+    from tether.v1 import tether_pb2 as pb
+
+    chain = pb.DraftRound(round=3, root=7, tokens=[1, 2, 3])
+    assert chain.SerializeToString() == b"\x08\x03\x10\x07\x1a\x03\x01\x02\x03"
+    tree = pb.DraftRound.FromString(
+        pb.DraftRound(round=3, root=7, tokens=[1, 2, 3], parents=[0, 0, 2]).SerializeToString()
+    )
+    assert list(tree.parents) == [0, 0, 2] and list(pb.DraftRound.FromString(chain.SerializeToString()).parents) == []
+    verdict = pb.Verdict.FromString(pb.Verdict(round=3, accepted=2, bonus=5, path=[2, 3]).SerializeToString())
+    assert list(verdict.path) == [2, 3]
+    assert pb.ModelInfo.FromString(pb.ModelInfo(max_tree_nodes=64).SerializeToString()).max_tree_nodes == 64
