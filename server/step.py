@@ -250,6 +250,10 @@ class StepRunner:
         self._graphs: dict[Bucket, _Graph] = {}
         self._decode: dict[DecodeBucket, _DecodeGraph] = {}
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # The server-part graphs get a pool of their own: one is replayed after step graphs captured after it, whose
+        # outputs (read after that replay) could otherwise lie in memory its temporaries use (seen on the H200: the
+        # verdicts of a later-captured step were overwritten).
+        self._parts_mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._last: _Graph | None = None  # the bucket `forward` ran last: its outputs are what the caller holds
         self._states: dict[tuple[int, int], ForwardOutput] = {}  # (rows, tokens) -> the states its steps leave
         self._parts: dict[tuple[object, int, int], _PartGraph] = {}  # (drafter, rows, tokens) -> its server part
@@ -404,7 +408,8 @@ class StepRunner:
                     g.run(self)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            pool = self._parts_mempool if isinstance(g, _PartGraph) else self._mempool
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 g.result = g.run(self)
             g.graph = graph
         log.debug("captured a step graph: %s", type(g).__name__)
