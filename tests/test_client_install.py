@@ -37,7 +37,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # 151 MB, zstandard (both of its backends) and grpcio another 43 MB; the whole measured 271 MB. The budget guards
 # what matters: the CPU torch wheel alone is 720 MB, and a dependency that grows or creeps in shows here.
 SIZE_BUDGET_MB = 300
-CLIENT_DISTRIBUTIONS = {"numpy", "grpcio", "protobuf", "zstandard", "tokenizers", "onnxruntime", "rich", "tether"}
+CLIENT_DISTRIBUTIONS = {
+    "numpy",
+    "grpcio",
+    "protobuf",
+    "zstandard",
+    "tokenizers",
+    "onnxruntime",
+    "rich",
+    "tether",
+    "starlette",
+    "uvicorn",
+    "jinja2",
+}  # the last three: `tether-client chat` and `serve`
 SERVER_ONLY = ("torch", "triton", "nvidia-", "matplotlib", "prometheus-client", "grpcio-health-checking")
 # Modules a bare --help or --version must not import: the drafter runtimes, and the session's heavy imports.
 HEAVY = ("torch", "onnxruntime", "grpc", "numpy")

@@ -1,9 +1,10 @@
-"""The client reads its environment in one module, tether.client.env, which lists every TETHER_* variable."""
+"""The environment is read in one module, tether.shared.env; tether.client.env names the client's key variable."""
 
 import re
 from pathlib import Path
 
 import tether.client
+import tether.shared
 from tether.client import env
 
 
@@ -12,7 +13,9 @@ def test_api_key_comes_from_tether_api_key():
     assert env.api_key({}) == ""
 
 
-def test_no_other_client_module_reads_the_environment():
-    (folder,) = tether.client.__path__
+def test_only_tether_shared_env_reads_the_environment():
     reads = re.compile(r"\bos\.environ\b|\bgetenv\b|\bimport environ\b")
-    assert [f.name for f in Path(folder).glob("*.py") if reads.search(f.read_text())] == ["env.py"]
+    (client,) = tether.client.__path__
+    (shared,) = tether.shared.__path__
+    assert [f.name for f in Path(client).glob("*.py") if reads.search(f.read_text())] == []
+    assert [f.name for f in Path(shared).glob("*.py") if reads.search(f.read_text())] == ["env.py"]
