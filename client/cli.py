@@ -1,21 +1,39 @@
 """`tether-client`: the edge end of tether.
 
 tether-client generate --server HOST:PORT --prompt TEXT [--policy keep|rewind] [--json]
+tether-client generate --server HOST:PORT --prompt-file PATH       # or --prompt - : the prompt from stdin
 tether-client generate ... --backend onnx|torch --precision fp32|fp16|int8
-tether-client chat --server HOST:PORT    # interactive: each line you type, the model continues
+tether-client chat --server HOST:PORT [--system TEXT]               # a conversation in the model's chat template
+tether-client serve --listen 127.0.0.1:8080 --server HOST:PORT     # an OpenAI-compatible endpoint on this machine
 tether-client info                       # what this edge install can run (backends, versions)
 tether-client info --model DIR           # a model directory's config and fingerprint (what pairing checks)
-tether-client <command> --help
+tether-client <command> --help           # every flag with its default and allowed values
 tether-client --version
+
+generate prints the text as it comes (a live view on a terminal, plain text in a pipe, or one JSON object with
+--json) and ends with a summary: tokens verified and drafted offline, time to first token, tokens/s. chat keeps
+the conversation as messages rendered with the model's chat template (the server sends it), sends only each
+turn's new tokens into one server session, and drafts alone while the server is unreachable; it has line editing
+and history on a terminal (--history-file) and reads one message a line from a pipe. Ctrl-C while a reply
+streams stops it; Ctrl-C or Ctrl-D at the prompt ends the chat.
+
+Both print "connecting to HOST:PORT" on stderr (not with --json) and a progress bar of the first download of the
+client part (on a terminal, or with --progress; nothing when it is cached). An address where no tether server
+answers ends them at once with one line saying what does answer there: nothing (connection refused: a server not
+up yet is waited for up to --connect-timeout-s), something that is not a gRPC server (a wrong port), a TLS server
+dialled in plaintext or the reverse, a certificate that does not verify.
 
 The drafter runs on onnxruntime by default (`--backend onnx`): the server sends the client part as ONNX graphs,
 their weights in `--precision` (fp16 halves and int8 quarters the download; drafting computes in fp32 either way),
 and no torch is needed. `--backend torch` drafts with torch from the tensors instead (torch must be installed);
-use it too with a server too old to offer the ONNX part.
+use it too with a server too old to offer the ONNX part. A server without a drafter (`tether-server serve
+--drafter none`) decodes alone and streams its tokens (the summary and --json say server-only); it sends no
+tokenizer, so give the model's with --tokenizer.
 The API key comes from --api-key, else --api-key-file, else the TETHER_API_KEY environment variable (a key on
-the command line is visible to every user of the machine in `ps`). Anything invalid the server sends ends the
-command with one line on stderr and exit status 2; a server that refuses the request or cannot be reached,
-status 1.
+the command line is visible to every user of the machine in `ps`).
+Exit status: 0 done; 1 a server that refuses or cannot be reached (one line on stderr); 2 invalid input, or
+anything invalid the server sends (one line); 130 Ctrl-C (what was generated is printed, the server session
+closed).
 """
 
 from __future__ import annotations
@@ -40,6 +58,8 @@ from tether.shared.cli_support import (
     installed_version,
     run_cli,
 )
+
+INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -68,10 +88,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> str:
     """--api-key, else the file --api-key-file names, else TETHER_API_KEY ("" when none is given)."""
-    if args.api_key and args.api_key_file:
+    key = args.api_key
+    # tether.shared.cli_support fills --api-key from TETHER_API_KEY too: a key that only the environment gave
+    # yields to the file given on the command line (the command line wins).
+    if key and args.api_key_file and key.strip() == env.api_key():
+        key = ""
+    if key and args.api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
     if not args.api_key_file:
-        return args.api_key or env.api_key()
+        return key or env.api_key()
     key = Path(args.api_key_file).read_text().strip()
     if not key or any(c.isspace() for c in key):
         raise ValueError(f"{args.api_key_file} must hold one API key (no spaces or line breaks)")
@@ -84,100 +109,202 @@ def _config(args: argparse.Namespace):
     return dataclasses.replace(build_config(ClientConfig, args), api_key=_api_key(args))
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from tether.client.live_view import LiveView, PlainStream
-    from tether.client.session import EdgeSession, LinkDown, ServerError
-
-    session = EdgeSession(_config(args))
-    # A ServerDataError (the server sent something invalid) goes on to run_cli: one line, status 2.
-    try:
-        session.pair()
-        tok = session.models.tokenizer
-        live = not args.json and not args.plain and sys.stdout.isatty()
-        if live:
-            with LiveView(tok, args.prompt) as view:
-                session.on_event = view.on_event
-                result = session.run(args.prompt)
-            view.summary(result)
-        else:
-            if not args.json:
-                session.on_event = PlainStream(tok).on_event
-                sys.stdout.write(args.prompt)
-            result = session.run(args.prompt)
-            if args.json:
-                print(json.dumps(result.to_json()))
-            else:
-                print()
-    except (ServerError, LinkDown) as e:
-        return _failed("generate", e)
-    finally:
-        session.close()
-    return 0
+def _prompt(args: argparse.Namespace) -> str:
+    """--prompt TEXT, --prompt - (standard input) or --prompt-file PATH, exactly as given."""
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text(encoding="utf-8")
+    elif args.prompt == "-":
+        text = sys.stdin.read()
+    else:
+        text = args.prompt
+    if not text:
+        raise ValueError("the prompt is empty")
+    return text
 
 
 def _failed(command: str, error: Exception) -> int:
     """A server that refuses (FormatNotOffered included) or cannot be reached: one line on stderr, status 1."""
-    print(f"tether-client {command}: {error}", file=sys.stderr)
+    print(f"tether-client {command}: {' '.join(str(error).split())}", file=sys.stderr)
     return 1
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from tether.client.live_view import PlainStream
-    from tether.client.session import EdgeSession, LinkDown, ServerError
+def _connect(args: argparse.Namespace, quiet: bool):
+    """The session, paired; or, for a server without a drafter, a ServerOnlySession on its channel. Returns
+    (session, engine, tokenizer); the caller closes the session."""
+    from rich.console import Console
+
+    from tether.client.live_view import Connecting
+    from tether.client.server_only import ServerOnlySession, load_tokenizer
+    from tether.client.session import EdgeSession
 
     cfg = _config(args)
-    transcript = ""
-    print("tether chat: type a line and the model continues it; an empty line or Ctrl-D ends.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line:
-            break
-        transcript += line + "\n"
-        session = EdgeSession(cfg)
-        try:
+    session = EdgeSession(cfg)
+    console = Console(stderr=True, highlight=False, quiet=quiet)
+    bar = console.is_terminal if args.progress is None else args.progress
+    notes = Connecting(console, bar=bar)
+    console.print(f"connecting to {session.replicas.address}", markup=False)  # [::1]:50051 is no markup
+    own, session.on_event = session.on_event, notes.on_event  # while pairing; then the session's own again
+    try:
+        info = session.model_info()
+        if not info.server_only:
             session.pair()
-            session.on_event = PlainStream(session.models.tokenizer).on_event
-            result = session.run(transcript)
-        except (ServerError, LinkDown) as e:
-            return _failed("chat", e)
-        finally:
-            session.close()
-        transcript += result.text
-        print()
-    return 0
+            return session, session, session.models.tokenizer
+        if not args.tokenizer:
+            raise ValueError(f"{session.replicas.address} runs no drafter (server-only) and sends no tokenizer: give "
+                             "the model's with --tokenizer PATH (its tokenizer.json or directory)")  # fmt: skip
+        tokenizer = load_tokenizer(args.tokenizer, info)
+        return session, ServerOnlySession(session.stub, session.metadata, cfg, info, tokenizer), tokenizer
+    except BaseException:
+        session.close()
+        raise
+    finally:
+        notes.close()
+        session.on_event = own
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tether.client.chat import interruptible
+    from tether.client.live_view import LiveView, PlainStream
+    from tether.client.session import EdgeSession
+    from tether.client.transport import LinkDown, ServerError
+
+    prompt = _prompt(args)  # before connecting: a missing file costs no round trip
+    try:
+        session, engine, tok = _connect(args, quiet=args.json)
+    except (ServerError, LinkDown) as e:
+        return _failed("generate", e)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    # A ServerDataError (the server sent something invalid) goes on to run_cli: one line, status 2.
+    try:
+        source = prompt if isinstance(engine, EdgeSession) else tok.encode(prompt)
+        live = not args.json and not args.plain and sys.stdout.isatty()
+        if live:
+            with LiveView(tok, prompt) as view:
+                engine.on_event = view.on_event
+                with interruptible(engine.stop):
+                    result = engine.run(source)
+            view.summary(result)
+        else:
+            plain = PlainStream(tok)
+            if not args.json:
+                engine.on_event = plain.on_event
+                sys.stdout.write(prompt)
+            with interruptible(engine.stop):
+                result = engine.run(source)
+            if args.json:
+                print(json.dumps(result.to_json()))
+            else:
+                print()
+                plain.summary(result)
+    except (ServerError, LinkDown) as e:
+        return _failed("generate", e)
+    except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the step in progress
+        print(file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        session.close()
+    return INTERRUPTED if result.stats.stopped else 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    try:
+        import jinja2  # noqa: F401  (chat templates render with it; an edge install may leave it out)
+    except ModuleNotFoundError:
+        raise ValueError("chat renders the model's chat template with jinja2: pip install 'jinja2>=3.1.6'") from None
+    from rich.console import Console
+
+    from tether.client.chat import Chat, LineReader, default_history_file, repl
+    from tether.client.transport import LinkDown, ServerError
+    from tether.shared.chat_template import ChatFormat
+
+    try:
+        session, engine, tok = _connect(args, quiet=False)
+    except (ServerError, LinkDown) as e:
+        return _failed("chat", e)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    reader = None
+    try:
+        info = session.model_info()
+        # From an older server (no template sent): the built-in one, which the server's HTTP API would use too.
+        fmt = ChatFormat.from_json(info.chat_format_json, tok) if info.chat_format_json else ChatFormat.builtin_for(tok)
+        chat = Chat(engine, fmt, args.system)
+        interactive = sys.stdin.isatty()
+        reader = LineReader(args.history_file or default_history_file(), interactive=interactive)
+        if interactive:
+            print(f"chatting with {info.model_id or 'the model'}: Enter sends, Ctrl-C stops a reply, Ctrl-D or Ctrl-C "
+                  "here ends", file=sys.stderr)  # fmt: skip
+        return repl(chat, reader, out=Console(highlight=False, soft_wrap=True), err=sys.stderr)
+    except (ServerError, LinkDown) as e:
+        return _failed("chat", e)
+    except KeyboardInterrupt:  # a second Ctrl-C while a reply streams
+        print(file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        if reader is not None:
+            reader.close()
+        session.close()
 
 
 API_KEY_FILE_HELP = "a file holding the bearer key (instead of --api-key, which others can read in ps)"
+SKIPPED_IN_CHAT = ("session_file",)  # a session file resumes one generation; a chat is not one
 
 
-def _session_args(parser: argparse.ArgumentParser) -> None:
+def _session_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
     """The flags generate and chat share: one per ClientConfig field (importing its module, not the session's
-    runtimes), those of a fixed set of values with their choices and default, and the key file."""
+    runtimes), those of a fixed set of values with their choices, every one with its default; the key file, the
+    tokenizer for a server without a drafter, and the download's progress bar."""
     from tether.client.session_types import CHOICES, ClientConfig
 
-    add_dataclass_args(parser, ClientConfig, skip=tuple(CHOICES))
-    helps = field_comments(ClientConfig)
+    comments = field_comments(ClientConfig)
+    helps = {name: f"{text} (default: %(default)s)" for name, text in comments.items()}
+    add_dataclass_args(parser, ClientConfig, skip=(*CHOICES, *skip), helps=helps)
     for name, choices in CHOICES.items():
-        parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name),
-                            help=f"{helps[name]} (default: %(default)s)")  # fmt: skip
+        parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name), help=helps[name])
     parser.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
+    parser.add_argument("--tokenizer", default="", metavar="PATH",
+                        help="the model's tokenizer.json (or its directory), for a server without a drafter, which "
+                             "sends none")  # fmt: skip
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on stderr while the client part downloads (default: on a "
+                             "terminal)")  # fmt: skip
 
 
 def _generate_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object at the end: text, token_ids, tags, stats"
-    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the text to continue; - reads it from standard input")
+    source.add_argument("--prompt-file", metavar="PATH", help="a file holding the text to continue (UTF-8)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object at the end: text, token_ids, tags, stats (time to first token, "
+                             "tokens/s, ...); nothing on stderr but errors")  # fmt: skip
     parser.add_argument("--plain", action="store_true", help="stream plain text even on a terminal (no live view)")
     _session_args(parser)
+
+
+def _chat_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default="", help="a system message to start the conversation with (default: none)")
+    parser.add_argument("--history-file", default="", metavar="PATH",
+                        help="where the input history is kept (default: $XDG_STATE_HOME/tether/chat_history, or "
+                             "~/.local/state/tether/chat_history)")  # fmt: skip
+    _session_args(parser, skip=SKIPPED_IN_CHAT)
 
 
 def _info_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a model directory to describe")
     parser.add_argument("--json", action="store_true", help="one line of JSON")
+
+
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    from tether.client.edge_serve import add_arguments
+
+    add_arguments(parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tether.client.edge_serve import cmd_serve as serve
+
+    return serve(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,9 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.set_defaults(func=cmd_generate)
     chat = sub.add_parser(
-        "chat", help="an interactive session: each line you type, the model continues", add_arguments=_session_args
+        "chat", help="a conversation in the model's chat template, surviving outages", add_arguments=_chat_args
     )
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser(
+        "serve", help="a local OpenAI-compatible endpoint, drafting here, verified by the server",
+        add_arguments=_serve_args,
+    )  # fmt: skip
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -4,7 +4,12 @@ colours, the link state, tau and bytes; and a summary table at the end.
 Contract: `LiveView(tokenizer, prompt_text, netsim=None)` is an event sink for tether.client.session
 (`view.on_event`); use it as a context manager around the generation (rich.live.Live underneath), then
 `view.summary(result)` prints the closing table. `PlainStream` is the sink for a pipe or a log: it writes text
-as it is produced and notes state changes and retractions on stderr.
+as it is produced and notes state changes and retractions on stderr; `summary(result)` ends with one line there.
+Both summaries give time to first token and tokens/s, and say when the server decoded alone (server-only).
+`ChatStream` is a chat's: each reply as it comes (offline text in yellow on a terminal), without the tokens a
+template hides (end of turn, special tokens), notes on stderr. `Connecting` is the sink while pairing: what the
+connect loop reports, and a rich progress bar on stderr for the client part's first download (bytes, rate), shown
+on a terminal or when asked, and nothing at all when the weights are cached (no download events come).
 
     with LiveView(tok, prompt) as view:
         result = generate(cfg, prompt, on_event=view.on_event)
@@ -17,10 +22,12 @@ import codecs
 import sys
 import threading
 import time
+from collections.abc import Collection
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -30,6 +37,20 @@ from tether.shared.tokenizer import Tokenizer
 STYLE = {"verified": "bold green", "offline": "yellow"}
 STATE_STYLE = {State.CONNECTING: "cyan", State.ONLINE: "green", State.OFFLINE: "red", State.RESYNCING: "magenta",
                State.DONE: "blue"}  # fmt: skip
+
+
+def summary_line(result: Result) -> str:
+    """One line: tokens (verified / offline), time to first token, tokens/s, tau, wall."""
+    s = result.stats
+    n, off = len(result.token_ids), result.tags.count("offline")
+    parts = [f"{n} tokens" + (f" ({n - off} verified, {off} offline)" if off else ""),
+             f"first token {1000 * s.ttft_s:.0f} ms", f"{s.tokens_per_s:.1f} tokens/s"]  # fmt: skip
+    parts.append("server-only (nothing drafted)" if s.server_only else f"tau {s.tau:.2f}")
+    if s.retracted:
+        parts.append(f"{s.retracted} retracted")
+    if s.stopped:
+        parts.append("stopped")
+    return ", ".join(parts) + f", {s.wall_s:.2f} s"
 
 
 def token_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
@@ -106,7 +127,12 @@ class LiveView:
                 ("offline (kept)", n_off), ("offline drafted", s.offline_tokens), ("retracted", s.retracted),
                 ("rounds", s.rounds), ("tau", f"{s.tau:.2f}"), ("outages", s.outages), ("resyncs", s.resyncs),
                 ("rebuilt sessions", s.rebuilt), ("payload up / down", f"{s.bytes_up:,} / {s.bytes_down:,} B"),
+                ("time to first token", f"{1000 * s.ttft_s:.0f} ms"), ("tokens/s", f"{s.tokens_per_s:.1f}"),
                 ("wall", f"{s.wall_s:.2f} s")]  # fmt: skip
+        if s.server_only:
+            rows[3:10] = [("decoded by", "the server alone (server-only: no drafter)")]
+        if s.stopped:
+            rows.append(("stopped", "Ctrl-C"))
         if s.resync_s:
             rows.append(("resync time", f"{1000 * sum(s.resync_s) / len(s.resync_s):.0f} ms mean"))
         if wire:
@@ -134,3 +160,51 @@ class PlainStream:
             self.err.write(f"\n[tether: {e.state.value}{': ' + e.detail if e.detail else ''}]\n")
         elif e.kind == "state" and e.state == State.ONLINE and e.detail:
             self.err.write(f"\n[tether: online ({e.detail})]\n")
+
+    def summary(self, result: Result) -> None:
+        self.err.write(f"[tether: {summary_line(result)}]\n")
+
+
+class ChatStream:
+    """A chat reply as it comes: verified text as is, offline text in yellow on a terminal, without `hidden`
+    tokens (the template's end of turn and special tokens); notes on stderr as PlainStream's."""
+
+    def __init__(self, tokenizer: Tokenizer, hidden: Collection[int], *, console: Console, err=None):
+        self.tok, self.hidden, self.console = tokenizer, frozenset(hidden), console
+        self.notes = PlainStream(tokenizer, out=console.file, err=err)
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def on_event(self, e: Event) -> None:
+        if e.kind != "tokens":
+            self.notes.on_event(e)
+            return
+        text = self.dec.decode(self.tok.decode_bytes([t for t in e.tokens if t not in self.hidden]))
+        if text:
+            self.console.print(Text(text, style=STYLE["offline"] if e.tag == "offline" else ""), end="")
+            self.console.file.flush()
+
+
+class Connecting:
+    """The sink while pairing: notes from the connect loop on `console`, and a progress bar of the client part's
+    download there when `bar` (the CLI asks for one on a terminal, or with --progress)."""
+
+    def __init__(self, console: Console, *, bar: bool):
+        self.console, self.bar = console, bar
+        self.progress: Progress | None = None
+
+    def on_event(self, e: Event) -> None:
+        if e.kind == "info":
+            self.console.print(Text(e.detail, style="dim"))
+        elif e.kind == "download" and self.bar:
+            if self.progress is None:
+                self.progress = Progress(TextColumn("client part"), BarColumn(), DownloadColumn(),
+                                         TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+                                         transient=False)  # fmt: skip
+                self.task = self.progress.add_task("download", total=e.total)
+                self.progress.start()
+            self.progress.update(self.task, completed=e.count, total=e.total)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

@@ -16,7 +16,15 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
   the target absorbs them all. Policy `rewind`: it keeps those before the first one it disagrees with, the
   rest are retracted, and the text then equals what the target alone would have produced (greedy). A server
   that lost the session (restart, eviction, another replica) gets the full verified history and rebuilds it.
-  Then a new stream attaches to the session and rounds go on.
+  Then a new stream attaches to the session and rounds go on (tether.client.resync, with OFFLINE).
+- Turns (a chat): `extend(prompt)` makes the whole conversation the next run()'s prompt; the server session held
+  is extended with the new tokens (Resync, which absorbs them) when the text up to the verified length is a prefix
+  of it, else a new one is opened (tether.client.resync). `keep_open` leaves the server session open after run().
+A generation ends at `max_new_tokens`, at one of `stop_ids` (the tokenizer's end-of-text unless a chat sets its
+template's end of turn), at the model's context, or at `stop()` (thread-safe); close() closes the server session
+if one is still held, then the channel. A server without a drafter (ModelInfo.server_only) is refused by pair()
+with REASON_NO_DRAFTER: call `model_info()` first and stream from it with tether.client.server_only. The first call
+(`model_info()`, `pair()`) reports an address where no tether server answers as transport.Unreachable.
 Every emitted token is final except offline ones, which `rewind` may retract (Event "retract"). The client
 never depends on the server's memory to keep its text: tokens, tags and the verified length are its own.
 A server that does not offer the ONNX part in the precision asked: FormatNotOffered (use `--backend torch`).
@@ -24,26 +32,28 @@ A server that does not offer the ONNX part in the precision asked: FormatNotOffe
     result = generate(ClientConfig(server="127.0.0.1:50051", max_new_tokens=64), "def f(x):", on_event=print)
     result.text, result.tags, result.stats
 
-Tests: tests/e2e (test_backends, test_chaos, test_failover, test_capacity, test_client_restart, ...),
+Tests: tests/e2e (test_backends, test_chaos, test_failover, test_capacity, test_client_restart, test_chat_e2e, ...),
 tests/client/test_session_file.py, tests/test_client_install.py (the onnx backend in a virtualenv without torch).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 
 import grpc
 import numpy as np
 
-from tether.client.delta_gate import DeltaGate, DeltaLayout, WireDelta
+from tether.client.delta_gate import DeltaGate, DeltaLayout
 from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
 from tether.client.pairing_checks import check_model_info
-from tether.client.refusals import Refusal
+from tether.client.resync import Resync, wire_delta
+from tether.client.server_only import generate_server_only as generate_server_only
 from tether.client.session_file import SessionRecord, load_record, save_record
 from tether.client.session_types import (
     CODECS,
@@ -61,9 +71,10 @@ from tether.client.transport import (
     LinkDown,
     Replicas,
     ServerError,
+    SessionFull,
     SessionLost,
     SessionStream,
-    rpc_error,
+    first_contact,
 )
 from tether.shared.ids import is_session_id
 from tether.v1 import tether_pb2 as pb
@@ -73,16 +84,26 @@ AFFINITY_HEADER = "x-tether-affinity"  # per-generation key for load balancers' 
 DOWNLOAD_ATTEMPTS = 20  # a download a flaky link breaks resumes where the cache stops, this many times in a row
 
 
-def _delta(kv: pb.KVDelta) -> WireDelta:
-    """A delta as it arrived; the drafter's gate (tether.client.delta_gate) checks it before decoding it."""
-    return WireDelta(start=kv.start, tokens=list(kv.tokens), payload=kv.payload)
+def _draft_seed(seed: int) -> int:
+    """The drafter's own seed, derived from the session's: the server seeds its verifier's uniforms with the session
+    seed (a torch CPU Generator, as the torch drafter's), and drafts drawn from the same stream as the uniforms that
+    judge them are not independent of them, which lossless rejection sampling needs (seen: chi-square 265 against a
+    bound of 46 over sampled tree rounds drafted that way, 15.6 with independent streams)."""
+    digest = hashlib.sha256(b"tether draft seed " + (seed % 2**64).to_bytes(8, "little")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64, as manual_seed takes
 
 
-class EdgeSession:
+class EdgeSession(Resync):
     """One generation: owns the channel, the drafter and the text. See the module docstring."""
 
-    def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None):
+    def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
+                 paired: Paired | None = None, top_k: int = 0, connect_attempts: int = 0):  # fmt: skip
+        """paired: a pairing made before (one per edge endpoint, tether.client.edge_api), used instead of pairing
+        again; its drafter must be this session's own. top_k: the sampling rule's top-k (0: off). connect_attempts:
+        tries at opening the session before run() raises what failed (0: until the server refuses for good)."""
         cfg.check()
+        self.reuse, self.top_k, self.connect_attempts = paired, top_k, connect_attempts
+        self._stopping = threading.Event()  # stop(): end the generation soon, from any thread
         self.cfg = cfg
         self.on_event = on_event or (lambda e: None)
         # A random key of this generation, sent with every call: a load balancer hashing it (Envoy ring hash)
@@ -104,6 +125,15 @@ class EdgeSession:
         self.round = 0
         self.offline_run = 0
         self._last_emit = 0.0
+        self.info: pb.ModelInfo | None = None  # GetModelInfo's answer (model_info())
+        self.stop_ids: frozenset[int] | None = None  # tokens that end a generation (None: pair() sets end-of-text)
+        self.reserve = 0  # positions the caches keep for later turns (a chat), beyond this generation's
+        self.keep_open = False  # leave the server session open after run() (a chat's next turn extends it)
+        self.max_positions = 0  # the model's context (pair())
+        self.capacity = 0  # positions the drafter's caches hold (set when a session opens)
+        self._turn = False  # extend() kept the server session: run() resyncs the new tokens in first
+        self._feed_from: int | None = None  # offline, the drafter first reads the text from here (resync.py)
+        self._t_prompt = 0.0  # when the prompt was sent (time to first token)
 
     # ---- events and bookkeeping ------------------------------------------------------------------------
 
@@ -115,9 +145,8 @@ class EdgeSession:
     def _emit(self, tokens: list[int], tag: str) -> None:
         room = self.cfg.max_new_tokens - len(self.tokens)
         tokens = tokens[:room]
-        eos = self.models.tokenizer.eos_id
-        if eos is not None and eos in tokens:
-            tokens = tokens[: tokens.index(eos) + 1]
+        end = next((i + 1 for i, t in enumerate(tokens) if t in (self.stop_ids or ())), None)
+        tokens = tokens[:end]
         if not tokens:
             return
         if self.cfg.pace_tokens_per_s > 0:
@@ -133,6 +162,7 @@ class EdgeSession:
     def _append(self, tokens: list[int], tag: str) -> None:
         self.tokens += tokens
         self.tags += [tag] * len(tokens)
+        self.stats.token_emitted(len(tokens), self._t_prompt, time.monotonic())
         self._save()
         self.on_event(Event("tokens", tokens=tokens, tag=tag))
 
@@ -165,6 +195,7 @@ class EdgeSession:
         o = self._opened(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s))
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
+        self._feed_from = self.verified  # offline, the drafter first reads the saved tail after the history
         self.stream.close()
         self.stream = None
         self.on_event(Event("info", detail=f"resumed a saved session: {len(self.tokens)} tokens"))
@@ -172,15 +203,16 @@ class EdgeSession:
 
     @property
     def done(self) -> bool:
-        eos = self.models.tokenizer.eos_id if self.models else None
-        return len(self.tokens) >= self.cfg.max_new_tokens or (eos is not None and eos in self.tokens[-1:])
+        full = len(self.tokens) >= self.cfg.max_new_tokens or len(self.sequence) >= self.max_positions
+        return full or bool(self.tokens and self.tokens[-1] in (self.stop_ids or ()))
 
     @property
     def sequence(self) -> list[int]:
         return self.prompt + self.tokens
 
     def _sampling(self) -> pb.SamplingParams:
-        return pb.SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=self.cfg.seed)
+        return pb.SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=self.cfg.seed,
+                                 top_k=self.top_k)  # fmt: skip
 
     def _count_down(self, kv: pb.KVDelta) -> None:
         self.stats.bytes_down += len(kv.payload)
@@ -207,13 +239,12 @@ class EdgeSession:
         backoff = self.backoff.fresh()
         deadline = time.monotonic() + cfg.connect_timeout_s
 
-        def model_info() -> pb.ModelInfo:
-            return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
-                                          timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
-
-        info = backoff.retry(model_info, deadline=deadline,
-                             give_up=lambda e: ServerError(e.code(), f"{cfg.server}: {e.details()}"))  # fmt: skip
+        info = self.reuse.info if self.reuse is not None else self.model_info(deadline)
+        if info.server_only:
+            raise ServerError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.replicas.address} runs no drafter "
+                              "(server-only): stream from it with Generate", pb.REASON_NO_DRAFTER)  # fmt: skip
         model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
+        self.max_positions = model_cfg.max_seq_len
         if cfg.backend == "onnx" and FORMATS[cfg.precision] not in info.client_part_formats:
             raise FormatNotOffered(f"{cfg.server} does not offer the ONNX client part in {cfg.precision} (a server "
                                    "older than this client): pass --backend torch, or upgrade the server")  # fmt: skip
@@ -223,6 +254,9 @@ class EdgeSession:
 
         self.models = backoff.retry(lambda: self._fetch_part(info), attempts=DOWNLOAD_ATTEMPTS, on_retry=interrupted)
         self.stats.weights_bytes = self.models.nbytes
+        if self.stop_ids is None:
+            eos = self.models.tokenizer.eos_id
+            self.stop_ids = frozenset(() if eos is None else (eos,))
         # Every delta the server sends is checked against this session before it is decoded: it may cover only
         # the client's own tokens after the verified ones (those it has, plus a round's drafts in flight).
         self._drafts: list[int] = []
@@ -232,33 +266,62 @@ class EdgeSession:
         self.info = info
         return self.models
 
+    def model_info(self, deadline: float | None = None) -> pb.ModelInfo:
+        """The server's ModelInfo, asked once (transport.first_contact: a server still starting is waited for
+        until `deadline`, connect_timeout_s from now by default; a wrong address is Unreachable at once)."""
+        if self.info is None:
+            deadline = time.monotonic() + self.cfg.connect_timeout_s if deadline is None else deadline
+
+            def ask() -> pb.ModelInfo:
+                return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
+                                              timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
+
+            def waiting(hint) -> None:
+                self.on_event(Event("info", detail=f"{hint.value} at {self.replicas.address} yet; waiting up to "
+                                                   f"{self.cfg.connect_timeout_s:g} s"))  # fmt: skip
+
+            self.info = first_contact(ask, self.backoff.fresh(), address=self.replicas.address,
+                                      tls=bool(self.cfg.tls_ca), deadline=deadline, on_wait=waiting)  # fmt: skip
+        return self.info
+
+    def _progress(self, done: int, total: int) -> None:
+        self.on_event(Event("download", count=done, total=total))
+
     def _fetch_part(self, info: pb.ModelInfo) -> Paired:
         """The client part for the backend, and the random stream its drafter samples with."""
         cfg = self.cfg
+        if self.reuse is not None and cfg.backend == "onnx":
+            self._draft_rng = np.random.default_rng(_draft_seed(cfg.seed))
+            return self.reuse
         if cfg.backend == "onnx":
             part = fetch_onnx_part(self.stub, info, cfg.cache_dir, precision=cfg.precision, metadata=self.metadata,
-                                   max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
-            self._draft_rng = np.random.default_rng(cfg.seed)
+                                   max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress)  # fmt: skip
+            self._draft_rng = np.random.default_rng(_draft_seed(cfg.seed))
             return Paired(info, part.tokenizer, part.drafter, part.nbytes)
         # The torch backend (kept to compare against) is the only part of the client that imports torch.
         import torch
 
         from tether.client.pairing import build_client_models, fetch_client_part
 
+        if self.reuse is not None:
+            self._draft_rng = torch.Generator().manual_seed(_draft_seed(cfg.seed))
+            return self.reuse
         tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata,
-                                    max_bytes=cfg.max_weights_mb << 20)  # fmt: skip
+                                    max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress)  # fmt: skip
         models = build_client_models(info, tensors)
-        self._draft_rng = torch.Generator().manual_seed(cfg.seed)
+        self._draft_rng = torch.Generator().manual_seed(_draft_seed(cfg.seed))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return Paired(info, models.tokenizer, models.drafter, nbytes)
 
     def _open(self) -> None:
         cfg = self.cfg
         self.stream = SessionStream(self.stub, self.metadata)
-        open_ = pb.OpenSession(prompt=self.prompt, sampling=self._sampling(), max_new_tokens=cfg.max_new_tokens,
-                               delta_codec=CODECS[cfg.codec],
+        # A chat asks room for later turns too (the server caps it at its own limit; past that, turns rebuild).
+        open_ = pb.OpenSession(prompt=self.prompt, sampling=self._sampling(),
+                               max_new_tokens=cfg.max_new_tokens + self.reserve, delta_codec=CODECS[cfg.codec],
                                model_fingerprint=self.info.model_fingerprint)  # fmt: skip
         self.stats.bytes_up += 4 * len(self.prompt)
+        self._t_prompt = time.monotonic()
         reply = self.stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s)
         o = self._opened(reply)
         self.session_id, self.resume_token = o.session_id, o.resume_token
@@ -290,21 +353,24 @@ class EdgeSession:
     def _begin(self, o: pb.Opened) -> None:
         """Start the drafter from the prompt's delta, which a long prompt sends in several parts."""
         self._count_down(o.delta)
-        self.drafter.begin(_delta(o.delta), capacity=self._capacity())
+        self.capacity = self._capacity()
+        self._feed_from = None
+        self.drafter.begin(wire_delta(o.delta), capacity=self.capacity)
         for _ in range(o.delta_parts):
             part = self.stream.receive(self.cfg.connect_timeout_s).delta
             self._count_down(part)
-            self.drafter.commit(_delta(part))
+            self.drafter.commit(wire_delta(part))
 
     def _capacity(self) -> int:
-        return len(self.prompt) + self.cfg.max_new_tokens + self.cfg.k + 2
+        return len(self.prompt) + self.cfg.max_new_tokens + self.cfg.k + 2 + self.reserve
 
     # ---- online ----------------------------------------------------------------------------------------
 
     def _round(self) -> None:
         cfg = self.cfg
         root = self.tokens[-1]
-        k = max(0, min(cfg.k, cfg.max_new_tokens - len(self.tokens) - 1, self.info.max_draft_tokens))
+        room = min(cfg.max_new_tokens - len(self.tokens) - 1, self.max_positions - len(self.sequence))
+        k = max(0, min(cfg.k, room, self.info.max_draft_tokens))
         drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=cfg.temperature, top_p=cfg.top_p,
                                                     generator=self._draft_rng)  # fmt: skip
         msg = pb.DraftRound(round=self.round + 1, root=root, tokens=drafts)
@@ -318,7 +384,7 @@ class EdgeSession:
             self._count_down(v.delta)
             self._drafts = drafts
             try:
-                self.drafter.commit(_delta(v.delta))
+                self.drafter.commit(wire_delta(v.delta))
             finally:
                 self._drafts = []
         except BaseException:
@@ -346,132 +412,31 @@ class EdgeSession:
         self._check_token(v.bonus, f"bonus token of round {v.round}")
         return v
 
-    # ---- offline and resync --------------------------------------------------------------------------
-
-    def _offline_step(self) -> None:
-        if self.cfg.max_offline_tokens and self.offline_run >= self.cfg.max_offline_tokens:
-            time.sleep(0.05)  # hold the text; keep trying to reconnect
-            return
-        tokens, _, _ = self.drafter.draft(self.tokens[-1], 1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                          generator=self._draft_rng)  # fmt: skip
-        self.offline_run += 1
-        self.stats.offline_tokens += 1
-        self._emit(tokens, "offline")
-
-    def _resync(self) -> None:
-        """Resync from the verified length, then attach a new stream. The offline tokens go in pieces of at most
-        `resync_piece_tokens` (a reply carries the KV delta of what it absorbed, ~1 KB a token), halved while the
-        server says a reply would pass its message limit; each piece starts where the server's verified length
-        now ends. Under rewind a piece that disagrees with the target, inside or at its first token (the target's
-        token after the piece before), ends the resync there: exactly what one Resync of all of them would keep."""
-        self._set_state(State.RESYNCING)
-        t0 = time.monotonic()
-        rebuilt = False
-        size = max(1, self.cfg.resync_piece_tokens)
-        while True:
-            offline = self.sequence[self.verified :]  # the root (the target's last token) first, then our drafts
-            piece = offline[:size]
-            try:
-                reply = self._resync_piece(piece)
-            except ServerError as e:
-                if e.reason != pb.REASON_REPLY_TOO_LARGE or len(piece) == 1:
-                    raise
-                size = len(piece) // 2  # the reply would pass the server's message limit: halve and retry
-                continue
-            rebuilt |= reply.rebuilt
-            kept = len(reply.delta.tokens)
-            rest = offline[len(piece) :]
-            disagrees = kept < len(piece) or (self.cfg.policy == "rewind" and rest and rest[0] != reply.target_token)
-            if rest and not disagrees:
-                continue
-            if kept < len(offline):  # rewind: retract what the target would not have written
-                n = len(offline) - kept
-                del self.tokens[len(self.tokens) - n :]
-                del self.tags[len(self.tags) - n :]
-                self.stats.retracted += n
-                self.on_event(Event("retract", count=n))
-            break
-        self.offline_run = 0
-        self.stats.resyncs += 1
-        self.stats.rebuilt += int(rebuilt)
-        # The target's next token is decided now, whatever happens to the link next: were the attach to fail and
-        # the client draft on from the last absorbed token instead, the next resync would hand the server a
-        # drafted token as its own root (under rewind, a token the target never chose kept in the text).
-        self._emit([reply.target_token], "verified")
-        self._attach()
-        self.round = 0
-        self.stats.resync_s.append(time.monotonic() - t0)
-        self._set_state(State.ONLINE, "rebuilt" if rebuilt else "")
-
-    def _resync_piece(self, piece: list[int]) -> pb.ResyncReply:
-        """One Resync call absorbing `piece` (the server's last token first); on a lost session it is sent again
-        with the whole verified history. Commits the reply's delta."""
-        cfg = self.cfg
-        V = self.verified
-        req = pb.ResyncRequest(session_id=self.session_id, resume_token=self.resume_token, verified_length=V,
-                               offline_tokens=piece, sampling=self._sampling(), delta_codec=CODECS[cfg.codec],
-                               model_fingerprint=self.info.model_fingerprint,
-                               rewind=cfg.policy == "rewind")  # fmt: skip
-        try:
-            reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
-        except grpc.RpcError as e:
-            if Refusal.of_rpc_error(e).reason != pb.REASON_HISTORY_REQUIRED:
-                raise rpc_error(e) from None
-            req.history.extend(self.sequence[:V])  # the server lost the session: it rebuilds from the whole history
-            self.stats.bytes_up += 4 * V
-            try:
-                reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)
-            except grpc.RpcError as e2:
-                raise rpc_error(e2) from None
-        self.stats.bytes_up += 4 * len(piece)
-        self.stats.resync_bytes.append((4 * len(piece) + (4 * V if len(req.history) else 0), len(reply.delta.payload)))
-        self._count_down(reply.delta)
-        self._check_resync_reply(reply, V, piece)
-        self.session_id, self.resume_token = reply.session_id, reply.resume_token  # a rebuilt session has a new id
-        self.drafter.commit(_delta(reply.delta))
-        self.verified = reply.verified_length
-        return reply
-
-    def _check_resync_reply(self, reply: pb.ResyncReply, V: int, piece: list[int]) -> None:
-        """A reply this resync can take, else a lost call (BadMessage): it absorbs a prefix of the piece, all of it
-        under keep (keep never retracts), from the client's verified length, and names a next token in the
-        vocabulary and ids of the server's shape. The delta itself is the drafter's gate's to check."""
-        kept = list(reply.delta.tokens)
-        if not 1 <= len(kept) <= len(piece) or kept != piece[: len(kept)]:
-            raise self._bad_message(Problem.DELTA, "a resync reply absorbed tokens that were not the piece sent")
-        if self.cfg.policy == "keep" and len(kept) != len(piece):
-            raise self._bad_message(Problem.DELTA, "a resync under keep dropped offline tokens")
-        if reply.delta.start != V or reply.verified_length != V + len(kept):
-            raise self._bad_message(Problem.DELTA, f"a resync reply from {V} claims {reply.verified_length} positions")
-        self._check_ids(reply.session_id, reply.resume_token)
-        self._check_token(reply.target_token, "next token")
-
-    def _attach(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-        self.stream = SessionStream(self.stub, self.metadata)
-        att = pb.AttachSession(session_id=self.session_id, resume_token=self.resume_token)
-        reply = self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s)
-        if reply.attached.verified_length != self.verified:
-            raise ServerError(grpc.StatusCode.INTERNAL, "the server's verified length differs after resync")
-
     # ---- the loop --------------------------------------------------------------------------------------
 
-    def run(self, prompt_text: str) -> Result:
-        t0 = time.monotonic()
+    def run(self, prompt_text: str | list[int] = "") -> Result:
+        """Generate from a text, or from token ids (a chat its template rendered), or after extend() from the
+        prompt it set; stop() ends it early."""
+        t0 = self._t_prompt = time.monotonic() if not self._turn else self._t_prompt
         self.backoff.reset()
         # Nothing to draft from before the first verified delta: wait for the server (until it refuses for good).
-        finished = self.backoff.retry(
+        # After extend() kept the server session, the loop below resyncs the turn's tokens in first.
+        finished = not self._turn and self.backoff.retry(
             lambda: self._connect(prompt_text),
             transient=(LinkDown, SessionLost),
             on_retry=lambda e: self.on_event(Event("info", detail=f"connecting: {e}")),
+            attempts=self.connect_attempts,
         )
+        self._turn = False
         if finished:
             return self._result(t0)
         next_try = 0.0
         self.backoff.reset()
         give_up = None  # when generation ended offline under rewind: how long to wait for the link
         while True:
+            if self._stopping.is_set():
+                self.stats.stopped = True
+                break
             # Done online, or done with every token verified (a resync absorbed the whole tail and the stream
             # after it could not attach): there is nothing left to resync.
             if self.done and (self.state == State.ONLINE or self.verified >= len(self.sequence)):
@@ -493,6 +458,11 @@ class EdgeSession:
                     self._offline_step()
                 else:
                     time.sleep(min(0.05, max(0.0, next_try - time.monotonic())))
+            except SessionFull:
+                self._forget_session()  # no room left in the server's session: the resync rebuilds one
+                if self.state == State.ONLINE:
+                    self._set_state(State.RESYNCING, "the server session is full: rebuilding it")
+                next_try = 0.0
             except (LinkDown, SessionLost) as e:
                 lost = isinstance(e, SessionLost)
                 if self.state == State.ONLINE:
@@ -530,7 +500,8 @@ class EdgeSession:
             self._restore(record)
             return False
         if not self.prompt:
-            self.prompt = self.models.tokenizer.encode(prompt_text)
+            ids = prompt_text if isinstance(prompt_text, list) else self.models.tokenizer.encode(prompt_text)
+            self.prompt = list(ids)
             if not self.prompt:
                 raise ValueError("the prompt encodes to no tokens")
         self._open()
@@ -542,18 +513,22 @@ class EdgeSession:
         self.on_event(Event("info", detail=f"trying replica {address}"))
 
     def _finish(self) -> None:
-        """Close the session if the server is reachable; the text is complete either way."""
+        """Close the session if the server is reachable (unless `keep_open`); the text is complete either way."""
         if self.stream is not None:
             self.stream.close()
             self.stream = None
-        if self.session_id:
-            try:
-                self.stub.Close(pb.CloseRequest(session_id=self.session_id), metadata=self.metadata, timeout=2.0)
-            except grpc.RpcError:
-                pass  # an offline finish: the server evicts the idle session in time
+        if not self.keep_open:
+            self._forget_session()
         self._set_state(State.DONE)
 
+    def stop(self) -> None:
+        """End the generation soon (thread-safe): run() finishes the round or step in progress, closes the server
+        session and returns the text so far."""
+        self._stopping.set()
+
     def close(self) -> None:
+        """Close the server session if one is still held (a chat's, or one a Ctrl-C left), then the channel."""
+        self._forget_session()
         self.replicas.close()
 
 
@@ -569,31 +544,3 @@ def generate(cfg: ClientConfig, prompt: str, on_event: Callable[[Event], None] |
         return session.run(prompt)
     finally:
         session.close()
-
-
-def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer) -> Result:
-    """The baseline: the server decodes alone and streams its tokens; nothing is drafted on the edge, and an
-    outage simply stops the text until the server can be asked again."""
-    replicas = _replicas(cfg, first=0)
-    stub = replicas.stub
-    metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
-    stats = Stats()
-    t0 = time.monotonic()
-    try:
-        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=cfg.connect_timeout_s)
-        ids = tokenizer.encode(prompt)
-        req = pb.OpenSession(prompt=ids, sampling=pb.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                             seed=cfg.seed), max_new_tokens=cfg.max_new_tokens,
-                             model_fingerprint=info.model_fingerprint)  # fmt: skip
-        stats.bytes_up += 4 * len(ids)
-        tokens: list[int] = []
-        vocab = json.loads(info.model_config_json).get("vocab_size", 0) if len(info.model_config_json) < 1 << 16 else 0
-        for msg in stub.Generate(req, metadata=metadata, timeout=max(60.0, cfg.connect_timeout_s)):
-            if len(tokens) + len(msg.tokens) > cfg.max_new_tokens or any(t >= vocab for t in msg.tokens):
-                raise ServerDataError(Problem.TOKEN, "Generate streamed tokens outside the vocabulary or the length")
-            tokens += list(msg.tokens)
-            stats.bytes_down += 4 * len(msg.tokens)
-    finally:
-        replicas.close()
-    stats.wall_s = time.monotonic() - t0
-    return Result(ids, tokens, ["verified"] * len(tokens), tokenizer.decode(tokens), stats)

@@ -6,8 +6,11 @@ Contract:
   --help). CHOICES names the values its string fields of a fixed set take (the CLI offers them as choices);
   `cfg.check()` raises ValueError for another, and EdgeSession checks its config so.
 - `State`: CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE (docs/ARCHITECTURE.md, section 7).
-- `Event`: what the session reports as it goes ("state", "tokens" tagged verified or offline, "retract", "info").
+- `Event`: what the session reports as it goes ("state", "tokens" tagged verified or offline, "retract", "info",
+  "download": `count` of `total` bytes of the client part fetched so far, only while a download runs).
 - `Stats` and `Result`: a generation's counters and its text; `Result.to_json()` is `tether-client --json`'s line.
+  Time to first token runs from sending the prompt (pairing done) to its first token; tokens/s is the rate after
+  it: (tokens - 1) / (last token's time - first token's).
 - `Paired`: what pairing gave the session, whichever the backend: model info, tokenizer, drafter, bytes.
 Importing this module imports no torch and no onnxruntime.
 
@@ -78,11 +81,12 @@ class ClientConfig:
 
 @dataclass
 class Event:
-    kind: str  # "state", "tokens", "retract", "info"
+    kind: str  # "state", "tokens", "retract", "info", "download"
     state: State | None = None
     tokens: list[int] = field(default_factory=list)
     tag: str = ""  # "verified" or "offline" for "tokens"
-    count: int = 0  # tokens retracted
+    count: int = 0  # tokens retracted; bytes fetched ("download")
+    total: int = 0  # bytes to fetch ("download")
     detail: str = ""
 
 
@@ -102,12 +106,32 @@ class Stats:
     weights_bytes: int = 0
     bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
     wall_s: float = 0.0
+    ttft_s: float = 0.0  # time to first token: from sending the prompt (pairing done) to its first token
+    decode_s: float = 0.0  # from the first token to the last
+    emitted: int = 0  # tokens emitted (retracted ones included)
+    server_only: bool = False  # the server runs no drafter: it decoded alone (Generate) and nothing was drafted
+    stopped: bool = False  # stopped early (stop(): Ctrl-C, a client that went away)
+    reopened: int = 0  # chat: turns that opened a new server session instead of extending the one held
     resync_s: list[float] = field(default_factory=list)  # each resync's duration
     resync_bytes: list[tuple[int, int]] = field(default_factory=list)  # each Resync call's payload bytes (up, down)
+    _first = 0.0  # when the first token came (time.monotonic()); not a field, so not in --json
 
     @property
     def tau(self) -> float:
         return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens a second after the first (0 before a second token)."""
+        return (self.emitted - 1) / self.decode_s if self.emitted > 1 and self.decode_s > 0 else 0.0
+
+    def token_emitted(self, n: int, start: float, now: float) -> None:
+        """Count `n` tokens emitted at `now` for a prompt sent at `start` (time.monotonic())."""
+        if not self.emitted:
+            self.ttft_s = now - start
+            self._first = now
+        self.emitted += n
+        self.decode_s = now - self._first
 
 
 @dataclass
@@ -121,6 +145,7 @@ class Result:
     def to_json(self) -> dict:
         s = asdict(self.stats)
         s["tau"] = self.stats.tau
+        s["tokens_per_s"] = self.stats.tokens_per_s
         return {"text": self.text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
 
 

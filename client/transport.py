@@ -12,9 +12,16 @@ Contract:
   inline Error what `refused` makes of it.
 - The exceptions the session loop acts on, chosen by `refused` from the typed reason first and the status code
   second, never from the message: ServerBusy (the server is full: back off as advised, draft alone, retry),
-  SessionLost (resync with the full history), LinkDown (an outage), BadMessage (a message the client refused:
-  a lost round), ServerError (a refusal retrying will not fix; FormatNotOffered: the server does not stream the
-  client part in the form this client drafts with). `typed(e)` maps any failed call to one of them.
+  SessionLost (resync with the full history; SessionFull: the session has no room left, so forget it first),
+  LinkDown (an outage), BadMessage (a message the client refused: a lost round), ServerError (a refusal retrying
+  will not fix; FormatNotOffered: the server does not stream the client part in the form this client drafts with).
+  `typed(e)` maps any failed call to one of them.
+- `first_contact(call, backoff, address=, tls=, deadline=)`: a command's first call (GetModelInfo), retried until
+  `deadline` while a server may still be starting. On its first UNAVAILABLE the address is looked at (`diagnose`:
+  the socket's errno and the first bytes that answer, never gRPC's message text): something that is not a gRPC
+  server, or a TLS / plaintext mismatch, ends it at once as `Unreachable` with its `Hint`; nothing listening is
+  retried and ends so at the deadline; a gRPC server without tether's service (UNIMPLEMENTED) ends it at once.
+  `Unreachable` is a ServerError whose text is one line a user can act on.
 - `Backoff(initial_s, max_s, jitter, rng)`: exponential backoff with jitter, or the server's retry advice when that
   is longer. `wait(error)` is the next pause, `failed(error)` that pause with the delay doubled (up to max_s) for
   the one after, `reset()` starts over; `retry(call, ...)` calls until it returns, pausing after each transient
@@ -25,7 +32,8 @@ Contract:
     reply = stream.request(pb.ClientMessage(round=...), timeout=5.0)
     info = Backoff(0.2, 5.0, 0.2, random.Random(0)).retry(lambda: stub.GetModelInfo(req), deadline=t0 + 10)
 
-Tests: tests/client/test_transport.py (Backoff), tests/e2e (test_chaos, test_capacity, test_failover),
+Tests: tests/client/test_transport.py (Backoff, diagnose against a closed port, an HTTP/1.1 listener and TLS /
+plaintext gRPC servers), tests/e2e (test_chaos, test_capacity, test_failover),
 tests/client/test_hostile_server.py.
 """
 
@@ -34,9 +42,12 @@ from __future__ import annotations
 import queue
 import random
 import re
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
@@ -67,6 +78,11 @@ class SessionLost(Exception):
     """The server no longer holds the session (restart, eviction, lease): resync with the full history."""
 
 
+class SessionFull(SessionLost):
+    """The server's session has no room left (REASON_SESSION_FULL: a chat past the server's max_new_tokens): the
+    client forgets it and resyncs, which rebuilds a session from the full history."""
+
+
 class BadMessage(ServerDataError, LinkDown):
     """A message from the server the client refused (a KV delta or verdict the session does not allow): the round
     or resync is lost as if the link had dropped, so the client drafts alone and resyncs later."""
@@ -90,6 +106,45 @@ class FormatNotOffered(ServerError):
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
+class Hint(StrEnum):
+    """What answers at a server's address when the first call cannot reach it (`diagnose`)."""
+
+    UNRESOLVED = "unresolved"  # the host name does not resolve
+    NOTHING_LISTENING = "nothing listening"  # the connection is refused: no server on that port (yet)
+    NOT_GRPC = "not gRPC"  # something answers that speaks neither HTTP/2 nor TLS: an HTTP/1 server, another service
+    TLS_SERVER = "TLS server"  # the client dialled plaintext, the server speaks TLS
+    PLAINTEXT_SERVER = "plaintext server"  # the client dialled TLS, the server speaks plaintext HTTP/2
+    CERTIFICATE = "certificate"  # TLS both ways, and the handshake still fails: the CA, host name or client cert
+    NOT_TETHER = "not tether"  # a gRPC server without tether.v1.Tether (UNIMPLEMENTED)
+
+
+_ADVICE = {
+    Hint.UNRESOLVED: "{a}: the host name does not resolve",
+    Hint.NOTHING_LISTENING: "nothing is listening at {a} (connection refused): is tether-server running, and on "
+    "that port?",
+    Hint.NOT_GRPC: "{a} answers, but not with gRPC (an HTTP server?): check --server's port (tether-server's gRPC "
+    "port, 50051 unless told otherwise, not its --http-port)",
+    Hint.TLS_SERVER: "{a} speaks TLS and this client dialled it in plaintext: pass --tls-ca (the CA that signed the "
+    "server's certificate)",
+    Hint.PLAINTEXT_SERVER: "{a} speaks plaintext and this client dialled it with TLS: leave out --tls-ca (or serve "
+    "with --tls-cert and --tls-key)",
+    Hint.CERTIFICATE: "the TLS handshake with {a} fails: its certificate is not signed by --tls-ca or not issued to "
+    "that host name, or it wants a client certificate (--tls-cert, --tls-key)",
+    Hint.NOT_TETHER: "{a} is a gRPC server, but not tether-server (it does not serve tether.v1.Tether)",
+}
+
+
+class Unreachable(ServerError):
+    """The server could not be reached at the start; `hint` says what answers at `address` instead."""
+
+    def __init__(self, address: str, hint: Hint):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, _ADVICE[hint].format(a=address))
+        self.address, self.hint = address, hint
+
+    def __str__(self) -> str:
+        return _ADVICE[self.hint].format(a=self.address)
+
+
 def _code_name(value: int) -> str:
     return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
 
@@ -102,6 +157,8 @@ def refused(r: Refusal) -> Exception:
     """The exception the session loop acts on for a refusal: by its reason first, then by its status code."""
     if r.retryable:
         return ServerBusy(r)
+    if r.reason == pb.REASON_SESSION_FULL:
+        return SessionFull(r.message)
     if r.reason in LOST or r.code == grpc.StatusCode.NOT_FOUND:
         return SessionLost(r.message)
     if r.code in _TRANSIENT:
@@ -177,6 +234,86 @@ class Backoff:
                 if on_retry is not None:
                     on_retry(err)
                 time.sleep(self.failed(err))
+
+
+def first_contact(call: Callable[[], T], backoff: Backoff, *, address: str, tls: bool, deadline: float,
+                  on_wait: Callable[[Hint], None] | None = None) -> T:  # fmt: skip
+    """`call()`, a command's first call to `address` (see the module docstring); `on_wait(hint)` when it keeps
+    trying a server that is not listening yet."""
+    found: list[Hint | None] = []  # what diagnose saw, once
+
+    def attempt() -> T:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise Unreachable(address, Hint.NOT_TETHER) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not found:
+                found.append(diagnose(address, tls=tls))
+                if found[0] not in (None, Hint.NOTHING_LISTENING):
+                    raise Unreachable(address, found[0]) from None
+                if found[0] is not None and on_wait is not None:
+                    on_wait(found[0])
+            raise
+
+    def give_up(e: Exception) -> Exception:
+        if found and found[0] is not None:
+            return Unreachable(address, found[0])
+        if isinstance(e, grpc.RpcError):
+            return ServerError(e.code(), f"{address}: {e.details()}")
+        return typed(e)
+
+    return backoff.retry(attempt, deadline=deadline, give_up=give_up)
+
+
+# The HTTP/2 client preface and an empty SETTINGS frame: a gRPC (HTTP/2) server answers with a SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_H2_SETTINGS = 0x04  # the frame type at byte 3 of a frame header
+
+
+def diagnose(address: str, *, tls: bool, timeout_s: float = 2.0) -> Hint | None:
+    """What answers at `address` (HOST:PORT) for a client that dialled it with TLS or not; None when nothing
+    certain can be said (no answer in time, or an HTTP/2 server the client should be able to talk to)."""
+    m = _ENDPOINT.match(address)
+    if m is None:
+        return None
+    host, port = m.group(1).strip("[]"), int(m.group(2))
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return Hint.UNRESOLVED
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(_H2_PREFACE)
+            first = sock.recv(16)
+    except ConnectionRefusedError:
+        return Hint.NOTHING_LISTENING
+    except ConnectionError:
+        first = b""  # reset on the preface: a TLS server may do that; the handshake below tells
+    except OSError:
+        return None  # no route, or no answer in time: nothing certain
+    if len(first) >= 9 and first[3] == _H2_SETTINGS:
+        return Hint.PLAINTEXT_SERVER if tls else None
+    if _speaks_tls(host, port, timeout_s):
+        return Hint.CERTIFICATE if tls else Hint.TLS_SERVER
+    return Hint.NOT_GRPC
+
+
+def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TLS handshake (nothing verified) gets a TLS answer: it completes, or the peer sends an alert."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, ctx.wrap_socket(raw) as sock:
+            return sock.version() is not None
+    except ssl.SSLError as e:
+        # OpenSSL's reason code names an alert the peer sent (SSLV3_ALERT_..., TLSV13_ALERT_...): a TLS server that
+        # refused us; other reasons (WRONG_VERSION_NUMBER, ...) mean the bytes that came back were not TLS.
+        return "ALERT" in (e.reason or "")
+    except OSError:
+        return False
 
 
 class SessionStream:

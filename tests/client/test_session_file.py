@@ -53,3 +53,16 @@ def test_a_record_reads_back_and_one_for_another_model_is_refused(tmp_path):
     with pytest.raises(ServerError) as refused:
         load_record(path, "e" * 64)
     assert refused.value.code == "FAILED_PRECONDITION"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 + 5])
+def test_the_drafter_samples_from_a_stream_of_its_own(seed):
+    """The server draws its verifier's uniforms from torch.Generator().manual_seed(session seed): a torch drafter
+    seeded the same way would draft from those very numbers, and rejection sampling would no longer be lossless."""
+    import torch
+
+    from tether.client.session import _draft_seed
+
+    server = torch.rand(16, generator=torch.Generator().manual_seed(seed % 2**63))
+    drafter = torch.rand(16, generator=torch.Generator().manual_seed(_draft_seed(seed)))
+    assert 0 <= _draft_seed(seed) < 2**63 and not torch.equal(server, drafter)

@@ -79,7 +79,8 @@ def test_a_server_without_the_onnx_part_is_a_typed_refusal(tensors_only, tmp_pat
     argv = ["generate", "--server", tensors_only, "--prompt", "x", "--precision", "int8", "--cache-dir", str(tmp_path)]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--backend torch" in err[0] and "int8" in err[0], err
+    assert err[0] == f"connecting to {tensors_only}", err
+    assert len(err) == 2 and "--backend torch" in err[1] and "int8" in err[1], err
     # The torch backend still pairs with it.
     cfg = ClientConfig(server=tensors_only, backend="torch", max_new_tokens=8, cache_dir=str(tmp_path), **PATIENT)
     assert len(generate(cfg, PROMPT).token_ids) == 8

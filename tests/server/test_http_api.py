@@ -17,6 +17,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from sse import sse_events
 
 from tether.server.generate import GenerateConfig, default_model_dir, generate_text, load
 from tether.server.http_api import start_http
@@ -59,20 +60,6 @@ def api():
 def reference():
     """`tether-server generate --drafter none` (its function) for PROMPT: the text greedy HTTP must equal."""
     return generate_text(GenerateConfig(prompt=PROMPT, drafter="none", max_new_tokens=48, device="cpu"))
-
-
-def sse_events(url: str, body: dict) -> list:
-    """A streamed request over raw httpx: every `data:` payload (JSON decoded, "[DONE]" as is)."""
-    out = []
-    with httpx.stream("POST", url, json=body, timeout=BOUND_S) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                data = line.removeprefix("data: ")
-                out.append(data if data == "[DONE]" else json.loads(data))
-            else:
-                assert line == "", line
-    return out
 
 
 class Gate:
@@ -184,8 +171,8 @@ def test_stop_strings_cut_the_text_before_them(api, reference):
     done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=48, temperature=0, stop=[stop, "\x00"])
     assert done.choices[0].text == want and done.choices[0].finish_reason == "stop"
     assert done.usage.completion_tokens < reference["new_tokens"]
-    events = sse_events(api["url"] + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 48,
-                                                         "temperature": 0, "stop": stop, "stream": True})  # fmt: skip
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stop": stop, "stream": True}
+    events = sse_events(api["url"] + "/v1/completions", body, BOUND_S)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
@@ -194,7 +181,7 @@ def test_stop_strings_cut_the_text_before_them(api, reference):
 def test_raw_sse_chunks_and_usage(api):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    events = sse_events(api["url"] + "/v1/chat/completions", body)
+    events = sse_events(api["url"] + "/v1/chat/completions", body, BOUND_S)
     *chunks, usage_chunk, done = events
     assert done == "[DONE]"
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)

@@ -1,0 +1,246 @@
+"""The edge's OpenAI-compatible endpoint: tether.shared.openai_app's Backend over edge sessions.
+
+Apps on the laptop talk OpenAI's API to `tether-client serve` (tether.client.edge_serve); each request is one edge
+session (tether.client.session.EdgeSession): drafted here, verified by the tether server, and still answered while
+the link is down.
+
+Contract:
+- `EdgeBackend.connect(cfg)` pairs once, as `tether-client generate` does (GetModelInfo, then the client part from
+  the weight cache or the server): the weights, the tokenizer and the onnxruntime sessions are loaded once and
+  every request reuses them. It raises what pairing raises: ServerError or LinkDown (the server refuses or cannot
+  be reached: `serve` exits 1) and ServerDataError (the server sent something invalid: exit 2).
+- Its Backend fields: `model_id` (the server's, or the name given), `chat` (the chat template of
+  ModelInfo.chat_format_json over the client part's tokenizer; the built-in one from a server too old to send
+  one), `max_context` (the model's max_seq_len), `max_prompt_tokens` (the server's), `max_new_tokens`
+  (`cfg.max_new_tokens`: the most one request may ask for), `drafts_offline` (True).
+- `generate(prompt, sampling, max_tokens)` runs one EdgeSession on a worker thread of its own: its own drafter
+  state over the shared weights, the request's temperature, top_p, top_k and seed, `max_tokens` as its
+  max_new_tokens, and the chat format's stop ids as its own (nothing is drafted past an end of turn). top_k is the
+  server's to apply when it verifies: drafts proposed without it stay lossless, but tokens drafted offline are
+  sampled without it. The session is opened in one try: a server that is full answers 503 with its Retry-After, one
+  that cannot be reached 503 too (nothing can be drafted before the server has verified the prompt), a prompt it
+  finds too long 400; any other refusal, and anything invalid it sends, 502. Once open, the session survives
+  outages on its own (drafting alone, resyncing) and yields `Tokens` as it emits them:
+  - policy keep: offline tokens are yielded at once, marked offline (they stay in the text, unverified);
+  - policy rewind: only verified text is yielded. Offline tokens are held back until the resync that follows:
+    those the target keeps are yielded then, as verified; those it retracts were never sent. Only when the
+    generation ends offline and the link stays down past `final_resync_s` are the held tokens yielded, marked
+    offline: they stand. So the stream never has to take text back (`Release` decides this, event by event).
+  Closing the generator (the client went away, a stop string or the token limit reached) stops the session: it
+  finishes the round in flight and closes its server session. `outstanding` counts sessions still running;
+  `wait_released(timeout)` waits until none is (tests, shutdown); `stop_all()` stops every one.
+- `observe(session, event)`, when given, sees every session's events on its worker thread (logs, tests).
+
+Tests: tests/client/test_edge_api.py (the held-back text under rewind, error mapping, the command line),
+tests/e2e/test_edge_api_e2e.py (a real server, the openai package and raw SSE, outages through tether.netsim).
+
+    backend = EdgeBackend.connect(ClientConfig(server="127.0.0.1:50051"))
+    app = OpenAIApp(backend, HttpConfig(port=8080))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from tether.client.errors import Problem, ServerDataError
+from tether.client.pairing_checks import check_model_info
+from tether.client.session import ClientConfig, EdgeSession, Event, Paired, State
+from tether.client.transport import LinkDown, ServerBusy, ServerError, SessionLost
+from tether.shared.chat_template import ChatFormat
+from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
+from tether.v1 import tether_pb2 as pb
+
+log = logging.getLogger("tether.edge")
+
+UNREACHABLE_RETRY_S = 2.0  # Retry-After when the tether server cannot be reached to open a session
+# The server's refusals a request caused itself; any other is the edge's upstream failing it (502).
+REQUEST_KINDS = {pb.REASON_TOO_LONG: ErrorKind.CONTEXT_LENGTH, pb.REASON_INVALID_REQUEST: ErrorKind.INVALID_REQUEST}
+_END = object()  # the generation ended: no more tokens
+
+
+def api_error(e: Exception, server: str) -> ApiError | None:
+    """The HTTP error for what ended a session (None: not a refusal or an outage, but a bug)."""
+    if isinstance(e, ServerBusy):
+        return ApiError(ErrorKind.OVERLOADED, f"the tether server at {server} is full: {e}",
+                        retry_after_s=max(1.0, e.retry_after_s))  # fmt: skip
+    if isinstance(e, ServerDataError):
+        return ApiError(ErrorKind.UPSTREAM, f"the tether server at {server}: {e}")
+    if isinstance(e, LinkDown | SessionLost):
+        return ApiError(ErrorKind.OVERLOADED, f"the tether server at {server} cannot be reached ({e}); try again "
+                        "shortly", retry_after_s=UNREACHABLE_RETRY_S)  # fmt: skip
+    if isinstance(e, ServerError):
+        return ApiError(REQUEST_KINDS.get(e.reason, ErrorKind.UPSTREAM), f"the tether server at {server} refused: {e}")
+    return None
+
+
+def own_drafter(paired: Paired, backend: str) -> Paired:
+    """The pairing with a drafter of its own for one session: the weights are shared (onnxruntime sessions, which
+    run concurrently, or torch parameters); the caches, which each sequence fills, are not."""
+    d = paired.drafter
+    if backend == "onnx":  # `keep` holds the original drafter, and with it the weights its sessions read
+        fresh = type(d)(d.manifest, d.sessions, keep=[d])
+    else:  # a shallow copy of the nn.Module shares its parameters; begin() gives the copy caches of its own
+        fresh = copy.copy(d)
+    return dataclasses.replace(paired, drafter=fresh)
+
+
+def chat_format(info: pb.ModelInfo, tokenizer) -> ChatFormat:
+    """The server's chat format (ModelInfo.chat_format_json), the built-in one from a server too old to send it."""
+    if not info.chat_format_json:
+        return ChatFormat.builtin_for(tokenizer)
+    try:
+        return ChatFormat.from_json(info.chat_format_json, tokenizer)
+    except (ValueError, AttributeError) as e:  # JSON that is not an object has no .get
+        raise ServerDataError(Problem.MODEL_INFO, f"chat_format_json: {str(e)[:200]}") from None
+
+
+class EdgeBackend:
+    """An OpenAIApp backend over edge sessions (see the module docstring)."""
+
+    drafts_offline = True
+
+    def __init__(self, cfg: ClientConfig, paired: Paired, *, model_id: str = "",
+                 observe: Callable[[EdgeSession, Event], None] | None = None):  # fmt: skip
+        self.cfg, self.paired, self.observe = cfg, paired, observe
+        info = paired.info
+        model_cfg, _ = check_model_info(info)
+        self.model_id = model_id or info.model_id
+        self.chat = chat_format(info, paired.tokenizer)
+        self.max_context = model_cfg.max_seq_len
+        self.max_prompt_tokens = min(info.max_prompt_tokens, model_cfg.max_seq_len - 1)
+        self.max_new_tokens = cfg.max_new_tokens
+        self.outstanding = 0  # sessions whose worker has not finished (any thread)
+        self._released = threading.Condition()
+        self._running: set[_Request] = set()
+
+    @classmethod
+    def connect(cls, cfg: ClientConfig, *, model_id: str = "",
+                observe: Callable[[EdgeSession, Event], None] | None = None) -> EdgeBackend:  # fmt: skip
+        """Pair with the server once (see the module docstring)."""
+        session = EdgeSession(cfg)
+        try:
+            paired = session.pair()
+        finally:
+            session.close()
+        return cls(cfg, paired, model_id=model_id, observe=observe)
+
+    async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, item)
+            except RuntimeError:  # the loop is closed (the endpoint stopped): nobody is listening
+                pass
+
+        request = _Request(self, prompt, sampling, max_tokens, deliver)
+        try:
+            while (item := await inbox.get()) is not _END:
+                if isinstance(item, ApiError):
+                    raise item
+                yield item
+        finally:
+            request.session.stop()
+
+    def stop_all(self) -> None:
+        """Stop every running session (the endpoint is shutting down)."""
+        with self._released:
+            running = list(self._running)
+        for request in running:
+            request.session.stop()
+
+    def wait_released(self, timeout: float) -> bool:
+        """True once every session has ended and closed its server session (False after `timeout` seconds)."""
+        with self._released:
+            return self._released.wait_for(lambda: self.outstanding == 0, timeout)
+
+    def _started(self, request: _Request) -> None:
+        with self._released:
+            self.outstanding += 1
+            self._running.add(request)
+
+    def _ended(self, request: _Request) -> None:
+        with self._released:
+            self.outstanding -= 1
+            self._running.discard(request)
+            self._released.notify_all()
+
+
+class Release:
+    """What of a session's tokens may be sent, and when: offline ones at once, marked, under keep; under rewind
+    only once a resync has kept them (then as verified), or at the end when the link never came back (marked)."""
+
+    def __init__(self, rewind: bool, send: Callable[[Tokens], None]):
+        self.rewind, self.send = rewind, send
+        self.held: list[int] = []  # rewind: offline tokens not sent until a resync decides on them
+
+    def event(self, e: Event) -> None:
+        if e.kind == "tokens" and e.tag == "offline":
+            if self.rewind:
+                self.held += e.tokens
+            else:
+                self.send(Tokens(list(e.tokens), offline=True))
+        elif e.kind == "tokens":
+            if self.held:  # a verified token after them: the resync kept these, the target agreeing
+                self.send(Tokens(self.held))
+                self.held = []
+            self.send(Tokens(list(e.tokens)))
+        elif e.kind == "retract":  # always the tail, and only offline tokens
+            del self.held[max(0, len(self.held) - e.count) :]
+
+    def end(self) -> None:
+        """The generation is over: held tokens stand (rewind, the link down past final_resync_s)."""
+        if self.held:
+            self.send(Tokens(self.held, offline=True))
+            self.held = []
+
+
+class _Request:
+    """One request's session on its worker thread (see the module docstring)."""
+
+    def __init__(self, backend: EdgeBackend, prompt: list[int], sampling: Sampling, max_tokens: int,
+                 deliver: Callable[[object], None]):  # fmt: skip
+        self.backend, self.prompt, self.deliver = backend, prompt, deliver
+        cfg = dataclasses.replace(backend.cfg, temperature=sampling.temperature, top_p=sampling.top_p,
+                                  seed=sampling.seed, max_new_tokens=max_tokens, session_file="")  # fmt: skip
+        self.release = Release(cfg.policy == "rewind", deliver)
+        self.session = EdgeSession(cfg, self.on_event, paired=own_drafter(backend.paired, cfg.backend),
+                                   top_k=sampling.top_k, connect_attempts=1)  # fmt: skip
+        self.session.stop_ids = backend.chat.stop_ids  # the template's end of turn too: nothing drafted past it
+        backend._started(self)
+        threading.Thread(target=self._work, daemon=True, name="tether-edge-request").start()
+
+    def on_event(self, e: Event) -> None:
+        if self.backend.observe is not None:
+            self.backend.observe(self.session, e)
+        self.release.event(e)
+        if e.kind == "state" and e.state == State.OFFLINE:
+            log.info("session %s: the link is down (%s): drafting alone", self.session.session_id[:8], e.detail)
+        elif e.kind == "state" and e.state == State.ONLINE and self.session.stats.resyncs:
+            log.info("session %s: resynced, verified again", self.session.session_id[:8])
+
+    def _work(self) -> None:
+        server = self.session.cfg.server
+        try:
+            self.session.run(self.prompt)
+            self.release.end()
+            self.deliver(_END)
+            s = self.session.stats
+            log.info("session %s: %d tokens, %d offline, %d retracted, tau %.2f, %d resyncs",
+                     self.session.session_id[:8], len(self.session.tokens), s.offline_tokens, s.retracted, s.tau,
+                     s.resyncs)  # fmt: skip
+        except Exception as e:
+            error = api_error(e, server)
+            if error is None:
+                log.exception("edge session failed")
+                error = ApiError(ErrorKind.INTERNAL, "internal error in the edge session")
+            self.deliver(error)
+        finally:
+            self.session.close()
+            self.backend._ended(self)
