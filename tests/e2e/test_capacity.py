@@ -4,7 +4,8 @@ With the session limit at 8, or a KV pool that holds a few sessions' memory, the
 refuses what it cannot place with REASON_CAPACITY and retry advice; each client backs off, drafts alone meanwhile
 and resyncs (rebuilding its session from its history when it was evicted). Under policy rewind every one of them
 ends with exactly the text plain greedy decoding gives for its prompt. Nothing here depends on timing: the
-pressure comes from the limits, and every client keeps at most a few offline tokens before it waits.
+pressure comes from the limits (every client holds after its first token until all have opened), and every client
+keeps at most a few offline tokens before it waits.
 """
 
 import threading
@@ -53,7 +54,19 @@ def test_sixteen_clients_on_a_server_too_small_for_them_all_finish_with_plain_gr
                        cache_dir=str(tmp_path / "cache"), round_timeout_s=60.0, connect_timeout_s=60.0,
                        backoff_initial_s=0.05, backoff_max_s=0.5, max_offline_tokens=4,
                        final_resync_s=600.0)  # fmt: skip
-    sessions = [EdgeSession(cfg) for _ in range(CLIENTS)]
+    # Every client waits after its session opened until all sixteen have opened: the pressure is then real whatever
+    # the scheduling (each open past the limit evicts an idle one), not only when no client finishes early.
+    all_opened = threading.Barrier(CLIENTS, timeout=600)
+
+    def wait_for_the_rest(seen: list[bool]):
+        def on_event(e) -> None:
+            if e.kind == "tokens" and not seen:
+                seen.append(True)
+                all_opened.wait()
+
+        return on_event
+
+    sessions = [EdgeSession(cfg, on_event=wait_for_the_rest([])) for _ in range(CLIENTS)]
     results: list = [None] * CLIENTS
     errors: list[BaseException] = []
 
