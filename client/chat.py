@@ -9,10 +9,12 @@ Contract:
   in turn) and renders them with the model's chat template (tether.shared.chat_template: the server sends it in
   ModelInfo.chat_format_json), as the server's HTTP API renders them. `ask(text, held)` adds a user message and
   returns the token ids of the whole conversation with the generation prompt; `answer(ids)` adds the assistant's
-  message: the reply's text without the tokens the template hides (its end of turn, special tokens). A template
-  that writes whitespace around the reply itself ("assistant: " + content) would render the reply as the model
-  did not write it; the assistant message then keeps the copy without that whitespace when its rendering keeps
-  more of `held` (the session's tokens), so that the server session can be extended rather than reopened.
+  message: the reply's text without the tokens the template hides (its end of turn, special tokens). The built-in
+  template renders a reply exactly as the model wrote it. A template that changes the whitespace around it (one
+  that writes "assistant: " + content, or trims it) would render the reply as the model did not write it; the
+  assistant message then keeps the copy without its leading whitespace when its rendering keeps more of `held`
+  (the session's tokens), so that the server session can be extended rather than reopened. A message the template
+  refuses (ChatTemplateError) is not added.
 - `Chat(engine, chat_format, system="")`: `reply(text, on_event)` -> Result, one turn, over one of two engines.
   An EdgeSession, paired, kept open across turns: each turn extends the one server session with only the new
   tokens (tether.client.resync) and drafts offline when the server is gone; its greedy reply is what a fresh
@@ -24,7 +26,8 @@ Contract:
   (line editing, history kept in `history_file`, at most HISTORY_LENGTH lines, owner-only), from a pipe one message
   a line. EOFError at the end of input, KeyboardInterrupt on Ctrl-C.
 - `repl(chat, reader, ...)` -> exit status: 0 at the end of input or Ctrl-D, 130 on Ctrl-C at the prompt (both
-  end the chat cleanly); what the server refuses propagates (tether-client prints one line, status 1).
+  end the chat cleanly); a message the chat template refuses is answered with one line and the chat goes on; what
+  the server refuses propagates (tether-client prints one line, status 1).
 - `interruptible(stop)`: Ctrl-C calls stop() (the generation ends at its next step); a second Ctrl-C raises
   KeyboardInterrupt. Only in the main thread (elsewhere signals are not ours). `generate` uses it too.
 
@@ -48,7 +51,7 @@ from tether.client.live_view import ChatStream, summary_line
 from tether.client.server_only import ServerOnlySession
 from tether.client.session import EdgeSession, Event, LinkDown, Result
 from tether.shared import env  # the one module that reads the environment
-from tether.shared.chat_template import ChatFormat
+from tether.shared.chat_template import ChatFormat, ChatTemplateError
 
 HISTORY_LENGTH = 1000  # lines of input history kept
 HISTORY_NAME = "chat_history"
@@ -88,8 +91,9 @@ class Conversation:
             # The first of the best: the reply as shown unless another copy keeps more of the session's tokens.
             last["content"] = max(variants, key=lambda v: _common_prefix(
                 self.ids([*earlier, {"role": "assistant", "content": v}, user]), held))  # fmt: skip
+        ids = self.ids([*self.messages, user])  # a refusal (ChatTemplateError) leaves the conversation as it was
         self.messages.append(user)
-        return self.ids(self.messages)
+        return ids
 
     def answer(self, token_ids: list[int]) -> str:
         """Add the assistant's message from the reply's tokens; returns its text."""
@@ -225,6 +229,9 @@ def repl(chat: Chat, reader: Callable[[str], str], *, out: Console, err: TextIO)
         except LinkDown as e:  # a server without a drafter gone: nothing to answer from, the chat goes on
             out.print()
             err.write(f"[tether: no reply: the server is unreachable ({e}); send again when it is back]\n")
+            continue
+        except ChatTemplateError as e:  # the model's template refuses this message: say so, nothing was sent
+            err.write(f"[tether: not sent: {e}]\n")
             continue
         out.print()
         err.write(f"[{summary_line(result)}]\n")

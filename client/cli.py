@@ -27,8 +27,9 @@ The drafter runs on onnxruntime by default (`--backend onnx`): the server sends 
 their weights in `--precision` (fp16 halves and int8 quarters the download; drafting computes in fp32 either way),
 and no torch is needed. `--backend torch` drafts with torch from the tensors instead (torch must be installed);
 use it too with a server too old to offer the ONNX part. A server without a drafter (`tether-server serve
---drafter none`) decodes alone and streams its tokens (the summary and --json say server-only); it sends no
-tokenizer, so give the model's with --tokenizer.
+--drafter none`) decodes alone and streams its tokens (the summary and --json say server-only); the client fetches
+its tokenizer from it once (cached by hash like the client part); --tokenizer PATH gives one instead (it must be
+the server's), as a server older than this client sends none.
 The API key comes from --api-key, else --api-key-file, else the TETHER_API_KEY environment variable (a key on
 the command line is visible to every user of the machine in `ps`).
 Exit status: 0 done; 1 a server that refuses or cannot be reached (one line on stderr); 2 invalid input, or
@@ -134,7 +135,7 @@ def _connect(args: argparse.Namespace, quiet: bool):
     from rich.console import Console
 
     from tether.client.live_view import Connecting
-    from tether.client.server_only import ServerOnlySession, load_tokenizer
+    from tether.client.server_only import ServerOnlySession, server_tokenizer
     from tether.client.session import EdgeSession
 
     cfg = _config(args)
@@ -149,10 +150,7 @@ def _connect(args: argparse.Namespace, quiet: bool):
         if not info.server_only:
             session.pair()
             return session, session, session.models.tokenizer
-        if not args.tokenizer:
-            raise ValueError(f"{session.replicas.address} runs no drafter (server-only) and sends no tokenizer: give "
-                             "the model's with --tokenizer PATH (its tokenizer.json or directory)")  # fmt: skip
-        tokenizer = load_tokenizer(args.tokenizer, info)
+        tokenizer = server_tokenizer(session, args.tokenizer)
         return session, ServerOnlySession(session.stub, session.metadata, cfg, info, tokenizer), tokenizer
     except BaseException:
         session.close()
@@ -215,8 +213,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tether.client.chat import Chat, LineReader, default_history_file, repl
+    from tether.client.edge_api import chat_format
     from tether.client.transport import LinkDown, ServerError
-    from tether.shared.chat_template import ChatFormat
 
     try:
         session, engine, tok = _connect(args, quiet=False)
@@ -227,8 +225,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     reader = None
     try:
         info = session.model_info()
-        # From an older server (no template sent): the built-in one, which the server's HTTP API would use too.
-        fmt = ChatFormat.from_json(info.chat_format_json, tok) if info.chat_format_json else ChatFormat.builtin_for(tok)
+        fmt = chat_format(info, tok)  # a malformed one: ServerDataError, one line, status 2
         chat = Chat(engine, fmt, args.system)
         interactive = sys.stdin.isatty()
         reader = LineReader(args.history_file or default_history_file(), interactive=interactive)
@@ -264,8 +261,8 @@ def _session_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> 
         parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name), help=helps[name])
     parser.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
     parser.add_argument("--tokenizer", default="", metavar="PATH",
-                        help="the model's tokenizer.json (or its directory), for a server without a drafter, which "
-                             "sends none")  # fmt: skip
+                        help="the model's tokenizer.json (or its directory), for a server without a drafter "
+                             "(default: the server's own, fetched once and cached)")  # fmt: skip
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar on stderr while the client part downloads (default: on a "
                              "terminal)")  # fmt: skip

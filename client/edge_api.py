@@ -51,7 +51,7 @@ from tether.client.errors import Problem, ServerDataError
 from tether.client.pairing_checks import check_model_info
 from tether.client.session import ClientConfig, EdgeSession, Event, Paired, State
 from tether.client.transport import LinkDown, ServerBusy, ServerError, SessionLost
-from tether.shared.chat_template import ChatFormat
+from tether.shared.chat_template import ChatFormat, ChatTemplateError
 from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
 from tether.v1 import tether_pb2 as pb
 
@@ -95,7 +95,7 @@ def chat_format(info: pb.ModelInfo, tokenizer) -> ChatFormat:
         return ChatFormat.builtin_for(tokenizer)
     try:
         return ChatFormat.from_json(info.chat_format_json, tokenizer)
-    except (ValueError, AttributeError) as e:  # JSON that is not an object has no .get
+    except ChatTemplateError as e:  # every way the text can be malformed (TemplateProblem.FORMAT)
         raise ServerDataError(Problem.MODEL_INFO, f"chat_format_json: {str(e)[:200]}") from None
 
 

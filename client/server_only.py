@@ -1,10 +1,11 @@
 """Generation from a server that runs no drafter: the target decodes alone and streams its tokens (Generate RPC).
 
 A server started with `tether-server serve --drafter none` says `server_only` in its ModelInfo and answers Session,
-Resync and FetchWeights with REASON_NO_DRAFTER: there is no client part to draft with, so `tether-client generate`
-and `chat` stream from Generate instead, and nothing is drafted on the edge (an outage stops the text, since
-there is nothing to draft from). Such a server streams no tokenizer either (the tokenizer travels in the client
-part), so the user names the model's tokenizer.json, checked against ModelInfo.tokenizer_sha256.
+Resync and FetchWeights of a drafter's part with REASON_NO_DRAFTER: there is no client part to draft with, so
+`tether-client generate` and `chat` stream from Generate instead, and nothing is drafted on the edge (an outage
+stops the text, since there is nothing to draft from). The tokenizer that encodes the prompt and decodes the
+stream comes from the server (FetchWeights of CLIENT_PART_TOKENIZER, which every server lists in
+ModelInfo.client_part_formats, drafter or not) and is cached by its hash; `--tokenizer PATH` overrides it.
 
 Contract:
 - `ServerOnlySession(stub, metadata, cfg, info, tokenizer, on_event=None, stop_ids=None)`: `run(prompt_ids)` ->
@@ -14,15 +15,31 @@ Contract:
   Stats say server_only, with time to first token and tokens/s. A token outside the vocabulary or past the length
   is a ServerDataError; a refusal or a broken link raises ServerError or LinkDown (tether.client.transport). `run`
   may be called again (a chat's next turn: a new Generate over the whole conversation, as no session is held).
+- `fetch_tokenizer(stub, info, cache_dir, *, metadata=(), timeout_s=120.0, on_progress=None,
+  max_bytes=DEFAULT_MAX_BYTES)` -> Tokenizer: the one cached under ModelInfo.tokenizer_sha256 (nothing is asked
+  of the server then), else streamed. Before a byte is downloaded: info's hash is 64 hex digits, the format is
+  offered (FormatNotOffered otherwise: an older server), the manifest is of info's model and drafter, of the
+  tokenizer format, and holds one entry, tokenizer.json, uint8 [nbytes], at most MAX_STREAMED_BYTES (32 MiB) and
+  `max_bytes`, whose sha256 is info's tokenizer hash. The download resumes from the cache's partial file and is
+  checked by sha256 (tether.client.pairing_checks.download, tether.client.weight_cache); the tokenizer must then
+  parse and hash to info's. Refusals are ServerDataError (one line; `.problem` MODEL_INFO, FINGERPRINT, MANIFEST,
+  WEIGHT_SIZE, TOKENIZER, CACHE_KEY, CHUNK or CHECKSUM); a broken stream raises grpc.RpcError or ConnectionError,
+  and calling again resumes.
+- `server_tokenizer(session, override="")` -> Tokenizer, what `tether-client` decodes a server-only stream with:
+  `override` (--tokenizer) through load_tokenizer, else fetch_tokenizer over the session's channel, its download
+  retried with the session's backoff like the client part's and reported as "download" events.
 - `load_tokenizer(path, info)`: the tokenizer in `path` (a tokenizer.json, or a model directory holding one),
   refused (ValueError, one line) unless its hash is the server's.
 - `generate_server_only(cfg, prompt, tokenizer)`: one generation over a channel of its own (bench/link.py's
   baseline).
 
-    session = ServerOnlySession(stub, metadata, cfg, info, load_tokenizer("models/target", info))
+    tokenizer = fetch_tokenizer(stub, info, "~/.cache/tether")
+    session = ServerOnlySession(stub, metadata, cfg, info, tokenizer)
     result = session.run(tokenizer.encode("def f(x):"))
 
-Tests: tests/client/test_chat.py and tests/e2e/test_chat_e2e.py (generate and chat against `--drafter none`).
+Tests: tests/client/test_tokenizer_fetch.py (the tokenizer from a server without a drafter: greedy text equal to
+the server's own, cached, resumed, hostile manifests and bytes), tests/client/test_chat.py and
+tests/e2e/test_chat_e2e.py (generate and chat against `--drafter none`).
 """
 
 from __future__ import annotations
@@ -30,16 +47,99 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from tether.client.errors import Problem, ServerDataError
+from tether.client.pairing_checks import (
+    DEFAULT_MAX_BYTES,
+    MAX_FINGERPRINT_CHARS,
+    PairingError,
+    check_tokenizer,
+    download,
+    manifest_entries,
+    request_manifest,
+)
+from tether.client.pairing_checks import MAX_TOKENIZER_BYTES as MAX_STREAMED_BYTES
 from tether.client.session_types import ClientConfig, Event, Result, State, Stats
-from tether.client.transport import Replicas, rpc_error
+from tether.client.transport import FormatNotOffered, Replicas, rpc_error
+from tether.client.weight_cache import WeightCache, is_sha256
 from tether.shared.tokenizer import Tokenizer
+from tether.shared.weights import TOKENIZER_TENSOR
 from tether.v1 import tether_pb2 as pb
 
-MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json larger than this is not one
+if TYPE_CHECKING:
+    from tether.client.session import EdgeSession
+
+MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json file larger than this is not one
+
+
+def fetch_tokenizer(
+    stub,
+    info: pb.ModelInfo,
+    cache_dir: str | Path,
+    *,
+    metadata: tuple = (),
+    timeout_s: float = 120.0,
+    on_progress: Callable[[int, int], None] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Tokenizer:
+    """The server's tokenizer, from the cache or streamed; see the module docstring."""
+    if not is_sha256(info.tokenizer_sha256):
+        raise ServerDataError(Problem.CACHE_KEY, f"tokenizer_sha256 {info.tokenizer_sha256[:80]!r} is not 64 "
+                              "lowercase hex digits")  # fmt: skip
+    if not 0 < len(info.model_fingerprint) <= MAX_FINGERPRINT_CHARS:
+        raise ServerDataError(Problem.MODEL_INFO, f"model_fingerprint must hold 1 to {MAX_FINGERPRINT_CHARS} "
+                              "characters")  # fmt: skip
+    cache = WeightCache(Path(cache_dir).expanduser())
+    held = cache.find(info.tokenizer_sha256)
+    if held is not None:  # verified when it was written; check_tokenizer hashes it again
+        return check_tokenizer(held.read_bytes(), info)
+    if pb.CLIENT_PART_TOKENIZER not in info.client_part_formats:
+        raise FormatNotOffered("the server does not stream its tokenizer (a server older than this client): give "
+                               "the model's with --tokenizer PATH (its tokenizer.json or directory)")  # fmt: skip
+    req, man = request_manifest(stub, info, pb.CLIENT_PART_TOKENIZER, metadata=metadata, timeout_s=timeout_s)
+    entries = manifest_entries(man)
+    if [e.name for e in entries] != [TOKENIZER_TENSOR]:
+        raise PairingError(Problem.MANIFEST, f"the tokenizer part must hold {TOKENIZER_TENSOR} alone, not "
+                           f"{len(entries)} entries")  # fmt: skip
+    entry = entries[0]
+    if entry.dtype != "uint8" or entry.shape != (entry.nbytes,) or entry.nbytes < 1:
+        raise PairingError(Problem.MANIFEST, f"{TOKENIZER_TENSOR} must be uint8 bytes, not {entry.dtype[:40]!r} "
+                           f"{list(entry.shape)[:4]} of {entry.nbytes} bytes")  # fmt: skip
+    limit = min(MAX_STREAMED_BYTES, max_bytes)
+    if entry.nbytes > limit:
+        raise PairingError(Problem.WEIGHT_SIZE, f"the tokenizer is {entry.nbytes} bytes, over the client's limit of "
+                           f"{limit}")  # fmt: skip
+    if entry.sha256 != info.tokenizer_sha256:
+        raise PairingError(Problem.TOKENIZER, "the tokenizer offered is not the one the server's model info names "
+                           "(its sha256 differs)")  # fmt: skip
+    download(stub, req, man, entries, cache, metadata=metadata, timeout_s=timeout_s, on_progress=on_progress)
+    return check_tokenizer(cache.blob(entry).read_bytes(), info)
+
+
+def server_tokenizer(session: EdgeSession, override: str | Path = "") -> Tokenizer:
+    """The tokenizer to decode a server-only stream with: `override` if given, else the server's (module
+    docstring). ValueError (one line) for an override that is not the server's tokenizer."""
+    info = session.model_info()
+    if override:
+        return load_tokenizer(override, info)
+    from tether.client.session import DOWNLOAD_ATTEMPTS  # here: tether.client.session imports this module
+
+    cfg = session.cfg
+
+    def progress(done: int, total: int) -> None:
+        session.on_event(Event("download", count=done, total=total))
+
+    def fetch() -> Tokenizer:
+        return fetch_tokenizer(session.stub, info, cfg.cache_dir, metadata=session.metadata,
+                               max_bytes=cfg.max_weights_mb << 20, on_progress=progress)  # fmt: skip
+
+    def interrupted(e: Exception) -> None:
+        session.on_event(Event("info", detail=f"tokenizer download interrupted ({e}); resuming"))
+
+    return session.backoff.fresh().retry(fetch, attempts=DOWNLOAD_ATTEMPTS, on_retry=interrupted)
 
 
 def load_tokenizer(path: str | Path, info: pb.ModelInfo) -> Tokenizer:

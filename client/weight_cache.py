@@ -5,8 +5,9 @@ root/partial/<sha256>.part. `resume_point(manifest)` says where to ask the serve
 tensor not yet held, and how many of its bytes are); `write(entry, offset, data)` appends a chunk (a chunk
 sent again after a reconnect is accepted idempotently) and, once a tensor is complete, checks its sha256
 before it becomes a blob; `load(manifest)` returns the tensors (torch, imported then), `blob(entry)` the verified
-file of one entry (an ONNX part's files are read from there, without torch). Two models sharing a tensor share its
-blob. Importing this module does not import torch.
+file of one entry (an ONNX part's files are read from there, without torch), `find(sha256)` the verified file of
+that hash if one is held, before any manifest is asked for (the tokenizer, named by ModelInfo.tokenizer_sha256).
+Two models sharing a tensor share its blob. Importing this module does not import torch.
 File names come from the manifest's sha256 fields, which the server writes: anything but 64 lowercase hex digits
 is refused (WeightCacheError, Problem.CACHE_KEY) before any file is touched, and every path is resolved and
 checked to lie inside the cache.
@@ -112,6 +113,12 @@ class WeightCache:
             raise WeightCacheError(Problem.CHECKSUM, f"tensor {entry.name!r} failed its sha256 check; its download "
                                    "starts over")  # fmt: skip
         os.replace(part, self._blob(entry))
+
+    def find(self, sha256: str) -> Path | None:
+        """The verified file whose bytes have this sha256, if the cache holds one (a blob is only ever a file whose
+        hash was checked); a malformed hash is refused like a manifest's."""
+        path = self._blob(TensorEntry("lookup by hash", "uint8", (0,), 0, sha256))
+        return path if path.is_file() else None
 
     def blob(self, entry: TensorEntry) -> Path:
         """The file of a downloaded, verified entry."""

@@ -4,7 +4,8 @@ Contract (the messages are in proto/tether/v1/tether.proto):
 - GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs, limits, chat format.
 - FetchWeights: the manifest of the client part (tether.shared.weights), then chunks of at most 1 MiB, from
   any (tensor, offset); REASON_MODEL_MISMATCH when the client expects other weights. As tensors or as ONNX files
-  exported on the first request per precision (tether.server.client_export; a failed export: REASON_INTERNAL).
+  exported on the first request per precision (tether.server.client_export; a failed export: REASON_INTERNAL), or
+  the tokenizer alone (CLIENT_PART_TOKENIZER: its canonical JSON, whose sha256 is ModelInfo.tokenizer_sha256).
 - Session: `open` prefills and answers the first token and the prompt's KV delta; each `round` (a draft chain,
   or a draft tree when it carries `parents`) is verified (tether.server.verifier, batched with other sessions'
   rounds by tether.server.batcher) and answered with accepted count, bonus token and delta, and for a tree the
@@ -19,7 +20,8 @@ Contract (the messages are in proto/tether/v1/tether.proto):
 - Close frees a session. Generate: plain server-side decoding streamed token by token (the baseline;
   tether.server.plain_decoding, which the OpenAI-compatible HTTP API decodes through too).
 - Without a drafter (`serve --drafter none`) ModelInfo says `server_only`, and Session, Resync and FetchWeights
-  answer REASON_NO_DRAFTER; Generate and the HTTP API work as ever.
+  of anything but the tokenizer answer REASON_NO_DRAFTER; Generate and the HTTP API work as ever, and a client
+  fetches the tokenizer to encode its prompts and decode the stream.
 grpc.health.v1 and reflection are served beside it (tether.server.rpc_server).
 
 Trust: every field is validated before anything is allocated or logged (ids have the server's shape, tokens
@@ -78,6 +80,7 @@ from tether.shared.weights import (
     client_part_tensors,
     drafter_fingerprint,
     iter_chunks,
+    tokenizer_part,
 )
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -130,6 +133,10 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         self.chat_format = chat_format or ChatFormat.builtin_for(tokenizer)
         self.config = c = config or ServiceConfig()
         self.model_fingerprint = model_fingerprint
+        # The tokenizer alone, for clients that decode with Generate, drafter or not: named by the tokenizer's hash.
+        self.tokenizer_files, self.tokenizer_manifest = tokenizer_part(tokenizer.to_json())
+        if self.tokenizer_manifest[0].sha256 != tokenizer.sha256:  # both hash the same canonical JSON
+            raise RuntimeError("the tokenizer part's sha256 is not the tokenizer's (shared/weights.py, tokenizer.py)")
         # Without a drafter (`serve --drafter none`) there is no client part: only Generate and the HTTP API decode.
         self.weights: dict[str, torch.Tensor] = {}
         self.manifest: list = []
@@ -146,6 +153,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             self.drafter_fingerprint = drafter_fingerprint(drafter.dcfg.to_dict(), self.manifest)
             self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint,
                                            export_dir)  # fmt: skip
+        drafting = [pb.CLIENT_PART_TENSORS, *FORMATS] if drafter is not None else []
         self.model_info = pb.ModelInfo(
             protocol_version=PROTOCOL_VERSION,
             model_id=c.model_id,
@@ -159,7 +167,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             max_prompt_tokens=c.max_prompt_tokens,
             max_draft_tokens=c.max_draft_tokens,
             max_message_bytes=c.max_message_bytes,
-            client_part_formats=[pb.CLIENT_PART_TENSORS, *FORMATS] if drafter is not None else [],
+            client_part_formats=[*drafting, pb.CLIENT_PART_TOKENIZER],  # the tokenizer alone from any server
             server_only=drafter is None,
             chat_format_json=self.chat_format.to_json(),
             max_tree_nodes=c.max_draft_tokens if drafter is not None else 0,  # a tree's nodes take a chain's room
@@ -297,7 +305,8 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
 
     async def FetchWeights(self, request, context) -> AsyncIterator[pb.WeightChunk]:
         try:
-            self._need_drafter()
+            if request.format != pb.CLIENT_PART_TOKENIZER:  # the tokenizer alone comes from any server
+                self._need_drafter()
             self.check.fingerprint(request.model_fingerprint)
             size = request.max_chunk_bytes or MAX_CHUNK
             if size > MAX_CHUNK:
@@ -330,6 +339,8 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
 
     async def _client_part(self, fmt: int) -> tuple[dict, list]:
         """(entries by name, manifest) in format `fmt`; ONNX ones are exported on the exporter's thread."""
+        if fmt == pb.CLIENT_PART_TOKENIZER:
+            return self.tokenizer_files, self.tokenizer_manifest
         if fmt == pb.CLIENT_PART_TENSORS:
             return self.weights, self.manifest
         if fmt not in FORMATS:

@@ -9,10 +9,15 @@ Contract:
 
       <|endoftext|>system: {content}
       user: {content}
+      assistant:{content}
+      user: {content}
       assistant:
 
-  one "role: content" line per message after the end-of-text token (the document separator tether's corpora use,
-  so a conversation starts a fresh document), then "assistant:" for the model to continue.
+  after the end-of-text token (the document separator tether's corpora use, so a conversation starts a fresh
+  document) a line per message, then "assistant:" for the model to continue. System and user messages read
+  "role: content"; an assistant message is "assistant:" + content exactly, with no space put in: the model wrote
+  its reply straight after "assistant:" (usually starting with a space or a newline), so a reply sent back as it
+  was generated renders exactly the text the model saw and wrote, and a chat's next turn extends its tokens.
 - `render(messages)` renders as transformers' `apply_chat_template(..., add_generation_prompt=True)`: a sandboxed
   Jinja environment with trim_blocks and lstrip_blocks, loop controls, `{% generation %}` blocks, a `tojson` filter
   that does not escape HTML, `raise_exception(message)` and `strftime_now(format)`, and the special tokens as
@@ -24,7 +29,11 @@ Contract:
   eos_token_id of generation_config.json (an int or a list). `hidden_ids`: the special tokens, left out of the text
   a server returns (as vLLM's skip_special_tokens does).
 - `to_json()` / `from_json(text, tokenizer)`: the format as a small JSON object (template, special tokens), so a
-  client that only has the tokenizer (the edge) renders exactly what the server would.
+  client that only has the tokenizer (the edge) renders exactly what the server would. The text comes over the
+  network: anything but such an object (not JSON, not an object, fields of the wrong type or size) is refused.
+- Every refusal is a `ChatTemplateError` (a ValueError) whose `problem` (TemplateProblem) says which: FORMAT (a
+  chat format's JSON that is malformed), SYNTAX (a template that does not compile), REFUSED (the template refused
+  the conversation). Callers branch on it, never on the message, which is one line.
 
 Torch- and gRPC-free: the server's HTTP API and the edge client's both use it.
 
@@ -40,21 +49,37 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from tether.shared.tokenizer import EOS_TOKEN, Tokenizer
 
 BUILTIN_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "assistant:{{ message['content'] }}\n{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 MAX_TEMPLATE_CHARS = 1 << 20  # a chat template longer than this is not one (they run to a few KB)
+MAX_MESSAGE_CHARS = 500  # of a ChatTemplateError's message (a template's own raise_exception text is untrusted)
+
+
+class TemplateProblem(StrEnum):
+    """What a ChatTemplateError is about: programs branch on it, never on the message."""
+
+    FORMAT = "format"  # from_json: the text is not a chat format's JSON object (or a field is wrong)
+    SYNTAX = "syntax"  # the template does not compile
+    REFUSED = "refused"  # the template refused the conversation (raise_exception, template code that fails)
 
 
 class ChatTemplateError(ValueError):
-    """The template refused the conversation (raise_exception) or could not render it: the caller's request."""
+    """A chat format or template that cannot be used, or a conversation the template refuses; `problem` says
+    which (REFUSED is the caller's request, FORMAT and SYNTAX the model's or the server's side)."""
+
+    def __init__(self, problem: TemplateProblem, message: str):
+        super().__init__(" ".join(message.split())[:MAX_MESSAGE_CHARS])  # one line: printed and sent back as is
+        self.problem = problem
 
 
 def _token_text(value: Any) -> str | None:
@@ -122,18 +147,33 @@ class ChatFormat:
 
     @classmethod
     def from_json(cls, text: str, tokenizer: Tokenizer) -> ChatFormat:
-        """The format a server described with to_json (ValueError when malformed: it came over the network)."""
-        data = json.loads(text)
+        """The format a server described with to_json; ChatTemplateError (FORMAT) when it is not one: it came over
+        the network, so nothing in it is taken on trust."""
+
+        def refuse(what: str) -> ChatTemplateError:
+            return ChatTemplateError(TemplateProblem.FORMAT, f"chat format: {what}")
+
+        if not isinstance(text, str) or len(text) > 2 * MAX_TEMPLATE_CHARS:
+            raise refuse("the text must be a string of at most 2 MiB")
+        try:
+            data = json.loads(text)
+        except ValueError as e:  # RecursionError aside, json raises only this (JSONDecodeError) on bad text
+            raise refuse(f"not JSON ({e})") from None
+        except RecursionError:
+            raise refuse("JSON nested too deeply") from None
+        if not isinstance(data, dict):
+            raise refuse(f"not a JSON object but {text[:40]!r}")
         template, specials = data.get("template"), data.get("specials")
         extra = data.get("extra_stop_ids", [])
         if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
-            raise ValueError("chat format: the template must be a string of at most 1 MiB")
+            raise refuse("the template must be a string of at most 1 MiB")
         if not isinstance(specials, dict) or not all(isinstance(v, str) for v in specials.values()):
-            raise ValueError("chat format: specials must map names to strings")
-        if not isinstance(extra, list) or not all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in extra):
-            raise ValueError("chat format: extra_stop_ids must be token ids of the vocabulary")
+            raise refuse("specials must map names to strings")
+        ids = isinstance(extra, list) and all(type(i) is int and 0 <= i < tokenizer.vocab_size for i in extra)
+        if not ids:
+            raise refuse("extra_stop_ids must be token ids of the vocabulary")
         return cls(template, {k: specials[k] for k in SPECIAL_NAMES if k in specials}, tokenizer,
-                   builtin=bool(data.get("builtin")), extra_stop_ids=tuple(extra))  # fmt: skip
+                   builtin=data.get("builtin") is True, extra_stop_ids=tuple(extra))  # fmt: skip
 
     # ---- rendering and encoding -------------------------------------------------------------------------
 
@@ -144,7 +184,7 @@ class ChatFormat:
         try:
             return _environment().from_string(self.template)
         except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+            raise ChatTemplateError(TemplateProblem.SYNTAX, f"the chat template does not compile: {e}") from None
 
     @functools.cached_property
     def _added(self) -> tuple[dict[int, str], dict[int, str]]:
@@ -158,7 +198,12 @@ class ChatFormat:
             return compiled.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
                                    tools=None, documents=None, **self.specials)  # fmt: skip
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template refused the conversation: {e.message or e}") from None
+            message = f"the chat template refused the conversation: {e.message or e}"
+            raise ChatTemplateError(TemplateProblem.REFUSED, message) from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
+            # Template code that fails on these messages (say `content | trim` on a list) refuses them just the same.
+            raise ChatTemplateError(TemplateProblem.REFUSED, "the chat template failed on the conversation: "
+                                    f"{type(e).__name__}: {e}") from None  # fmt: skip
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt: added tokens' text as their ids, the rest as plain text."""

@@ -23,6 +23,11 @@ Contract:
   beside it in one of ONNX_PRECISIONS: `encode_weights(arrays, precision)` -> the arrays to store (fp32 as they
   are; fp16; int8 with one fp32 scale per row, symmetric, under "<name>.scale"), `stored_layout(shape,
   precision)` -> what the client must find for a matrix, `decode_weight(stored, scale)` -> fp32 again.
+- The tokenizer part (ClientPartFormat TOKENIZER, streamed by every server, drafter or not, for clients that decode
+  with Generate): `tokenizer_part(tokenizer_json)` -> ({name: bytes}, [TensorEntry]), one entry, TOKENIZER_TENSOR,
+  holding `canonical_tokenizer_json(text)`: the form tether.shared.tokenizer.Tokenizer.sha256 hashes, so the entry's
+  sha256 is ModelInfo.tokenizer_sha256 and a client finds it in its cache by that hash alone.
+  `file_entry(name, data)` is the entry of any file a part streams: uint8 [nbytes] and its sha256.
 Importing this module does not import torch (the torch-free client reads TensorEntry, MAX_CHUNK and iter_chunks'
 constants from it); the functions that handle tensors import it when called.
 """
@@ -126,6 +131,22 @@ def decode_weight(stored: np.ndarray, scale: np.ndarray | None = None) -> np.nda
         return np.ascontiguousarray(stored, dtype=np.float32)
     rows = stored.reshape(-1, stored.shape[-1]).astype(np.float32) * scale[:, None]
     return rows.reshape(stored.shape)
+
+
+def file_entry(name: str, data: bytes | bytearray | memoryview | mmap.mmap) -> TensorEntry:
+    """A file of a client part (ONNX, tokenizer) as a manifest entry: uint8 bytes of shape [nbytes]."""
+    return TensorEntry(name, "uint8", (len(data),), len(data), hashlib.sha256(data).hexdigest())
+
+
+def canonical_tokenizer_json(text: str) -> bytes:
+    """tokenizer.json text as the bytes a tokenizer's sha256 is taken of: keys sorted, no whitespace, UTF-8."""
+    return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def tokenizer_part(tokenizer_json: str) -> tuple[dict[str, bytes], list[TensorEntry]]:
+    """The TOKENIZER client part of a tokenizer's JSON text: ({TOKENIZER_TENSOR: its canonical bytes}, manifest)."""
+    data = canonical_tokenizer_json(tokenizer_json)
+    return {TOKENIZER_TENSOR: data}, [file_entry(TOKENIZER_TENSOR, data)]
 
 
 class ClientPartMismatch(ValueError):

@@ -20,6 +20,10 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
 
 
+SPACED = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer.from_pretrained(default_model_dir())
@@ -33,22 +37,27 @@ def test_a_turn_renders_the_whole_conversation_with_the_generation_prompt(tok):
     reply = tok.encode(" hi there") + [tok.eos_id]  # the end of text ends the reply and is no part of it
     assert chat.answer(reply) == " hi there"
     ids = chat.ask("again", held=ids + reply)
-    assert [m["content"] for m in chat.messages] == ["be brief", "hello", "hi there", "again"]
+    assert [m["content"] for m in chat.messages] == ["be brief", "hello", " hi there", "again"]
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "user"]
     assert tok.decode(ids).endswith("assistant: hi there\nuser: again\nassistant:")
 
 
 def test_the_reply_is_kept_as_shown_unless_another_copy_keeps_more_of_the_session(tok):
-    """The built-in template writes "assistant: " + content: a reply the model began with a space is kept without
-    it (so the rendering extends the session's tokens); one the model began otherwise stays as shown."""
-    fmt = ChatFormat.builtin_for(tok)
-    for shown, kept in ((" x = 1", "x = 1"), ("\n    return x", "\n    return x")):
+    """A template that writes "assistant: " + content: a reply the model began with a space is kept without it (so
+    the rendering extends the session's tokens); one the model began otherwise stays as shown. The built-in
+    template renders every reply as the model wrote it, so it keeps each as shown."""
+    builtin = ChatFormat.builtin_for(tok)
+    spaced = ChatFormat(SPACED, builtin.specials, tok)
+    for fmt, shown, kept in ((spaced, " x = 1", "x = 1"), (spaced, "\n    return x", "\n    return x"),
+                             (builtin, " x = 1", " x = 1"), (builtin, "\n    return x", "\n    return x")):  # fmt: skip
         chat = Conversation(fmt)
         prompt = chat.ask("def f(x):", held=[])
         reply = tok.encode(shown)
         chat.answer(reply)
-        chat.ask("more", held=prompt + reply)
+        ids = chat.ask("more", held=prompt + reply)
         assert chat.messages[1]["content"] == kept
+        if fmt is builtin:
+            assert ids[: len(prompt + reply)] == prompt + reply  # the next turn extends what the session holds
 
 
 def test_tokens_the_template_hides_are_no_part_of_the_reply(tok, tmp_path):

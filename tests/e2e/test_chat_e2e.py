@@ -2,14 +2,17 @@
 
 - A chat keeps one server session across turns and sends only each turn's new tokens (Resync absorbs them), and
   each greedy reply equals what a fresh session over the whole rendered conversation gives; a reply ends at the
-  template's end of turn.
+  template's end of turn. With the built-in template of the default models too: `tether-client chat` opens one
+  server session for a whole conversation, never reopening it.
 - The server unreachable between turns: the reply is drafted alone, then the next turn resyncs into the same
   server session and is verified again.
 - Ctrl-C (a real SIGINT, sent on an event) stops a reply, which stays in the conversation, and the chat goes on;
   `generate` ends with status 130; the server session is closed either way.
-- A server without a drafter: generate and chat stream from Generate, and say server-only.
+- A server without a drafter: generate and chat stream from Generate with the tokenizer it sends (or --tokenizer),
+  and say server-only; a tampered tokenizer is refused in one line.
 - The command line: the prompt from stdin or a file, time to first token and tokens/s in --json, the download's
-  progress bar only when the client part is not cached.
+  progress bar only when the client part is not cached; a message the chat template refuses is answered with one
+  line and the chat goes on.
 
 Faults strike on events (a token count, a turn's end), never on the clock; waits are bounded only as a safety net.
 """
@@ -34,6 +37,7 @@ from tether.server.service import ServiceConfig, TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
+from tether.shared.weights import TOKENIZER_TENSOR
 
 NEW = 24  # tokens a reply may have
 BOUND_S = 60  # a safety net for waits that end on events
@@ -206,6 +210,38 @@ def test_chat_from_a_pipe_answers_each_line_and_closes_its_session(servers, tmp_
     assert out.count("\n") >= len(TURNS) and not service.sessions
 
 
+def test_a_chat_in_the_builtin_template_keeps_one_server_session(servers, tmp_path, monkeypatch, capsys):
+    """The default models' replies start with a newline or a space after "assistant:"; the built-in template renders
+    them back exactly, so every turn extends the server session (a Resync) and none reopens it."""
+    address, service = servers()
+    assert json.loads(service.model_info.chat_format_json)["builtin"]
+    metric = service.metrics.registry.get_sample_value
+    opened = metric("tether_sessions_opened_total") or 0
+    extended = metric("tether_resyncs_total", {"outcome": "extended"}) or 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TURNS) + "\n"))
+    args = ["chat", "--server", address, "--max-new-tokens", str(NEW), "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 0
+    assert capsys.readouterr().err.count("tokens/s") == len(TURNS)
+    assert (metric("tether_sessions_opened_total") or 0) == opened + 1
+    assert (metric("tether_resyncs_total", {"outcome": "extended"}) or 0) == extended + len(TURNS) - 1
+    assert not service.sessions
+
+
+def test_a_message_the_template_refuses_is_answered_in_one_line_and_the_chat_goes_on(servers, tmp_path, monkeypatch,
+                                                                                     capsys):  # fmt: skip
+    picky = ("{% for m in messages %}{% if m['content'] == 'forbidden' %}{{ raise_exception('no such\nmessage') }}"
+             "{% endif %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+    address, service = servers(template=picky)
+    monkeypatch.setattr("sys.stdin", io.StringIO("forbidden\n" + TURNS[0] + "\n"))
+    args = ["chat", "--server", address, "--max-new-tokens", str(NEW), "--cache-dir", str(tmp_path / "cache")]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    refusals = [line for line in err.splitlines() if line.startswith("[tether: not sent:")]
+    assert refusals == ["[tether: not sent: the chat template refused the conversation: no such message]"]
+    assert err.count("tokens/s") == 1 and "Traceback" not in err and not service.sessions
+
+
 def test_ctrl_c_in_generate_ends_it_with_130_and_closes_the_session(servers, tmp_path, monkeypatch, capsys):
     address, service = servers()
     real = live_view.PlainStream.on_event
@@ -260,17 +296,31 @@ def test_generate_and_chat_stream_from_a_server_without_a_drafter(servers, model
     plain = [int(t) for t in target.generate(torch.tensor([tok.encode(PROMPT)]), NEW)]
     plain = plain[: plain.index(tok.eos_id) + 1] if tok.eos_id in plain else plain
     common = ["--server", address, "--max-new-tokens", str(NEW), "--cache-dir", str(tmp_path / "cache")]
-    assert main(["generate", "--prompt", PROMPT, *common]) == 2  # no tokenizer comes from such a server
-    assert "--tokenizer" in capsys.readouterr().err
-    model = str(default_model_dir())
-    assert main(["generate", "--prompt", PROMPT, "--json", "--tokenizer", model, *common]) == 0
+    assert main(["generate", "--prompt", PROMPT, "--json", *common]) == 0  # its tokenizer fetched from the server
     result = json.loads(capsys.readouterr().out)
     assert result["token_ids"] == plain and result["stats"]["server_only"] is True
+    model = str(default_model_dir())
+    assert main(["generate", "--prompt", PROMPT, "--json", "--tokenizer", model, *common]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain
     assert main(["generate", "--prompt", PROMPT, "--plain", "--tokenizer", model, *common]) == 0
     assert "server-only" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TURNS[:2]) + "\n"))
-    assert main(["chat", "--tokenizer", model, *common]) == 0
+    assert main(["chat", *common]) == 0
     assert capsys.readouterr().err.count("server-only") == 2 and not service.sessions
+
+
+def test_a_tampered_tokenizer_from_a_server_without_a_drafter_is_refused_in_one_line(servers, tmp_path, capsys):
+    address, service = servers(drafter=False)
+    data = service.tokenizer_files[TOKENIZER_TENSOR]
+    service.tokenizer_files = {TOKENIZER_TENSOR: data[:-2] + b" }"}  # the manifest's sha256 no longer holds
+    try:
+        args = ["generate", "--prompt", PROMPT, "--server", address, "--cache-dir", str(tmp_path / "cache")]
+        assert main(args) == 2
+    finally:
+        service.tokenizer_files = {TOKENIZER_TENSOR: data}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and err.startswith(f"connecting to {address}\n")
+    assert "invalid weight checksum" in err and "Traceback" not in err
 
 
 def test_a_server_only_chat_renders_the_whole_conversation_each_turn(servers, models, tmp_path):

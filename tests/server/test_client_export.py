@@ -174,7 +174,8 @@ def test_model_info_lists_the_formats_and_each_streams_its_manifest(served):
     service, stub = served
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert list(info.client_part_formats) == [pb.CLIENT_PART_TENSORS, pb.CLIENT_PART_ONNX_FP32,
-                                              pb.CLIENT_PART_ONNX_FP16, pb.CLIENT_PART_ONNX_INT8]  # fmt: skip
+                                              pb.CLIENT_PART_ONNX_FP16, pb.CLIENT_PART_ONNX_INT8,
+                                              pb.CLIENT_PART_TOKENIZER]  # fmt: skip
     tensors = fetch(stub, pb.CLIENT_PART_TENSORS, manifest_only=True)[0].manifest
     assert tensors.format == pb.CLIENT_PART_TENSORS and any(e.dtype == "bfloat16" for e in tensors.tensors)
     messages = fetch(stub, pb.CLIENT_PART_ONNX_INT8)

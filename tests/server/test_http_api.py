@@ -367,7 +367,8 @@ def test_serve_without_a_drafter_over_grpc_and_http():
             stub = tether_pb2_grpc.TetherStub(channel)
             info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=BOUND_S)
             assert info.server_only and info.drafter_fingerprint == "" and info.tli_layers == 0
-            assert list(info.client_part_formats) == [] and json.loads(info.chat_format_json)["builtin"]
+            assert list(info.client_part_formats) == [pb.CLIENT_PART_TOKENIZER]  # the tokenizer alone
+            assert json.loads(info.chat_format_json)["builtin"]
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.FetchWeights(pb.FetchWeightsRequest(), timeout=BOUND_S))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

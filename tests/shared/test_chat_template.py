@@ -1,8 +1,9 @@
 """Chat templates (tether.shared.chat_template) against transformers' own apply_chat_template on the same model
 directory: the rendered text and the token ids, for a ChatML template with special tokens, a Llama-3-style one
 with bos_token, loop controls, tojson and {% generation %}, raise_exception as a typed refusal; the built-in
-template of tether's models; the ways a template is stored; the stop ids; the JSON form an edge client gets; and an
-import that leaves torch out."""
+template of tether's models, which renders a reply sent back as it was generated exactly as the model saw it; the
+ways a template is stored; the stop ids; the JSON form an edge client gets, and every malformed one refused as a
+typed ChatTemplateError; and an import that leaves torch out."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 import tokenizers
 
-from tether.shared.chat_template import BUILTIN_TEMPLATE, ChatFormat, ChatTemplateError
+from tether.shared.chat_template import BUILTIN_TEMPLATE, ChatFormat, ChatTemplateError, TemplateProblem
 from tether.shared.tokenizer import Tokenizer
 
 CHATML = (
@@ -91,11 +92,19 @@ def test_renders_and_encodes_as_transformers(tmp_path, tokenizer, config):
 
 def test_raise_exception_is_a_typed_refusal(tmp_path, tokenizer):
     fmt = ChatFormat.from_model_dir(model_dir(tmp_path, tokenizer, {"chat_template": LLAMA3}), tokenizer)
-    with pytest.raises(ChatTemplateError, match="must alternate"):
+    with pytest.raises(ChatTemplateError, match="must alternate") as e:
         fmt.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert e.value.problem == TemplateProblem.REFUSED
     broken = ChatFormat("{% for %}", {}, tokenizer)
-    with pytest.raises(ChatTemplateError, match="compile"):
+    with pytest.raises(ChatTemplateError, match="compile") as e:
         broken.render(MESSAGES)
+    assert e.value.problem == TemplateProblem.SYNTAX and "\n" not in str(e.value)
+    failing = ChatFormat("{{ messages[0]['content'] + 1 }}{{ raise_exception('two\nlines') }}", {}, tokenizer)
+    with pytest.raises(ChatTemplateError) as e:  # template code that fails on the messages refuses them too
+        failing.render(MESSAGES)
+    assert e.value.problem == TemplateProblem.REFUSED and "TypeError" in str(e.value)
+    with pytest.raises(ChatTemplateError, match="two lines") as e:  # one line, whatever the template says
+        failing.render([{"role": "user", "content": 1}])
 
 
 def test_builtin_template_for_tethers_own_models(tmp_path, tokenizer):
@@ -105,6 +114,19 @@ def test_builtin_template_for_tethers_own_models(tmp_path, tokenizer):
     assert fmt.render(messages) == "<|endoftext|>system: Be brief.\nuser: Hi\nassistant:"
     assert fmt.encode(fmt.render(messages))[0] == tokenizer.eos_id  # a fresh document, as the corpora separate them
     assert fmt.stop_ids == {tokenizer.eos_id}
+    replied = [*messages, {"role": "assistant", "content": " Hello."}, {"role": "user", "content": "More"}]
+    assert fmt.render(replied) == "<|endoftext|>system: Be brief.\nuser: Hi\nassistant: Hello.\nuser: More\nassistant:"
+
+
+@pytest.mark.parametrize("reply", [" x = 1", "\n    return x", "x", "  two spaces\n", ""])
+def test_a_reply_sent_back_as_generated_renders_what_the_model_saw_and_wrote(tokenizer, reply):
+    """The model wrote `reply` straight after the generation prompt: the next turn's rendering holds exactly that
+    text, so a chat extends its tokens and an HTTP client's history means what the model meant."""
+    fmt = ChatFormat.builtin_for(tokenizer)
+    turn = [{"role": "user", "content": "Hi"}]
+    seen = fmt.render(turn)
+    after = fmt.render([*turn, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}])
+    assert after.startswith(seen + reply + "\n") and after.endswith("\nuser: again\nassistant:")
 
 
 def test_where_templates_and_stop_ids_come_from(tmp_path, tokenizer):
@@ -123,9 +145,21 @@ def test_json_form_round_trips_and_is_checked(tmp_path, tokenizer):
     again = ChatFormat.from_json(fmt.to_json(), tokenizer)
     assert again == fmt and again.render(MESSAGES) == fmt.render(MESSAGES) and again.stop_ids == fmt.stop_ids
     for bad in ({"template": 3, "specials": {}}, {"template": "x", "specials": {"bos_token": 1}},
-                {"template": "x", "specials": {}, "extra_stop_ids": [10**9]}):  # fmt: skip
-        with pytest.raises(ValueError):
+                {"template": "x", "specials": {}, "extra_stop_ids": [10**9]},
+                {"template": "x", "specials": {}, "extra_stop_ids": [True]}):  # fmt: skip
+        with pytest.raises(ChatTemplateError) as e:
             ChatFormat.from_json(json.dumps(bad), tokenizer)
+        assert e.value.problem == TemplateProblem.FORMAT
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "3", "null", '"a template"', "true", "{not json", "", "[" * 100_000])
+def test_json_that_is_not_a_chat_formats_object_is_a_typed_refusal(tokenizer, text):
+    """It comes over the network: anything but an object is refused as a ChatTemplateError, never AttributeError or
+    a JSON parser's own error, in one line."""
+    with pytest.raises(ChatTemplateError) as e:
+        ChatFormat.from_json(text, tokenizer)
+    assert e.value.problem == TemplateProblem.FORMAT and isinstance(e.value, ValueError)
+    assert "\n" not in str(e.value) and len(str(e.value)) <= 500
 
 
 def test_importing_leaves_torch_and_grpc_out():

@@ -39,6 +39,7 @@ class ClientPartFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CLIENT_PART_ONNX_FP32: _ClassVar[ClientPartFormat]
     CLIENT_PART_ONNX_FP16: _ClassVar[ClientPartFormat]
     CLIENT_PART_ONNX_INT8: _ClassVar[ClientPartFormat]
+    CLIENT_PART_TOKENIZER: _ClassVar[ClientPartFormat]
 REASON_UNSPECIFIED: ErrorReason
 REASON_CAPACITY: ErrorReason
 REASON_KEY_QUOTA: ErrorReason
@@ -63,6 +64,7 @@ CLIENT_PART_TENSORS: ClientPartFormat
 CLIENT_PART_ONNX_FP32: ClientPartFormat
 CLIENT_PART_ONNX_FP16: ClientPartFormat
 CLIENT_PART_ONNX_INT8: ClientPartFormat
+CLIENT_PART_TOKENIZER: ClientPartFormat
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "retry_after_ms")

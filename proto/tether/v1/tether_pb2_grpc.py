@@ -78,7 +78,8 @@ class TetherServicer:
 
     def FetchWeights(self, request, context):
         """The client's partial weights: first the manifest, then chunks of at most max_chunk_bytes;
-        resumable from any (tensor, offset). As tensors, or as ONNX graphs the server exported (ClientPartFormat).
+        resumable from any (tensor, offset). As tensors, or as ONNX graphs the server exported, or the tokenizer alone
+        (ClientPartFormat; the tokenizer also from a server without a drafter).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
