@@ -15,7 +15,6 @@ import hashlib
 
 import grpc
 import pytest
-import torch
 
 from tether.client.errors import Problem, ServerDataError
 from tether.client.refusals import Refusal
@@ -58,7 +57,6 @@ class Served:
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_grad_enabled(False)
     return load(default_model_dir(), "cpu")
 
 
