@@ -516,6 +516,7 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
 def start_server(args: argparse.Namespace):
     """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process."""
     from tether.server.batcher import warm_up
+    from tether.server.rounds import step_runner
     from tether.server.rpc_server import make_server
     from tether.server.service import ServiceConfig, TetherService
 
@@ -526,8 +527,10 @@ def start_server(args: argparse.Namespace):
                            kv_pool_bytes=args.kv_pool_mb << 20,
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
-    if target.backend == "triton":
-        warm_up(target, service.pool, drafter=drafter)  # as `tether-server serve` does before it listens
+    if target.backend == "triton":  # as `tether-server serve` does before it listens (--round-graph-tokens k + 1)
+        warm_up(target, service.pool, drafter=drafter)
+        runner = step_runner(target, service.pool)
+        runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     return service, server, port

@@ -98,6 +98,7 @@ class ServeConfig:
     http_port: int = -1  # port of the OpenAI-compatible HTTP API: -1 = off, 0 = any free port
     http_max_streams: int = 256  # HTTP generations at once; past it requests get 429 with Retry-After
     served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
+    round_graph_tokens: int = 6  # capture at start the step graphs of rounds this long (k + 1), all batches; 0 = none
 
 
 # The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
@@ -107,7 +108,7 @@ TYPES = {"host": host("--port"), "http_host": host("--http-port")}
 
 # The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
 WARM_FIELDS = ("model", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_block_size", "prefill_chunk",
-               "cache_dir", "log_format", "log_level")  # fmt: skip
+               "cache_dir", "round_graph_tokens", "log_format", "log_level")  # fmt: skip
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -166,20 +167,25 @@ def _http_config(cfg: ServeConfig, config: ServiceConfig):
                       tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
 
 
-def _warm_kernels(target, pool, kernel_dir: Path, drafter=None) -> str:
-    """serve's kernel warm-up (batcher.warm_up) on the Triton backend; "warm cache" when it added no file to
-    Triton's cache (everything was there), "cold cache" when it compiled or tuned anything."""
+def _warm_kernels(target, pool, kernel_dir: Path, drafter=None, round_tokens: int = 0) -> str:
+    """serve's kernel warm-up (batcher.warm_up) on the Triton backend, then the step graphs: those an earlier run
+    recorded, and with a drafter those of every batch size and width for rounds of `round_tokens` tokens; "warm
+    cache" when it added no file to Triton's cache (everything was there), "cold cache" when it compiled or tuned
+    anything."""
     if not (isinstance(target, Transformer) and target.backend == "triton"):
         return "no kernel warm-up"
     from tether.kernels.moda_prefill import interpreting
 
     before, t0 = count_entries(kernel_dir), time.perf_counter()
     warm_up(target, pool, drafter=drafter)
-    root = current_dir()
+    root, runner = current_dir(), step_runner(target, pool)
     if root is not None:  # the step graphs the last run captured (serve records them when it stops)
-        shapes = load_shapes(root, _shapes_key(target, pool))
-        n = step_runner(target, pool).capture_shapes(shapes, drafter=drafter)
+        n = runner.capture_shapes(load_shapes(root, _shapes_key(target, pool)), drafter=drafter)
         log.info("captured %d step graphs recorded by an earlier run", n)
+    if drafter is not None and round_tokens > 0:
+        t1 = time.perf_counter()
+        n = runner.capture_shapes(runner.round_shapes(round_tokens), drafter=drafter)
+        log.info("captured %d step graphs for rounds of %d tokens in %.1f s", n, round_tokens, time.perf_counter() - t1)
     seconds, added = time.perf_counter() - t0, count_entries(kernel_dir) - before
     if interpreting():
         state = "interpreted kernels, nothing cached"
@@ -218,7 +224,7 @@ def warm(cfg: ServeConfig) -> int:
     torch.set_grad_enabled(False)
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
     try:
-        state = _warm_kernels(target, service.pool, kernel_dir, drafter)
+        state = _warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
     finally:
         service.close()
     print(f"warmed {kernel_dir} in {time.perf_counter() - t_start:.1f} s ({state})", flush=True)
@@ -272,7 +278,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         t0 = time.perf_counter()
         service.exporter.part(precision)
         log.info("ONNX client part (%s) ready in %.1f s", precision, time.perf_counter() - t0)
-    cache_state = _warm_kernels(target, service.pool, kernel_dir, drafter)
+    cache_state = _warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:

@@ -364,6 +364,19 @@ class StepRunner:
             verify = [[b.rows, b.tokens, b.width, int(b.states)] for b, g in self._graphs.items() if g.graph]
             return verify + [[b.steps, b.width] for b, g in self._decode.items() if g.graph]
 
+    def round_shapes(self, tokens: int) -> list[list[int]]:
+        """Every verify step with states that rounds of `tokens` new tokens per row pad up to, for capture_shapes:
+        each row bucket (within max_bucket_tokens) at each block-table width. A server that captures them before
+        its first client, as vLLM captures its batch sizes up front, pays no capture in the rounds of a load ramp
+        or of contexts growing into a wider bucket (each one a stall of the whole step)."""
+        c = self.config
+        T = _round_up(tokens, c.token_buckets)
+        if T is None:
+            return []
+        doublings = range(self.max_width.bit_length())
+        widths = sorted({self._width(min(c.min_width << i, self.max_width)) for i in doublings})
+        return [[B, T, W, 1] for B in c.batch_buckets if B * T <= c.max_bucket_tokens for W in widths]
+
     @torch.inference_mode()
     def capture_shapes(self, shapes: list[list[int]], drafter=None) -> int:
         """Capture the graphs `shapes()` listed (unknown or out-of-range entries are skipped), and with a `drafter`

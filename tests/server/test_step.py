@@ -165,6 +165,18 @@ def test_buckets_round_up_and_large_steps_fall_back():
     assert runner.bucket(3, 5, 1, False) is None  # 4 x 8 = 32 tokens > max_bucket_tokens
 
 
+def test_round_shapes_cover_every_bucket_a_round_can_land_in():
+    cfg = StepConfig(batch_buckets=(1, 2, 4, 8), token_buckets=(1, 4, 8), min_width=2, max_bucket_tokens=16)
+    target = tiny_target(max_seq_len=40)
+    runner = StepRunner(target, KVPool(target.cfg, num_blocks=4, block_size=4), cfg)
+    shapes = runner.round_shapes(3)
+    assert len(shapes) == len({tuple(s) for s in shapes})
+    want = {runner.bucket(rows, 3, width, True) for rows in range(1, 5) for width in range(1, 11)}
+    assert {tuple(s) for s in shapes} == want  # 8 rows x 4 tokens > max_bucket_tokens: eager, not listed
+    assert {s[2] for s in shapes} == {2, 4, 8, 10}  # doubling from min_width, capped at the model's 10 blocks
+    assert runner.round_shapes(9) == []  # past every token bucket
+
+
 def test_step_batch_describes_each_row():
     target = tiny_target()
     pool = KVPool(target.cfg, num_blocks=8, block_size=4)
@@ -238,6 +250,27 @@ def test_captured_shapes_are_captured_again_by_a_new_runner(triton_backend):
     fresh = StepRunner(target, pool)
     assert fresh.capture_shapes(shapes + [[999, 1], [3, 3, 3]]) == len(shapes)
     assert sorted(fresh.shapes()) == sorted(shapes)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a GPU")
+def test_rounds_capture_nothing_after_their_shapes_were_captured_up_front(triton_backend):
+    """serve's --round-graph-tokens: a server that captured round_shapes(k + 1) captures no step in the rounds."""
+    target = tiny_target(vocab_size=37).to(DEV)
+    target.backend = "triton"
+    drafter = tiny_moa_drafter(target).to(DEV)
+    pool = KVPool(target.cfg, num_blocks=60, block_size=4, device=DEV)
+    runner = rounds.step_runner(target, pool)
+    runner.capture_shapes(runner.round_shapes(3), drafter=drafter)
+    before = sorted(runner.shapes())
+    vers, roots = sessions(target, drafter, pool, [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 30])
+    for r in range(8):  # contexts grow from 1 block of 4 positions to 14: two widths, 8 and 16 blocks
+        for n in range(1, len(vers) + 1):
+            trees = [DraftTree.chain(root, [(r + i) % 37, 7]) for i, root in enumerate(roots[:n])]
+            res = rounds.verify_batch(target, list(zip(vers[:n], trees, strict=True)), host_deltas=True)
+            roots[:n] = [v.bonus for v, _ in res]
+    assert sorted(runner.shapes()) == before
+    for v in vers:
+        v.release()
 
 
 def test_every_token_delta_sliced_equals_the_gathered_delta(triton_backend):
