@@ -371,13 +371,17 @@ class ServerProbe:
     the batch_size and verify_seconds histograms (from the service, or scraped from --metrics-url)."""
 
     def __init__(self, service=None, metrics_url: str = ""):
+        from tether.server.heap import GCPauses
+
         self.service, self.metrics_url = service, metrics_url
+        self.pauses = GCPauses().install()  # this process's collections: the in-process server's
 
     def sample(self) -> dict:
         out: dict = {}
         if self.service is not None:
             out["cpu_s"] = cpu_s()  # this process's threads only: not the client processes
             out |= memory(self.service)
+            out |= {f"gc_{k}": v for k, v in self.pauses.snapshot(reset_max=True).items()}  # max: since last sample
             m = self.service.metrics
             fams = [*m.batch_size.collect(), *m.verify_seconds.collect(), *m.batch_seconds.collect()]
             samples = [s for f in fams for s in f.samples]
@@ -501,7 +505,9 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
                                       delta(after, before, "tether_verify_seconds_count")),
             "server_batch_ms": ratio(1e3 * (delta(after, before, "tether_batch_seconds_sum") or 0),
                                      delta(after, before, "tether_batch_seconds_count")),
-            "server_cpu_ms_per_round": ratio(cpu_ms, rounds),
+            "server_cpu_ms_per_round": ratio(cpu_ms, rounds), "gc_collections": delta(after, before, "gc_count"),
+            "gc_pause_ms": ratio(delta(after, before, "gc_total_s"), 1e-3),
+            "gc_max_pause_ms": 1e3 * after["gc_max_s"] if "gc_max_s" in after else None,
             "client_cpu_ms_per_round": ratio(1e3 * row["client_cpu_s"], rounds)}  # fmt: skip
     if args.mode == "trace":
         row |= {"tau_recorded": ratio(sum(c["recorded"] for c in clients), rounds),
@@ -515,6 +521,7 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
 
 def start_server(args: argparse.Namespace):
     """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process."""
+    from tether.server import heap
     from tether.server.batcher import warm_up
     from tether.server.rounds import step_runner
     from tether.server.rpc_server import make_server
@@ -531,6 +538,7 @@ def start_server(args: argparse.Namespace):
         warm_up(target, service.pool, drafter=drafter)
         runner = step_runner(target, service.pool)
         runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
+    heap.settle()  # as serve does before it listens
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     return service, server, port
@@ -619,6 +627,9 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
     held = any("held_sessions" in r for r in rows)
     if held:
         cols.insert(-1, "sessions held: RSS / CUDA MB")
+    gc_seen = any(r.get("gc_collections") is not None for r in rows)
+    if gc_seen:
+        cols.insert(-1, "GC: n / ms / max ms")
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
@@ -635,6 +646,9 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
         if held:
             cells.insert(-1, f"{r.get('held_sessions', '-')}: {f(r.get('held_rss_mb'), '.0f')} / "
                              f"{f(r.get('held_cuda_mb'), '.0f')}")  # fmt: skip
+        if gc_seen:
+            cells.insert(-1, f"{f(r.get('gc_collections'), '.0f')} / {f(r.get('gc_pause_ms'), '.1f')} / "
+                             f"{f(r.get('gc_max_pause_ms'), '.1f')}")  # fmt: skip
         t.add_row(*cells)
     return t
 

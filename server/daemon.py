@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from tether.server import heap
 from tether.server.batcher import warm_up
 from tether.server.generate import DTYPES, attention_backend, default_model_dir, load, pick_device
 from tether.server.http_api import start_http
@@ -279,6 +280,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         service.exporter.part(precision)
         log.info("ONNX client part (%s) ready in %.1f s", precision, time.perf_counter() - t0)
     cache_state = _warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
+    frozen = heap.settle()  # start-up's heap out of every later collection's walk (tether.server.heap)
+    pauses = heap.GCPauses(service.metrics.gc_pause).install()
+    log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
     if cfg.metrics_port:
@@ -307,6 +311,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
     _record_shapes(target, service.pool)
+    pauses.remove()
     service.close()
     if tp_target is not None:
         stopped = tp_target.stop()

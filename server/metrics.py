@@ -40,6 +40,10 @@ class ServiceMetrics:
                                        "staging, the GPU step, verdicts and the deltas' gather", registry=r,
                                        buckets=(5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))  # fmt: skip
 
+        self.gc_pause = Histogram("tether_gc_pause_seconds", "pauses of Python's cyclic garbage collector (every "
+                                  "thread stops), by generation", ["generation"], registry=r,
+                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))  # fmt: skip
+
     def observe_batch(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)
         self.batch_seconds.observe(seconds)
