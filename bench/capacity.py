@@ -217,12 +217,12 @@ def main(argv: list[str] | None = None) -> dict:
                                  service.model_fingerprint)  # fmt: skip
         recorded = traces.load(args.traces)
         tokens = args.tokens or recorded["tokens"]
-        cap = Capacity(args, server, address, server.ServerProbe(service, args.metrics_url), tokens)
-        results = {mode: cap.search(mode) for mode in args.modes}
+        with server.ServerProbe(service, args.metrics_url) as probe:
+            cap = Capacity(args, server, address, probe, tokens)
+            results = {mode: cap.search(mode) for mode in args.modes}
     finally:
         if rpc is not None:
-            rpc.stop(grace=1).wait(30)
-            service.close()
+            server.stop_server(service, rpc)
     summary = {k: v for k, v in recorded.items() if k != "traces"} | traces.summary(recorded)
     Console(width=200).print(table(args, results, where, summary))
     edge, plain = (results.get(m, {}).get("sustained") for m in ("edge", "server-only"))

@@ -374,7 +374,14 @@ class ServerProbe:
         from tether.server.heap import GCPauses
 
         self.service, self.metrics_url = service, metrics_url
-        self.pauses = GCPauses().install()  # this process's collections: the in-process server's
+        self.pauses = GCPauses()  # this process's collections, the in-process server's: installed by open()
+
+    def __enter__(self) -> ServerProbe:
+        self.pauses.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pauses.remove()
 
     def sample(self) -> dict:
         out: dict = {}
@@ -542,6 +549,15 @@ def start_server(args: argparse.Namespace):
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     return service, server, port
+
+
+def stop_server(service, server) -> None:
+    """Stop what start_server started, and hand its frozen heap back to the collector."""
+    from tether.server import heap
+
+    server.stop(grace=1).wait(30)
+    service.close()
+    heap.release()
 
 
 def baseline(rows: list[dict]) -> dict:
@@ -775,13 +791,13 @@ def main(argv: list[str] | None = None) -> dict:
             record_traces(args, args.traces, service.target, service.drafter, service.tokenizer,
                           service.model_fingerprint)  # fmt: skip
         recorded = traces.load(args.traces) if args.traces else None
-        for n in args.clients:
-            rows.append(measure(args, address, n, probe))
+        with probe:
+            for n in args.clients:
+                rows.append(measure(args, address, n, probe))
         gpu_ms = gpu_round_ms(service, args) if args.mode == "random" else None
     finally:
         if server is not None:
-            server.stop(grace=1).wait(30)
-            service.close()
+            stop_server(service, server)
     speed = "tokens_per_s" if args.mode == "generate" else "rounds_per_s"
     for r in rows:
         r["speedup"] = ratio(r[speed], baseline(rows)[speed])

@@ -312,6 +312,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
     _record_shapes(target, service.pool)
     pauses.remove()
+    heap.release()
     service.close()
     if tp_target is not None:
         stopped = tp_target.stop()

@@ -12,7 +12,7 @@ reference cycles made while serving are still reclaimed.
 
 Contract:
 - `settle() -> int`: one full collection, then freeze; returns the objects frozen. Idempotent in effect (objects
-  frozen stay frozen; a second call freezes what came since).
+  frozen stay frozen; a second call freezes what came since). `release()` unfreezes, at shutdown.
 - `GCPauses(histogram=None)`: `install()` adds a `gc.callbacks` hook timing each collection (start to stop, on
   whatever thread triggered it), observed into `histogram` labelled by generation (ServiceMetrics.gc_pause) and
   totalled in `count`, `total_s`, `max_s` (what bench/server.py reports over its timed window:
@@ -39,6 +39,12 @@ def settle() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def release() -> None:
+    """Hand the frozen heap back to the collector, at shutdown: frozen objects are never collected, so without it
+    extension types freed only by a collection (nanobind's, in Triton) would be reported leaked at exit."""
+    gc.unfreeze()
 
 
 class GCPauses:
