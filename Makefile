@@ -30,7 +30,7 @@ proto: $(STAMP)
 		proto/tether/v1/tether.proto
 
 demo: $(STAMP)
-	$(BIN)/python -m tether.netsim.demo
+	$(BIN)/python -m tether.server.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import inspect
 import json
+import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -25,14 +29,12 @@ from dataclasses import dataclass
 
 from tether.netsim.proxy import LinkConfig, NetSim, NetSimEvent, NetSimStats
 from tether.netsim.scenario import Scenario, load_scenario
-from tether.shared.cli_support import (
-    EnvParser,
-    HelpFormatter,
-    add_dataclass_args,
-    add_version_flag,
-    build_config,
-    host_port,
-)
+
+# netsim is a standalone harness that imports nothing else of tether's (tests/netsim/test_netsim_standalone.py), so
+# the command line's conventions, which tether.shared.cli_support gives the other programs, are kept here alone.
+PREFIX = "TETHER_"  # --foo-bar reads TETHER_FOO_BAR, as every tether program's flags do
+TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.%\w]+\]|[^\s:\[\]/]+):(\d{1,5})", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -87,31 +89,118 @@ def run(cfg: NetSimConfig) -> int:
     return 0
 
 
+def host_port(text: str) -> str:
+    """The argparse type of a flag that takes HOST:PORT ([v6]:PORT for IPv6): the text as given, or an error. A
+    bare host is refused: the user would otherwise learn of it from a connection that goes nowhere."""
+    m = _HOST_PORT.fullmatch(text)
+    if m is None or int(m.group(1)) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} (such as 127.0.0.1:50051 or [::1]:50051)")
+    return text
+
+
+def variable(action: argparse.Action) -> str | None:
+    """The TETHER_* variable of a flag that takes a value or is a switch; None for --help and --version."""
+    flag = next((s for s in action.option_strings if s.startswith("--")), None)
+    if flag is None or (action.nargs == 0 and not isinstance(action, argparse._StoreConstAction)):
+        return None
+    return PREFIX + flag[2:].upper().replace("-", "_")
+
+
+def parse_switch(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE + FALSE:
+        return word in TRUE
+    raise ValueError(f"expected one of {', '.join(TRUE + FALSE)}, got {text!r}")
+
+
+def field_comments(cls) -> dict[str, str]:
+    """The trailing comment of each dataclass field, which is its --help."""
+    pattern = re.compile(r"^\s+(\w+): [^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+
+
+def _shown(value: object) -> str:
+    """A default as a user would type it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if value != "" else '""'
+
+
+class EnvParser(argparse.ArgumentParser):
+    """An ArgumentParser whose flags also come from their TETHER_* variables: a variable set (and not empty) stands
+    in for its flag's default, the command line wins over it, and one that does not parse as its flag's value ends
+    the command in one line naming it (exit status 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = argparse.Namespace() if namespace is None else namespace
+        for action in self._actions:
+            name = variable(action)
+            text = os.environ.get(name, "") if name is not None else ""
+            if text and not hasattr(namespace, action.dest):  # argparse then leaves it unless the flag is given
+                setattr(namespace, action.dest, self._from_variable(action, name, text))
+        return super().parse_known_args(args, namespace)
+
+    def _from_variable(self, action: argparse.Action, name: str, text: str) -> object:
+        try:
+            if action.nargs == 0:
+                return action.const if parse_switch(text) else action.default
+            return action.type(text) if action.type is not None else text
+        except argparse.ArgumentTypeError as e:
+            message = str(e)
+        except (TypeError, ValueError) as e:
+            message = str(e) if action.type is None else f"invalid {action.type.__name__} value: {text!r}"
+        self.exit(2, f"{self.prog}: error: {name} (for {'/'.join(action.option_strings)}): {message}\n")
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import importlib.metadata  # only when asked: its import costs more than the rest of a bare --help
+
+        try:
+            version = importlib.metadata.version("tether")
+        except importlib.metadata.PackageNotFoundError:
+            version = "(not installed: run from a source tree)"
+        print(f"{parser.prog} {version}")
+        parser.exit()
+
+
+def _flag(parser: argparse.ArgumentParser, flag: str, help: str, **kwargs) -> None:
+    """A flag whose help ends with its default and its variable, as every tether program's."""
+    action = parser.add_argument(flag, **kwargs)
+    action.help = f"{help} (default: {_shown(action.default)}) (env: {variable(action)})".replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = EnvParser(
         prog="tether-netsim",
         description="tether's network harness: a TCP proxy with latency, jitter, a bandwidth cap, cuts and stalls.",
-        formatter_class=HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    add_version_flag(parser, "tether")
-    add_dataclass_args(parser, NetSimConfig, skip=("json", "quiet"), types={"listen": host_port, "upstream": host_port})
-    # Plain switches rather than BooleanOptionalAction's --no-json / --no-quiet pairs.
-    parser.add_argument("--json", action="store_true", help="print the final counts as one JSON line")
-    parser.add_argument("--quiet", action="store_true", help="no event log on stderr")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
+    helps = field_comments(NetSimConfig)
+    types = {"listen": host_port, "upstream": host_port}
+    for f in dataclasses.fields(NetSimConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):  # plain switches rather than --json / --no-json pairs
+            _flag(parser, flag, helps[f.name], action="store_true")
+        else:
+            _flag(parser, flag, helps[f.name], type=types.get(f.name, type(f.default)), default=f.default)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # One command, no subcommands, so not cli_support.run_cli (it reports errors per subcommand): same policy,
-    # plus OSError, which here is what a taken port looks like.
+    # What a user can get wrong is one line and exit status 2; OSError is what a taken port looks like.
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a bad flag or variable, which argparse has reported
         return 0 if e.code is None else int(e.code)
     try:
-        return run(build_config(NetSimConfig, args))
+        return run(NetSimConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(NetSimConfig)}))
     except (OSError, ValueError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -1,14 +1,15 @@
 """What the command lines share: config dataclasses as flags, TETHER_* variables, help, errors, --version.
 
 Contract:
-- `EnvParser`: an ArgumentParser (the class of every parser and subcommand parser of tether-server, tether-client
-  and tether-netsim) whose every flag can also come from its TETHER_* variable (tether.shared.env: `--foo-bar`
-  from TETHER_FOO_BAR, one variable per flag name). A variable is parsed as the flag's value would be: its type and
-  choices, a switch as 1/0/true/false/yes/no, a flag of several values (or one that may be repeated) as values
-  separated by spaces. An invalid one ends the command in one line naming the variable, with exit status 2. The
-  command line wins: a flag given there, or another flag of its mutually exclusive group, leaves the variable
-  unread; a required flag may come from its variable alone. --help shows every flag's default, its choices and its
-  variable (`HelpFormatter`).
+- `EnvParser`: an ArgumentParser (the class of every parser and subcommand parser of tether-server and
+  tether-client; tether-netsim follows the same conventions with code of its own, to stay standalone) whose
+  every flag can also come from its TETHER_* variable (tether.shared.env: `--foo-bar` from TETHER_FOO_BAR, one
+  variable per flag name). A variable is parsed as the flag's value would be: its type and choices, a switch as
+  1/0/true/false/yes/no, a flag of several values (or one that may be repeated) as values separated by spaces.
+  An invalid one ends the command in one line naming the variable, with exit status 2. The command line wins: a
+  flag given there, or another flag of its mutually exclusive group, leaves the variable unread; a required flag
+  may come from its variable alone. --help shows every flag's default, its choices and its variable
+  (`HelpFormatter`).
 - `LazyParser`: an EnvParser for a subcommand (`add_subparsers(parser_class=LazyParser)`) whose
   `add_arguments(parser)` runs the first time it parses or prints help, so a top-level `--help` never imports what
   the flags are built from (the edge client's come from its session module, and everything that imports).

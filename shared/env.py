@@ -1,7 +1,8 @@
 """The TETHER_* environment: the one module of tether that reads it, so what it may hold is stated here.
 
 Contract:
-- Every flag of tether-server, tether-client and tether-netsim can also come from a variable: `--foo-bar` from
+- Every flag of tether-server and tether-client can also come from a variable (tether-netsim reads its own the
+  same way, in netsim/cli.py, to stay standalone): `--foo-bar` from
   TETHER_FOO_BAR (`variable("--foo-bar")`). tether.shared.cli_support.EnvParser applies them to every parser and
   subcommand parser it builds; a value on the command line wins over the variable, the variable over the default.
 - One variable per flag name: subcommands that share a flag name share its variable (TETHER_DEVICE is the --device
