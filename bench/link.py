@@ -1,219 +1,528 @@
-"""End-to-end generation over a shaped link: tether's edge drafting (MoA, EAGLE) vs server-only streaming, and what
-a resync costs after an outage.
+"""The link benchmark (issue [6/7]): tokens/s and bytes per token of edge drafting against server-only streaming,
+over a shaped link, against any deployment; the synchronous bound beside them; what a resync costs after an outage.
 
-Everything on this machine: a server per drafter, tether-netsim in front of it, the edge client behind it.
-For each RTT in `--rtt-ms` (one-way latency RTT/2 each way) and each bandwidth in `--mbps`:
-- MoA and EAGLE: `--new-tokens` tokens greedy through draft rounds (k=`--k`, lossless delta codec; `--codec int8`
-  for the lossy one); tokens/s end to end (open to last token) and payload bytes per token (up + down, KV
-  deltas included), and wire bytes per token as netsim counted them (HTTP/2 and gRPC framing included);
-- server-only: the target decodes on the server and streams each token (no drafting on the edge).
-Then outages: with the default MoA drafter at `--outage-rtt-ms` / `--outage-mbps`, the client generating at a
-reader's pace (`--pace` tokens/s), the link is cut for each of `--outages-s` seconds; reported: the offline
-tokens written meanwhile, the resync's duration (request to next verified token) and its bytes each way.
-Pairing (the one-off weight download) happens before shaping and is not counted.
-Prints a table, then one JSON line; `--plot FILE` draws tokens/s against RTT.
+Setup: tether-netsim on this host in front of the server, the edge client (ONNX by default) behind it. The server
+is `--server HOST:PORT` (any running tether-server: run the bench on its host, or the real path's round trip adds
+to every cell), else one started in this process on `--device` the way `tether-server serve` builds it
+(tether.server.daemon: the same models, service config and kernel warm-up; on CUDA the Triton step replays its
+CUDA graphs, captured by `--warmup` untimed generations per mode). Server, netsim and client then share one
+Python process; `--server` against a `tether-server serve` of its own keeps the server out of it. Pairing (the
+one-off client-part download) happens before shaping and is never timed. Generations are greedy and ignore
+end-of-text, so every cell writes exactly `--new-tokens` tokens after PROMPT.
 
-    python bench/link.py                                   # the full grid (a few minutes on 2 CPU cores)
-    python bench/link.py --rtt-ms 10 --mbps 100 --outages-s 1 --new-tokens 32      # a quick look
+Modes (`--modes`): server-only (the target decodes alone and streams its tokens over Generate); hybrid chain and
+hybrid tree (ClientConfig.tree), each without and with pipelining (ClientConfig.pipeline: round r+1 drafted while r is
+verified), named chain, chain+pipe, tree, tree+pipe (and auto, auto+pipe: the client picks the shape). A mode the
+client in use cannot run (a ClientConfig without those fields) is reported "n/a", never run as something else.
+Grid: every RTT in `--rtt-ms` (one-way latency RTT/2 each way) x every bandwidth in `--mbps` (a cap each way).
+
+Per cell (definitions, also in the JSON's "definitions"):
+- tok_s: tokens / wall, the wall from sending the open (server-only: the Generate call) to the last token;
+- tau: tokens per round, (accepted + rounds) / rounds; round_ms: the client's mean round time, from its first
+  token to its last over the rounds between them (drafting, the round trip and the server's round; with
+  pipelining the interval between verdicts);
+- server_round_ms: the server's own mean round time over the cell, request to verdict (tether_verify_seconds:
+  batching wait, the step, the verdict, the reply's encoding), read from the in-process service or scraped from
+  `--metrics-url` (a remote server's `--metrics-port`); none otherwise;
+- payload_B_per_tok: message payloads up + down (tokens, q rows, KV deltas) per token; wire_B_per_tok: bytes both
+  ways as netsim counted them (HTTP/2 and gRPC framing included), per token;
+- the synchronous bound, hybrid modes only: tau / (RTT + step), what a client that waits for each verdict and
+  drafts in no time could reach. bound_tok_s takes step = server_round_ms of the cell; bound_rtt0_tok_s takes
+  step = round_ms of the same mode and bandwidth at RTT 0 (in the same run; needs 0 in `--rtt-ms`), which counts
+  the client's drafting too. Each has its ratio tok_s / bound (bound_ratio, bound_rtt0_ratio). Bandwidth is in
+  neither: at 1 Mbit/s the deltas' transfer time is part of what the ratio shows.
+Then outages (`--outages-s`, with `--outage-mode` at `--outage-rtt-ms` / `--outage-mbps`): the client writes at a
+reader's pace (`--pace` tokens/s, policy keep); once it has written 2 x pace tokens the link is cut for the outage's
+seconds; reported: offline tokens, the first resync's duration (request to next verified token) and its bytes.
+
+Prints a table per part, then one JSON line (record "bench": "link"); `--plot FILE` draws tokens/s against RTT, a
+panel per bandwidth, a line per mode and each hybrid mode's synchronous bound dashed (matplotlib, when installed).
+
+    python bench/link.py --device cpu --plot bench/link.png      # the full grid, in-process server on the CPU
+    python bench/link.py --device cuda --cache-dir /var/cache/tether --plot link-h200.png   # the server on a GPU
+    python bench/link.py --server 10.0.0.5:50051 --metrics-url http://10.0.0.5:9100/metrics   # a deployment
+    python bench/link.py --quick                                 # RTT 0 and 10 ms, 100 Mbit/s, 16 tokens, no outage
+
+Tests: tests/server/test_bench_link.py (a tiny grid and a short outage on the CPU; the record's structure and bounds).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
+import os
+import platform
+import sys
 import tempfile
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import NoReturn
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from tether.client.session import ClientConfig, EdgeSession, generate_server_only
+from tether.client.server_only import ServerOnlySession, server_tokenizer
+from tether.client.session import ClientConfig, EdgeSession
+from tether.client.session_types import BACKENDS, CODECS, PRECISIONS
+from tether.client.transport import Replicas, ServerError
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import default_model_dir, load
-from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
-from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.v1 import tether_pb2 as pb
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "import json\n\n\ndef load_settings(path):\n    "
+SERVER_ONLY = "server-only"
+# The hybrid modes: the ClientConfig fields each sets. A client without a field does what LEGACY says.
+MODES = {
+    "chain": {"tree": "chain", "pipeline": False},
+    "chain+pipe": {"tree": "chain", "pipeline": True},
+    "tree": {"tree": "tree", "pipeline": False},
+    "tree+pipe": {"tree": "tree", "pipeline": True},
+    "auto": {"tree": "auto", "pipeline": False},
+    "auto+pipe": {"tree": "auto", "pipeline": True},
+}
+LEGACY = {"tree": "chain", "pipeline": False}  # what a client from before tree rounds and pipelining does
+DEFAULT_MODES = (SERVER_ONLY, "chain", "chain+pipe", "tree", "tree+pipe")
+PIPELINE_HITS = "pipeline_hits"  # the Stats field counting rounds sent pre-drafted (shown when the client has it)
+DEFINITIONS = {
+    "tok_s": "tokens / wall; wall from sending the open (server-only: the Generate call) to the last token",
+    "tau": "tokens per round: (accepted + rounds) / rounds",
+    "round_ms": "client's mean round time: first token to last token / rounds (drafting + round trip + server)",
+    "server_round_ms": "server's mean round time over the cell, request to verdict (tether_verify_seconds)",
+    "bound_tok_s": "tau / (RTT + server_round_ms)",
+    "bound_rtt0_tok_s": "tau / (RTT + round_ms of the same mode and bandwidth at RTT 0)",
+    "bound_ratio": "tok_s / bound_tok_s",
+    "bound_rtt0_ratio": "tok_s / bound_rtt0_tok_s",
+    "payload_B_per_tok": "message payload bytes up + down per token",
+    "wire_B_per_tok": "bytes both ways through netsim per token (HTTP/2 + gRPC framing included)",
+}
+
+
+def client_options(mode: str) -> dict | None:
+    """The ClientConfig fields of a hybrid mode, or None when the client in use cannot run it (it lacks a field
+    whose value the mode needs to differ from LEGACY)."""
+    have = {f.name for f in dataclasses.fields(ClientConfig)}
+    options = {}
+    for name, value in MODES[mode].items():
+        if name in have:
+            options[name] = value
+        elif value != LEGACY[name]:
+            return None
+    return options
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/NAME.py as a module (bench/ is no package), under the key bench/server.py's `sibling` uses."""
+    key = f"tether_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+class LocalServer:
+    """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process, built with serve's own
+    functions and defaults: its service config, model loading, on the Triton backend its kernel warm-up (which also
+    captures the step graphs a `--cache-dir` recorded and those of k = 5 rounds), then the settled heap."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        from tether.server import daemon, heap
+        from tether.server.generate import pick_device
+        from tether.server.rpc_server import make_server
+        from tether.server.service import TetherService
+
+        extra = {k: v for k, v in (("model", args.model), ("drafter", args.drafter)) if v}
+        cfg = daemon.ServeConfig(device=pick_device(args.device), cache_dir=args.cache_dir, **extra)
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            fail(f"--device {cfg.device}: this host has no CUDA device (--device cpu, or --server HOST:PORT)")
+        self.device = cfg.device
+        with torch.no_grad():
+            target, tokenizer, drafter, fp = daemon.load_models(cfg, cfg.device)
+            self.service = TetherService(target, drafter, tokenizer, daemon.service_config(cfg), model_fingerprint=fp)
+            self.warm = "no kernel warm-up"
+            if target.backend == "triton":
+                self.warm = daemon.warm_kernels(target, self.service.pool, daemon.use_cache(cfg), drafter,
+                                                 cfg.round_graph_tokens)  # fmt: skip
+        heap.settle()
+        self.server, port = make_server(self.service, "127.0.0.1:0")
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+    def describe(self) -> str:
+        import torch
+
+        if self.device.startswith("cuda"):
+            return f"{torch.cuda.get_device_name()}, in-process server ({self.warm})"
+        return f"cpu ({os.cpu_count()} cores), in-process server"
+
+    def close(self) -> None:
+        from tether.server import heap
+
+        self.server.stop(grace=1).wait(30)
+        self.service.close()
+        heap.release()  # settle()'s frozen heap back to the collector: what this process does next may free it
 
 
 class Rig:
-    """One server (with one drafter) behind netsim; the link is reshaped between measurements."""
+    """tether-netsim in front of the server, the client's weight cache, and what the bench reads of the server."""
 
-    def __init__(self, target, tok, drafter_dir: Path):
-        drafter = load_drafter(drafter_dir, target)
-        self.tok = tok
-        self.service = TetherService(target, drafter, tok, ServiceConfig(max_new_tokens=2048),
-                                     model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
-        self.server, port = make_server(self.service, "127.0.0.1:0")
-        self.server.start()
-        self.sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
+    def __init__(self, upstream: str, args: argparse.Namespace, service=None):
+        self.args = args
+        self.sim = NetSimThread(("127.0.0.1", 0), upstream)
         self.sim.start()
-        self.cache = tempfile.TemporaryDirectory()
+        self.cache = tempfile.TemporaryDirectory(prefix="tether-link-")
+        self.probe = bench_module("server").ServerProbe(service, args.metrics_url)
 
     def config(self, **kw) -> ClientConfig:
-        base = dict(server=self.sim.address, cache_dir=self.cache.name, round_timeout_s=10.0, connect_timeout_s=30.0,
-                    backoff_initial_s=0.05, backoff_max_s=0.5)  # fmt: skip
+        a = self.args
+        base = dict(server=self.sim.address, cache_dir=self.cache.name, max_new_tokens=a.new_tokens, k=a.k,
+                    codec=a.codec, backend=a.backend, precision=a.precision, api_key=a.api_key, round_timeout_s=10.0,
+                    connect_timeout_s=60.0, backoff_initial_s=0.05, backoff_max_s=0.5)  # fmt: skip
         return ClientConfig(**{**base, **kw})
 
     def shape(self, rtt_ms: float, mbps: float) -> None:
         self.sim.set_link(latency_ms=rtt_ms / 2, jitter_ms=0, bandwidth_kbps=mbps * 1000)
 
-    def pair(self) -> None:
-        self.shape(0, 0)
-        EdgeSession(self.config()).pair()  # fills the weight cache
-
-    def wire(self) -> int:
-        s = self.sim.stats()
-        return s.up_bytes + s.down_bytes
+    def sample(self) -> tuple[int, float, float]:
+        """Wire bytes so far, and the server's round-time sum (s) and count (0, 0 when it cannot be read)."""
+        s, m = self.sim.stats(), self.probe.sample()
+        verify_s, rounds = m.get("tether_verify_seconds_sum", 0.0), m.get("tether_verify_seconds_count", 0)
+        return s.up_bytes + s.down_bytes, verify_s, rounds
 
     def close(self) -> None:
         self.sim.stop()
-        self.server.stop(None)
         self.cache.cleanup()
 
 
-def run_drafted(rig: Rig, n: int, k: int, codec: str) -> dict:
-    session = EdgeSession(rig.config(max_new_tokens=n, k=k, codec=codec))
+def pair(rig: Rig) -> tuple[pb.ModelInfo, object]:
+    """Fill the client's weight cache over an unshaped link; the server's ModelInfo and tokenizer."""
+    rig.shape(0, 0)
+    session = EdgeSession(rig.config())
+    try:
+        info = session.model_info()
+        tokenizer = server_tokenizer(session) if info.server_only else session.pair().tokenizer
+    finally:
+        session.close()
+    return info, tokenizer
+
+
+def cell(tokens: int, wall_s: float, payload: int, wire: int) -> dict:
+    return {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s > 0 else None,
+            "payload_B_per_tok": payload / tokens if tokens else None,
+            "wire_B_per_tok": wire / tokens if tokens else None}  # fmt: skip
+
+
+def run_hybrid(rig: Rig, mode: str) -> dict:
+    """One generation of `--new-tokens` tokens in a hybrid mode (client_options(mode) must not be None)."""
+    session = EdgeSession(rig.config(**client_options(mode)))
+    session.stop_ids = frozenset()  # exactly --new-tokens in every mode: server-only streams past end-of-text too
     try:
         session.pair()
-        w0 = rig.wire()
-        t0 = time.monotonic()
+        w0, v0, n0 = rig.sample()
         result = session.run(PROMPT)
-        wall = time.monotonic() - t0
-        wire = rig.wire() - w0
+        w1, v1, n1 = rig.sample()
     finally:
         session.close()
     s = result.stats
-    m = len(result.token_ids)
-    return {"tokens": m, "tok_s": m / wall, "payload_B_per_tok": (s.bytes_up + s.bytes_down) / m,
-            "wire_B_per_tok": wire / m, "tau": s.tau}  # fmt: skip
+    row = cell(len(result.token_ids), s.wall_s, s.bytes_up + s.bytes_down, w1 - w0)
+    stats = dataclasses.asdict(s)
+    return row | {"tau": s.tau, "rounds": s.rounds, "round_ms": 1e3 * s.decode_s / s.rounds if s.rounds else None,
+                  "server_round_ms": 1e3 * (v1 - v0) / (n1 - n0) if n1 > n0 else None,
+                  "ttft_ms": 1e3 * s.ttft_s, "offline_tokens": s.offline_tokens,
+                  "pipeline_hits": stats.get(PIPELINE_HITS),
+                  "client_stats": {k: v for k, v in stats.items() if not isinstance(v, list)}}  # fmt: skip
 
 
-def run_server_only(rig: Rig, n: int) -> dict:
-    w0 = rig.wire()
-    t0 = time.monotonic()
-    result = generate_server_only(rig.config(max_new_tokens=n), PROMPT, rig.tok)
-    wall = time.monotonic() - t0
-    m = len(result.token_ids)
+def run_server_only(rig: Rig, info: pb.ModelInfo, tokenizer) -> dict:
+    """One Generate stream of `--new-tokens` tokens over a channel opened (and asked for ModelInfo) beforehand."""
+    cfg = rig.config()
+    replicas = Replicas(cfg.server, 0, keepalive_s=cfg.keepalive_s)
+    metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
+    try:
+        replicas.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=cfg.connect_timeout_s)
+        w0 = rig.sample()[0]
+        session = ServerOnlySession(replicas.stub, metadata, cfg, info, tokenizer, stop_ids=())
+        result = session.run(tokenizer.encode(PROMPT))
+        wire = rig.sample()[0] - w0
+    finally:
+        replicas.close()
     s = result.stats
-    return {"tokens": m, "tok_s": m / wall, "payload_B_per_tok": (s.bytes_up + s.bytes_down) / m,
-            "wire_B_per_tok": (rig.wire() - w0) / m, "tau": 1.0}  # fmt: skip
+    return cell(len(result.token_ids), s.wall_s, s.bytes_up + s.bytes_down, wire) | {
+        "tau": None, "rounds": None, "round_ms": None, "server_round_ms": None, "ttft_ms": 1e3 * s.ttft_s,
+        "offline_tokens": 0, "pipeline_hits": None}  # fmt: skip
 
 
-def run_outage(rig: Rig, outage_s: float, pace: float, codec: str) -> dict:
-    """Generate at `pace`; after 2 s online, cut the link for `outage_s`; measure the resync that follows."""
-    n = int(pace * (outage_s + 5))
-    session = EdgeSession(rig.config(max_new_tokens=n, pace_tokens_per_s=pace, codec=codec, round_timeout_s=1.0))
-    session.pair()
+def measure(rig: Rig, mode: str, info: pb.ModelInfo, tokenizer) -> dict:
+    if mode == SERVER_ONLY:
+        return run_server_only(rig, info, tokenizer)
+    if info.server_only:
+        return {"skipped": "the server runs no drafter"}
+    if client_options(mode) is None:
+        return {"skipped": "this client has no ClientConfig.tree / pipeline"}
+    return run_hybrid(rig, mode)
 
-    def cutter():
-        while len(session.tokens) < 2 * pace:
-            time.sleep(0.01)
+
+def add_bounds(rows: list[dict]) -> None:
+    """The synchronous bounds of each measured hybrid row, and its ratios to them (module docstring)."""
+    at_rtt0 = {(r["mode"], r["mbps"]): r["round_ms"] for r in rows if r["rtt_ms"] == 0 and r.get("round_ms")}
+    for r in rows:
+        tau, rtt = r.get("tau"), r["rtt_ms"]
+        for key, step in (("bound", r.get("server_round_ms")), ("bound_rtt0", at_rtt0.get((r["mode"], r["mbps"])))):
+            bound = 1e3 * tau / (rtt + step) if tau and step else None
+            r[f"{key}_tok_s"] = bound
+            r[f"{key}_ratio"] = r["tok_s"] / bound if bound and r.get("tok_s") else None
+
+
+def run_outage(rig: Rig, outage_s: float, mode: str) -> dict:
+    """At --pace, once 2 x pace tokens are written, cut the link for `outage_s`; the resync that follows."""
+    pace = rig.args.pace
+    online, finished = threading.Event(), threading.Event()
+    session = None
+
+    def on_event(e) -> None:
+        if e.kind == "tokens" and len(session.tokens) >= 2 * pace:
+            online.set()
+
+    def cutter() -> None:
+        while not online.wait(0.1):
+            if finished.is_set():
+                return
         rig.sim.cut()
-        time.sleep(outage_s)
+        finished.wait(outage_s)
         rig.sim.restore()
 
-    t = threading.Thread(target=cutter, daemon=True)
-    t.start()
+    session = EdgeSession(rig.config(max_new_tokens=int(pace * (outage_s + 5)), pace_tokens_per_s=pace,
+                                     round_timeout_s=1.0, policy="keep", **client_options(mode)), on_event)  # fmt: skip
+    session.stop_ids = frozenset()
+    thread = threading.Thread(target=cutter, daemon=True)
     try:
+        session.pair()
+        thread.start()
         result = session.run(PROMPT)
     finally:
-        t.join(outage_s + 60)
+        finished.set()
+        if thread.is_alive():
+            thread.join(60)
+        rig.sim.restore()
         session.close()
     s = result.stats
     up, down = s.resync_bytes[0] if s.resync_bytes else (0, 0)
-    return {"outage_s": outage_s, "offline_tokens": s.offline_tokens, "resync_ms": 1000 * s.resync_s[0],
-            "resync_up_B": up, "resync_down_B": down, "resyncs": s.resyncs}  # fmt: skip
+    return {"outage_s": outage_s, "mode": mode, "tokens": len(result.token_ids), "offline_tokens": s.offline_tokens,
+            "resyncs": s.resyncs, "resync_ms": 1e3 * s.resync_s[0] if s.resync_s else None, "resync_up_B": up,
+            "resync_down_B": down}  # fmt: skip
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rtt-ms", type=float, nargs="+", default=[10, 50, 150])
-    ap.add_argument("--mbps", type=float, nargs="+", default=[1, 10, 100])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--codec", default="lossless", choices=("lossless", "int8"))
-    ap.add_argument("--drafters", nargs="+", default=["drafter", "drafter-eagle"], help="under deploy/models")
-    ap.add_argument("--outages-s", type=float, nargs="*", default=[5, 30])
-    ap.add_argument("--outage-rtt-ms", type=float, default=50)
-    ap.add_argument("--outage-mbps", type=float, default=10)
-    ap.add_argument("--pace", type=float, default=20.0, help="tokens/s the client writes at during the outage runs")
+def parser() -> argparse.ArgumentParser:
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=defaults)
+    ap.add_argument("--server", default="", metavar="HOST:PORT",
+                    help="a running tether-server; empty: one in this process on --device")  # fmt: skip
+    ap.add_argument("--metrics-url", default="",
+                    help="--server's Prometheus metrics, for the server's round time; empty: none")  # fmt: skip
+    ap.add_argument("--device", default="", help="in-process server: cpu or cuda; empty: cuda when present")
+    ap.add_argument("--model", default="", help="in-process server: target directory; empty: deploy/models")
+    ap.add_argument("--drafter", default="", help="in-process server: drafter directory; empty: deploy/models")
+    ap.add_argument("--cache-dir", default="",
+                    help="in-process server: serve's --cache-dir (kernels, graphs); empty: Triton's own")  # fmt: skip
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(DEFAULT_MODES),
+        choices=(SERVER_ONLY, *MODES),
+        help="server-only streaming, and hybrid modes: the draft's shape, +pipe = pipelined drafting",
+    )
+    ap.add_argument("--rtt-ms", type=float, nargs="+", default=[0, 10, 50, 150], help="round trips netsim adds")
+    ap.add_argument("--mbps", type=float, nargs="+", default=[1, 10, 100], help="bandwidth cap each way (0: none)")
+    ap.add_argument("--new-tokens", type=int, default=200, help="tokens each generation writes")
+    ap.add_argument("--k", type=int, default=5, help="draft tokens per chain round")
+    ap.add_argument("--codec", default="lossless", choices=tuple(CODECS), help="the KV deltas' codec")
+    ap.add_argument("--backend", default="onnx", choices=BACKENDS, help="the client's drafter runtime")
+    ap.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the ONNX client part's weights")
+    ap.add_argument("--api-key", default="", help="bearer key, when the server asks for one")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed generations per mode first (graphs, caches)")
+    ap.add_argument("--outages-s", type=float, nargs="*", default=[5, 30], help="outages to measure (none: skip)")
+    ap.add_argument("--outage-mode", default="chain", choices=tuple(MODES), help="the client's mode in outage runs")
+    ap.add_argument("--outage-rtt-ms", type=float, default=50, help="the link of the outage runs: RTT")
+    ap.add_argument("--outage-mbps", type=float, default=10, help="the link of the outage runs: bandwidth")
+    ap.add_argument("--pace", type=float, default=20.0, help="tokens/s the client writes at in the outage runs")
     ap.add_argument("--plot", type=Path, default=None, help="write tokens/s vs RTT here (PNG)")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    target, tok = load(default_model_dir(), "cpu")
-    rows, outages = [], []
-    for i, name in enumerate(args.drafters):
-        rig = Rig(target, tok, ROOT / "deploy/models" / name)
-        try:
-            rig.pair()
-            kind = json.loads((ROOT / "deploy/models" / name / "drafter_config.json").read_text())
-            label = f"{kind['kind']}" + (f" tli{kind['tli']}" if kind["kind"] == "moa" else "")
-            for rtt in args.rtt_ms:
-                for mbps in args.mbps:
-                    rig.shape(rtt, mbps)
-                    rows.append({"mode": label, "rtt_ms": rtt, "mbps": mbps,
-                                 **run_drafted(rig, args.new_tokens, args.k, args.codec)})  # fmt: skip
-                    if i == 0:
-                        rows.append({"mode": "server-only", "rtt_ms": rtt, "mbps": mbps,
-                                     **run_server_only(rig, args.new_tokens)})  # fmt: skip
-            if i == 0:
-                rig.shape(args.outage_rtt_ms, args.outage_mbps)
-                for o in args.outages_s:
-                    outages.append(run_outage(rig, o, args.pace, args.codec))
-        finally:
-            rig.close()
+    ap.add_argument("--quick", action="store_true", help="a sanity run: RTT 0 and 10 ms, 100 Mbit/s, 16 tokens, "
+                    "no outage, no warm-up")  # fmt: skip
+    return ap
 
-    console = Console()
-    t = Table(title=f"end to end over netsim, {args.new_tokens} tokens, greedy, k={args.k}, codec {args.codec}")
-    for c in ("mode", "RTT ms", "Mbit/s", "tok/s", "payload B/tok", "wire B/tok", "tau"):
+
+def settings(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, `--quick` applied and checked (argparse's one line and status 2 when they cannot run)."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rtt_ms, args.mbps, args.new_tokens, args.outages_s, args.warmup = [0, 10], [100], 16, [], 0
+    if args.new_tokens < 2 or args.k < 1 or args.pace <= 0 or min(args.rtt_ms) < 0 or min(args.mbps) < 0:
+        ap.error("--new-tokens must be at least 2, --k at least 1, --pace positive, RTTs and bandwidths >= 0")
+    if args.outages_s and client_options(args.outage_mode) is None:
+        ap.error(f"--outage-mode {args.outage_mode}: this client has no ClientConfig.tree / pipeline")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = settings(argv)
+    if args.server:
+        reach(args)
+    local = LocalServer(args) if not args.server else None
+    restore_threads = _one_thread(local)
+    rig, rows, outages = None, [], []
+    try:
+        rig = Rig(args.server or local.address, args, local.service if local else None)
+        info, tokenizer = pair(rig)
+        for _ in range(args.warmup):
+            for mode in args.modes:
+                measure(rig, mode, info, tokenizer)
+        for mbps in args.mbps:
+            for rtt in args.rtt_ms:
+                rig.shape(rtt, mbps)
+                for mode in args.modes:
+                    rows.append({"mode": mode, "rtt_ms": rtt, "mbps": mbps} | measure(rig, mode, info, tokenizer))
+        add_bounds(rows)
+        if args.outages_s and not info.server_only:
+            rig.shape(args.outage_rtt_ms, args.outage_mbps)
+            outages = [run_outage(rig, o, args.outage_mode) for o in args.outages_s]
+    except ServerError as e:  # a refusal reconnecting will not fix (a key, a model the client refuses): one line
+        fail(str(e))
+    finally:
+        if rig is not None:
+            rig.close()
+        if local is not None:
+            local.close()
+        restore_threads()
+    where = local.describe() if local else f"server at {args.server}"
+    console = Console(width=200)
+    console.print(grid_table(args, rows, where))
+    if outages:
+        console.print(outage_table(args, outages))
+    if args.plot:
+        plot(rows, args.plot, console)
+    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    record = {"bench": "link", "device": where, "host": platform.node(), "model": info.model_id,
+              "torch": _torch_version(), "args": flags, "prompt": PROMPT, "definitions": DEFINITIONS, "rows": rows,
+              "outages": outages}  # fmt: skip
+    print(json.dumps(record))
+    return record
+
+
+def reach(args: argparse.Namespace) -> None:
+    """Ask --server for its ModelInfo directly, before netsim is in the way: one line and exit when nothing answers
+    there (transport.first_contact's hint names what does)."""
+    session = EdgeSession(ClientConfig(server=args.server, api_key=args.api_key, connect_timeout_s=10.0))
+    try:
+        session.model_info()
+    except ServerError as e:
+        fail(str(e))
+    finally:
+        session.close()
+
+
+def fail(message: str) -> NoReturn:
+    """End the bench with one line on stderr and status 2 (what `tether-server` does for an actionable error)."""
+    print(f"bench/link.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _one_thread(local: LocalServer | None) -> Callable[[], None]:
+    """A CPU server shares the cores with the client: one intra-op thread for torch; returns what restores it."""
+    if local is None or local.device.startswith("cuda"):
+        return lambda: None
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return lambda: torch.set_num_threads(before)
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")
+    return torch.__version__ if torch is not None else None
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def grid_table(args: argparse.Namespace, rows: list[dict], where: str) -> Table:
+    t = Table(title=f"end to end over netsim: {where}; {args.new_tokens} tokens, greedy, k={args.k}, codec "
+                    f"{args.codec}, {args.backend} client; bound = tau / (RTT + step)")  # fmt: skip
+    columns = ("mode", "RTT ms", "Mbit/s", "tok/s", "tau", "round ms", "server ms", "bound", "x bound", "bound@0",
+               "x bound@0", "payload B/tok", "wire B/tok", "pre-drafted")  # fmt: skip
+    for c in columns:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(r["mode"], f"{r['rtt_ms']:.0f}", f"{r['mbps']:g}", f"{r['tok_s']:.1f}",
-                  f"{r['payload_B_per_tok']:.0f}", f"{r['wire_B_per_tok']:.0f}", f"{r['tau']:.2f}")  # fmt: skip
-    console.print(t)
-    if outages:
-        t = Table(title=f"resync after an outage (MoA, RTT {args.outage_rtt_ms:.0f} ms, {args.outage_mbps:g} Mbit/s, "
-                        f"client at {args.pace:g} tok/s, policy keep)")  # fmt: skip
-        for c in ("outage s", "offline tokens", "resync ms", "resync up B", "resync down B"):
-            t.add_column(c, justify="right")
-        for o in outages:
-            t.add_row(f"{o['outage_s']:g}", str(o["offline_tokens"]), f"{o['resync_ms']:.0f}", f"{o['resync_up_B']:,}",
-                      f"{o['resync_down_B']:,}")  # fmt: skip
-        console.print(t)
-    if args.plot:
-        plot(rows, args.plot)
-    print(json.dumps({"bench": "link", "torch": torch.__version__, "new_tokens": args.new_tokens, "k": args.k,
-                      "codec": args.codec, "rows": rows, "outages": outages}))  # fmt: skip
-    return 0
+        head = (r["mode"], f"{r['rtt_ms']:g}", f"{r['mbps']:g}")
+        if "skipped" in r:
+            t.add_row(*head, "n/a", *["-"] * (len(columns) - 4))
+            continue
+        hits = f"{r['pipeline_hits']}/{r['rounds']}" if r.get("pipeline_hits") is not None else "-"
+        t.add_row(*head, _num(r["tok_s"], ".1f"), _num(r["tau"], ".2f"), _num(r["round_ms"], ".1f"),
+                  _num(r["server_round_ms"], ".2f"), _num(r["bound_tok_s"], ".0f"), _num(r["bound_ratio"], ".2f"),
+                  _num(r["bound_rtt0_tok_s"], ".0f"), _num(r["bound_rtt0_ratio"], ".2f"),
+                  _num(r["payload_B_per_tok"], ",.0f"), _num(r["wire_B_per_tok"], ",.0f"), hits)  # fmt: skip
+    return t
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def outage_table(args: argparse.Namespace, outages: list[dict]) -> Table:
+    t = Table(title=f"resync after an outage ({args.outage_mode}, RTT {args.outage_rtt_ms:g} ms, {args.outage_mbps:g} "
+                    f"Mbit/s, client at {args.pace:g} tok/s, policy keep)")  # fmt: skip
+    for c in ("outage s", "offline tokens", "resyncs", "resync ms", "resync up B", "resync down B"):
+        t.add_column(c, justify="right")
+    for o in outages:
+        t.add_row(f"{o['outage_s']:g}", str(o["offline_tokens"]), str(o["resyncs"]), _num(o["resync_ms"], ".0f"),
+                  f"{o['resync_up_B']:,}", f"{o['resync_down_B']:,}")  # fmt: skip
+    return t
 
+
+def plot(rows: list[dict], path: Path, console: Console) -> bool:
+    """Tokens/s against RTT, a panel per bandwidth: a line per mode, each hybrid mode's bound dashed in its colour
+    (bound_tok_s, else bound_rtt0_tok_s). False (and one line said) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        console.print(f"matplotlib is not installed: no plot written to {path}")
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bands = sorted({r["mbps"] for r in rows})
-    fig, axes = plt.subplots(1, len(bands), figsize=(4 * len(bands), 3.4), sharey=True)
-    for ax, mbps in zip([axes] if len(bands) == 1 else axes, bands, strict=True):
-        for mode in dict.fromkeys(r["mode"] for r in rows):
-            pts = sorted((r["rtt_ms"], r["tok_s"]) for r in rows if r["mode"] == mode and r["mbps"] == mbps)
-            ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
-        ax.set_title(f"{mbps:g} Mbit/s")
+    measured = [r for r in rows if r.get("tok_s")]
+    bands = sorted({r["mbps"] for r in measured})
+    fig, axes = plt.subplots(1, len(bands), figsize=(4.5 * len(bands) + 1, 4.6), sharey=True, squeeze=False,
+                             layout="constrained")  # fmt: skip
+    for ax, mbps in zip(axes[0], bands, strict=True):
+        for i, mode in enumerate(dict.fromkeys(r["mode"] for r in measured)):
+            mine = sorted((r for r in measured if r["mode"] == mode and r["mbps"] == mbps), key=lambda r: r["rtt_ms"])
+            colour = f"C{i}"
+            ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker="o", color=colour, label=mode)
+            bound = [(r["rtt_ms"], r["bound_tok_s"] or r["bound_rtt0_tok_s"]) for r in mine]
+            bound = [(x, y) for x, y in bound if y]
+            if bound:
+                ax.plot(*zip(*bound, strict=True), linestyle="--", color=colour, alpha=0.6, label=f"{mode} bound")
+        ax.set_title("unlimited" if mbps == 0 else f"{mbps:g} Mbit/s")
         ax.set_xlabel("RTT (ms)")
-        ax.grid(alpha=0.3)
-    (axes if len(bands) == 1 else axes[0]).set_ylabel("tokens / s, end to end")
-    (axes if len(bands) == 1 else axes[0]).legend()
-    fig.tight_layout()
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("tokens / s, end to end")
+    fig.legend(
+        *axes[0][0].get_legend_handles_labels(),
+        loc="outside lower center",
+        ncol=min(5, 2 + len(bands)),
+        fontsize="small",
+    )
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

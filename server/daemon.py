@@ -122,7 +122,7 @@ def read_api_keys(path: str) -> frozenset[str]:
     return keys
 
 
-def _use_cache(cfg: ServeConfig) -> Path:
+def use_cache(cfg: ServeConfig) -> Path:
     """Point Triton at --cache-dir (before anything compiles, and before --tp followers start: they inherit
     TRITON_CACHE_DIR); the directory Triton's cache is in either way."""
     kernel_dir = use_cache_dir(cfg.cache_dir) if cfg.cache_dir else kernel_cache_dir()
@@ -130,7 +130,7 @@ def _use_cache(cfg: ServeConfig) -> Path:
     return kernel_dir
 
 
-def _service_config(cfg: ServeConfig) -> ServiceConfig:
+def service_config(cfg: ServeConfig) -> ServiceConfig:
     for name in ("max_sessions", "max_sessions_per_key", "max_streams", "session_lease_s", "stream_idle_s"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
@@ -149,7 +149,7 @@ def model_name(cfg: ServeConfig) -> str:
     return "tether-default" if model == default_model_dir().resolve() else model.name
 
 
-def _load_models(cfg: ServeConfig, device: str):
+def load_models(cfg: ServeConfig, device: str):
     t0 = time.perf_counter()
     target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
     model_fp = fingerprint(cfg.model)
@@ -168,7 +168,7 @@ def _http_config(cfg: ServeConfig, config: ServiceConfig):
                       tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
 
 
-def _warm_kernels(target, pool, kernel_dir: Path, drafter=None, round_tokens: int = 0) -> str:
+def warm_kernels(target, pool, kernel_dir: Path, drafter=None, round_tokens: int = 0) -> str:
     """serve's kernel warm-up (batcher.warm_up) on the Triton backend, then the step graphs: those an earlier run
     recorded, and with a drafter those of every batch size and width for rounds of `round_tokens` tokens; "warm
     cache" when it added no file to Triton's cache (everything was there), "cold cache" when it compiled or tuned
@@ -219,13 +219,13 @@ def warm(cfg: ServeConfig) -> int:
     if backend != "triton":
         raise ValueError(f"nothing to warm on {device}: the {backend} attention backend compiles no kernels "
                          "(the Triton kernels need a CUDA device)")  # fmt: skip
-    kernel_dir = _use_cache(cfg)
-    config = _service_config(cfg)
-    target, tokenizer, drafter, model_fp = _load_models(cfg, device)
+    kernel_dir = use_cache(cfg)
+    config = service_config(cfg)
+    target, tokenizer, drafter, model_fp = load_models(cfg, device)
     torch.set_grad_enabled(False)
     service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
     try:
-        state = _warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
+        state = warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
     finally:
         service.close()
     print(f"warmed {kernel_dir} in {time.perf_counter() - t_start:.1f} s ({state})", flush=True)
@@ -244,7 +244,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--prefill-chunk must be at least 1, got {cfg.prefill_chunk}")
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
-    config = _service_config(cfg)
+    config = service_config(cfg)
     precisions = [p for p in cfg.onnx_precisions.split(",") if p]
     if not set(precisions) <= set(ONNX_PRECISIONS):
         raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
@@ -252,7 +252,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError("--onnx-precisions exports the drafter's client part: it needs a drafter, not --drafter none")
     if cfg.http_port < -1 or cfg.http_max_streams < 1:
         raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams at least 1")
-    kernel_dir = _use_cache(cfg)
+    kernel_dir = use_cache(cfg)
     followers, tp_target = [], None
     if cfg.tp > 1:
         kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -260,7 +260,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
                                           cfg.kv_block_size, cfg.attention)  # fmt: skip
         cmd_group = join_rank0(cfg.tp, port, kind)
         device = "cuda:0" if kind == "cuda" else "cpu"
-    target, tokenizer, drafter, model_fp = _load_models(cfg, device)
+    target, tokenizer, drafter, model_fp = load_models(cfg, device)
     torch.set_grad_enabled(False)
     extra = {}
     if cfg.tp > 1:
@@ -279,7 +279,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         t0 = time.perf_counter()
         service.exporter.part(precision)
         log.info("ONNX client part (%s) ready in %.1f s", precision, time.perf_counter() - t0)
-    cache_state = _warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
+    cache_state = warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
     frozen = heap.settle()  # start-up's heap out of every later collection's walk (tether.server.heap)
     pauses = heap.GCPauses(service.metrics.gc_pause).install()
     log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)

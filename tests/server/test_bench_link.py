@@ -1,0 +1,90 @@
+"""Smoke test of bench/link.py: a tiny grid (RTT 0 and 10 ms, 100 Mbit/s, 16 tokens) and one short outage against
+the in-process CPU server, checking the JSON record's structure, its counts and that its bounds are computed from
+its own measured figures (never a timing)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "link.py"
+NEW_TOKENS = 16
+HYBRID_FIELDS = ("tau", "rounds", "round_ms", "server_round_ms", "bound_tok_s", "bound_ratio", "bound_rtt0_tok_s",
+                 "bound_rtt0_ratio")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def link():
+    spec = importlib.util.spec_from_file_location("bench_link", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_link_record(link, tmp_path, capsys):
+    plot = tmp_path / "link.png"
+    record = link.main(["--device", "cpu", "--rtt-ms", "0", "10", "--mbps", "100", "--new-tokens", str(NEW_TOKENS),
+                        "--outages-s", "0.2", "--pace", "40", "--outage-rtt-ms", "10", "--outage-mbps", "100",
+                        "--plot", str(plot)])  # fmt: skip
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record  # the one JSON line, last
+    assert record["bench"] == "link" and record["device"].startswith("cpu") and record["torch"]
+    assert set(record["definitions"]) >= {"tok_s", "bound_tok_s", "bound_rtt0_tok_s", "round_ms", "server_round_ms"}
+    modes = record["args"]["modes"]
+    assert modes == list(link.DEFAULT_MODES)
+    rows = record["rows"]
+    assert [(r["mbps"], r["rtt_ms"], r["mode"]) for r in rows] == [(100, rtt, m) for rtt in (0, 10) for m in modes]
+    measured = {(r["mode"], r["rtt_ms"]): r for r in rows if "skipped" not in r}
+    for r in rows:
+        if "skipped" in r:  # only a mode this client cannot run (chain always runs: it is what every client does)
+            assert link.client_options(r["mode"]) is None and r["mode"] not in ("server-only", "chain")
+            continue
+        assert r["tokens"] == NEW_TOKENS and r["offline_tokens"] == 0
+        assert r["tok_s"] > 0 and r["payload_B_per_tok"] > 0 and r["wire_B_per_tok"] > 0
+        if r["mode"] == "server-only":
+            assert all(r[f] is None for f in HYBRID_FIELDS)
+            continue
+        assert r["rounds"] >= 1 and r["tau"] >= 1 and r["round_ms"] > 0 and r["server_round_ms"] > 0
+        assert r["client_stats"]["rounds"] == r["rounds"]
+        if r["mode"] == "chain":  # the first token comes with the open, then tau tokens a round
+            assert 1 + r["tau"] * r["rounds"] == pytest.approx(NEW_TOKENS)
+        # The bounds, from this record's own figures: tau / (RTT + the server's round), tau / (RTT + round at RTT 0).
+        rtt0 = measured[(r["mode"], 0)]["round_ms"]
+        assert r["bound_tok_s"] == pytest.approx(1e3 * r["tau"] / (r["rtt_ms"] + r["server_round_ms"]))
+        assert r["bound_rtt0_tok_s"] == pytest.approx(1e3 * r["tau"] / (r["rtt_ms"] + rtt0))
+        assert r["bound_ratio"] == pytest.approx(r["tok_s"] / r["bound_tok_s"])
+        assert r["bound_rtt0_ratio"] == pytest.approx(r["tok_s"] / r["bound_rtt0_tok_s"])
+    assert {("server-only", 0), ("server-only", 10), ("chain", 0), ("chain", 10)} <= set(measured)
+    (outage,) = record["outages"]
+    assert outage["outage_s"] == 0.2 and outage["mode"] == "chain" and outage["tokens"] == int(40 * 5.2)
+    assert outage["offline_tokens"] >= 1  # the client drafts alone while it waits to reconnect
+    if outage["resyncs"]:
+        assert outage["resync_ms"] > 0 and outage["resync_up_B"] > 0 and outage["resync_down_B"] > 0
+    assert plot.exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_bounds_from_rows(link):
+    rows = [{"mode": "chain", "rtt_ms": 0, "mbps": 10, "tok_s": 100.0, "tau": 5.0, "round_ms": 25.0,
+             "server_round_ms": 1.0},
+            {"mode": "chain", "rtt_ms": 50, "mbps": 10, "tok_s": 50.0, "tau": 5.0, "round_ms": 75.0,
+             "server_round_ms": 2.0},
+            {"mode": "chain", "rtt_ms": 50, "mbps": 1, "tok_s": 40.0, "tau": 4.0, "round_ms": 90.0,
+             "server_round_ms": None},
+            {"mode": "server-only", "rtt_ms": 50, "mbps": 10, "tok_s": 80.0, "tau": None, "round_ms": None,
+             "server_round_ms": None}]  # fmt: skip
+    link.add_bounds(rows)
+    zero, fifty, slow, plain = rows
+    assert zero["bound_tok_s"] == pytest.approx(5000.0) and zero["bound_rtt0_tok_s"] == pytest.approx(200.0)
+    assert fifty["bound_tok_s"] == pytest.approx(5e3 / 52) and fifty["bound_ratio"] == pytest.approx(50 / (5e3 / 52))
+    assert fifty["bound_rtt0_tok_s"] == pytest.approx(5e3 / 75) and fifty["bound_rtt0_ratio"] == pytest.approx(0.75)
+    # No server round time, no RTT-0 row at that bandwidth, no tau: no bound rather than a made-up one.
+    assert slow["bound_tok_s"] is None and slow["bound_rtt0_tok_s"] is None and slow["bound_ratio"] is None
+    assert plain["bound_tok_s"] is None and plain["bound_rtt0_tok_s"] is None
+
+
+def test_quick_and_modes(link):
+    args = link.settings(["--quick"])
+    assert (args.rtt_ms, args.mbps, args.new_tokens, args.outages_s, args.warmup) == ([0, 10], [100], 16, [], 0)
+    assert link.client_options("chain") is not None  # every client drafts chains without pipelining
+    with pytest.raises(SystemExit):
+        link.settings(["--new-tokens", "1"])
