@@ -19,12 +19,13 @@ Contract:
 - `DeltaLayout.for_config(cfg, dcfg)`: `layout.shapes(n)` -> {name: shape}, `layout.max_bytes(n)`.
 - `frames_problem(frames, layout, n)` -> what is wrong with parsed headers ({name: (dtype, shape)}, from
   tether.shared.wire.parse_many), or None.
-- `WireDelta(start, tokens, payload)`: a delta as it arrived, not decoded.
+- `WireDelta(start, tokens, payload)`: a delta as it arrived, not decoded; `wire_delta(kv)` one from a KVDelta.
 - `DeltaGate(drafter, layout, coverable, refuse)`: the drafter as the session drives it. `begin(wire)` and
   `commit(wire)` check, decode and hand an ArrayDelta to the drafter; `coverable(start)` lists the tokens a delta
   starting at `start` may cover; a delta refused raises `refuse(message)` (the session decides whether that is
-  a lost round or the end of the generation) and leaves the drafter's caches as they were. `draft` refuses a
-  root outside the vocabulary (ServerDataError, Problem.TOKEN): only the server hands the client such a token.
+  a lost round or the end of the generation) and leaves the drafter's caches as they were. `draft` and `draft_tree`
+  refuse a root outside the vocabulary (ServerDataError, Problem.TOKEN): only the server hands the client such a
+  token.
   Every other attribute is the drafter's.
 
     gate = DeltaGate(drafter, DeltaLayout.for_config(cfg, dcfg), lambda start: sequence[start:], refuse)
@@ -98,6 +99,11 @@ class WireDelta:
     payload: bytes
 
 
+def wire_delta(kv) -> WireDelta:
+    """A KVDelta message (tether.v1) as it arrived: the gate checks it before decoding it."""
+    return WireDelta(start=kv.start, tokens=list(kv.tokens), payload=kv.payload)
+
+
 class DeltaGate:
     """A drafter that takes WireDelta and refuses what the session does not allow (see the module docstring)."""
 
@@ -130,9 +136,16 @@ class DeltaGate:
         self.inner.commit(self._admit(wire, self.inner.verified_length()))
 
     def draft(self, root: int, k: int, **kwargs):
+        self._check_root(root)
+        return self.inner.draft(root, k, **kwargs)
+
+    def draft_tree(self, root: int, **kwargs):
+        self._check_root(root)
+        return self.inner.draft_tree(root, **kwargs)
+
+    def _check_root(self, root: int) -> None:
         if not 0 <= root < self.layout.vocab_size:
             raise ServerDataError(Problem.TOKEN, f"token {root} is outside the vocabulary of {self.layout.vocab_size}")
-        return self.inner.draft(root, k, **kwargs)
 
     def _admit(self, wire: WireDelta, held: int) -> ArrayDelta:
         """The decoded delta, or `refuse` raised; nothing is decompressed before the checks pass."""

@@ -28,7 +28,8 @@ Contract (as DrafterBase; the differences are marked *):
   distributions as the torch backend, not the same random stream. DraftTree.chain wants torch tensors:
   torch.from_numpy(q_ids).
 - `draft_tree(root, depth=, top_k=, total_tokens=)`: the EAGLE-2 dynamic tree of tether.shared.draft_trees, the
-  expansion the torch drafters use too.
+  expansion the torch drafters use too, after the rows the caches hold: the verified positions, and a chain drafted
+  after them if there is one (a round drafted ahead, tether.client.rounds), which the tree's nodes then see.
   * It returns a tether.shared.draft_trees.TreeDraft of plain lists; `DraftTree.from_lists` builds the torch one.
 
 Caches are numpy buffers sized `capacity` rows; each graph call takes the committed rows and returns the new
@@ -245,9 +246,10 @@ class OnnxDrafter:
         self._drop_drafted(self.verified_length())
 
     def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> TreeDraft:
-        """An EAGLE-2 dynamic draft tree after `root`: each level feeds the frontier nodes as new cache rows
-        (one graph call per level), then the most probable `total_tokens` nodes are kept."""
-        base = self.verified_length()
+        """An EAGLE-2 dynamic draft tree after `root`, the token after the rows held (module docstring): each level
+        feeds the frontier nodes as new cache rows (one graph call per level), then the most probable
+        `total_tokens` nodes are kept. The rows it fed are dropped again."""
+        base = self.held_rows()
         rows: dict[int, int] = {}  # grown id -> drafted row offset (position base + offset in the caches)
 
         def step(frontier: list[int], grown: GrowingTree) -> tuple[np.ndarray, np.ndarray]:
@@ -274,6 +276,10 @@ class OnnxDrafter:
     # ---- subclass contract -------------------------------------------------------------------------------
 
     def verified_length(self) -> int:
+        raise NotImplementedError
+
+    def held_rows(self) -> int:
+        """Cache rows held: the verified positions and the drafted ones after them."""
         raise NotImplementedError
 
     def _reset(self, capacity: int) -> None:
@@ -312,6 +318,9 @@ class OnnxMoADrafter(OnnxDrafter):
 
     def verified_length(self) -> int:
         return self.n_ctx
+
+    def held_rows(self) -> int:
+        return self.sa_len
 
     def _reset(self, capacity: int) -> None:
         self.capacity = capacity
@@ -395,6 +404,9 @@ class OnnxEagleDrafter(OnnxDrafter):
     def verified_length(self) -> int:
         return self.n_verified
 
+    def held_rows(self) -> int:
+        return self.length
+
     def _reset(self, capacity: int) -> None:
         self.capacity = capacity
         self.k = np.zeros((capacity, *self.draft_kv), dtype=np.float32)
@@ -450,7 +462,10 @@ class OnnxEagleDrafter(OnnxDrafter):
     def _tree_step(self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list) -> np.ndarray:
         if not parent_rows or parent_rows[0] is None:
             self.row_feat: list[np.ndarray] = []  # a new tree: features of drafted rows, by row offset
-        prev = np.stack([self.last_feat[0] if r is None else self.row_feat[r] for r in parent_rows])
+            # The root follows the verified text, whose last feature is exact, or a drafted chain, whose last step
+            # predicted the feature the next token goes with (as _step would use).
+            self.root_feat = self.last_feat if self.length == self.n_verified else self.prev_feat
+        prev = np.stack([self.root_feat[0] if r is None else self.row_feat[r] for r in parent_rows])
         logits, feat = self._run(tokens, positions, mask, list(range(len(tokens))), prev)
         self.row_feat += list(feat)
         return logits

@@ -26,17 +26,13 @@ import time
 
 import grpc
 
-from tether.client.delta_gate import WireDelta
+from tether.client.delta_gate import wire_delta
 from tether.client.errors import Problem
 from tether.client.refusals import Refusal
+from tether.client.rounds import lookahead_rows
 from tether.client.session_types import CODECS, Event, State, Stats
 from tether.client.transport import ServerError, SessionStream, rpc_error
 from tether.v1 import tether_pb2 as pb
-
-
-def wire_delta(kv: pb.KVDelta) -> WireDelta:
-    """A delta as it arrived; the drafter's gate (tether.client.delta_gate) checks it before decoding it."""
-    return WireDelta(start=kv.start, tokens=list(kv.tokens), payload=kv.payload)
 
 
 class Resync:
@@ -53,14 +49,14 @@ class Resync:
             raise ValueError(f"the conversation ({len(prompt)} tokens) no longer fits the model's context of "
                              f"{self.max_positions} tokens")  # fmt: skip
         V = self.verified
-        room = len(prompt) + self.cfg.max_new_tokens + self.cfg.k + 2 <= self.capacity
+        room = len(prompt) + self.cfg.max_new_tokens + lookahead_rows(self.cfg) <= self.capacity
         kept = room and 0 < V < len(prompt) and prompt[:V] == self.sequence[:V]
         self._stopping.clear()
         self.stats = Stats(reopened=int(not kept))
         self.prompt, self.tokens, self.tags = list(prompt), [], []
         self.offline_run = 0
         if kept:
-            self.drafter.discard_drafts()
+            self._drop_rounds()
             self._feed_from = V  # the drafter holds the verified positions; offline it reads the rest first
             self._turn = True
         else:

@@ -5,9 +5,12 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
   backend drafts with: ONNX graphs for onnxruntime (the default; tether.client.onnx_pairing, no torch anywhere on
   that path), or tensors for the torch drafter (tether.client.pairing, imported only by that backend); then open
   the session with the prompt, or go on from the session file (tether.client.session_file).
-- ONLINE: each round drafts k tokens after the root (the last token the target decided), sends them, and on
-  the verdict adopts the verified states (KV delta) and emits the accepted drafts and the bonus token, tagged
-  "verified". A round unanswered within `round_timeout_s`, or a broken stream, means OFFLINE.
+- ONLINE: each round drafts after the root (the last token the target decided) a chain of k tokens or, where the
+  server takes them, a draft tree (`tree`: chain, tree, or auto from the measured round trip and acceptance),
+  sends it, drafts the next round ahead while it is verified (`pipeline`), and on the verdict adopts the verified
+  states (KV delta) and emits the accepted drafts and the bonus token, tagged "verified"; the round drafted ahead
+  goes out at once when the verdict went as guessed (tether.client.rounds). A round unanswered within
+  `round_timeout_s` of being sent, or a broken stream, means OFFLINE.
 - OFFLINE: the drafter goes on alone from what it holds (SA over its own tokens, CA over the last verified
   LSA vectors, TLI layers with their own KV cache); each token is emitted tagged "offline". Reconnection is
   tried with exponential backoff and jitter (tether.client.transport.Backoff, which also paces the connect loop
@@ -32,8 +35,9 @@ A server that does not offer the ONNX part in the precision asked: FormatNotOffe
     result = generate(ClientConfig(server="127.0.0.1:50051", max_new_tokens=64), "def f(x):", on_event=print)
     result.text, result.tags, result.stats
 
-Tests: tests/e2e (test_backends, test_chaos, test_failover, test_capacity, test_client_restart, test_chat_e2e, ...),
-tests/client/test_session_file.py, tests/test_client_install.py (the onnx backend in a virtualenv without torch).
+Tests: tests/e2e (test_backends, test_chaos, test_tree_pipeline, test_failover, test_capacity, test_client_restart,
+test_chat_e2e, ...), tests/client/test_session_file.py, tests/client/test_round_shape.py, tests/test_client_install.py
+(the onnx backend in a virtualenv without torch).
 """
 
 from __future__ import annotations
@@ -48,11 +52,12 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from tether.client.delta_gate import DeltaGate, DeltaLayout
+from tether.client.delta_gate import DeltaGate, DeltaLayout, wire_delta
 from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
 from tether.client.pairing_checks import check_model_info
-from tether.client.resync import Resync, wire_delta
+from tether.client.resync import Resync
+from tether.client.rounds import Drafted, Measured, Rounds, lookahead_rows
 from tether.client.server_only import generate_server_only as generate_server_only
 from tether.client.session_file import SessionRecord, load_record, save_record
 from tether.client.session_types import (
@@ -93,7 +98,7 @@ def _draft_seed(seed: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64, as manual_seed takes
 
 
-class EdgeSession(Resync):
+class EdgeSession(Resync, Rounds):
     """One generation: owns the channel, the drafter and the text. See the module docstring."""
 
     def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
@@ -123,6 +128,9 @@ class EdgeSession(Resync):
         self.tags: list[str] = []
         self.verified = 0  # positions whose verified states the drafter holds (prompt included)
         self.round = 0
+        self.measured = Measured()  # the round trip, drafting time and acceptance (tether.client.rounds: tree="auto")
+        self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
+        self._drafts: list[int] = []  # a verdict's accepted tokens, while its delta is checked
         self.offline_run = 0
         self._last_emit = 0.0
         self.info: pb.ModelInfo | None = None  # GetModelInfo's answer (model_info())
@@ -258,8 +266,7 @@ class EdgeSession(Resync):
             eos = self.models.tokenizer.eos_id
             self.stop_ids = frozenset(() if eos is None else (eos,))
         # Every delta the server sends is checked against this session before it is decoded: it may cover only
-        # the client's own tokens after the verified ones (those it has, plus a round's drafts in flight).
-        self._drafts: list[int] = []
+        # the client's own tokens after the verified ones (those it has, plus a round's accepted drafts).
         self.drafter = DeltaGate(self.models.drafter, DeltaLayout.for_config(model_cfg, drafter_cfg),
                                  coverable=lambda start: self.sequence[start:] + self._drafts,
                                  refuse=lambda message: self._bad_message(Problem.DELTA, message))  # fmt: skip
@@ -362,55 +369,7 @@ class EdgeSession(Resync):
             self.drafter.commit(wire_delta(part))
 
     def _capacity(self) -> int:
-        return len(self.prompt) + self.cfg.max_new_tokens + self.cfg.k + 2 + self.reserve
-
-    # ---- online ----------------------------------------------------------------------------------------
-
-    def _round(self) -> None:
-        cfg = self.cfg
-        root = self.tokens[-1]
-        room = min(cfg.max_new_tokens - len(self.tokens) - 1, self.max_positions - len(self.sequence))
-        k = max(0, min(cfg.k, room, self.info.max_draft_tokens))
-        drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                    generator=self._draft_rng)  # fmt: skip
-        msg = pb.DraftRound(round=self.round + 1, root=root, tokens=drafts)
-        if q_ids is not None:
-            rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
-            msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
-        self.stats.bytes_up += 4 * (1 + len(drafts)) + (8 * int(np.prod(q_ids.shape)) if q_ids is not None else 0)
-        try:
-            reply = self.stream.request(pb.ClientMessage(round=msg), cfg.round_timeout_s)
-            v = self._verdict(reply, msg)
-            self._count_down(v.delta)
-            self._drafts = drafts
-            try:
-                self.drafter.commit(wire_delta(v.delta))
-            finally:
-                self._drafts = []
-        except BaseException:
-            self.drafter.discard_drafts()  # the round is lost: drafting goes on after the verified positions
-            raise
-        self.round += 1
-        self.stats.rounds += 1
-        self.stats.drafted += len(drafts)
-        self.stats.accepted += v.accepted
-        self.verified = v.delta.start + len(v.delta.tokens)
-        self._emit(drafts[: v.accepted] + [v.bonus], "verified")
-
-    def _verdict(self, reply: pb.ServerMessage, sent: pb.DraftRound) -> pb.Verdict:
-        """The reply's verdict if it answers the round sent (the gate checks its delta), else BadMessage."""
-        body = reply.WhichOneof("body")
-        if body != "verdict":
-            raise self._bad_message(Problem.VERDICT, f"round {sent.round} was answered by a {body} message")
-        v = reply.verdict
-        if v.round != sent.round or v.accepted > len(sent.tokens) or len(v.delta.tokens) != v.accepted + 1:
-            raise self._bad_message(
-                Problem.VERDICT,
-                f"round {v.round} (sent {sent.round}): {v.accepted} of {len(sent.tokens)} drafts accepted, "
-                f"a delta of {len(v.delta.tokens)} positions",
-            )
-        self._check_token(v.bonus, f"bonus token of round {v.round}")
-        return v
+        return len(self.prompt) + self.cfg.max_new_tokens + lookahead_rows(self.cfg) + self.reserve
 
     # ---- the loop --------------------------------------------------------------------------------------
 
@@ -514,6 +473,8 @@ class EdgeSession(Resync):
 
     def _finish(self) -> None:
         """Close the session if the server is reachable (unless `keep_open`); the text is complete either way."""
+        if self._inflight is not None:
+            self._drop_rounds()  # stopped with a round in flight: its answer no longer matters
         if self.stream is not None:
             self.stream.close()
             self.stream = None

@@ -32,7 +32,8 @@ BACKENDS = ("onnx", "torch")  # the drafter runtimes; torch only to compare agai
 PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
 POLICIES = ("keep", "rewind")
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
-CHOICES = {"policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS)}
+SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.rounds)
+CHOICES = {"policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS), "tree": SHAPES}
 
 
 class State(StrEnum):
@@ -53,7 +54,12 @@ class ClientConfig:
     policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
     backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
     precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire; computation is fp32 either way
-    k: int = 5  # draft tokens per round
+    k: int = 5  # draft tokens per round (a chain's)
+    tree: str = "auto"  # draft shape: "chain", "tree", or "auto" (a tree while the round trip dwarfs drafting)
+    tree_nodes: int = 16  # the most draft nodes of a tree round (the server's max_tree_nodes caps it)
+    tree_depth: int = 6  # levels a draft tree grows (its longest path)
+    tree_top_k: int = 4  # children of each node a tree expands, and nodes expanded per level
+    pipeline: bool = True  # draft the next round while this one is verified
     codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
     api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
     tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
@@ -77,6 +83,11 @@ class ClientConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        for name in ("tree_nodes", "tree_depth", "tree_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.k < 0:
+            raise ValueError(f"k must be at least 0, not {self.k}")
 
 
 @dataclass
@@ -93,7 +104,7 @@ class Event:
 @dataclass
 class Stats:
     rounds: int = 0
-    drafted: int = 0
+    drafted: int = 0  # draft tokens sent (a tree's nodes)
     accepted: int = 0
     offline_tokens: int = 0
     retracted: int = 0
@@ -104,6 +115,9 @@ class Stats:
     bytes_up: int = 0
     bytes_down: int = 0
     weights_bytes: int = 0
+    tree_rounds: int = 0  # rounds that sent a draft tree (the others sent chains)
+    pipeline_hits: int = 0  # rounds sent as drafted ahead while the round before them was verified
+    pipeline_discarded: int = 0  # rounds drafted ahead and thrown away (the verdict went otherwise, or the link)
     bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
     wall_s: float = 0.0
     ttft_s: float = 0.0  # time to first token: from sending the prompt (pairing done) to its first token

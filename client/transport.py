@@ -7,9 +7,9 @@ Contract:
 - `Replicas(server, first, keepalive_s=..., tls_ca=...)`: the endpoints of a `--server` list (HOST:PORT, comma
   separated) and the channel and stub of the one in use, number `first` modulo their count to begin with (the
   session passes its affinity key, which spreads clients over the list); `failover()` moves to the next.
-- `SessionStream(stub, metadata)`: one Session stream whose replies a reader thread queues, so `request` can wait
-  with a deadline; a missing reply, a broken or closed stream raise LinkDown (or what the status says), and an
-  inline Error what `refused` makes of it.
+- `SessionStream(stub, metadata)`: one Session stream whose replies a reader thread queues, stamped with their
+  arrival time, so `request` (or `send`, then `receive`) can wait with a deadline; a missing reply, a broken or
+  closed stream raise LinkDown (or what the status says), and an inline Error what `refused` makes of it.
 - The exceptions the session loop acts on, chosen by `refused` from the typed reason first and the status code
   second, never from the message: ServerBusy (the server is full: back off as advised, draft alone, retry),
   SessionLost (resync with the full history; SessionFull: the session has no room left, so forget it first),
@@ -317,29 +317,38 @@ def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
 
 
 class SessionStream:
-    """One Session stream; replies are read by a thread so a round can wait with a deadline."""
+    """One Session stream; replies are read by a thread so a round can wait with a deadline, and stamped with the
+    time they arrived (`arrived_at` of the last one received), so a round's wait is measured even when the client
+    was busy drafting ahead while it came."""
 
     def __init__(self, stub, metadata: tuple):
         self.outbox: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
+        self.arrived_at = 0.0  # time.monotonic() when the reply last received arrived
         self.call = stub.Session(iter(self.outbox.get, None), metadata=metadata)
         threading.Thread(target=self._read, daemon=True, name="tether-stream").start()
 
     def _read(self) -> None:
         try:
             for msg in self.call:
-                self.inbox.put(msg)
-            self.inbox.put(LinkDown("the server closed the stream"))
+                self.inbox.put((time.monotonic(), msg))
+            self.inbox.put((time.monotonic(), LinkDown("the server closed the stream")))
         except grpc.RpcError as e:
-            self.inbox.put(rpc_error(e))
+            self.inbox.put((time.monotonic(), rpc_error(e)))
+
+    def send(self, msg: pb.ClientMessage) -> None:
+        self.outbox.put(msg)
 
     def request(self, msg: pb.ClientMessage, timeout: float) -> pb.ServerMessage:
-        self.outbox.put(msg)
+        self.send(msg)
         return self.receive(timeout)
 
-    def receive(self, timeout: float) -> pb.ServerMessage:
+    def receive(self, timeout: float, since: float | None = None) -> pb.ServerMessage:
+        """The next reply, waited for until `timeout` s after `since` (a time.monotonic(); default: now): a reply
+        that came in meanwhile is taken even when that time has passed."""
+        wait = timeout if since is None else max(0.0, since + timeout - time.monotonic())
         try:
-            reply = self.inbox.get(timeout=timeout)
+            self.arrived_at, reply = self.inbox.get(timeout=wait)
         except queue.Empty:
             raise LinkDown(f"no answer within {timeout:.1f} s") from None
         if isinstance(reply, Exception):

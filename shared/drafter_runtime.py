@@ -9,6 +9,9 @@ those into chain drafts and EAGLE-2 dynamic draft trees. With temperature > 0 ea
 from the drafter's distribution truncated to its top-`support` tokens, and that exact truncated distribution is
 returned with it, so the verifier's rejection sampling stays lossless while the message that carries q stays
 small. Tree children are deterministic top-k picks, which the verifier handles as point-mass proposals.
+A tree grows after the rows the caches hold: the verified positions and any chain drafted after them (the edge
+client drafts a round ahead that way, tether.client.rounds), counted here since subclasses keep them in their own
+caches.
 
     drafter.begin(delta_for_prompt)
     tokens, q_ids, q_probs = drafter.draft(root_token, k=5, temperature=0.8)
@@ -44,6 +47,7 @@ class DrafterBase(nn.Module):
         # Not a submodule: the target's weights are the target's, never saved or trained with the drafter.
         object.__setattr__(self, "target", target)
         self.dcfg = dcfg
+        self._drafted = 0  # chain rows drafted after the verified positions (draft_tree grows after them)
 
     @property
     def device(self) -> torch.device:
@@ -66,11 +70,13 @@ class DrafterBase(nn.Module):
             raise ValueError("begin() takes the prompt's delta, which starts at position 0")
         self._reset(capacity or self.target.cfg.max_seq_len)
         self._adopt(_as_tensors(delta))
+        self._drafted = 0
 
     @torch.inference_mode()
     def commit(self, delta: DraftDelta | ArrayDelta) -> None:
         """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped."""
         self._adopt(_as_tensors(delta))
+        self._drafted = 0
 
     @torch.inference_mode()
     def draft(
@@ -100,6 +106,7 @@ class DrafterBase(nn.Module):
                 q_ids.append(ids)
                 q_probs.append(q)
             tokens.append(token)
+            self._drafted += 1
         if temperature == 0:
             return tokens, None, None
         if not tokens:  # torch.stack refuses an empty list; a round with one token left drafts none
@@ -112,12 +119,14 @@ class DrafterBase(nn.Module):
         """Drop the cache rows of drafts never answered (a lost round): the next draft follows the verified
         positions again instead of the abandoned chain."""
         self._drop_drafted(self.verified_length())
+        self._drafted = 0
 
     @torch.inference_mode()
     def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> DraftTree:
-        """An EAGLE-2 dynamic draft tree after `root`: each level feeds the frontier nodes as new cache rows
-        (one drafter forward per level), then the most probable `total_tokens` nodes are kept."""
-        base = self.verified_length()
+        """An EAGLE-2 dynamic draft tree after `root`, the token after the rows held (module docstring): each level
+        feeds the frontier nodes as new cache rows (one drafter forward per level), then the most probable
+        `total_tokens` nodes are kept. The rows it fed are dropped again."""
+        base = self.verified_length() + self._drafted
         rows: dict[int, int] = {}  # GrowingTree id -> drafted row offset (position base + offset in the caches)
 
         def step(frontier: list[int], tree: GrowingTree) -> tuple[Tensor, Tensor]:

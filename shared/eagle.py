@@ -94,7 +94,10 @@ class EagleDrafter(DrafterBase):
     def _tree_step(self, tokens: Tensor, positions: Tensor, mask: Tensor, parent_rows: list) -> Tensor:
         if not parent_rows or parent_rows[0] is None:
             self.row_feat = []  # a new tree: features of drafted rows, by row offset
-        prev = torch.cat([self.last_feat[0] if r is None else self.row_feat[r] for r in parent_rows])[None]
+            # The root follows the verified text, whose last feature is exact, or a chain drafted ahead, whose last
+            # step predicted the feature the next token goes with (as _step would use).
+            self.root_feat = self.last_feat if self.cache.length == self.n_verified else self.prev_feat
+        prev = torch.cat([self.root_feat[0] if r is None else self.row_feat[r] for r in parent_rows])[None]
         x = self.fc(torch.cat([self.target.embed_tokens(tokens[None]), self.feat_norm(prev)], -1))
         cos, sin = rope_cos_sin(self.inv_freq, positions[None])
         feat, _, _ = self.layer(x, cos, sin, DepthStream(x, 0, grad=False), self.cache, 0, mask, "reference")

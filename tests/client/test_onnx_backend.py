@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_moa_drafter, tiny_target
+from tiny_models import tiny_pair
 
 from tether.client.onnx_drafter import OnnxDrafter
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, decode_many, encode_many
-from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter, load_drafter
+from tether.shared.drafter import DraftDelta, load_drafter
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
@@ -32,17 +32,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 0, 1, 3]
 
 
 def tiny(kind: str, tli: int = 1):
-    target = tiny_target(vocab_size=VOCAB)
-    if kind == "moa":
-        drafter = tiny_moa_drafter(target, tli=tli)
-    else:
-        torch.manual_seed(1)
-        drafter = build_drafter(target, DrafterConfig(kind="eagle", n_heads=4, n_kv_heads=2, head_dim=12)).eval()
-    with torch.no_grad():  # far from the near-zero init, so that a wrong row or position shows in the logits
-        for p in drafter.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    return target, drafter
+    return tiny_pair(kind, VOCAB, tli)
 
 
 @pytest.fixture(scope="module")

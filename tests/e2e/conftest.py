@@ -2,6 +2,7 @@
 
 import pytest
 
+from tether.client import session as session_module
 from tether.server.generate import default_model_dir, load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
@@ -38,3 +39,21 @@ def default_server(start_server):
     """The default models' server: (address, tokenizer, model fingerprint)."""
     address, service = start_server()
     return address, service.tokenizer, service.model_fingerprint
+
+
+@pytest.fixture
+def paired_once(monkeypatch, tmp_path_factory) -> str:
+    """A weight cache directory whose every EdgeSession in the test reuses the first one's ONNX client part (each
+    session's `begin` resets the drafter): each pairing would otherwise load it from the cache again, which
+    dominates a generation of a few tokens."""
+    parts: dict = {}
+    real = session_module.fetch_onnx_part
+
+    def fetch(stub, info, cache_dir, **kwargs):
+        key = (info.drafter_fingerprint, kwargs.get("precision"))
+        if key not in parts:
+            parts[key] = real(stub, info, cache_dir, **kwargs)
+        return parts[key]
+
+    monkeypatch.setattr(session_module, "fetch_onnx_part", fetch)
+    return str(tmp_path_factory.mktemp("cache"))

@@ -11,7 +11,6 @@ import grpc
 import pytest
 import torch
 
-from tether.client import session as session_module
 from tether.client.session import ClientConfig, EdgeSession
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -25,24 +24,6 @@ P_MIN = 1e-3  # each position's chi-square p-value must exceed this (and the pow
 @pytest.fixture(scope="module")
 def server(default_server):
     return default_server
-
-
-@pytest.fixture
-def paired_once(monkeypatch, tmp_path_factory):
-    """Every EdgeSession of a test reuses the first one's ONNX client part (each session's `begin` resets the
-    drafter): each pairing would otherwise load it from the cache again, which dominates a generation of a few
-    tokens."""
-    parts: dict = {}
-    real = session_module.fetch_onnx_part
-
-    def fetch(stub, info, cache_dir, **kwargs):
-        key = (info.drafter_fingerprint, kwargs.get("precision"))
-        if key not in parts:
-            parts[key] = real(stub, info, cache_dir, **kwargs)
-        return parts[key]
-
-    monkeypatch.setattr(session_module, "fetch_onnx_part", fetch)
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 def generate(address: str, cache: str, *, n: int, seed: int, temperature: float, k: int = 3) -> list[int]:

@@ -1,0 +1,304 @@
+"""The edge session's ONLINE rounds: draft a chain or a tree, send it, draft the next round while this one is
+verified, and take the verdict.
+
+A part of tether.client.session.EdgeSession (a mixin over its state, as tether.client.resync is); the wire side is
+docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max_tree_nodes).
+- A round's shape (`EdgeSession._plan`): a chain of `k` draft tokens after the root, or an EAGLE-2 dynamic tree of
+  at most `tree_nodes` nodes grown `tree_depth` levels deep, `tree_top_k` wide (the drafter's draft_tree), where
+  the server takes trees: ModelInfo.max_tree_nodes caps the nodes, and 0 (a server that verifies chains only, or
+  one older than trees) means chains whatever `tree` says. Tree children are deterministic top-k picks, which the
+  server's lossless check takes as point-mass proposals when no q rows come with them, so a tree round carries no
+  q and sampling stays lossless with trees too.
+- `tree="auto"` (`use_tree`, a pure function of what the session measured, `Measured`): a tree while a round waits
+  for its verdict at least RTT_DOMINANCE times as long as drafting a chain takes and rounds get as far as a whole
+  chain would at least WHOLE_OFTEN of the time; a chain otherwise, and for the first MIN_ROUNDS rounds. A tree
+  costs more draft compute and upload and earns more accepted tokens per round, which pays when the round trip,
+  not drafting, sets the pace. The figures are EWMAs (weight EWMA_WEIGHT for the newest): the wait from sending a
+  round to its verdict's arrival (the reader thread stamps it, so drafting ahead meanwhile does not count), the
+  drafter's time per step (a chain token or a tree level), and whether a round accepted at least the k tokens of a
+  chain. Auto decides on measured times, so a seed repeats a sampled text exactly only with `tree` chain or tree.
+- A tree round sends its nodes after the root in topological order with `parents` (node i's parent is
+  parents[i - 1], the root being node 0). The verdict's `path` names the accepted nodes, checked to be a walk
+  down from the root; their tokens and the bonus are emitted, and the delta covers the root and that path.
+- Pipelining (`pipeline`, SpecEdge's proactive drafting): once a round is sent, the drafter drafts the next one as
+  if this one were accepted whole (the chain, or the tree's main branch: each node's first child, the drafter's
+  favourite), after its own guess of the bonus (the argmax there; a guess draws nothing from the random stream).
+  When the verdict accepts exactly that path and its bonus is the guess, the round drafted ahead is sent at once,
+  before the verdict's delta is adopted (Stats.pipeline_hits); otherwise it is dropped (pipeline_discarded) and the
+  next round is drafted anew. A round is drafted ahead only when accepting the one in flight whole would not end
+  the generation. Round numbers and roots are those a client without pipelining sends: the server sees nothing
+  new, and a round stays idempotent.
+- Exactness: before a verdict's delta is adopted the drafter drops every drafted row (the round's own and those
+  drafted ahead), so the caches of verified positions come from the deltas alone, the same after a chain, a tree
+  or a round drafted ahead (tests/client/test_round_shape.py). A chain sent as drafted ahead then has its rows fed
+  again from the verified state, as drafting it there would have made them. A round drafted ahead when sampling
+  carries the q its tokens were drawn from (over the drafter's state then); its draws are the drafter's own, apart
+  from the verifier's uniforms, and whether it is sent depends on the verdict before it only. Under greedy every
+  emitted token is the target's, whatever was drafted.
+- A lost round (no verdict in time, a refused message, a broken stream) drops the drafted rows and any round drafted
+  ahead, and the session goes OFFLINE as before (tether.client.resync).
+
+Tests: tests/client/test_round_shape.py (the auto rule, trees' main branches and paths, the drafter's caches after
+tree rounds and rounds drafted ahead), tests/e2e/test_tree_pipeline.py (greedy equals plain greedy for chain / tree x
+pipelining, a cut link under pipelining, sampled runs, a server without trees).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tether.client.delta_gate import wire_delta
+from tether.client.errors import Problem
+from tether.client.session_types import ClientConfig
+from tether.v1 import tether_pb2 as pb
+
+# auto: a tree once a round waits for its verdict at least this many times as long as drafting a chain takes. A tree
+# of the default shape takes about twice a chain's drafting for 1.2 to 1.35 times its tokens per round (the default
+# models), which pays once the wait is several chains' drafting long: a link's round trip, not a server on the same
+# host, whose own step makes the wait 1.5 to 3 chains' drafting (and grows with a tree's nodes on a CPU).
+RTT_DOMINANCE = 4.0
+WHOLE_OFTEN = 0.5  # auto: ... and at least this share of rounds get as far as a whole chain of k
+MIN_ROUNDS = 2  # auto: chains until this many verdicts were measured
+EWMA_WEIGHT = 0.25  # weight of the newest figure in each moving average
+
+
+@dataclass
+class Measured:
+    """What the session measured of its rounds: EWMAs, each started by its first figure."""
+
+    wait_s: float = 0.0  # from sending a round to its verdict's arrival: the round trip, the server's step included
+    step_s: float = 0.0  # the drafter's time per step: a chain token, or a tree level
+    whole: float = 0.0  # the share of rounds that accepted at least what a whole chain holds (k tokens)
+    rounds: int = 0  # verdicts measured
+    steps: int = 0  # drafter steps measured
+
+    def drafted(self, seconds: float, steps: int) -> None:
+        """`steps` drafter steps took `seconds`."""
+        if steps > 0:
+            per = seconds / steps
+            self.step_s = per if not self.steps else self.step_s + EWMA_WEIGHT * (per - self.step_s)
+            self.steps += steps
+
+    def answered(self, wait_s: float, whole: bool) -> None:
+        """A verdict came `wait_s` after its round was sent; `whole`: it accepted a whole chain's worth."""
+        if not self.rounds:
+            self.wait_s, self.whole = wait_s, float(whole)
+        else:
+            self.wait_s += EWMA_WEIGHT * (wait_s - self.wait_s)
+            self.whole += EWMA_WEIGHT * (float(whole) - self.whole)
+        self.rounds += 1
+
+
+def use_tree(mode: str, m: Measured, *, k: int, nodes: int, depth: int) -> bool:
+    """Whether the next round is a tree: `mode` is ClientConfig.tree; `k` a chain's length as configured (the wait
+    is weighed against drafting that many tokens, also when the end of the text leaves room for fewer), `nodes`
+    and `depth` what a tree may have now (0 nodes: the server takes chains only)."""
+    if mode == "chain" or nodes < 2 or depth < 1:
+        return False
+    if mode == "tree":
+        return True
+    if m.rounds < MIN_ROUNDS:
+        return False
+    return m.wait_s >= RTT_DOMINANCE * max(k, 1) * m.step_s and m.whole >= WHOLE_OFTEN
+
+
+def main_branch(parents: list[int]) -> list[int]:
+    """A tree's main branch: node numbers from the root's first child down, each the first child of the one before
+    (siblings come by descending drafter score, so it is the drafter's favourite path). parents[i - 1] is node i's
+    parent, parents before children."""
+    path, node = [], 0
+    for i, p in enumerate(parents, start=1):
+        if p == node:
+            path.append(i)
+            node = i
+    return path
+
+
+def lookahead_rows(cfg: ClientConfig) -> int:
+    """Drafter cache rows one round may take past the text: a chain's k, or every node a tree expands (the root,
+    then up to top_k per further level), and the root and bonus (a round drafted ahead fits in what its guessed
+    path will have made text)."""
+    tree_rows = 1 + (cfg.tree_depth - 1) * cfg.tree_top_k if cfg.tree != "chain" else 0
+    return max(cfg.k, tree_rows) + 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    k: int  # a chain's draft tokens, or a tree's depth
+    chain_k: int  # the tokens a chain would have drafted (what "accepted whole" measures against)
+    tree: bool = False
+    nodes: int = 0  # a tree's most draft nodes, the root not counted
+    top_k: int = 0  # a tree's width
+
+
+@dataclass
+class Drafted:
+    """A round drafted, then sent."""
+
+    msg: pb.DraftRound
+    parents: list[int] | None  # a tree's (node i's parent is parents[i - 1]); None: a chain
+    chain_k: int
+    fed: int  # of the root and the main branch's tokens, how many the drafter holds rows for
+    sent_at: float = 0.0  # time.monotonic() when it was sent
+    main: list[int] = field(default_factory=list)  # the path a round drafted ahead assumes: the chain, or main branch
+
+    def tokens_on(self, path: list[int]) -> list[int]:
+        return [self.msg.tokens[i - 1] for i in path]
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The next round, drafted while `path` and `bonus` were only guessed."""
+
+    path: list[int]
+    bonus: int
+    round: Drafted
+
+
+class Rounds:
+    """EdgeSession's ONLINE rounds (see the module docstring)."""
+
+    def _plan(self, emitted: int, length: int) -> Shape:
+        """The shape of the round after the `emitted`-th token, with the text (prompt included) `length` long."""
+        cfg, info = self.cfg, self.info
+        room = min(cfg.max_new_tokens - emitted - 1, self.max_positions - length)
+        k = max(0, min(cfg.k, room, info.max_draft_tokens))
+        # A tree is verified over all its nodes: they need the positions, though only its path stays.
+        nodes = max(0, min(cfg.tree_nodes, info.max_tree_nodes, info.max_draft_tokens, self.max_positions - length))
+        depth = max(0, min(cfg.tree_depth, room, nodes))
+        if use_tree(cfg.tree, self.measured, k=cfg.k, nodes=nodes, depth=depth):
+            return Shape(depth, k, True, nodes, cfg.tree_top_k)
+        return Shape(k, k)
+
+    def _draft(self, number: int, root: int, shape: Shape) -> Drafted:
+        """Round `number`'s draft after `root`, from the rows the drafter holds now."""
+        cfg = self.cfg
+        t0 = time.monotonic()
+        if shape.tree:
+            tree = self.drafter.draft_tree(root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1)
+            tokens, parents = [int(t) for t in tree.tokens][1:], [int(p) for p in tree.parents][1:]
+            msg = pb.DraftRound(round=number, root=root, tokens=tokens, parents=parents)
+            d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents))
+        else:
+            drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
+                                                        generator=self._draft_rng)  # fmt: skip
+            msg = pb.DraftRound(round=number, root=root, tokens=drafts)
+            if q_ids is not None:
+                rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
+                msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
+            # The drafter stepped over the root and every draft but the last.
+            d = Drafted(msg, None, shape.chain_k, fed=len(drafts), main=list(range(1, len(drafts) + 1)))
+        self.measured.drafted(time.monotonic() - t0, shape.k)
+        return d
+
+    def _feed(self, tokens: list[int]) -> int | None:
+        """Step the drafter over tokens already decided or sent (greedy steps draw nothing); the argmax after the
+        last of them."""
+        t0 = time.monotonic()
+        guess = None
+        for t in tokens:
+            (guess,), _, _ = self.drafter.draft(t, 1)
+        self.measured.drafted(time.monotonic() - t0, len(tokens))
+        return guess
+
+    def _send(self, d: Drafted) -> None:
+        d.sent_at = time.monotonic()
+        self.stream.send(pb.ClientMessage(round=d.msg))
+        self._inflight = d
+        q = sum(len(row.ids) for row in d.msg.q)
+        self.stats.bytes_up += 4 * (1 + len(d.msg.tokens) + len(d.msg.parents)) + 8 * q
+
+    def _draft_ahead(self, sent: Drafted) -> Ahead | None:
+        """The round after `sent`, drafted as if `sent` were accepted along its main path with the drafter's guess
+        of the bonus; None when that would end the generation."""
+        path = sent.main
+        tokens = sent.tokens_on(path)
+        emitted, length = len(self.tokens) + len(path) + 1, len(self.sequence) + len(path) + 1
+        stops = self.stop_ids or frozenset()
+        if stops.intersection(tokens) or emitted >= self.cfg.max_new_tokens or length >= self.max_positions:
+            return None
+        guess = self._feed(([sent.msg.root] + tokens)[sent.fed :])
+        if guess in stops:
+            return None
+        return Ahead(path, guess, self._draft(sent.msg.round + 1, guess, self._plan(emitted, length)))
+
+    def _drop_rounds(self) -> None:
+        """Forget the round in flight and its drafted rows (the stream it went on is gone, or the generation is)."""
+        self._inflight = None
+        self.drafter.discard_drafts()
+
+    def _round(self) -> None:
+        """One verdict: draft and send a round unless one is in flight, draft the next ahead while it is verified,
+        take the verdict (sending the round drafted ahead at once when the guess held) and emit its tokens."""
+        if self._inflight is None:
+            shape = self._plan(len(self.tokens), len(self.sequence))
+            self._send(self._draft(self.round + 1, self.tokens[-1], shape))
+        sent, ahead = self._inflight, None
+        try:
+            ahead = self._draft_ahead(sent) if self.cfg.pipeline else None
+            reply = self.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at)
+            v, path = self._verdict(reply, sent)
+            self._inflight = None
+            self.measured.answered(self.stream.arrived_at - sent.sent_at, whole=v.accepted >= sent.chain_k)
+            if ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
+                self._send(ahead.round)
+                self.stats.pipeline_hits += 1
+            elif ahead is not None:
+                self.stats.pipeline_discarded += 1
+            ahead = None
+            accepted = sent.tokens_on(path)
+            self._count_down(v.delta)
+            self._drafts = accepted  # what the delta may cover after the root
+            try:
+                self.drafter.discard_drafts()  # verified rows come from the delta alone, however they were drafted
+                self.drafter.commit(wire_delta(v.delta))
+            finally:
+                self._drafts = []
+        except BaseException:
+            self.stats.pipeline_discarded += int(ahead is not None)
+            self._drop_rounds()  # the round is lost: drafting goes on after the verified positions
+            raise
+        self.round += 1
+        self.stats.rounds += 1
+        self.stats.tree_rounds += int(sent.parents is not None)
+        self.stats.drafted += len(sent.msg.tokens)
+        self.stats.accepted += v.accepted
+        self.verified = v.delta.start + len(v.delta.tokens)
+        self._emit(accepted + [v.bonus], "verified")
+        if self._inflight is not None:
+            # Sent as drafted ahead: the rows drafting it after this verdict would have left (a chain's root and
+            # drafts but the last), computed over the verified states, so the round after it is drafted from there.
+            nxt = self._inflight
+            self._feed(([nxt.msg.root] + nxt.tokens_on(nxt.main))[: nxt.fed])
+
+    def _verdict(self, reply: pb.ServerMessage, sent: Drafted) -> tuple[pb.Verdict, list[int]]:
+        """The reply's verdict and its accepted path (node numbers) if it answers the round sent (the gate checks
+        its delta), else BadMessage."""
+        body = reply.WhichOneof("body")
+        number = sent.msg.round
+        if body != "verdict":
+            raise self._bad_message(Problem.VERDICT, f"round {number} was answered by a {body} message")
+        v = reply.verdict
+        n = len(sent.msg.tokens)
+        if v.round != number or v.accepted > n or len(v.delta.tokens) != v.accepted + 1:
+            raise self._bad_message(
+                Problem.VERDICT,
+                f"round {v.round} (sent {number}): {v.accepted} of {n} drafts accepted, "
+                f"a delta of {len(v.delta.tokens)} positions",
+            )
+        self._check_token(v.bonus, f"bonus token of round {v.round}")
+        if sent.parents is None:
+            if v.path:
+                raise self._bad_message(Problem.VERDICT, f"round {number} sent a chain, its verdict names tree nodes")
+            return v, list(range(1, v.accepted + 1))
+        path, parent = list(v.path), 0
+        for node in path:
+            if not (1 <= node <= n and sent.parents[node - 1] == parent):
+                break
+            parent = node
+        else:
+            if len(path) == v.accepted:
+                return v, path
+        raise self._bad_message(Problem.VERDICT, f"round {number}: its verdict's path is not {v.accepted} nodes of "
+                                                 "the tree sent, each a child of the one before")  # fmt: skip
