@@ -83,6 +83,7 @@ MODES = {
     "auto": {"tree": "auto", "pipeline": False},
     "auto+pipe": {"tree": "auto", "pipeline": True},
 }
+TREE_SHAPE = ("tree_nodes", "tree_depth", "tree_top_k")  # ClientConfig fields the bench's flags of that name set
 LEGACY = {"tree": "chain", "pipeline": False}  # what a client from before tree rounds and pipelining does
 DEFAULT_MODES = (SERVER_ONLY, "chain", "chain+pipe", "tree", "tree+pipe")
 PIPELINE_HITS = "pipeline_hits"  # the Stats field counting rounds sent pre-drafted (shown when the client has it)
@@ -184,6 +185,8 @@ class Rig:
         base = dict(server=self.sim.address, cache_dir=self.cache.name, max_new_tokens=a.new_tokens, k=a.k,
                     codec=a.codec, backend=a.backend, precision=a.precision, api_key=a.api_key, round_timeout_s=10.0,
                     connect_timeout_s=60.0, backoff_initial_s=0.05, backoff_max_s=0.5)  # fmt: skip
+        have = {f.name for f in dataclasses.fields(ClientConfig)}
+        base |= {name: getattr(a, name) for name in TREE_SHAPE if name in have and getattr(a, name)}
         return ClientConfig(**{**base, **kw})
 
     def shape(self, rtt_ms: float, mbps: float) -> None:
@@ -341,6 +344,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mbps", type=float, nargs="+", default=[1, 10, 100], help="bandwidth cap each way (0: none)")
     ap.add_argument("--new-tokens", type=int, default=200, help="tokens each generation writes")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per chain round")
+    for name in TREE_SHAPE:
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=0,
+                        help=f"tree rounds' {name} (ClientConfig.{name}); 0: the client's default")  # fmt: skip
     ap.add_argument("--codec", default="lossless", choices=tuple(CODECS), help="the KV deltas' codec")
     ap.add_argument("--backend", default="onnx", choices=BACKENDS, help="the client's drafter runtime")
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the ONNX client part's weights")

@@ -54,9 +54,10 @@ from tether.client.session_types import ClientConfig
 from tether.v1 import tether_pb2 as pb
 
 # auto: a tree once a round waits for its verdict at least this many times as long as drafting a chain takes. A tree
-# of the default shape takes about twice a chain's drafting for 1.2 to 1.35 times its tokens per round (the default
-# models), which pays once the wait is several chains' drafting long: a link's round trip, not a server on the same
-# host, whose own step makes the wait 1.5 to 3 chains' drafting (and grows with a tree's nodes on a CPU).
+# of the default shape (32 nodes, 12 levels, 3 wide) takes about two and a half chains' drafting for 1.85 times
+# a chain's tokens per round (the default models, greedy: tau 9.95 against 5.38), which pays once the wait is several
+# chains' drafting long: a link's round trip, not a server on the same host, whose own step makes the wait 1.5 to 3
+# chains' drafting (and grows with a tree's nodes on a CPU).
 RTT_DOMINANCE = 4.0
 WHOLE_OFTEN = 0.5  # auto: ... and at least this share of rounds get as far as a whole chain of k
 MIN_ROUNDS = 2  # auto: chains until this many verdicts were measured

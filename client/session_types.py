@@ -56,9 +56,9 @@ class ClientConfig:
     precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire; computation is fp32 either way
     k: int = 5  # draft tokens per round (a chain's)
     tree: str = "auto"  # draft shape: "chain", "tree", or "auto" (a tree while the round trip dwarfs drafting)
-    tree_nodes: int = 16  # the most draft nodes of a tree round (the server's max_tree_nodes caps it)
-    tree_depth: int = 6  # levels a draft tree grows (its longest path)
-    tree_top_k: int = 4  # children of each node a tree expands, and nodes expanded per level
+    tree_nodes: int = 32  # the most draft nodes of a tree round (the server's max_tree_nodes caps it)
+    tree_depth: int = 12  # levels a draft tree grows (its longest path)
+    tree_top_k: int = 3  # children of each node a tree expands, and nodes expanded per level
     pipeline: bool = True  # draft the next round while this one is verified
     codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
     api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
