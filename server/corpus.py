@@ -1,13 +1,21 @@
-"""Training corpus: the running interpreter's standard-library sources (plus files the user names), tokenized.
+"""Training corpus: the standard library's sources, optionally the installed packages', plus files the user names.
 
 Contract (docs/ARCHITECTURE.md, section 9):
 - Documents are the stdlib's `*.py` files (site-packages, dist-packages and __pycache__ excluded) in sorted
-  order of their POSIX path relative to the stdlib folder, and then the extra files in the order given,
-  named by the path as given. Files that are empty or not valid UTF-8 are left out and listed as skipped.
-- Each document goes wholly to "train" or "val", decided by the sha256 of its name alone, so the split does
-  not depend on file order, on which other files are present, or on the machine. If that leaves a split empty
-  (likely for a handful of files at 2%), the file whose hash lies nearest the boundary moves over: the lowest
-  hash into val, the highest into train; the manifest records the final split of every file.
+  order of their POSIX path relative to the stdlib folder; then, with `packages=True`, the `*.py` files of the
+  permissively licensed distributions installed in `site_paths` (server/package_sources.py decides which, and
+  why not the others: distributions by name, files by path), named `site-packages/PACKAGE/PATH`; and then the
+  extra files in the order given, named by the path as given. Files that are empty or not valid UTF-8 are left
+  out and listed as skipped, as are the package files package_sources skips (vendored, generated, too large,
+  outside the site-packages folder), with its reason.
+- Each document goes wholly to "train" or "val", decided by the sha256 of its *unit* alone, so the split does
+  not depend on file order, on which other units are present, or on the machine. The unit of a package file
+  is its package's name: a package lies wholly in train or wholly in val, and adding a package never moves
+  another. The unit of a stdlib or extra file is its own name: the stdlib is hundreds of independent modules,
+  and one unit of 9M tokens would leave val without stdlib code or train without it; so stdlib files keep
+  exactly the split they have without packages. If that leaves a split empty (likely for a handful of units
+  at 2%), the unit whose hash lies nearest the boundary moves over: the lowest hash into val, the highest into
+  train (only then can adding a unit move another); the manifest records the final split of every file.
 - Without a given tokenizer, a byte-level BPE is trained on the train documents only, so val stays unseen.
   `model_tokenizer(MODEL_DIR)` gives a Hugging Face model's own (its tokenizer.json), so that a drafter can be
   trained for that model on token ids it reads: documents end with the model's end-of-text token, which is the
@@ -17,16 +25,23 @@ Contract (docs/ARCHITECTURE.md, section 9):
 - out_dir gets tokenizer.json, train.bin and val.bin (flat native-endian uint16 arrays, uint32 above 65536
   ids: every document followed by the eos id) and manifest.json (interpreter version, split fraction,
   tokenizer sha256, token counts, every file with its sha256, size and split). manifest.json is written last,
-  so its presence means the rest is complete. The same inputs give byte-identical outputs.
+  so its presence means the rest is complete. The same inputs give byte-identical outputs. With packages the
+  manifest is format 2: every file also names its package, version and SPDX licence (the stdlib's:
+  "python-stdlib", the interpreter's version, PSF-2.0), and it lists the packages in the corpus (licence, where
+  it was read, split, files, bytes) and those left out with the reason. Without packages it is format 1, byte
+  for byte what it was before packages existed; this build reads both.
 - The CPU machines (Python 3.11) and the GPU image (3.12) have different stdlibs: build on one machine and
   carry out_dir over, rather than rebuilding, so tokenizer, training and evaluation see the same files.
 
     tether-server build-corpus --out data/corpus --vocab-size 4096     # or, from Python:
+    tether-server build-corpus --packages --out data/corpus-pkgs --vocab-size 8192 --licences-report licences.json
     manifest = build_corpus("data/corpus")
+    manifest = build_corpus("data/corpus-pkgs", packages=True, site_paths=["/usr/lib/python3/dist-packages"])
     manifest = build_corpus("data/corpus-qwen", tokenizer=model_tokenizer("models/Qwen2-0.5B"))
     train = load_tokens("data/corpus", "train")                         # read-only np.memmap
 
-Tested by tests/server/test_corpus.py (`python -m pytest tests/server/test_corpus.py -q`).
+Tested by tests/server/test_corpus.py and, with packages, tests/server/test_package_sources.py
+(`python -m pytest tests/server/test_corpus.py tests/server/test_package_sources.py -q`).
 """
 
 from __future__ import annotations
@@ -46,28 +61,56 @@ import tokenizers
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
+from tether.server.package_sources import DEFAULT_MAX_FILE_BYTES, Exclusion, PackageSelection, select_packages
 from tether.shared.tokenizer import Tokenizer
 
 SPLITS = ("train", "val")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
-FORMAT = 1  # bump when the layout of the outputs changes
+FORMAT = 1  # bump when the layout of the outputs changes; a corpus without packages is still written as 1
+PACKAGES_FORMAT = 2  # format 1 plus package fields per file and the package lists
+READABLE_FORMATS = (FORMAT, PACKAGES_FORMAT)
+STDLIB_PACKAGE = "python-stdlib"
+STDLIB_LICENCE = "PSF-2.0"
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _BATCH = 32  # documents per encode_batch call: parallel inside the library, yet the progress bar still moves
 
 
 @dataclass(frozen=True)
 class CorpusFile:
-    name: str  # stdlib: POSIX path relative to the stdlib folder; extra files: the path as given
+    name: str  # stdlib: path in the stdlib folder; packages: site-packages/PACKAGE/RECORD path; extra: as given
     sha256: str  # of the raw bytes
     bytes: int
     split: str  # "train" or "val"
+    package: str | None = None  # with packages: the normalised distribution name, "python-stdlib"; None: extra file
+    version: str | None = None  # the distribution's version (the interpreter's for the stdlib)
+    licence: str | None = None  # SPDX-normalised (server/package_sources.py)
 
 
 @dataclass(frozen=True)
 class SkippedFile:
     name: str
-    reason: str  # "empty" or "not UTF-8"
+    reason: str  # "empty", "not UTF-8", or a package file's FileSkip value (server/package_sources.py)
+
+
+@dataclass(frozen=True)
+class CorpusPackage:
+    name: str  # normalised distribution name; "python-stdlib" for the standard library
+    version: str
+    licence: str  # SPDX-normalised
+    licence_source: str  # the metadata field it was read from (server/package_sources.py)
+    split: str  # "train" or "val"; "file" for the stdlib, whose files are split one by one
+    files: int  # files in the corpus
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ExcludedPackage:
+    name: str
+    version: str
+    licence: str | None  # as read, when there was a statement
+    reason: str  # an Exclusion's name (server/package_sources.py), or "NO_SOURCES" when no file was usable
+    detail: str  # one line more, e.g. "License-Expression: GPL-3.0-or-later is copyleft"
 
 
 @dataclass(frozen=True)
@@ -83,6 +126,8 @@ class CorpusManifest:
     val_tokens: int
     files: tuple[CorpusFile, ...]
     skipped: tuple[SkippedFile, ...] = ()
+    packages: tuple[CorpusPackage, ...] = ()  # empty unless built with packages
+    excluded_packages: tuple[ExcludedPackage, ...] = ()
     format: int = FORMAT
 
     def tokens(self, split: str) -> int:
@@ -105,16 +150,20 @@ class CorpusManifest:
             "eos_id": self.eos_id,
             "dtype": self.dtype,
             "tokens": {"train": self.train_tokens, "val": self.val_tokens},
-            "files": [asdict(f) for f in self.files],
+            # Without packages a file has no package fields, so such a manifest stays what format 1 wrote.
+            "files": [{k: v for k, v in asdict(f).items() if v is not None} for f in self.files],
             "skipped": [asdict(s) for s in self.skipped],
         }
+        if self.format >= 2:
+            doc["packages"] = [asdict(p) for p in self.packages]
+            doc["excluded_packages"] = [asdict(p) for p in self.excluded_packages]
         return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> CorpusManifest:
         doc = json.loads(text)
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"corpus manifest format {doc.get('format')!r}; this build reads format {FORMAT}")
+        if doc.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"corpus manifest format {doc.get('format')!r}; this build reads {READABLE_FORMATS}")
         return cls(
             python_version=doc["python_version"],
             python_build=doc["python_build"],
@@ -127,6 +176,9 @@ class CorpusManifest:
             val_tokens=doc["tokens"]["val"],
             files=tuple(CorpusFile(**f) for f in doc["files"]),
             skipped=tuple(SkippedFile(**s) for s in doc["skipped"]),
+            packages=tuple(CorpusPackage(**p) for p in doc.get("packages", ())),
+            excluded_packages=tuple(ExcludedPackage(**p) for p in doc.get("excluded_packages", ())),
+            format=doc["format"],
         )
 
     @classmethod
@@ -226,6 +278,27 @@ def load_tokens(directory: str | Path, split: str) -> np.ndarray:
     return np.memmap(path, dtype=manifest.dtype, mode="r", shape=(manifest.tokens(split),))
 
 
+@dataclass(frozen=True)
+class _Source:
+    name: str  # the document's name in the manifest
+    path: Path
+    unit: str  # what the held-out split hashes: the file's name, or its package's name
+    package: str | None = None
+    version: str | None = None
+    licence: str | None = None
+
+
+def _package_sources(selection: PackageSelection) -> tuple[list[_Source], list[SkippedFile]]:
+    sources, skipped = [], []
+    for package in selection.included:
+        prefix = f"site-packages/{package.name}/"  # stdlib names never start so: its site-packages is not walked
+        for f in package.files:
+            licence = package.licence.expression
+            sources.append(_Source(prefix + f.name, f.path, package.name, package.name, package.version, licence))
+        skipped += [SkippedFile(prefix + s.name, s.reason.value) for s in package.skipped]
+    return sources, skipped
+
+
 def build_corpus(
     out_dir: str | Path,
     *,
@@ -235,12 +308,16 @@ def build_corpus(
     vocab_size: int = 4096,
     tokenizer: Tokenizer | None = None,
     progress: bool = True,
+    packages: bool = False,
+    site_paths: Sequence[str | Path] | None = None,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> CorpusManifest:
     """Build the corpus into `out_dir` (see the module docstring) and return its manifest.
 
     `max_files` keeps only the first N stdlib files (tests use it to stay fast); extra files are always
     included. `vocab_size` is used only when a tokenizer has to be trained; a given `tokenizer` must have an
-    eos id.
+    eos id. `packages` adds the permissively licensed installed distributions of `site_paths` (default: the
+    running interpreter's site-packages), each file at most `max_file_bytes` (server/package_sources.py).
     """
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout_fraction must lie strictly between 0 and 1, got {holdout_fraction}")
@@ -248,31 +325,44 @@ def build_corpus(
         raise ValueError(f"max_files must be >= 0, got {max_files}")
     if tokenizer is not None and tokenizer.eos_id is None:
         raise ValueError("the corpus separates documents with eos, and this tokenizer has no eos_id")
+    if site_paths is not None and not packages:
+        raise ValueError("site-packages folders are read only when packages are added (--packages)")
 
     root = stdlib_root()
-    sources = [(p.relative_to(root).as_posix(), p) for p in stdlib_files()[:max_files]]
-    sources += [(Path(p).as_posix(), Path(p)) for p in extra_files]
-    names = [name for name, _ in sources]
+    stdlib = (STDLIB_PACKAGE, platform.python_version(), STDLIB_LICENCE) if packages else (None, None, None)
+    sources = []
+    for path in stdlib_files()[:max_files]:
+        name = path.relative_to(root).as_posix()
+        sources.append(_Source(name, path, name, *stdlib))
+    skipped: list[SkippedFile] = []
+    selection = None
+    if packages:
+        selection = select_packages(site_paths, max_file_bytes=max_file_bytes)
+        package_sources, skipped = _package_sources(selection)
+        sources += package_sources
+    sources += [_Source(Path(p).as_posix(), Path(p), Path(p).as_posix()) for p in extra_files]
+    names = [s.name for s in sources]
     if len(set(names)) != len(names):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"corpus file names must be unique; repeated: {duplicates}")
 
-    kept: list[tuple[str, str, bytes]] = []  # (name, text, raw bytes)
-    skipped: list[SkippedFile] = []
-    for name, path in sources:
-        raw = path.read_bytes()
+    kept: list[tuple[_Source, str, bytes]] = []  # (source, text, raw bytes)
+    for source in sources:
+        raw = source.path.read_bytes()
         try:
             text = raw.decode("utf-8")  # not read_text: that would turn "\r\n" into "\n"
         except UnicodeDecodeError:
-            skipped.append(SkippedFile(name, "not UTF-8"))
+            skipped.append(SkippedFile(source.name, "not UTF-8"))
             continue
         if not raw:
-            skipped.append(SkippedFile(name, "empty"))  # it would add nothing but a lone eos
+            skipped.append(SkippedFile(source.name, "empty"))  # it would add nothing but a lone eos
             continue
-        kept.append((name, text, raw))
+        kept.append((source, text, raw))
     if len(kept) < 2:
         raise ValueError(f"need at least 2 usable files for a train and a val split, found {len(kept)}")
-    splits = _assign_splits([name for name, _, _ in kept], holdout_fraction)
+    units = list(dict.fromkeys(source.unit for source, _, _ in kept))
+    split_of_unit = dict(zip(units, _assign_splits(units, holdout_fraction), strict=True))
+    splits = [split_of_unit[source.unit] for source, _, _ in kept]
 
     columns = (
         SpinnerColumn(),
@@ -323,13 +413,45 @@ def build_corpus(
         train_tokens=counts["train"],
         val_tokens=counts["val"],
         files=tuple(
-            CorpusFile(name, hashlib.sha256(raw).hexdigest(), len(raw), split)
-            for (name, _, raw), split in zip(kept, splits, strict=True)
+            CorpusFile(s.name, hashlib.sha256(raw).hexdigest(), len(raw), split, s.package, s.version, s.licence)
+            for (s, _, raw), split in zip(kept, splits, strict=True)
         ),
         skipped=tuple(skipped),
+        **(_package_lists(selection, kept, split_of_unit) if selection is not None else {}),
     )
     _write_atomically(out / MANIFEST_NAME, manifest.to_json().encode("utf-8"))
     return manifest
+
+
+def _package_lists(
+    selection: PackageSelection, kept: Sequence[tuple[_Source, str, bytes]], split_of_unit: dict[str, str]
+) -> dict:
+    """The manifest's package fields: every package with files in the corpus, and every one left out and why."""
+    files: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for source, _, raw in kept:
+        if source.package is not None:
+            files[source.package] = files.get(source.package, 0) + 1
+            sizes[source.package] = sizes.get(source.package, 0) + len(raw)
+    included = []
+    if STDLIB_PACKAGE in files:
+        stdlib = (STDLIB_PACKAGE, platform.python_version(), STDLIB_LICENCE, "interpreter", "file")
+        included.append(CorpusPackage(*stdlib, files[STDLIB_PACKAGE], sizes[STDLIB_PACKAGE]))
+    excluded = [
+        ExcludedPackage(p.name, p.version, p.licence.expression, p.exclusion.name, p.detail)
+        for p in selection.excluded
+        if p.exclusion is not None
+    ]
+    for p in selection.included:
+        licence = (p.licence.expression or "", p.licence.source)
+        if p.name in files:
+            split = split_of_unit[p.name]
+            included.append(CorpusPackage(p.name, p.version, *licence, split, files[p.name], sizes[p.name]))
+        else:
+            detail = "every .py file is empty or not UTF-8"
+            excluded.append(ExcludedPackage(p.name, p.version, licence[0], Exclusion.NO_SOURCES.name, detail))
+    excluded.sort(key=lambda p: (p.name, p.version))
+    return {"packages": tuple(included), "excluded_packages": tuple(excluded), "format": PACKAGES_FORMAT}
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
