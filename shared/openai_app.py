@@ -9,7 +9,8 @@ Contract:
   Retry-After) rather than a broken stream. Every error has OpenAI's shape and its status: 400 malformed or too long,
   401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404 an unknown
   model or route, 413 a body over the limit, 429 past `max_streams` generations at once, 503 when the backend has
-  no room, 500 only for a server bug. A client that goes away, streaming or not, closes its generation at once.
+  no room, 500 only for a server bug (a chat template that does not compile is one; one that refuses the
+  conversation is the caller's 400). A client that goes away, streaming or not, closes its generation at once.
 - `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
   (closing it ends the generation); `ApiError` from it becomes the response's status, or an error event
   mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it, tether.client.edge_api
@@ -47,7 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tether.shared.chat_template import ChatFormat, ChatTemplateError
+from tether.shared.chat_template import ChatFormat, ChatTemplateError, TemplateProblem
 from tether.shared.openai_api import (
     SSE_DONE,
     ApiError,
@@ -189,7 +190,11 @@ class OpenAIApp:
             try:
                 ids = chat.encode(chat.render(req.messages))
             except ChatTemplateError as e:
-                raise invalid(str(e), "messages") from None
+                if e.problem is TemplateProblem.REFUSED:  # the conversation: the caller's to fix
+                    raise invalid(str(e), "messages") from None
+                log.error("the model's chat template cannot render any conversation: %s", e)  # the operator's to fix
+                raise ApiError(ErrorKind.INTERNAL, "the model's chat template is broken (the server log says how); "
+                               "/v1/completions still works") from None  # fmt: skip
         elif isinstance(req.prompt, str):
             ids = chat.encode(req.prompt)
         else:

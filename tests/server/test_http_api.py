@@ -224,6 +224,17 @@ def test_errors_have_openais_shape_and_status(api, path, body, status, param, co
     assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
 
 
+def test_a_refused_conversation_is_the_callers_400_and_a_broken_template_the_servers_500(api, monkeypatch):
+    tok = api["service"].tokenizer
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    monkeypatch.setattr(api["backend"], "chat", ChatFormat("{{ raise_exception('no, thanks') }}", {}, tok))
+    r = httpx.post(api["url"] + "/v1/chat/completions", json=body, timeout=BOUND_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "no, thanks" in r.text
+    monkeypatch.setattr(api["backend"], "chat", ChatFormat("{% for %}", {}, tok))
+    r = httpx.post(api["url"] + "/v1/chat/completions", json=body, timeout=BOUND_S)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "template" in r.text
+
+
 def test_malformed_bodies_routes_and_methods(api):
     url = api["url"]
     cases = [
