@@ -241,6 +241,17 @@ class OnnxDrafter:
         width = min(support, self.vocab_size)
         return tokens, np.asarray(q_ids, np.int64).reshape(k, width), np.asarray(q_probs, np.float32).reshape(k, width)
 
+    def feed(self, tokens: list[int]) -> int | None:
+        """Step over `tokens`, already decided (a round sent, a prompt's tail), as drafted rows after those held;
+        the argmax after the last of them (None for none). Nothing is sampled."""
+        return int(self._feed(tokens).argmax()) if tokens else None
+
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        """Logits [V] after the last of `tokens`: one step each unless a subclass feeds them in one call."""
+        for t in tokens:
+            logits = self._step(t)
+        return logits
+
     def discard_drafts(self) -> None:
         """Drop the cache rows of drafts never answered (a lost round), as DrafterBase.discard_drafts."""
         self._drop_drafted(self.verified_length())
@@ -394,6 +405,11 @@ class OnnxMoADrafter(OnnxDrafter):
 
     def _tree_step(self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list) -> np.ndarray:
         return self._run(tokens, positions, mask, list(range(len(tokens))))
+
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        """Known tokens in one causal call (SA, CA and TLI see tokens and earlier rows only), not one per token."""
+        P, T = self.sa_len, len(tokens)
+        return self._run(tokens, list(range(P, P + T)), _causal_mask(P, T), [T - 1])[0]
 
 
 class OnnxEagleDrafter(OnnxDrafter):

@@ -87,8 +87,7 @@ class Resync:
         if self._feed_from is not None:
             # Tokens after the drafter's verified positions that it has not stepped over yet: a new turn's prompt,
             # or the tail a resync broken halfway left. Greedy steps, so no random draw is spent on them.
-            for t in self.sequence[self._feed_from : -1]:
-                self.drafter.draft(t, 1)
+            self.drafter.feed(self.sequence[self._feed_from : -1])
             self._feed_from = None
         tokens, _, _ = self.drafter.draft(self.sequence[-1], 1, temperature=self.cfg.temperature,
                                           top_p=self.cfg.top_p, generator=self._draft_rng)  # fmt: skip

@@ -4,7 +4,8 @@ Contract: a drafter subclass provides `_reset(capacity)` (fresh caches), `_adopt
 of positions [delta.start, delta.start + n), drop any drafted rows, and make the next draft start after them),
 `_step(token)` (feed one token at the next position, return logits [V] for the token after it) and
 `_tree_step(tokens, positions, mask, parent_rows)` (feed several tree nodes at once as new cache rows, each
-seeing the verified prefix and its ancestors' rows through `mask`; return logits [F, V]). This class turns
+seeing the verified prefix and its ancestors' rows through `mask`; return logits [F, V]), and may override
+`_feed(tokens)` (several known tokens in one causal forward, where its states allow; EAGLE's cannot). This class turns
 those into chain drafts and EAGLE-2 dynamic draft trees. With temperature > 0 each chain draft token is sampled
 from the drafter's distribution truncated to its top-`support` tokens, and that exact truncated distribution is
 returned with it, so the verifier's rejection sampling stays lossless while the message that carries q stays
@@ -113,6 +114,23 @@ class DrafterBase(nn.Module):
             width = min(support, self.target.cfg.vocab_size)
             return tokens, torch.empty(0, width, dtype=torch.long), torch.empty(0, width, dtype=torch.float32)
         return tokens, torch.stack(q_ids), torch.stack(q_probs)
+
+    @torch.inference_mode()
+    def feed(self, tokens: list[int]) -> int | None:
+        """Step over `tokens`, already decided (a round sent, a prompt's tail), as drafted rows after those held;
+        the argmax after the last of them (None for none). Nothing is sampled."""
+        if not tokens:
+            return None
+        logits = self._feed(tokens)
+        self._drafted += len(tokens)
+        return int(logits.argmax())
+
+    def _feed(self, tokens: list[int]) -> Tensor:
+        """Logits [V] after the last of `tokens`, fed at the next positions. One step per token unless a subclass
+        can feed them in one causal forward."""
+        for t in tokens:
+            logits = self._step(t)
+        return logits
 
     @torch.inference_mode()
     def discard_drafts(self) -> None:

@@ -243,5 +243,15 @@ class MoADrafter(DrafterBase):
             self.tli_cache.advance(1)
         return self.target.head(self.target.norm(h))[0, -1]
 
+    def _feed(self, tokens: list[int]) -> Tensor:
+        """Known tokens in one causal forward: SA, CA and TLI see tokens and earlier rows only, so it computes the
+        rows that one step per token would, in one call instead of len(tokens)."""
+        base, T = self.sa_cache.length, len(tokens)
+        mask = torch.ones(T, base + T, dtype=torch.bool, device=self.device)
+        mask[:, base:] = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        ids = torch.tensor(tokens, device=self.device)
+        positions = torch.arange(base, base + T, device=self.device)
+        return self._tree_step(ids, positions, mask, [])[-1]
+
     def verified_length(self) -> int:
         return self.n_ctx

@@ -145,6 +145,53 @@ def test_moa_drafts_match_torch(exported, monkeypatch, tli):
     check_logits(ref_log, onnx_log)
 
 
+class CountingSession:
+    """An onnxruntime session that counts its runs."""
+
+    def __init__(self, inner):
+        self.inner, self.runs = inner, 0
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        return self.inner.run(*args, **kwargs)
+
+
+@pytest.mark.parametrize("tli", [0, 1, 3])
+@pytest.mark.parametrize("backend", ["torch", "onnx"])
+def test_moa_feeds_known_tokens_in_one_call_as_step_by_step(exported, monkeypatch, backend, tli):
+    """feed() (a round sent, drafted ahead of its verdict) leaves the rows one step per token leaves: the guess
+    after it and the drafts from those rows agree, in one graph call instead of one per token."""
+    target, ref, out = exported("moa", tli)
+    if backend == "torch":
+        drafter, calls = ref, []
+        for name in ("_step", "_tree_step"):
+            inner = getattr(drafter, name)
+            monkeypatch.setattr(drafter, name, lambda *a, _f=inner: calls.append(1) or _f(*a))
+        count = calls.__len__
+    else:
+        drafter = OnnxDrafter.load(out)
+        drafter.sessions = {**drafter.sessions, "step": CountingSession(drafter.sessions["step"])}
+        count = lambda: drafter.sessions["step"].runs  # noqa: E731
+    root, delta = ForcedServer(target, ref).open(PROMPT)
+    drafter.begin(delta)
+    known = [root, 3, 5, 1, 6]
+    before = count()
+    batched_guess = drafter.feed(known)
+    assert count() - before == 1  # one causal call for the five tokens
+    log: list = []
+    recording(monkeypatch, drafter, log)
+    batched, _, _ = drafter.draft(batched_guess, 3)
+    drafter.discard_drafts()
+    for t in known:
+        (stepped_guess,), _, _ = drafter.draft(t, 1)
+    stepped, _, _ = drafter.draft(stepped_guess, 3)
+    assert (batched_guess, batched) == (stepped_guess, stepped)
+    check_logits(log[:3], log[-3:])  # drafting from the fed rows computes what it computes from stepped rows
+    drafter.discard_drafts()
+    assert drafter.verified_length() == len(PROMPT)
+    assert drafter.feed([]) is None
+
+
 def test_eagle_drafts_match_torch(exported, monkeypatch):
     target, ref, out = exported("eagle")
     onnx = OnnxDrafter.load(out)
