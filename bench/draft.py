@@ -6,6 +6,8 @@ For each context length in `--contexts`: a random prompt of that many tokens is 
 attends over the whole context. Reported: median milliseconds per draft step (one token), for the ONNX drafter
 (exported here from the same drafter, `--threads` onnxruntime threads) and, with `--torch`, the torch drafter. The
 issue's bar ([4/7]): <= 2 ms a step for the default TLI 3 drafter, flat in context up to 2K, on a 2-core CPU.
+Beside it, the re-feed of a pipelined round ([6/7]): the k + 1 tokens of a round sent ahead, stepped over once its
+verdict is in, one draft step per token against one causal `feed` call (milliseconds for all of them).
 With `--precisions`, also the parts the server streams (tether.server.client_export: its graphs with the weights
 in fp32, fp16 or int8, widened to fp32 at load), each timed the same way, with its size on the wire.
 Prints a table, then one JSON line.
@@ -49,6 +51,21 @@ def step_ms(drafter, root: int, k: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def refeed_ms(drafter, tokens: list[int], reps: int, *, batched: bool) -> float:
+    """Median ms to step the drafter over `tokens` (all of them), in one feed() call or one draft step each."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if batched:
+            drafter.feed(tokens)
+        else:
+            for t in tokens:
+                drafter.draft(t, 1)
+        times.append((time.perf_counter() - t0) * 1e3)
+        drafter.discard_drafts()
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 1024, 2000])
@@ -83,6 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
             root, delta = ver.open(prompt)
             onnx.begin(delta, capacity=capacity)
             row = {"context": ctx, "onnx_ms": step_ms(onnx, root, args.k, args.reps)}
+            known = [root] + torch.randint(0, target.cfg.vocab_size, (args.k,), generator=g).tolist()
+            row["onnx_refeed_stepped_ms"] = refeed_ms(onnx, known, args.reps, batched=False)
+            row["onnx_refeed_fed_ms"] = refeed_ms(onnx, known, args.reps, batched=True)
             for p, d in served.items():
                 d.begin(delta, capacity=capacity)
                 row[f"onnx_{p}_ms"] = step_ms(d, root, args.k, args.reps)
@@ -99,8 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
         name = key.removesuffix("_ms").replace("_", " ")
         wire = f" ({part_bytes[name[5:]] / 2**20:.1f} MiB)" if name[5:] in part_bytes else ""
         table.add_column(f"{name}{wire} ms / step", justify="right")
+    k1 = args.k + 1
+    table.add_column(f"re-feed {k1} tokens: {k1} steps ms", justify="right")
+    table.add_column("one feed ms", justify="right")
     for r in rows:
-        table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys))
+        refeed = (f"{r['onnx_refeed_stepped_ms']:.2f}", f"{r['onnx_refeed_fed_ms']:.2f}")
+        table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys), *refeed)
     Console().print(table)
     record = {"bench": "draft", "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads,
               "torch": torch.__version__, "part_bytes": part_bytes, "rows": rows}  # fmt: skip

@@ -17,3 +17,4 @@ def test_draft_step_record():
     assert record["part_bytes"]["int8"] > 0
     for r in record["rows"]:
         assert r["onnx_ms"] > 0 and r["torch_ms"] > 0 and r["onnx_int8_ms"] > 0
+        assert r["onnx_refeed_stepped_ms"] > 0 and r["onnx_refeed_fed_ms"] > 0
