@@ -34,6 +34,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tether.shared.weights import canonical_tokenizer_json
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)  # trainer order fixes their ids: eos 0, pad 1
@@ -211,10 +213,7 @@ class Tokenizer:
         Independent of how a file was formatted on disk; it does depend on the serialization format of the
         `tokenizers` version, so client and server should run compatible versions.
         """
-        canonical = json.dumps(
-            json.loads(self._backend.to_str()), sort_keys=True, ensure_ascii=False, separators=(",", ":")
-        )
-        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        return hashlib.sha256(canonical_tokenizer_json(self._backend.to_str())).hexdigest()
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})"
