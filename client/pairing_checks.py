@@ -248,10 +248,16 @@ def _check_total(entries: list[TensorEntry], max_bytes: int) -> None:
         )
 
 
+def served_eos(info: pb.ModelInfo) -> int | None:
+    """The end-of-text id the server names (ModelInfo.eos_id), or None to take the tokenizer's own (older servers)."""
+    return info.eos_id if info.HasField("eos_id") else None
+
+
 def check_tokenizer(data: bytes, info: pb.ModelInfo) -> Tokenizer:
-    """The tokenizer entry's JSON as a Tokenizer, refused unless it parses and has info's tokenizer hash."""
+    """The tokenizer entry's JSON as a Tokenizer (its eos the server's), refused unless it parses, has info's
+    tokenizer hash and the eos is in its vocabulary."""
     try:
-        tokenizer = Tokenizer.from_json(data.decode())
+        tokenizer = Tokenizer.from_json(data.decode(), eos_id=served_eos(info))
     except Exception as e:  # the tokenizers library raises its own types on text it cannot read
         raise PairingError(Problem.TOKENIZER, f"the tokenizer does not parse: {str(e)[:200]}") from None
     if tokenizer.sha256 != info.tokenizer_sha256:

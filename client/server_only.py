@@ -60,6 +60,7 @@ from tether.client.pairing_checks import (
     download,
     manifest_entries,
     request_manifest,
+    served_eos,
 )
 from tether.client.pairing_checks import MAX_TOKENIZER_BYTES as MAX_STREAMED_BYTES
 from tether.client.session_types import ClientConfig, Event, Result, State, Stats
@@ -151,7 +152,7 @@ def load_tokenizer(path: str | Path, info: pb.ModelInfo) -> Tokenizer:
     if file.stat().st_size > MAX_TOKENIZER_BYTES:
         raise ValueError(f"--tokenizer {file}: larger than {MAX_TOKENIZER_BYTES >> 20} MiB, not a tokenizer")
     try:
-        tokenizer = Tokenizer.from_json(file.read_text(encoding="utf-8"))
+        tokenizer = Tokenizer.from_json(file.read_text(encoding="utf-8"), eos_id=served_eos(info))
     except Exception as e:  # the tokenizers library raises its own types on text it cannot read
         raise ValueError(f"--tokenizer {file} does not parse: {str(e)[:200]}") from None
     if tokenizer.sha256 != info.tokenizer_sha256:

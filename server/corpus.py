@@ -57,7 +57,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import tokenizers
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
@@ -229,13 +228,6 @@ def _assign_splits(names: Sequence[str], holdout_fraction: float) -> list[str]:
     return splits
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
 def model_tokenizer(model_dir: str | Path) -> Tokenizer:
     """A Hugging Face model directory's tokenizer.json, its eos the model's end-of-text (see the module docstring)."""
     directory = Path(model_dir)
@@ -244,24 +236,11 @@ def model_tokenizer(model_dir: str | Path) -> Tokenizer:
         what = "has no tokenizer.json" if directory.is_dir() else "is not a directory"
         raise FileNotFoundError(f"{directory} {what} (--tokenizer takes a Hugging Face model's directory)")
     try:
-        tokenizer = Tokenizer.from_file(path)
+        tokenizer = Tokenizer.from_pretrained(directory)
     except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot read
         raise ValueError(f"{path} is not a tokenizer the tokenizers library reads: {e}") from None
     if tokenizer.eos_id is not None:
         return tokenizer
-    for name in ("config.json", "generation_config.json"):
-        eos = _read_json(directory / name).get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < tokenizer.vocab_size:
-            return Tokenizer.from_file(path, eos_id=eos)
-    eos_token = _read_json(directory / "tokenizer_config.json").get("eos_token")
-    if isinstance(eos_token, dict):
-        eos_token = eos_token.get("content")
-    if (
-        isinstance(eos_token, str)
-        and (eos := tokenizers.Tokenizer.from_file(str(path)).token_to_id(eos_token)) is not None
-    ):
-        return Tokenizer.from_file(path, eos_id=eos)
     raise ValueError(
         f"{directory}: no end-of-text token (no <|endoftext|> in tokenizer.json, no eos_token_id in config.json or "
         "generation_config.json, no eos_token in tokenizer_config.json); the corpus ends each document with it"

@@ -171,6 +171,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             server_only=drafter is None,
             chat_format_json=self.chat_format.to_json(),
             max_tree_nodes=c.max_draft_tokens if drafter is not None else 0,  # a tree's nodes take a chain's room
+            eos_id=tokenizer.eos_id,  # None leaves it unset
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,

@@ -11,7 +11,8 @@ Contract:
   and the server compare it before they agree to share token ids.
 - Tokenizers trained here have `<|endoftext|>` as id 0 (eos, also the document separator in corpora) and
   `<|pad|>` as id 1. A wrapped foreign tokenizer (say a Qwen2 tokenizer.json) keeps its own ids; its eos is
-  `<|endoftext|>` when it has that special token, else whatever `eos_id=` says, else None.
+  `<|endoftext|>` when it has that special token, else whatever `eos_id=` says, else (from_pretrained, a model
+  folder) the end-of-text its configs name, else None.
 
     from tether.shared.tokenizer import Tokenizer
     tok = Tokenizer.train(["a.py", "b.py"], vocab_size=4096)
@@ -76,6 +77,27 @@ def _is_byte_level(backend: tokenizers.Tokenizer) -> bool:
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
     return any(part.get("type") == "ByteLevel" for part in parts)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _model_eos_id(directory: Path, backend: tokenizers.Tokenizer) -> int | None:
+    """The end-of-text id a model folder's configs name (Tokenizer.from_pretrained), or None."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    for name in ("config.json", "generation_config.json"):
+        eos = _read_json(directory / name).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < size:
+            return eos
+    eos_token = _read_json(directory / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos_token, dict):
+        eos_token = eos_token.get("content")
+    return backend.token_to_id(eos_token) if isinstance(eos_token, str) else None
 
 
 class Tokenizer:
@@ -170,8 +192,15 @@ class Tokenizer:
     def from_pretrained(
         cls, directory: str | Path, *, eos_id: int | None = None, pad_id: int | None = None
     ) -> Tokenizer:
-        """Load `directory`/tokenizer.json (a local folder; nothing is downloaded)."""
-        return cls.from_file(Path(directory) / "tokenizer.json", eos_id=eos_id, pad_id=pad_id)
+        """Load `directory`/tokenizer.json (a local folder; nothing is downloaded). A model folder's tokenizer
+        without `<|endoftext|>` (and no `eos_id=`) takes the model's end-of-text where transformers keeps it:
+        config.json's eos_token_id (the first of a list; Llama 3's `<|end_of_text|>`), else
+        generation_config.json's, else tokenizer_config.json's eos_token; else there is none."""
+        directory = Path(directory)
+        tok = cls.from_file(directory / "tokenizer.json", eos_id=eos_id, pad_id=pad_id)
+        if tok.eos_id is None and (eos := _model_eos_id(directory, tok._backend)) is not None:
+            tok._eos_id = eos
+        return tok
 
     @classmethod
     def from_json(cls, text: str, *, eos_id: int | None = None, pad_id: int | None = None) -> Tokenizer:

@@ -150,3 +150,19 @@ def test_model_info_out_of_bounds_is_refused(tiny, edit, problem):
         c, d = check_model_info(bad)
         expected_client_part(c, d)  # some contradictions show only when the model is built (on meta)
     assert e.value.problem == problem
+
+
+def test_the_tokenizer_ends_where_the_server_says():
+    """ModelInfo.eos_id (a model whose end-of-text is not `<|endoftext|>`, Llama 3's `<|end_of_text|>`) is the
+    fetched tokenizer's eos; unset (an older server) the tokenizer's own; outside the vocabulary refused."""
+    from tether.client.pairing_checks import PairingError, check_tokenizer
+    from tether.shared.tokenizer import Tokenizer
+
+    tok = Tokenizer.train(texts=["def f(x):\n    return x + 1\n"] * 4, vocab_size=300)
+    data = tok.to_json().encode()
+    older = pb.ModelInfo(tokenizer_sha256=tok.sha256)
+    assert check_tokenizer(data, older).eos_id == tok.eos_id == 0
+    assert check_tokenizer(data, pb.ModelInfo(tokenizer_sha256=tok.sha256, eos_id=7)).eos_id == 7
+    with pytest.raises(PairingError) as e:
+        check_tokenizer(data, pb.ModelInfo(tokenizer_sha256=tok.sha256, eos_id=tok.vocab_size))
+    assert e.value.problem == Problem.TOKENIZER

@@ -190,6 +190,7 @@ def test_a_corpus_in_a_models_token_ids_ends_each_document_with_its_end_of_text(
     model = model_dir(tmp_path / "llama3", LLAMA3_SPECIALS, config={"eos_token_id": 1})
     manifest = build_corpus(tmp_path / "c", max_files=6, tokenizer=model_tokenizer(model), progress=False)
     served = Tokenizer.from_pretrained(model)  # what serve and train-drafter read from the model directory
+    assert served.eos_id == 1  # so serve stops where the model does (ModelInfo.eos_id tells its clients)
     assert manifest.tokenizer_sha256 == served.sha256
     assert (manifest.eos_id, manifest.vocab_size) == (1, served.vocab_size)
     assert Tokenizer.from_file(tmp_path / "c" / "tokenizer.json").sha256 == served.sha256

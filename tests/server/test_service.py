@@ -91,6 +91,7 @@ def test_model_info(served):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.model_fingerprint == FP and info.tli_layers == 1 and info.protocol_version == 1
     assert len(info.drafter_fingerprint) == 64 and pb.CODEC_INT8_ZSTD in info.codecs
+    assert info.HasField("eos_id") and info.eos_id == service.tokenizer.eos_id
 
 
 def test_session_rounds_equal_plain_greedy_and_repeats_are_idempotent(served):

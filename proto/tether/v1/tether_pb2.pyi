@@ -79,7 +79,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes")
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class ModelInfo(_message.Message):
     SERVER_ONLY_FIELD_NUMBER: _ClassVar[int]
     CHAT_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    EOS_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     model_config_json: str
@@ -112,7 +113,8 @@ class ModelInfo(_message.Message):
     server_only: bool
     chat_format_json: str
     max_tree_nodes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    eos_id: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
