@@ -4,7 +4,7 @@ import gc
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from tether.server.heap import GCPauses, settle
+from tether.server.heap import YOUNG_THRESHOLD, GCPauses, release, settle
 
 
 def test_settle_freezes_what_survives_and_collection_still_reclaims_cycles():
@@ -12,9 +12,12 @@ def test_settle_freezes_what_survives_and_collection_still_reclaims_cycles():
         pass
 
     kept = [Node() for _ in range(100)]
+    before = gc.get_threshold()
     frozen = settle()
     try:
         assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, *before[1:])
+        assert settle() >= frozen and gc.get_threshold() == (YOUNG_THRESHOLD, *before[1:])  # twice: same thresholds
         a, b = Node(), Node()  # a cycle made after start-up: still the collector's to reclaim
         a.other, b.other = b, a
         marker = id(a)
@@ -22,7 +25,8 @@ def test_settle_freezes_what_survives_and_collection_still_reclaims_cycles():
         gc.collect()
         assert marker not in {id(o) for o in gc.get_objects() if isinstance(o, Node)}
     finally:
-        gc.unfreeze()
+        release()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
 
 
 def test_pauses_are_timed_per_generation_until_removed():
