@@ -35,9 +35,9 @@ import time
 from prometheus_client import Histogram
 
 # A young collection every 10,000 net allocations, not CPython's 700: serving allocates thousands of short-lived
-# objects a second, and every tenth young collection is followed by an older one, every hundredth by a full one. At 1,024 sessions on a 2-core CPU a window of 4,096
-# rounds held 140 collections (205-315 ms of pauses); at 10,000, one (14-55 ms). What waits longer is only cyclic
-# garbage, at most this many objects of it.
+# objects a second, and every tenth young collection is followed by an older one, every hundredth by a full one.
+# At 1,024 sessions on a 2-core CPU a window of 4,096 rounds held 140 collections (205-315 ms of pauses); at
+# 10,000, one (14-56 ms). What waits longer is only cyclic garbage, at most this many objects of it.
 YOUNG_THRESHOLD = 10_000
 
 _thresholds_before: tuple[int, ...] | None = None  # what settle() replaced, put back by release()
