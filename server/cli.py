@@ -4,6 +4,7 @@ tether-server build-corpus --out data/corpus            # stdlib sources -> toke
 tether-server build-corpus --tokenizer MODEL_DIR --out data/corpus-hf   # token files in a Hugging Face model's ids
 tether-server build-corpus --packages --licences-report licences.json --out data/corpus-pkgs  # + permissive packages
 tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
+tether-server train-target --preset medium --out runs/medium --steps 2000 --device cuda --time-limit-s 480  # chunk
 tether-server train-drafter --target MODEL_DIR --data data/corpus-hf --out runs/drafter --device cuda
 tether-server generate --prompt "def fib(n):"           # speculative decoding with the default models
 tether-server serve --port 50051                        # the gRPC server (SIGTERM stops it gracefully)
@@ -192,9 +193,10 @@ def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
 
 def _train_target_args(p: argparse.ArgumentParser) -> None:
     from tether.server.train_target import TrainConfig
+    from tether.shared.attention import available_backends
     from tether.shared.config import PRESETS
 
-    choices = {"preset": tuple(PRESETS), "save_dtype": SAVE_DTYPES}
+    choices = {"preset": tuple(PRESETS), "save_dtype": SAVE_DTYPES, "attention": ("auto", *available_backends())}
     add_dataclass_args(p, TrainConfig, skip=("overrides", "quiet"), choices=choices)
     _set_flag(p, "--set moda=false --set n_layers=12 (a ModelConfig field of the preset)")
 

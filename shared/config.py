@@ -88,6 +88,11 @@ class ModelConfig:
         return cls(**d)
 
 
+# dim 768, 12 layers, 12 query / 4 KV heads of 64 (GQA 3), SwiGLU 2048, seq up to 2048.
+_MEDIUM = ModelConfig(
+    vocab_size=8192, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, ffn_dim=2048, norm_position="pre"
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests: every feature on, awkward sizes, runs in milliseconds.
     "tiny": ModelConfig(vocab_size=512, dim=48, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, ffn_dim=80),
@@ -102,6 +107,13 @@ PRESETS: dict[str, ModelConfig] = {
     "base": ModelConfig(
         vocab_size=8192, dim=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1408, max_seq_len=4096
     ),
+    # Issue [7/7]'s larger target: GPT-2-small sized, for the package corpus (`build-corpus --packages`, vocab 8192)
+    # on one H200 (deploy/models/README.md). Transformer(cfg) holds 86,526,720 parameters, 80,235,264 without the
+    # (tied) embeddings; 4,718,592 of them are the FFN depth K/V projections. Pre-norm, as measured best at 3.5M.
+    "medium": _MEDIUM,
+    # Its plain-Llama twin for the MoDA ablation: same shapes, no depth attention. 81,808,128 parameters,
+    # 75,516,672 without the embeddings.
+    "medium-plain": dataclasses.replace(_MEDIUM, moda=False, moda_ffn_kv=False),
     # Llama-3-8B shapes (random weights) for kernel and tensor-parallel benchmarks.
     "llama3-8b": ModelConfig(
         vocab_size=128256,
