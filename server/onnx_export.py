@@ -5,7 +5,8 @@ a graph: each call takes the committed cache rows as inputs and returns the new 
 caches as numpy buffers and rolls drafted rows back by keeping a shorter length.
 
 - MoA: `context.onnx` turns a delta's LSA vectors into CA keys/values; `step.onnx` runs T new tokens through
-  SA -> CA -> TLI(N) -> final norm -> LM head. Adopting the server's exact TLI K/V is an array copy (numpy).
+  SA -> CA -> TLI(N) -> final norm -> LM head (with `tli_depth`, the depth predictor feeding TLI is in it too).
+  Adopting the server's exact TLI K/V is an array copy (numpy).
 - EAGLE: `step.onnx` runs fc -> layer -> final norm -> LM head over (token, previous feature) pairs.
 - The attention layers (MoA: SA, CA, TLI; EAGLE: its layer) read the committed rows in place (`attend_split`):
   no concatenation or transpose of a cache inside the graph, whose copy at every draft step made a step's time
@@ -170,8 +171,9 @@ class _MoAStep(nn.Module):
         new_tli = []
         if self.n_tli:
             tcos, tsin = rope_cos_sin(self.tli_inv_freq, positions)
-            # As MoADrafter.run_tli; grad=True picks DepthStream's list form, which traces without in-place writes.
-            depth = DepthStream(h, max(0, self.n_tli - 1) * t.cfg.depth_per_layer, grad=True)
+            # As MoADrafter.run_tli (its depth predictor, if any, is in the graph); grad=True picks DepthStream's
+            # list form, which traces without in-place writes.
+            depth = d.tli_depth_stream(h, tcos, tsin, tokens=tokens, grad=True)
             for i, block in enumerate(d.tli_layers):
                 past = _Committed(tli_kv[2 * i], tli_kv[2 * i + 1])
                 h, k, v = block(h, tcos, tsin, depth, past, 0, mask, "reference")

@@ -8,6 +8,12 @@ The MoA recipe (REFERENCES.md), scaled to our models:
 - T-step-bounded verification points: per sequence a block length k ~ U{6..14} and a random phase; position t
   sees target states only before the last verification point <= t, exactly what drafting sees at inference;
 - the staircase SA-mask curriculum: with probability max(0, 1 - 2 * progress), SA sees only its own block;
+- with `tli_depth` (MoA on a MoDA target), plus the depth predictor's regression (tether.shared.tli_depth) against
+  the target's real depth entries of its layers below TLI at every position, from the target's exact hidden
+  entering TLI and from the CA output (detached: this term trains the predictor only); the TLI blocks of the
+  forward use the predicted entries, so the token loss trains through them too; `depth_only_steps` first trains
+  the predictor alone on that regression (a target forward and the MLP: cheap), so the token loss starts from
+  useful entries (a drafter without a predictor skips those steps, its batches and schedule left as they are);
 - AdamW (0.9, 0.95), no weight decay, grad clip 1.0, linear warm-up then cosine decay.
 The EAGLE baseline trains on the same batches and budget with its own objective (teacher-forced features
 plus uniform noise, as EAGLE does), so comparisons are like for like.
@@ -16,6 +22,8 @@ The corpus must hold the target's token ids: its tokenizer is checked against th
 before anything loads, so a Hugging Face target needs a corpus built with `build-corpus --tokenizer`.
 
     tether-server train-drafter --target deploy/models/target --kind moa --tli 1 --out runs/moa1 --device cuda
+    tether-server train-drafter --tli 3 --set tli_depth=256 --init deploy/models/drafter --depth-only-steps 400 \\
+        --steps 410 --lr 3e-3 --out runs/moa3-depth     # the default drafter plus a depth predictor
     tether-server build-corpus --tokenizer MODEL_DIR --out data/corpus-hf        # a Hugging Face target's ids
     tether-server train-drafter --target MODEL_DIR --data data/corpus-hf --out runs/drafter-hf --device cuda
 """
@@ -37,8 +45,9 @@ from tether.server.corpus import CorpusManifest
 from tether.server.engine import SpeculativeEngine
 from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import DrafterConfig, build_drafter, save_drafter
+from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter_config, load_drafter_weights, save_drafter
 from tether.shared.model import Transformer
+from tether.shared.tli_depth import depth_regression
 from tether.shared.tokenizer import Tokenizer
 
 
@@ -71,6 +80,8 @@ class DrafterTrainConfig:
     time_limit_s: float = 0.0  # stop early (and save) after this much training time; 0 = no limit
     save_dtype: str = "bfloat16"  # dtype of drafter.safetensors
     overrides: tuple[tuple[str, object], ...] = ()  # DrafterConfig fields replaced on top of the defaults
+    depth_only_steps: int = 0  # with tli_depth: the first steps train the depth predictor alone (regression only)
+    init: str = ""  # a drafter directory, same architecture but tli_depth, whose weights start a new run; "" = fresh
     quiet: bool = False  # no progress bar
 
 
@@ -97,8 +108,9 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 def drafter_loss(drafter, tokens: torch.Tensor, target: Transformer, cfg: DrafterTrainConfig, rng, progress: float):
     """One batch's loss, and a dict of its parts for the log."""
     L, N = target.cfg.n_layers, drafter.dcfg.tli
+    predictor = getattr(drafter, "depth_predictor", None)
     with torch.no_grad(), autocast(cfg.device):
-        out = target.run(tokens, hidden_layers=(L - N, L), return_kv=True)
+        out = target.run(tokens, hidden_layers=(L - N, L), return_kv=True, return_depth=predictor is not None)
     h_in, h_out = out.hidden[0].float(), out.hidden[1].float()
     B, T = tokens.shape
     with autocast(cfg.device):
@@ -110,6 +122,8 @@ def drafter_loss(drafter, tokens: torch.Tensor, target: Transformer, cfg: Drafte
                 reg = 0.5 * F.smooth_l1_loss(feat.float(), h_out) + 0.5 * F.smooth_l1_loss(ca_out.float(), h_in)
             else:
                 reg = F.smooth_l1_loss(ca_out.float(), h_out)
+            if predictor is not None:
+                depth = depth_loss(predictor, target, out, tokens, ca_out)
         else:
             scale = h_out.pow(2).mean().sqrt()
             noise = (torch.rand_like(h_out) * 2 - 1) * cfg.eagle_noise * scale
@@ -117,7 +131,54 @@ def drafter_loss(drafter, tokens: torch.Tensor, target: Transformer, cfg: Drafte
             reg = F.smooth_l1_loss(feat.float(), h_out)
     ce = soft_ce(logits, out.logits)
     top1 = (logits.argmax(-1) == out.logits.argmax(-1)).float().mean()
-    return 0.1 * ce + reg, {"ce": ce.item(), "reg": reg.item(), "top1": top1.item()}
+    parts = {"ce": ce.item(), "reg": reg.item(), "top1": top1.item()}
+    if predictor is None:
+        return 0.1 * ce + reg, parts
+    return 0.1 * ce + reg + depth, parts | {"depth": depth.item()}
+
+
+def depth_loss(predictor, target: Transformer, out, tokens, ca_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The depth predictor's regression (tether.shared.tli_depth.depth_regression) against the entries the target
+    wrote below TLI (`out`: its forward with return_depth, hidden_layers starting with L - N), from its exact hidden
+    entering TLI (what the TLI blocks would get from a perfect CA) and, given, from the CA output, which drafting
+    feeds them; averaged."""
+    E = predictor.n_entries
+    true = (out.depth[0][:, :, :E], out.depth[1][:, :, :E])  # [B, T, E, Hkv, D] each
+    h = out.hidden[0]
+    cos, sin = target.rope(torch.arange(h.shape[1], device=h.device)[None])
+    emb = target.embed_tokens(tokens).detach()  # [B, T, dim]
+    exact = depth_regression(predictor(h, emb, cos, sin), true)
+    if ca_out is None:
+        return exact
+    return 0.5 * exact + 0.5 * depth_regression(predictor(ca_out.detach(), emb, cos, sin), true)
+
+
+def depth_only_loss(drafter, tokens: torch.Tensor, target: Transformer, cfg: DrafterTrainConfig):
+    """A depth_only_steps batch: the predictor's regression alone, or None for a drafter without a predictor."""
+    predictor = getattr(drafter, "depth_predictor", None)
+    if predictor is None:
+        return None, {}
+    with torch.no_grad(), autocast(cfg.device):
+        out = target.run(tokens, hidden_layers=(target.cfg.n_layers - drafter.dcfg.tli,), return_depth=True)
+    with autocast(cfg.device):
+        loss = depth_loss(predictor, target, out, tokens)
+    return loss, {"depth": loss.item()}
+
+
+def init_from(drafter, path: str | Path) -> None:
+    """Start `drafter` from the weights of the drafter directory `path`: same architecture, except that `path` may
+    lack the depth predictor (which then starts fresh)."""
+    have = load_drafter_config(path).to_dict()
+    want = drafter.dcfg.to_dict()
+    differ = sorted(k for k in (have.keys() | want.keys()) - {"tli_depth", "target_fingerprint"}
+                    if have.get(k) != want.get(k))  # fmt: skip
+    if differ or have["target_fingerprint"] != want["target_fingerprint"]:
+        raise ValueError(f"--init {path} is another drafter (differs in {differ or ['target_fingerprint']})")
+    result = drafter.load_state_dict({k: v.float() for k, v in load_drafter_weights(path).items()}, strict=False)
+    fresh = [k for k in result.missing_keys if not k.startswith("depth_predictor.")]
+    if fresh or result.unexpected_keys:
+        raise ValueError(f"--init {path}: weights do not fit (missing {fresh[:3]}, unexpected "
+                         f"{result.unexpected_keys[:3]})")  # fmt: skip
 
 
 @torch.no_grad()
@@ -128,7 +189,7 @@ def heldout_eval(drafter, target: Transformer, batches: Batches, cfg: DrafterTra
     parts = []
     for x, _ in batches.val_batches(cfg.batch_size, cfg.device):
         parts.append(drafter_loss(drafter, x, target, cfg, rng, progress=1.0)[1])
-    result = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}
+    result = {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}  # with "depth" when it is trained
     result["tau"] = acceptance_length(drafter, target, batches.val, cfg)
     drafter.train()
     return result
@@ -175,6 +236,8 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
                          target_fingerprint=fingerprint(cfg.target), **dict(cfg.overrides))  # fmt: skip
     torch.manual_seed(cfg.seed)
     drafter = build_drafter(target, dcfg).to(cfg.device)  # trainable weights stay fp32 (autocast computes)
+    if cfg.init:
+        init_from(drafter, cfg.init)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     history: dict = {"train": [], "val": [], "tau": [], "wall_s": 0.0}
     step = 0
@@ -196,6 +259,8 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
         ev = heldout_eval(drafter, target, batches, cfg)
         history["val"].append((step * tokens_per_step, 0.1 * ev["ce"] + ev["reg"]))
         history["tau"].append((step, ev["tau"], ev["top1"]))
+        if "depth" in ev:
+            history.setdefault("depth", []).append((step, ev["depth"]))
 
     def checkpoint() -> None:
         state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
@@ -219,18 +284,22 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             x, _ = batches.train_batch(cfg.batch_size, cfg.device)
-            loss, parts = drafter_loss(drafter, x, target, cfg, rng, progress=step / cfg.steps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            opt.step()
+            if step < cfg.depth_only_steps:
+                loss, parts = depth_only_loss(drafter, x, target, cfg)
+            else:
+                loss, parts = drafter_loss(drafter, x, target, cfg, rng, progress=step / cfg.steps)
+            if loss is not None:
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                opt.step()
             step += 1
-            if step % 10 == 0:
+            if step % 10 == 0 and "top1" in parts:
                 history["train"].append((step * tokens_per_step, loss.item()))
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 evaluate()
             history["wall_s"] = time.perf_counter() - t0
-            info = f"loss {loss.item():.3f} top1 {parts['top1']:.2f} tau {history['tau'][-1][1]:.2f}"
+            info = " ".join(f"{k} {v:.3f}" for k, v in parts.items()) + f" tau {history['tau'][-1][1]:.2f}"
             progress.update(task, completed=step, info=info)
             if step % cfg.save_every == 0:
                 checkpoint()
@@ -248,6 +317,7 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
         "heldout_tau": history["tau"][-1][1],
         "heldout_top1": history["tau"][-1][2],
         "heldout_loss": history["val"][-1][1],
+        **({"heldout_depth_loss": history["depth"][-1][1]} if "depth" in history else {}),
         "wall_s": round(history["wall_s"], 1),
         "device": cfg.device,
         "torch": torch.__version__,

@@ -3,7 +3,8 @@ client share (tether.shared.drafter builds and runs the torch drafters from them
 
 Contract:
 - `DrafterConfig`: a drafter's architecture (MoA with TLI N, or EAGLE); `to_dict` / `from_dict` (unknown fields
-  refused). `layer_config(target, ...)`: the ModelConfig of one of the drafter's own layers.
+  refused; `tli_depth` is left out of `to_dict` while 0, so older configs and their fingerprints stay as they
+  were). `layer_config(target, ...)`: the ModelConfig of one of the drafter's own layers.
 - `POSITION_AXIS`: the positions axis of each delta tensor. `ArrayDelta`: a delta whose tensors are numpy
   arrays (what the client decodes from the wire; tether.shared.drafter.DraftDelta holds torch tensors).
 
@@ -34,9 +35,19 @@ class DrafterConfig:
     lsa_ffn_dim: int = 256  # LSA SwiGLU width
     eagle_ffn_dim: int = 0  # EAGLE SwiGLU width; 0 = sized so EAGLE's trainable budget matches MoA's
     target_fingerprint: str = ""  # sha256 of the target checkpoint this drafter was trained against
+    tli_depth: int = 0  # MoA, MoDA target, 0 < TLI N < L: width of the lower layers' depth K/V predictor; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.tli_depth < 0:
+            raise ValueError(f"tli_depth must be >= 0, got {self.tli_depth}")
+        if self.tli_depth and (self.kind != "moa" or self.tli == 0):
+            raise ValueError(f"tli_depth={self.tli_depth} needs a MoA drafter with TLI N >= 1: set tli_depth=0")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.tli_depth:
+            del d["tli_depth"]  # off: the dict (and every fingerprint over it) stays what it was before the field
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:

@@ -10,6 +10,9 @@ Client part:
   null slot, so a position with nothing verified yet still has something to attend to);
 - TLI(N): the CA output goes through the target's last N layers (frozen, real weights) whose KV cache holds
   the target's exact K/V for verified positions, then the final norm and LM head. N=0: straight to the head.
+  On a MoDA target those blocks also attend to the depth entries of the layers below them, which a drafted
+  position lacks; with `tli_depth` > 0 a small MLP predicts them from the CA output and the token's embedding
+  (tether.shared.tli_depth), otherwise the first TLI block sees none.
 
 Alignment: the drafter's output at position t predicts token t+1, like the target's. During drafting, the
 positions after the last verified one see the target only through LSA vectors and TLI K/V of verified
@@ -33,6 +36,7 @@ from tether.shared.drafter_runtime import DrafterBase
 from tether.shared.kv_cache import KVCache
 from tether.shared.model import Block, DepthStream, FeedForward, RMSNorm, Transformer, apply_rope, rope_cos_sin
 from tether.shared.model import rope_frequencies as rope_freqs
+from tether.shared.tli_depth import DepthPredictor, check_tli_depth
 
 
 class LayerSelfAttention(nn.Module):
@@ -103,22 +107,54 @@ class MoADrafter(DrafterBase):
         t = target.cfg
         if not 0 <= dcfg.tli <= t.n_layers:
             raise ValueError(f"TLI N={dcfg.tli} must lie in [0, {t.n_layers}]")
+        check_tli_depth(t, dcfg.kind, dcfg.tli, dcfg.tli_depth)
         self.lsa = LayerSelfAttention(t, dcfg)
         self.layer_cfg = layer_config(t, t.dim, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim, dcfg.ffn_dim)
         self.sa = Block(self.layer_cfg, 0)
         self.ca = CrossAttention(self.layer_cfg)
         self.register_buffer("inv_freq", rope_freqs(self.layer_cfg), persistent=False)
+        self.depth_predictor = DepthPredictor(t, dcfg.tli, dcfg.tli_depth) if dcfg.tli_depth else None
 
     @property
     def tli_layers(self) -> list[Block]:
         n = self.dcfg.tli
         return list(self.target.layers[len(self.target.layers) - n :]) if n else []
 
-    def run_tli(self, x: Tensor, cos: Tensor, sin: Tensor, *, cache: KVCache | None = None, prefix=None, mask=None):
-        """The target's last N blocks on x [B, T, dim]. Their depth attention sees only TLI-written entries."""
+    def tli_depth_stream(
+        self, x: Tensor, cos: Tensor, sin: Tensor, lower=None, *, tokens: Tensor | None = None, grad: bool
+    ) -> DepthStream:
+        """The depth stream the TLI blocks start from at x's positions [B, T, dim], cos/sin the target's RoPE there:
+        pre-filled with `lower`, the entries of the target's layers below TLI (K, V [B, T, E, Hkv, D]), or when
+        None with the depth predictor's entries from x and `tokens` [B, T] (the ids at those positions), or none
+        without a predictor; room after them for what the TLI blocks write."""
         t = self.target.cfg
-        depth = DepthStream(x.new_empty(*x.shape[:2], t.n_kv_heads, t.head_dim),
-                            max(0, self.dcfg.tli - 1) * t.depth_per_layer, grad=torch.is_grad_enabled())  # fmt: skip
+        if lower is None and self.depth_predictor is not None:
+            if tokens is None:
+                raise ValueError("the depth predictor needs the tokens at the TLI positions")
+            lower = self.depth_predictor(x, self.target.embed_tokens(tokens).detach(), cos, sin)
+        n_lower = 0 if lower is None else lower[0].shape[2]
+        room = n_lower + max(0, self.dcfg.tli - 1) * t.depth_per_layer
+        depth = DepthStream(x.new_empty(*x.shape[:2], t.n_kv_heads, t.head_dim), room, grad=grad)
+        for e in range(n_lower):
+            depth.append(lower[0][:, :, e], lower[1][:, :, e])
+        return depth
+
+    def run_tli(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        cache: KVCache | None = None,
+        prefix=None,
+        mask=None,
+        lower=None,
+        tokens: Tensor | None = None,
+    ) -> Tensor:
+        """The target's last N blocks on x [B, T, dim] (`tokens` [B, T]: the ids there). Their depth attention sees
+        the lower layers' entries as tli_depth_stream gives them (`lower`: given ones, e.g. the target's own, or
+        zero-sized for none), then the TLI-written ones."""
+        depth = self.tli_depth_stream(x, cos, sin, lower, tokens=tokens, grad=torch.is_grad_enabled())
         for i, block in enumerate(self.tli_layers):
             pkv = None if prefix is None else (prefix[0][i], prefix[1][i])
             x, _, _ = block(x, cos, sin, depth, cache, i, mask, self.target.backend, prefix_kv=pkv)
@@ -165,7 +201,7 @@ class MoADrafter(DrafterBase):
             own &= pos[0][None, None, :] <= pos[0][None, :, None]
             mask = torch.cat([visible, own], -1)  # [B, T, 2T]: exact target rows, then the drafter's own
             prefix = (k_all[L - self.dcfg.tli :], v_all[L - self.dcfg.tli :])
-            h = self.run_tli(ca_out, tcos, tsin, prefix=prefix, mask=mask)
+            h = self.run_tli(ca_out, tcos, tsin, prefix=prefix, mask=mask, tokens=tokens)
         return self.target.head(self.target.norm(h)), ca_out, h
 
     # ---- client side -------------------------------------------------------------------------------
@@ -216,7 +252,7 @@ class MoADrafter(DrafterBase):
         h = self.ca(x, self.ctx_k[:, : self.n_ctx], self.ctx_v[:, : self.n_ctx], visible, cos, sin)
         if self.dcfg.tli:
             tcos, tsin = self.target.rope(pos)
-            h = self.run_tli(h, tcos, tsin, cache=self.tli_cache, mask=mask)
+            h = self.run_tli(h, tcos, tsin, cache=self.tli_cache, mask=mask, tokens=tokens[None])
             self.tli_cache.advance(len(tokens))
         return self.target.head(self.target.norm(h))[0]
 
@@ -239,7 +275,7 @@ class MoADrafter(DrafterBase):
         h = self.ca(x, self.ctx_k[:, : self.n_ctx], self.ctx_v[:, : self.n_ctx], visible, cos, sin)
         if self.dcfg.tli:
             tcos, tsin = self.target.rope(pos)
-            h = self.run_tli(h, tcos, tsin, cache=self.tli_cache)
+            h = self.run_tli(h, tcos, tsin, cache=self.tli_cache, tokens=torch.tensor([[token]], device=self.device))
             self.tli_cache.advance(1)
         return self.target.head(self.target.norm(h))[0, -1]
 

@@ -87,6 +87,9 @@ class ForwardOutput:
     k: Tensor | None  # [n_layers, B, T, Hkv, D] each layer's attention keys (after RoPE) for the new positions
     v: Tensor | None  # [n_layers, B, T, Hkv, D]
     hidden: tuple[Tensor, ...]  # the requested hidden states, each [B, T, dim]
+    # With return_depth: the depth K/V every block but the last wrote, [B, T, depth_len(n_layers - 1), Hkv, D]
+    # each, position-major in layer order (None for a plain target)
+    depth: tuple[Tensor, Tensor] | None = None
 
 
 class DepthStream:
@@ -294,6 +297,7 @@ class Transformer(nn.Module):
         hidden_layers: Sequence[int] = (),
         return_kv: bool = False,
         last_only: bool = False,
+        return_depth: bool = False,
     ) -> ForwardOutput:
         """One forward over new tokens `input_ids` [B, T].
 
@@ -306,6 +310,8 @@ class Transformer(nn.Module):
             block 0 (the embeddings; normalised first in post-norm),
             i the output of block i-1, n_layers the last block's output (before the final norm).
         last_only: compute logits for the last position only (prefill).
+        return_depth: also return the depth stream's entries (drafter training regresses them); they are the
+            stream the blocks read anyway, so asking costs nothing.
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.length
@@ -345,6 +351,7 @@ class Transformer(nn.Module):
             k=torch.stack(ks) if return_kv else None,
             v=torch.stack(vs) if return_kv else None,
             hidden=tuple(saved[i % (n + 1)] for i in hidden_layers),
+            depth=depth.read() if return_depth and depth.n else None,
         )
 
     def forward(self, input_ids: Tensor) -> Tensor:

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_pair
+from tiny_models import tiny_pair, tiny_target
 
 from tether.client.onnx_drafter import OnnxDrafter
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, decode_many, encode_many
-from tether.shared.drafter import DraftDelta, load_drafter
+from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter, load_drafter
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
@@ -190,6 +190,27 @@ def test_moa_feeds_known_tokens_in_one_call_as_step_by_step(exported, monkeypatc
     drafter.discard_drafts()
     assert drafter.verified_length() == len(PROMPT)
     assert drafter.feed([]) is None
+
+
+@pytest.mark.parametrize("tli", [1, 2])
+def test_moa_with_depth_predictor_drafts_match_torch(tmp_path, monkeypatch, tli):
+    """With tli_depth > 0 the depth predictor feeding TLI is in the step graph: ONNX drafts what torch drafts."""
+    target = tiny_target(vocab_size=VOCAB)
+    torch.manual_seed(2)
+    dcfg = DrafterConfig(kind="moa", tli=tli, n_heads=4, n_kv_heads=2, head_dim=12, tli_depth=24)
+    ref = build_drafter(target, dcfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    export_client_onnx(ref, tmp_path)
+    onnx = OnnxDrafter.load(tmp_path)
+    assert onnx.manifest["drafter_config"]["tli_depth"] == 24
+    ref_log, onnx_log = [], []
+    recording(monkeypatch, ref, ref_log)
+    recording(monkeypatch, onnx, onnx_log)
+    rounds(target, ref, onnx, PROMPT, n_rounds=6, k=4, tree_every=3)
+    check_logits(ref_log, onnx_log)
 
 
 def test_eagle_drafts_match_torch(exported, monkeypatch):

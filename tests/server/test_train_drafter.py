@@ -61,3 +61,24 @@ def test_short_run_learns_resumes_and_pairs(setup, tmp_path, kind, tli):
     assert drafter.dcfg.kind == kind and drafter.dcfg.tli == tli
     with pytest.raises(ValueError, match="was trained for target"):
         load_drafter(tmp_path / kind, target, target_fingerprint="0" * 64)
+
+
+def test_depth_predictor_trains_from_an_initial_drafter(setup, tmp_path):
+    """--init starts from a drafter without a predictor (which starts fresh); the predictor-only steps and the full
+    steps after them lower its held-out regression loss; a drafter of another architecture is refused."""
+    common = dict(
+        target=str(setup / "target"), data=str(setup / "corpus"), kind="moa", tli=1, batch_size=8, seq_len=64,
+        lr=1e-2, warmup=2, eval_windows=8, eval_prompts=1, eval_prompt_len=16, eval_new_tokens=4, quiet=True,
+    )  # fmt: skip
+    train_drafter(DrafterTrainConfig(**common, out=str(tmp_path / "plain"), steps=2, overrides=SMALL_DRAFTER))
+    cfg = DrafterTrainConfig(**common, out=str(tmp_path / "depth"), steps=24, depth_only_steps=20, eval_every=12,
+                             init=str(tmp_path / "plain"), overrides=(*SMALL_DRAFTER, ("tli_depth", 16)))  # fmt: skip
+    summary = train_drafter(cfg)
+    depth = json.loads((tmp_path / "depth" / "history.json").read_text())["depth"]
+    assert [s for s, _ in depth] == [0, 12, 24]
+    assert depth[-1][1] < 0.95 * depth[0][1] and summary["heldout_depth_loss"] == depth[-1][1]
+    target = Transformer.from_pretrained(setup / "target")
+    drafter = load_drafter(tmp_path / "depth", target)
+    assert drafter.dcfg.tli_depth == 16 and drafter.depth_predictor is not None
+    with pytest.raises(ValueError, match="is another drafter"):
+        train_drafter(DrafterTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "x"), "tli": 2}))
