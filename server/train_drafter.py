@@ -250,8 +250,7 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
         opt.load_state_dict(ckpt["optimizer"])
         step, history = ckpt["step"], ckpt["history"]
         console.print(f"resuming {out} at step {step}")
-    batches = Batches(Path(cfg.data), cfg.seq_len, cfg.seed + step, cfg.eval_windows)
-    rng = np.random.default_rng(cfg.seed + 7919 * step)
+    batches = Batches(Path(cfg.data), cfg.seq_len, cfg.seed, cfg.eval_windows)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     console.print(f"drafter {dcfg.kind} (TLI {dcfg.tli}): {drafter.num_trainable() / 1e6:.2f}M trainable params")
 
@@ -283,7 +282,11 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
-            x, _ = batches.train_batch(cfg.batch_size, cfg.device)
+            # Step k's randomness (its batch, verification points, curriculum draw, EAGLE's noise) comes from
+            # (seed, k) alone, whatever ran before it (evaluations draw noise too): a resumed run is the run left alone.
+            rng = np.random.default_rng((cfg.seed, step, 1))
+            torch.manual_seed(int(rng.integers(2**62)))
+            x, _ = batches.train_batch(cfg.batch_size, cfg.device, step=step)
             if step < cfg.depth_only_steps:
                 loss, parts = depth_only_loss(drafter, x, target, cfg)
             else:

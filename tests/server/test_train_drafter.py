@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tether.server.train_drafter import DrafterTrainConfig, staircase_mask, train_drafter, verification_boundaries
 from tether.shared.checkpoint import fingerprint
@@ -61,6 +62,25 @@ def test_short_run_learns_resumes_and_pairs(setup, tmp_path, kind, tli):
     assert drafter.dcfg.kind == kind and drafter.dcfg.tli == tli
     with pytest.raises(ValueError, match="was trained for target"):
         load_drafter(tmp_path / kind, target, target_fingerprint="0" * 64)
+
+
+@pytest.mark.parametrize("kind,tli", [("moa", 1), ("eagle", 0)])
+def test_a_resumed_run_is_the_run_left_alone(setup, tmp_path, kind, tli):
+    """Stopped and resumed from its checkpoint (an evaluation in between), a run trains the same weights bit for
+    bit as one left alone: each step's batch, verification points and noise come from (seed, step)."""
+    cfg = DrafterTrainConfig(
+        target=str(setup / "target"), data=str(setup / "corpus"), kind=kind, tli=tli, out=str(tmp_path / "whole"),
+        steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup=2, eval_every=100, eval_windows=4, eval_prompts=1,
+        eval_prompt_len=8, eval_new_tokens=4, quiet=True, overrides=SMALL_DRAFTER,
+    )  # fmt: skip
+    train_drafter(cfg)
+    chunked = {**cfg.__dict__, "out": str(tmp_path / "chunked")}
+    train_drafter(DrafterTrainConfig(**{**chunked, "steps": 3}))
+    train_drafter(DrafterTrainConfig(**chunked))
+    whole = load_file(str(tmp_path / "whole" / "drafter.safetensors"))
+    resumed = load_file(str(tmp_path / "chunked" / "drafter.safetensors"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 def test_depth_predictor_trains_from_an_initial_drafter(setup, tmp_path):
