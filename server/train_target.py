@@ -104,7 +104,6 @@ class Batches:
         self.val = load_tokens(data, "val")
         self.seq_len = seq_len
         self.seed = seed
-        self.rng = np.random.default_rng(seed)
         span = len(self.val) - seq_len - 1
         if span <= 0 or len(self.train) <= seq_len + 1:
             raise ValueError(f"corpus in {data} is too small for seq_len={seq_len}")
@@ -115,11 +114,12 @@ class Batches:
         w = torch.from_numpy(w).to(device, non_blocking=True)
         return w[:, :-1], w[:, 1:]
 
-    def train_batch(self, batch_size: int, device: str, step: int | None = None):
-        """A batch of random windows: the next from one stream, or with `step` the one of (seed, step) alone,
-        whatever came before (so a resumed run draws what an uninterrupted one would)."""
-        rng = self.rng if step is None else np.random.default_rng((self.seed, step))
-        starts = rng.integers(0, len(self.train) - self.seq_len - 1, size=batch_size)
+    def train_batch(self, batch_size: int, device: str, step: int):
+        """Step `step`'s batch of random windows, drawn from (seed, step) alone, whatever came before (so a resumed
+        run draws what an uninterrupted one would)."""
+        starts = np.random.default_rng((self.seed, step)).integers(
+            0, len(self.train) - self.seq_len - 1, size=batch_size
+        )
         return self._windows(self.train, starts, device)
 
     def val_batches(self, batch_size: int, device: str):
