@@ -31,6 +31,10 @@ Per cell (definitions, also in the JSON's "definitions"):
   step = round_ms of the same mode and bandwidth at RTT 0 (in the same run; needs 0 in `--rtt-ms`), which counts
   the client's drafting too. Each has its ratio tok_s / bound (bound_ratio, bound_rtt0_ratio). Bandwidth is in
   neither: at 1 Mbit/s the deltas' transfer time is part of what the ratio shows.
+- where a hybrid round's time goes, per round (the client's Stats): work_ms, the client's time not spent waiting
+  for a verdict; wait_ms, from sending a round to its verdict's arrival; to_send_ms, from a verdict's arrival to
+  the next round's sending (round_ms ~ wait_ms + to_send_ms); overhead_ms = wait_ms - RTT - server_round_ms, what
+  the wire, gRPC on both ends and netsim add to each round trip.
 Then outages (`--outages-s`, with `--outage-mode` at `--outage-rtt-ms` / `--outage-mbps`): the client writes at a
 reader's pace (`--pace` tokens/s, policy keep); once it has written 2 x pace tokens the link is cut for the outage's
 seconds; reported: offline tokens, the first resync's duration (request to next verified token) and its bytes.
@@ -87,6 +91,8 @@ TREE_SHAPE = ("tree_nodes", "tree_depth", "tree_top_k")  # ClientConfig fields t
 LEGACY = {"tree": "chain", "pipeline": False}  # what a client from before tree rounds and pipelining does
 DEFAULT_MODES = (SERVER_ONLY, "chain", "chain+pipe", "tree", "tree+pipe")
 PIPELINE_HITS = "pipeline_hits"  # the Stats field counting rounds sent pre-drafted (shown when the client has it)
+# Where a round's time goes: the row's key (ms per round) -> the Stats field (s, summed), shown when the client has it
+ROUND_PARTS = {"work_ms": "round_work_s", "wait_ms": "verdict_wait_s", "to_send_ms": "verdict_to_send_s"}
 DEFINITIONS = {
     "tok_s": "tokens / wall; wall from sending the open (server-only: the Generate call) to the last token",
     "tau": "tokens per round: (accepted + rounds) / rounds",
@@ -96,6 +102,11 @@ DEFINITIONS = {
     "bound_rtt0_tok_s": "tau / (RTT + round_ms of the same mode and bandwidth at RTT 0)",
     "bound_ratio": "tok_s / bound_tok_s",
     "bound_rtt0_ratio": "tok_s / bound_rtt0_tok_s",
+    "work_ms": "the client's time per round not spent waiting for a verdict (drafting, ahead too; adopting; sending)",
+    "to_send_ms": "per round, from a verdict's arrival to the next round's sending: the client's part of the critical "
+    "path (round_ms ~ wait_ms + to_send_ms)",
+    "wait_ms": "per round, from sending it to its verdict's arrival at the client",
+    "overhead_ms": "wait_ms - RTT - server_round_ms: what the wire, gRPC on both ends and netsim add to a round trip",
     "payload_B_per_tok": "message payload bytes up + down per token",
     "wire_B_per_tok": "bytes both ways through netsim per token (HTTP/2 + gRPC framing included)",
 }
@@ -235,10 +246,12 @@ def run_hybrid(rig: Rig, mode: str) -> dict:
     s = result.stats
     row = cell(len(result.token_ids), s.wall_s, s.bytes_up + s.bytes_down, w1 - w0)
     stats = dataclasses.asdict(s)
+    per_round = {key: 1e3 * stats[field] / s.rounds if s.rounds and field in stats else None
+                 for key, field in ROUND_PARTS.items()}  # fmt: skip
     return row | {"tau": s.tau, "rounds": s.rounds, "round_ms": 1e3 * s.decode_s / s.rounds if s.rounds else None,
                   "server_round_ms": 1e3 * (v1 - v0) / (n1 - n0) if n1 > n0 else None,
                   "ttft_ms": 1e3 * s.ttft_s, "offline_tokens": s.offline_tokens,
-                  "pipeline_hits": stats.get(PIPELINE_HITS),
+                  "pipeline_hits": stats.get(PIPELINE_HITS), **per_round,
                   "client_stats": {k: v for k, v in stats.items() if not isinstance(v, list)}}  # fmt: skip
 
 
@@ -258,7 +271,7 @@ def run_server_only(rig: Rig, info: pb.ModelInfo, tokenizer) -> dict:
     s = result.stats
     return cell(len(result.token_ids), s.wall_s, s.bytes_up + s.bytes_down, wire) | {
         "tau": None, "rounds": None, "round_ms": None, "server_round_ms": None, "ttft_ms": 1e3 * s.ttft_s,
-        "offline_tokens": 0, "pipeline_hits": None}  # fmt: skip
+        "offline_tokens": 0, "pipeline_hits": None} | dict.fromkeys(ROUND_PARTS)  # fmt: skip
 
 
 def measure(rig: Rig, mode: str, info: pb.ModelInfo, tokenizer) -> dict:
@@ -276,6 +289,8 @@ def add_bounds(rows: list[dict]) -> None:
     at_rtt0 = {(r["mode"], r["mbps"]): r["round_ms"] for r in rows if r["rtt_ms"] == 0 and r.get("round_ms")}
     for r in rows:
         tau, rtt = r.get("tau"), r["rtt_ms"]
+        wait, server = r.get("wait_ms"), r.get("server_round_ms")
+        r["overhead_ms"] = wait - rtt - server if wait is not None and server is not None else None
         for key, step in (("bound", r.get("server_round_ms")), ("bound_rtt0", at_rtt0.get((r["mode"], r["mbps"])))):
             bound = 1e3 * tau / (rtt + step) if tau and step else None
             r[f"{key}_tok_s"] = bound
@@ -463,7 +478,8 @@ def grid_table(args: argparse.Namespace, rows: list[dict], where: str) -> Table:
     t = Table(title=f"end to end over netsim: {where}; {args.new_tokens} tokens, greedy, k={args.k}, codec "
                     f"{args.codec}, {args.backend} client; bound = tau / (RTT + step)")  # fmt: skip
     columns = ("mode", "RTT ms", "Mbit/s", "tok/s", "tau", "round ms", "server ms", "bound", "x bound", "bound@0",
-               "x bound@0", "payload B/tok", "wire B/tok", "pre-drafted")  # fmt: skip
+               "x bound@0", "payload B/tok", "wire B/tok", "pre-drafted", "work ms", "wait ms", "to send ms",
+               "overhead ms")  # fmt: skip
     for c in columns:
         t.add_column(c, justify="right")
     for r in rows:
@@ -475,7 +491,8 @@ def grid_table(args: argparse.Namespace, rows: list[dict], where: str) -> Table:
         t.add_row(*head, _num(r["tok_s"], ".1f"), _num(r["tau"], ".2f"), _num(r["round_ms"], ".1f"),
                   _num(r["server_round_ms"], ".2f"), _num(r["bound_tok_s"], ".0f"), _num(r["bound_ratio"], ".2f"),
                   _num(r["bound_rtt0_tok_s"], ".0f"), _num(r["bound_rtt0_ratio"], ".2f"),
-                  _num(r["payload_B_per_tok"], ",.0f"), _num(r["wire_B_per_tok"], ",.0f"), hits)  # fmt: skip
+                  _num(r["payload_B_per_tok"], ",.0f"), _num(r["wire_B_per_tok"], ",.0f"), hits,
+                  *(_num(r.get(key), ".1f") for key in (*ROUND_PARTS, "overhead_ms")))  # fmt: skip
     return t
 
 

@@ -30,11 +30,11 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   new, and a round stays idempotent.
 - Exactness: before a verdict's delta is adopted the drafter drops every drafted row (the round's own and those
   drafted ahead), so the caches of verified positions come from the deltas alone, the same after a chain, a tree
-  or a round drafted ahead (tests/client/test_round_shape.py). A chain sent as drafted ahead then has its rows fed
-  again from the verified state, as drafting it there would have made them. A round drafted ahead when sampling
-  carries the q its tokens were drawn from (over the drafter's state then); its draws are the drafter's own, apart
-  from the verifier's uniforms, and whether it is sent depends on the verdict before it only. Under greedy every
-  emitted token is the target's, whatever was drafted.
+  or a round drafted ahead (tests/client/test_round_shape.py). A round sent as drafted ahead has its root and main
+  path fed again over the verified states (one causal call, as the round after it is drafted ahead), so that round
+  is drafted from there. A round drafted ahead when sampling carries the q its tokens were drawn from (over the
+  drafter's state then); its draws are the drafter's own, apart from the verifier's uniforms, and whether it is
+  sent depends on the verdict before it only. Under greedy every emitted token is the target's, whatever was drafted.
 - A lost round (no verdict in time, a refused message, a broken stream) drops the drafted rows and any round drafted
   ahead, and the session goes OFFLINE as before (tether.client.resync).
 
@@ -203,6 +203,9 @@ class Rounds:
 
     def _send(self, d: Drafted) -> None:
         d.sent_at = time.monotonic()
+        if self._answered_at is not None:
+            self.stats.verdict_to_send_s += d.sent_at - self._answered_at
+            self._answered_at = None
         self.stream.send(pb.ClientMessage(round=d.msg))
         self._inflight = d
         q = sum(len(row.ids) for row in d.msg.q)
@@ -224,22 +227,26 @@ class Rounds:
 
     def _drop_rounds(self) -> None:
         """Forget the round in flight and its drafted rows (the stream it went on is gone, or the generation is)."""
-        self._inflight = None
+        self._inflight = self._answered_at = None
         self.drafter.discard_drafts()
 
     def _round(self) -> None:
         """One verdict: draft and send a round unless one is in flight, draft the next ahead while it is verified,
         take the verdict (sending the round drafted ahead at once when the guess held) and emit its tokens."""
+        t_round = time.monotonic()
         if self._inflight is None:
             shape = self._plan(len(self.tokens), len(self.sequence))
             self._send(self._draft(self.round + 1, self.tokens[-1], shape))
         sent, ahead = self._inflight, None
         try:
             ahead = self._draft_ahead(sent) if self.cfg.pipeline else None
+            t_wait = time.monotonic()
             reply = self.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at)
+            waited, self._answered_at = time.monotonic() - t_wait, self.stream.arrived_at
             v, path = self._verdict(reply, sent)
             self._inflight = None
-            self.measured.answered(self.stream.arrived_at - sent.sent_at, whole=v.accepted >= sent.chain_k)
+            self.measured.answered(self._answered_at - sent.sent_at, whole=v.accepted >= sent.chain_k)
+            self.stats.verdict_wait_s += self._answered_at - sent.sent_at
             if ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
                 self._send(ahead.round)
                 self.stats.pipeline_hits += 1
@@ -264,12 +271,12 @@ class Rounds:
         self.stats.drafted += len(sent.msg.tokens)
         self.stats.accepted += v.accepted
         self.verified = v.delta.start + len(v.delta.tokens)
-        self._emit(accepted + [v.bonus], "verified")
         if self._inflight is not None:
-            # Sent as drafted ahead: the rows drafting it after this verdict would have left (a chain's root and
-            # drafts but the last), computed over the verified states, so the round after it is drafted from there.
-            nxt = self._inflight
-            self._feed(([nxt.msg.root] + nxt.tokens_on(nxt.main))[: nxt.fed])
+            # Sent as drafted ahead: its rows went with this verdict's delta. Drafting the round after it feeds its
+            # root and main path again, over the verified states and in one call (_draft_ahead).
+            self._inflight.fed = 0
+        self.stats.round_work_s += time.monotonic() - t_round - waited
+        self._emit(accepted + [v.bonus], "verified")
 
     def _verdict(self, reply: pb.ServerMessage, sent: Drafted) -> tuple[pb.Verdict, list[int]]:
         """The reply's verdict and its accepted path (node numbers) if it answers the round sent (the gate checks

@@ -130,6 +130,7 @@ class EdgeSession(Resync, Rounds):
         self.round = 0
         self.measured = Measured()  # the round trip, drafting time and acceptance (tether.client.rounds: tree="auto")
         self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
+        self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
         self._drafts: list[int] = []  # a verdict's accepted tokens, while its delta is checked
         self.offline_run = 0
         self._last_emit = 0.0

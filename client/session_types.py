@@ -119,6 +119,11 @@ class Stats:
     pipeline_hits: int = 0  # rounds sent as drafted ahead while the round before them was verified
     pipeline_discarded: int = 0  # rounds drafted ahead and thrown away (the verdict went otherwise, or the link)
     bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
+    # Where ONLINE rounds' time goes (a round's time is about verdict_wait + verdict_to_send, per round):
+    round_work_s: float = 0.0  # not waiting for verdicts: drafting (ahead too), adopting deltas, sending
+    verdict_wait_s: float = 0.0  # from sending each round to its verdict's arrival: round trip and server
+    verdict_to_send_s: float = 0.0  # from each verdict's arrival to the next round's sending: the client's part of
+    # the critical path (a round drafted ahead goes out at once; otherwise the delta is adopted and a round drafted)
     wall_s: float = 0.0
     ttft_s: float = 0.0  # time to first token: from sending the prompt (pairing done) to its first token
     decode_s: float = 0.0  # from the first token to the last
