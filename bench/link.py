@@ -5,8 +5,10 @@ Setup: tether-netsim on this host in front of the server, the edge client (ONNX 
 is `--server HOST:PORT` (any running tether-server: run the bench on its host, or the real path's round trip adds
 to every cell), else one started in this process on `--device` the way `tether-server serve` builds it
 (tether.server.daemon: the same models, service config and kernel warm-up; on CUDA the Triton step replays its
-CUDA graphs, captured by `--warmup` untimed generations per mode). Server, netsim and client then share one
-Python process; `--server` against a `tether-server serve` of its own keeps the server out of it. Pairing (the
+CUDA graphs, captured by `--warmup` untimed generations per mode). Server and client then share one Python
+process; `--server` against a `tether-server serve` of its own keeps the server out of it. netsim runs in a child
+process of its own (`--netsim process`, the default; `thread` puts it in this one): a proxy on the client's thread
+competes with it for the interpreter lock, which no real network does. Pairing (the
 one-off client-part download) happens before shaping and is never timed. Generations are greedy and ignore
 end-of-text, so every cell writes exactly `--new-tokens` tokens after PROMPT.
 
@@ -73,6 +75,7 @@ from tether.client.server_only import ServerOnlySession, server_tokenizer
 from tether.client.session import ClientConfig, EdgeSession
 from tether.client.session_types import BACKENDS, CODECS, PRECISIONS
 from tether.client.transport import Replicas, ServerError
+from tether.netsim.process import NetSimProcess
 from tether.netsim.proxy import NetSimThread
 from tether.v1 import tether_pb2 as pb
 
@@ -186,7 +189,7 @@ class Rig:
 
     def __init__(self, upstream: str, args: argparse.Namespace, service=None):
         self.args = args
-        self.sim = NetSimThread(("127.0.0.1", 0), upstream)
+        self.sim = (NetSimProcess if args.netsim == "process" else NetSimThread)(("127.0.0.1", 0), upstream)
         self.sim.start()
         self.cache = tempfile.TemporaryDirectory(prefix="tether-link-")
         self.probe = bench_module("server").ServerProbe(service, args.metrics_url)
@@ -355,6 +358,8 @@ def parser() -> argparse.ArgumentParser:
         choices=(SERVER_ONLY, *MODES),
         help="server-only streaming, and hybrid modes: the draft's shape, +pipe = pipelined drafting",
     )
+    ap.add_argument("--netsim", choices=("process", "thread"), default="process",
+                    help="where the proxy runs: a child process of its own, or a thread of the bench's")  # fmt: skip
     ap.add_argument("--rtt-ms", type=float, nargs="+", default=[0, 10, 50, 150], help="round trips netsim adds")
     ap.add_argument("--mbps", type=float, nargs="+", default=[1, 10, 100], help="bandwidth cap each way (0: none)")
     ap.add_argument("--new-tokens", type=int, default=200, help="tokens each generation writes")
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         if local is not None:
             local.close()
         restore_threads()
-    where = local.describe() if local else f"server at {args.server}"
+    where = (local.describe() if local else f"server at {args.server}") + f", netsim in a {args.netsim}"
     console = Console(width=200)
     console.print(grid_table(args, rows, where))
     if outages:
