@@ -8,8 +8,11 @@ For each drafter, on `--prompts` held-out windows of `--prompt-len` tokens:
 - offline: from the verified prompt, the drafter alone drafts `--offline` tokens after the target's first
   token; agreement at position i is the fraction of prompts whose i-th offline token equals the target's
   greedy continuation. Reported per position (JSON) and as the mean over the first 32.
-Greedy outputs are checked against plain decoding on every prompt (the run fails loudly if one differs).
-Prints a table, then one JSON line.
+Greedy outputs are checked against plain decoding on every prompt: in fp32 (`--dtype`, the default everywhere)
+the run fails loudly if one differs; in bf16 or fp16, where verifying k + 1 rows at once may round a near-tie
+otherwise than decoding one row, the prompts that differ are counted (`mismatched_prompts`) and the run goes on.
+The corpus must be tokenized with the target's tokenizer (checked). Ratios to EAGLE are keyed by drafter name,
+against the first EAGLE drafter given. Prints a table, then one JSON line.
 
     python bench/spec.py --data data/corpus --prompts 32
 """
@@ -28,6 +31,7 @@ from rich.table import Table
 
 from tether.server.corpus import build_corpus, load_tokens
 from tether.server.engine import SpeculativeEngine, target_states
+from tether.server.train_drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
@@ -41,21 +45,26 @@ DEFAULT_DRAFTERS = [ROOT / "deploy/models/drafter", ROOT / "deploy/models/drafte
 def heldout_prompts(data: Path, target_dir: Path, n: int, length: int) -> list[list[int]]:
     if not (data / "val.bin").exists():
         build_corpus(data, tokenizer=Tokenizer.from_pretrained(target_dir))
+    check_corpus_tokenizer(target_dir, data)
     val = load_tokens(data, "val")
     starts = np.linspace(0, len(val) - length - 1, n).astype(np.int64)
     return [val[s : s + length].astype(np.int64).tolist() for s in starts]
 
 
 @torch.inference_mode()
-def run_chain(target, drafter, prompts, new_tokens: int, k: int, references: list[list[int]], tree=None) -> dict:
+def run_chain(target, drafter, prompts, new_tokens: int, k: int, references: list[list[int]], tree=None,
+              exact: bool = True) -> dict:  # fmt: skip
+    """exact: a prompt whose output differs from plain greedy decoding fails the run (fp32); else it is counted."""
     engine = SpeculativeEngine(target, drafter, k=k, tree=tree)
-    taus, produced, forwards, wall = [], 0, 0, 0.0
+    taus, produced, forwards, wall, mismatched = [], 0, 0, 0.0, 0
     for prompt, ref in zip(prompts, references, strict=True):
         t0 = time.perf_counter()
         out = [t for chunk in engine.generate(prompt, new_tokens) for t in chunk]
         wall += time.perf_counter() - t0
         if out != ref:
-            raise AssertionError("speculative greedy output differs from plain greedy decoding")
+            if exact:
+                raise AssertionError("speculative greedy output differs from plain greedy decoding")
+            mismatched += 1
         taus += engine.stats.taus
         produced += len(out)
         forwards += engine.stats.rounds + 1
@@ -63,6 +72,7 @@ def run_chain(target, drafter, prompts, new_tokens: int, k: int, references: lis
         "tau": float(np.mean(taus)) if taus else 1.0,
         "tokens_per_forward": produced / forwards,
         "tokens_per_s": produced / wall,
+        "mismatched_prompts": mismatched,
     }
 
 
@@ -91,9 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--offline", type=int, default=64)
     ap.add_argument("--tree", default="6,8,48", help="tree drafting depth,top_k,total_tokens ('' to skip)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="the target's weights and compute (fp32: outputs must match plain decoding)")  # fmt: skip
     args = ap.parse_args(argv)
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = getattr(torch, args.dtype)
+    exact = dtype == torch.float32
     target = Transformer.from_pretrained(args.target, device=args.device, dtype=dtype)
     prompts = heldout_prompts(args.data, args.target, args.prompts, args.prompt_len)
     needed = max(args.new_tokens, args.offline + 1)
@@ -107,11 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
     for path in args.drafters:
         drafter = load_drafter(path, target, target_fingerprint=fp)
         refs = [r[: args.new_tokens] for r in references]
-        chain = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs)
+        chain = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, exact=exact)
         if tree:
-            t = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, tree=tree)
+            t = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, tree=tree, exact=exact)
             chain |= {"tree_tau": t["tau"], "tree_tokens_per_forward": t["tokens_per_forward"],
-                      "tree_tokens_per_s": t["tokens_per_s"]}  # fmt: skip
+                      "tree_tokens_per_s": t["tokens_per_s"],
+                      "tree_mismatched_prompts": t["mismatched_prompts"]}  # fmt: skip
         curve = offline_curve(target, drafter, prompts, references, args.offline)
         rows.append({"drafter": path.name, "kind": drafter.dcfg.kind, "tli": drafter.dcfg.tli,
                      "params": drafter.num_trainable(), **chain, "offline_first32": float(np.mean(curve[:32])),
@@ -130,10 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{r.get('tree_tokens_per_s', 0):.1f}", f"{r['offline_first32']:.3f}",
                       f"{c[0]:.3f}", f"{c[7]:.3f}", f"{c[31]:.3f}" if len(c) > 31 else "-")  # fmt: skip
     Console(width=170).print(table)
-    by_kind = {(r["kind"], r["tli"]): r for r in rows}
     result = {
         "bench": "spec",
         "device": args.device,
+        "dtype": args.dtype,
         "torch": torch.__version__,
         "prompts": len(prompts),
         "k": args.k,
@@ -141,13 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
         "plain_tokens_per_s": plain_tps,
         "drafters": rows,
     }
-    if ("eagle", 0) in by_kind:
-        eagle = by_kind[("eagle", 0)]
-        result["tau_ratio_vs_eagle"] = {f"moa_tli{t}": by_kind[("moa", t)]["tau"] / eagle["tau"]
-                                        for (kind, t) in by_kind if kind == "moa"}  # fmt: skip
-        if tree:
-            result["tree_tau_ratio_vs_eagle"] = {f"moa_tli{t}": by_kind[("moa", t)]["tree_tau"] / eagle["tree_tau"]
-                                                 for (kind, t) in by_kind if kind == "moa"}  # fmt: skip
+    eagles = [r for r in rows if r["kind"] == "eagle"]
+    if eagles:
+        eagle, moas = eagles[0], [r for r in rows if r["kind"] == "moa"]
+        result["eagle"] = eagle["drafter"]
+        for key in ("tau", "tree_tau", "offline_first32"):
+            if key in eagle and eagle[key]:
+                result[f"{key}_ratio_vs_eagle"] = {r["drafter"]: r[key] / eagle[key] for r in moas}
     print(json.dumps(result))
     return result
 

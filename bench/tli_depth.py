@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server.corpus import build_corpus, load_tokens
+from tether.server.train_drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter
 from tether.shared.model import Transformer
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = build_drafter(target, DrafterConfig(kind="moa", tli=args.tli)).to(args.device).eval()
     if not (args.data / "val.bin").exists():
         build_corpus(args.data, tokenizer=Tokenizer.from_pretrained(args.target))
+    check_corpus_tokenizer(args.target, args.data)  # ids from another tokenizer would be other text
     val = load_tokens(args.data, "val")
     starts = np.linspace(0, len(val) - args.seq_len - 1, args.windows).astype(np.int64)
     windows = torch.from_numpy(np.stack([val[s : s + args.seq_len] for s in starts]).astype(np.int64))
