@@ -67,12 +67,13 @@ def servers(models):
                                 model_fingerprint=fingerprint(default_model_dir()), chat_format=chat)  # fmt: skip
         server, port = make_server(service, "127.0.0.1:0")
         server.start()
-        started.append(server)
+        started.append((server, service))
         return f"127.0.0.1:{port}", service
 
     yield start
-    for server in started:
+    for server, service in started:
         server.stop(None)
+        service.close()  # its batcher and executor threads would keep it, its KV pool among it, to the end
 
 
 def config(address: str, tmp_path, **kw) -> ClientConfig:
