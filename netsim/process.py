@@ -20,6 +20,7 @@ exception here.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -90,8 +91,8 @@ class NetSimProcess:
             raise
         return self.port
 
-    def _answer(self, timeout_s: float | None):
-        if not self._conn.poll(timeout_s):
+    def _answer(self, timeout_s: float):
+        if not self._conn.poll(None if math.isinf(timeout_s) else timeout_s):
             raise TimeoutError(f"the netsim process did not answer within {timeout_s} s")
         try:
             status, value = self._conn.recv()
@@ -101,11 +102,17 @@ class NetSimProcess:
             raise value
         return value
 
-    def _call(self, name: str, *args, timeout_s: float | None = None, **kwargs):
+    def _call(self, name: str, *args, wait_s: float | None = None, **kwargs):
+        """The child's answer to sim.name(*args, **kwargs), waited for wait_s (self.timeout_s when None; math.inf:
+        as long as it takes). A call left unanswered ends the child: its late answer would pass for the next one's."""
         if self._bound is None or self._final is not None or not self._proc.is_alive():
             raise RuntimeError("NetSimProcess is not running")
         self._conn.send((name, args, kwargs))
-        return self._answer(self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            return self._answer(self.timeout_s if wait_s is None else wait_s)
+        except TimeoutError:
+            self._kill()
+            raise
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -154,8 +161,7 @@ class NetSimProcess:
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """Block until a scenario's `end` has played or the proxy stopped; False on timeout."""
-        budget = None if timeout_s is None else timeout_s + self.timeout_s
-        return self._call("wait_done", timeout_s, timeout_s=budget)
+        return self._call("wait_done", timeout_s, wait_s=math.inf if timeout_s is None else timeout_s + self.timeout_s)
 
     def stop(self) -> None:
         """Reset every connection, stop listening, end the child. Idempotent."""

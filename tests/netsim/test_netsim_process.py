@@ -61,3 +61,12 @@ def test_errors_in_the_child_are_raised_in_the_parent(echo):
         assert not taken._proc.is_alive()
     with pytest.raises(TypeError, match="on_event"):
         NetSimProcess("127.0.0.1:0", echo.address, on_event=print)
+
+
+def test_wait_done_without_a_timeout_waits_for_the_scenario_and_the_pipe_stays_in_step(echo):
+    with NetSimProcess("127.0.0.1:0", echo.address) as sim:
+        sim.timeout_s = 0.05  # shorter than the scenario: wait_done() must not be bound by it
+        sim.play([{"at": 0.3, "event": "set", "latency_ms": 7}, {"at": 0.3, "event": "end"}])
+        assert sim.wait_done()
+        sim.timeout_s = 10.0
+        assert sim.link("down").latency_ms == 7  # the answer to this call, not a late one to an earlier call
