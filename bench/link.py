@@ -14,7 +14,9 @@ end-of-text, so every cell writes exactly `--new-tokens` tokens after PROMPT.
 
 Modes (`--modes`): server-only (the target decodes alone and streams its tokens over Generate); hybrid chain and
 hybrid tree (ClientConfig.tree), each without and with pipelining (ClientConfig.pipeline: round r+1 drafted while r is
-verified), named chain, chain+pipe, tree, tree+pipe (and auto, auto+pipe: the client picks the shape). A mode the
+verified), named chain, chain+pipe, tree, tree+pipe (and auto, auto+pipe: the client picks the shape). +pipe sends
+round r+1 before r's verdict where the server takes overlapping rounds (ClientConfig.overlap, the default); +ahead
+drafts it as early but sends it once the verdict bears its guess out (the pipelining before overlap). A mode the
 client in use cannot run (a ClientConfig without those fields) is reported "n/a", never run as something else.
 Grid: every RTT in `--rtt-ms` (one-way latency RTT/2 each way) x every bandwidth in `--mbps` (a cap each way).
 
@@ -84,14 +86,19 @@ SERVER_ONLY = "server-only"
 # The hybrid modes: the ClientConfig fields each sets. A client without a field does what LEGACY says.
 MODES = {
     "chain": {"tree": "chain", "pipeline": False},
-    "chain+pipe": {"tree": "chain", "pipeline": True},
+    "chain+ahead": {"tree": "chain", "pipeline": True, "overlap": False},
+    "chain+pipe": {"tree": "chain", "pipeline": True, "overlap": True},
     "tree": {"tree": "tree", "pipeline": False},
-    "tree+pipe": {"tree": "tree", "pipeline": True},
+    "tree+ahead": {"tree": "tree", "pipeline": True, "overlap": False},
+    "tree+pipe": {"tree": "tree", "pipeline": True, "overlap": True},
     "auto": {"tree": "auto", "pipeline": False},
-    "auto+pipe": {"tree": "auto", "pipeline": True},
+    "auto+ahead": {"tree": "auto", "pipeline": True, "overlap": False},
+    "auto+pipe": {"tree": "auto", "pipeline": True, "overlap": True},
 }
 TREE_SHAPE = ("tree_nodes", "tree_depth", "tree_top_k")  # ClientConfig fields the bench's flags of that name set
-LEGACY = {"tree": "chain", "pipeline": False}  # what a client from before tree rounds and pipelining does
+# What a client from before tree rounds and pipelining does; one from before overlapping rounds sends a round drafted
+# ahead after the verdict it depends on.
+LEGACY = {"tree": "chain", "pipeline": False, "overlap": False}
 DEFAULT_MODES = (SERVER_ONLY, "chain", "chain+pipe", "tree", "tree+pipe")
 PIPELINE_HITS = "pipeline_hits"  # the Stats field counting rounds sent pre-drafted (shown when the client has it)
 # Where a round's time goes: the row's key (ms per round) -> the Stats field (s, summed), shown when the client has it

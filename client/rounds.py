@@ -28,6 +28,16 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   next round is drafted anew. A round is drafted ahead only when accepting the one in flight whole would not end
   the generation. Round numbers and roots are those a client without pipelining sends: the server sees nothing
   new, and a round stays idempotent.
+- Overlapping rounds (`overlap`, where ModelInfo.overlapping_rounds): the round drafted ahead goes out as soon as it
+  is drafted, with DraftRound.after_length, the verified length the guess leaves (the root and the main path
+  added). The server takes a stream's messages in order, so it sees that round straight after the verdict it depends
+  on, and verifies it only if the session stands at that length with the guessed bonus as its root; otherwise it
+  refuses it as REASON_STALE_ROUND and changes nothing. The client mirrors that test on the verdict (same length of
+  path, same bonus: a tree's other path of the main branch's length counts too, and is exact, as every verdict is):
+  a hit makes that round the one in flight with no send of its own (Stats.overlapped); a miss waits for its
+  refusal, which the transport passes over, before the next round's verdict. So a run of hits costs a round trip
+  once, not a round trip a round, and greedy text and sampled laws are the same as without overlap: whether a round
+  counts still depends on the verdict alone.
 - Exactness: before a verdict's delta is adopted the drafter drops every drafted row (the round's own and those
   drafted ahead), so the caches of verified positions come from the deltas alone, the same after a chain, a tree
   or a round drafted ahead (tests/client/test_round_shape.py). A round sent as drafted ahead has its root and main
@@ -40,7 +50,8 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
 
 Tests: tests/client/test_round_shape.py (the auto rule, trees' main branches and paths, the drafter's caches after
 tree rounds and rounds drafted ahead), tests/e2e/test_tree_pipeline.py (greedy equals plain greedy for chain / tree x
-pipelining, a cut link under pipelining, sampled runs, a server without trees).
+pipelining x overlap, a cut link under pipelining, sampled runs, a server without trees), tests/server/test_service.py
+(the server's side of overlapping rounds).
 """
 
 from __future__ import annotations
@@ -72,6 +83,7 @@ class Measured:
     step_s: float = 0.0  # the drafter's time per step: a chain token, or a tree level
     whole: float = 0.0  # the share of rounds that accepted at least what a whole chain holds (k tokens)
     rounds: int = 0  # verdicts measured
+    waits: int = 0  # of them, those whose wait was measured (not overlapping rounds')
     steps: int = 0  # drafter steps measured
 
     def drafted(self, seconds: float, steps: int) -> None:
@@ -81,13 +93,13 @@ class Measured:
             self.step_s = per if not self.steps else self.step_s + EWMA_WEIGHT * (per - self.step_s)
             self.steps += steps
 
-    def answered(self, wait_s: float, whole: bool) -> None:
-        """A verdict came `wait_s` after its round was sent; `whole`: it accepted a whole chain's worth."""
-        if not self.rounds:
-            self.wait_s, self.whole = wait_s, float(whole)
-        else:
-            self.wait_s += EWMA_WEIGHT * (wait_s - self.wait_s)
-            self.whole += EWMA_WEIGHT * (float(whole) - self.whole)
+    def answered(self, wait_s: float | None, whole: bool) -> None:
+        """A verdict came `wait_s` after its round was sent (None: an overlapping round's, which queued behind the
+        verdict before it, so says nothing of the round trip); `whole`: it accepted a whole chain's worth."""
+        if wait_s is not None:
+            self.wait_s = wait_s if not self.waits else self.wait_s + EWMA_WEIGHT * (wait_s - self.wait_s)
+            self.waits += 1
+        self.whole = float(whole) if not self.rounds else self.whole + EWMA_WEIGHT * (float(whole) - self.whole)
         self.rounds += 1
 
 
@@ -142,6 +154,7 @@ class Drafted:
     chain_k: int
     fed: int  # of the root and the main branch's tokens, how many the drafter holds rows for
     sent_at: float = 0.0  # time.monotonic() when it was sent
+    overlapped: bool = False  # sent before the verdict of the round before it, and taken
     main: list[int] = field(default_factory=list)  # the path a round drafted ahead assumes: the chain, or main branch
 
     def tokens_on(self, path: list[int]) -> list[int]:
@@ -201,13 +214,17 @@ class Rounds:
         self.measured.drafted(time.monotonic() - t0, len(tokens))
         return guess
 
-    def _send(self, d: Drafted) -> None:
+    def _send(self, d: Drafted, *, after_length: int = 0) -> None:
+        """Send round `d`: the next to be answered, or with `after_length` an overlapping round, sent before the
+        verdict of the one in flight on the guess that it leaves that many verified positions."""
         d.sent_at = time.monotonic()
-        if self._answered_at is not None:
-            self.stats.verdict_to_send_s += d.sent_at - self._answered_at
-            self._answered_at = None
+        d.msg.after_length = after_length
+        if after_length == 0:
+            if self._answered_at is not None:
+                self.stats.verdict_to_send_s += d.sent_at - self._answered_at
+                self._answered_at = None
+            self._inflight = d
         self.stream.send(pb.ClientMessage(round=d.msg))
-        self._inflight = d
         q = sum(len(row.ids) for row in d.msg.q)
         self.stats.bytes_up += 4 * (1 + len(d.msg.tokens) + len(d.msg.parents)) + 8 * q
 
@@ -225,9 +242,15 @@ class Rounds:
             return None
         return Ahead(path, guess, self._draft(sent.msg.round + 1, guess, self._plan(emitted, length)))
 
+    def _overlaps(self) -> bool:
+        """Whether a round drafted ahead goes out before the verdict it depends on (see the module docstring)."""
+        return self.cfg.pipeline and self.cfg.overlap and self.info.overlapping_rounds
+
     def _drop_rounds(self) -> None:
-        """Forget the round in flight and its drafted rows (the stream it went on is gone, or the generation is)."""
+        """Forget the rounds in flight and their drafted rows (the stream they went on is gone, or the generation
+        is)."""
         self._inflight = self._answered_at = None
+        self._stale = 0
         self.drafter.discard_drafts()
 
     def _round(self) -> None:
@@ -237,17 +260,35 @@ class Rounds:
         if self._inflight is None:
             shape = self._plan(len(self.tokens), len(self.sequence))
             self._send(self._draft(self.round + 1, self.tokens[-1], shape))
-        sent, ahead = self._inflight, None
+        sent, ahead, after = self._inflight, None, 0
         try:
             ahead = self._draft_ahead(sent) if self.cfg.pipeline else None
+            if ahead is not None and self._overlaps() and not self._stopping.is_set():
+                # The server stands there after `sent` exactly when the guess holds: its root, then the main path.
+                after = self.verified + 1 + len(ahead.path)
+                self._send(ahead.round, after_length=after)
             t_wait = time.monotonic()
-            reply = self.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at)
+            reply = self.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at, stale=self._stale)
+            self._stale = 0
             waited, self._answered_at = time.monotonic() - t_wait, self.stream.arrived_at
             v, path = self._verdict(reply, sent)
             self._inflight = None
-            self.measured.answered(self._answered_at - sent.sent_at, whole=v.accepted >= sent.chain_k)
+            wait = None if sent.overlapped else self._answered_at - sent.sent_at
+            self.measured.answered(wait, whole=v.accepted >= sent.chain_k)
             self.stats.verdict_wait_s += self._answered_at - sent.sent_at
-            if ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
+            if after:
+                # The server's test, not the client's: a tree's other path of the same length and bonus also
+                # leaves it at `after` with that root, and the round then is verified there (exactly: it is the
+                # target that decides). Its drafted rows are dropped with the others below.
+                if (len(path), v.bonus) == (len(ahead.path), ahead.bonus):
+                    self._inflight, self._answered_at = ahead.round, None
+                    ahead.round.overlapped = True
+                    self.stats.pipeline_hits += 1
+                    self.stats.overlapped += 1
+                else:
+                    self._stale = ahead.round.msg.round  # its refusal comes before the next round's verdict
+                    self.stats.pipeline_discarded += 1
+            elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
                 self._send(ahead.round)
                 self.stats.pipeline_hits += 1
             elif ahead is not None:

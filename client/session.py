@@ -131,6 +131,7 @@ class EdgeSession(Resync, Rounds):
         self.measured = Measured()  # the round trip, drafting time and acceptance (tether.client.rounds: tree="auto")
         self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
         self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
+        self._stale: int = 0  # an overlapping round refused as stale is still to come back on the stream (its number)
         self._drafts: list[int] = []  # a verdict's accepted tokens, while its delta is checked
         self.offline_run = 0
         self._last_emit = 0.0
@@ -474,7 +475,7 @@ class EdgeSession(Resync, Rounds):
 
     def _finish(self) -> None:
         """Close the session if the server is reachable (unless `keep_open`); the text is complete either way."""
-        if self._inflight is not None:
+        if self._inflight is not None or self._stale:
             self._drop_rounds()  # stopped with a round in flight: its answer no longer matters
         if self.stream is not None:
             self.stream.close()

@@ -60,6 +60,7 @@ class ClientConfig:
     tree_depth: int = 12  # levels a draft tree grows (its longest path)
     tree_top_k: int = 3  # children of each node a tree expands, and nodes expanded per level
     pipeline: bool = True  # draft the next round while this one is verified
+    overlap: bool = True  # with pipeline: send that round before the verdict, where the server takes it (ModelInfo)
     codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
     api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
     tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
@@ -118,6 +119,7 @@ class Stats:
     tree_rounds: int = 0  # rounds that sent a draft tree (the others sent chains)
     pipeline_hits: int = 0  # rounds sent as drafted ahead while the round before them was verified
     pipeline_discarded: int = 0  # rounds drafted ahead and thrown away (the verdict went otherwise, or the link)
+    overlapped: int = 0  # of pipeline_hits, those sent before the verdict of the round before them (overlap)
     bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
     # Where ONLINE rounds' time goes (a round's time is about verdict_wait + verdict_to_send, per round):
     round_work_s: float = 0.0  # not waiting for verdicts: drafting (ahead too), adopting deltas, sending

@@ -343,19 +343,24 @@ class SessionStream:
         self.send(msg)
         return self.receive(timeout)
 
-    def receive(self, timeout: float, since: float | None = None) -> pb.ServerMessage:
+    def receive(self, timeout: float, since: float | None = None, stale: int = 0) -> pb.ServerMessage:
         """The next reply, waited for until `timeout` s after `since` (a time.monotonic(); default: now): a reply
-        that came in meanwhile is taken even when that time has passed."""
-        wait = timeout if since is None else max(0.0, since + timeout - time.monotonic())
-        try:
-            self.arrived_at, reply = self.inbox.get(timeout=wait)
-        except queue.Empty:
-            raise LinkDown(f"no answer within {timeout:.1f} s") from None
-        if isinstance(reply, Exception):
-            raise reply
-        if reply.WhichOneof("body") == "error":
+        that came in meanwhile is taken even when that time has passed. `stale`: an overlapping round of that number
+        was sent on a guess that did not hold; its REASON_STALE_ROUND refusal is passed over, once."""
+        deadline = time.monotonic() + timeout if since is None else since + timeout
+        while True:
+            try:
+                self.arrived_at, reply = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise LinkDown(f"no answer within {timeout:.1f} s") from None
+            if isinstance(reply, Exception):
+                raise reply
+            if reply.WhichOneof("body") != "error":
+                return reply
+            if stale and reply.error.reason == pb.REASON_STALE_ROUND and reply.error.round == stale:
+                stale = 0
+                continue
             raise refused(Refusal.of_inline(reply.error))
-        return reply
 
     def close(self) -> None:
         self.outbox.put(None)

@@ -42,6 +42,7 @@ CODES: dict[int, grpc.StatusCode] = {
     pb.REASON_INTERNAL: grpc.StatusCode.INTERNAL,
     pb.REASON_SESSION_FULL: grpc.StatusCode.OUT_OF_RANGE,
     pb.REASON_NO_DRAFTER: grpc.StatusCode.FAILED_PRECONDITION,
+    pb.REASON_STALE_ROUND: grpc.StatusCode.FAILED_PRECONDITION,
 }
 assert set(CODES) == set(Reason.values()), "every ErrorReason needs its status code"
 

@@ -31,6 +31,8 @@ class ServiceMetrics:
         self.opened = Counter("tether_sessions_opened", "sessions opened (and rebuilt by resync)", registry=r)
         self.resyncs = Counter("tether_resyncs", "resyncs answered, by outcome", ["outcome"], registry=r)
         self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)
+        # Not errors: each one a pipelined client's missed guess (its overlapping round is refused, nothing lost).
+        self.stale_rounds = Counter("tether_stale_rounds", "overlapping rounds refused as stale", registry=r)
         self.verify_seconds = Histogram("tether_verify_seconds", "round latency: batching wait + forward + verdict",
                                         buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
                                         registry=r)  # fmt: skip

@@ -9,9 +9,12 @@ Contract (the messages are in proto/tether/v1/tether.proto):
 - Session: `open` prefills and answers the first token and the prompt's KV delta; each `round` (a draft chain,
   or a draft tree when it carries `parents`) is verified (tether.server.verifier, batched with other sessions'
   rounds by tether.server.batcher) and answered with accepted count, bonus token and delta, and for a tree the
-  accepted path. Round numbers make a repeated round idempotent (the recorded answer
-  is sent again); a bad message gets an inline Error (status code, reason, retry advice) and the stream goes
-  on. `attach` lets a new stream take over a held session (session id + resume token), e.g. after a Resync.
+  accepted path. Round numbers make a repeated round idempotent (the recorded answer is sent again). A round with
+  `after_length` was sent before the verdict it depends on (overlapping): a stream's messages are taken in order,
+  so it is verified straight after that verdict if the session then stands at that length with its root, and is
+  otherwise refused alone as REASON_STALE_ROUND. A bad message gets an inline Error (status code, reason, retry
+  advice) and the stream goes on. `attach` lets a new stream take over a held session (session id + resume token),
+  e.g. after a Resync.
   A stream that sends nothing for `stream_idle_s` is closed (REASON_STREAM_IDLE); its session stays held.
 - Resync: after a disconnection, truncate to the client's verified length, absorb its offline tokens (all of
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
@@ -172,6 +175,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             chat_format_json=self.chat_format.to_json(),
             max_tree_nodes=c.max_draft_tokens if drafter is not None else 0,  # a tree's nodes take a chain's room
             eos_id=tokenizer.eos_id,  # None leaves it unset
+            overlapping_rounds=drafter is not None,
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
@@ -291,8 +295,12 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=payload)
 
     def _refused(self, e: RequestError, what: str, session: str = "") -> None:
-        self.metrics.errors.labels(code=e.code.name).inc()
         extra = {"event": "refused", "call": what, "code": e.code.name, "reason": e.reason_name, "detail": e.message}
+        if e.reason == Reason.REASON_STALE_ROUND:  # routine (a pipelined client's missed guess), not news
+            self.metrics.stale_rounds.inc()
+            log.debug("request refused", extra=extra | {"session": session})
+            return
+        self.metrics.errors.labels(code=e.code.name).inc()
         log.info("request refused", extra=extra | ({"session": session} if session else {}))
 
     async def _abort(self, context: grpc.aio.ServicerContext, e: RequestError, what: str, session: str = ""):
@@ -466,6 +474,12 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                 raise RequestError(Reason.REASON_OUT_OF_ORDER, "the session was resynced since this stream attached")
             if req.round == s.last_round and s.last_reply is not None:
                 return s.last_reply  # a round sent again after a reconnect: same answer, no second run
+            stands = (s.last_round + 1, s.root, s.verifier.length)
+            if req.after_length and (req.round, req.root, req.after_length) != stands:
+                # Sent before the verdict of the round before it, on a guess of that verdict which did not hold.
+                raise RequestError(Reason.REASON_STALE_ROUND,
+                                   f"round {req.round} assumed {req.after_length} verified positions and root "
+                                   f"{req.root}; the session stands at {s.verifier.length}, root {s.root}")  # fmt: skip
             if req.round != s.last_round + 1:
                 raise RequestError(Reason.REASON_OUT_OF_ORDER,
                                    f"round {req.round} out of order: expected {s.last_round + 1}")  # fmt: skip

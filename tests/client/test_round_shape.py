@@ -91,6 +91,9 @@ def test_measured_figures_start_at_the_first_and_then_move_by_the_weight():
     assert m.whole == pytest.approx(1.0 - EWMA_WEIGHT)
     m.drafted(1.0, 0)  # nothing drafted: nothing to learn
     assert m.steps == 8
+    wait, whole = m.wait_s, m.whole
+    m.answered(None, whole=True)  # an overlapping round's verdict: its acceptance counts, its wait does not
+    assert (m.wait_s, m.waits, m.rounds) == (wait, 2, 3) and m.whole == pytest.approx(whole + EWMA_WEIGHT * (1 - whole))
 
 
 def test_main_branch_and_lookahead_rows():

@@ -1,7 +1,8 @@
 """Tree rounds and rounds drafted ahead end to end: the shipped models served on loopback, the edge client over gRPC.
 
-- greedy, chains or trees, drafting ahead or not, onnxruntime or torch: the text is plain greedy decoding's, token
-  for token, every token verified; tree rounds go out as trees, and a greedy run sends rounds drafted ahead;
+- greedy, chains or trees, drafting ahead or not, sending rounds drafted ahead before the verdict they depend on
+  (overlapping) or after it, onnxruntime or torch: the text is plain greedy decoding's, token for token, every token
+  verified; tree rounds go out as trees, and a greedy run sends rounds drafted ahead;
 - trees accept at least as many tokens per round as chains on the same prompt;
 - sampled runs repeat for a seed (the rounds drafted ahead included) and draft rounds ahead: sent, for chains (a
   sampled tree is seldom accepted down its whole main branch, so the rounds drafted after one are thrown away);
@@ -56,18 +57,20 @@ def runs(served, cache):
     """Greedy results by (tree, pipeline), each generated once per module."""
     done: dict = {}
 
-    def get(tree: str, pipeline: bool):
-        if (tree, pipeline) not in done:
-            done[tree, pipeline] = generate(served[0], cache, tree=tree, pipeline=pipeline)
-        return done[tree, pipeline]
+    def get(tree: str, pipeline: bool, overlap: bool = True):
+        if (tree, pipeline, overlap) not in done:
+            done[tree, pipeline, overlap] = generate(served[0], cache, tree=tree, pipeline=pipeline, overlap=overlap)
+        return done[tree, pipeline, overlap]
 
     return get
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["alone", "ahead"])
+@pytest.mark.parametrize(
+    "pipeline, overlap", [(False, False), (True, False), (True, True)], ids=["alone", "ahead", "overlapping"]
+)
 @pytest.mark.parametrize("tree", ["chain", "tree"])
-def test_greedy_equals_plain_greedy(served, runs, tree, pipeline):
-    result = runs(tree, pipeline)
+def test_greedy_equals_plain_greedy(served, runs, tree, pipeline, overlap):
+    result = runs(tree, pipeline, overlap)
     s = result.stats
     assert result.token_ids == served[2]
     assert set(result.tags) == {"verified"} and s.outages == 0
@@ -80,6 +83,11 @@ def test_greedy_equals_plain_greedy(served, runs, tree, pipeline):
         assert s.pipeline_hits + s.pipeline_discarded <= s.rounds
     else:
         assert s.pipeline_hits == s.pipeline_discarded == 0
+    # Overlapping: every hit went out before the verdict it depended on, and the misses' rounds, sent too, came
+    # back refused as stale and were passed over (the run would have ended in an error otherwise).
+    assert s.overlapped == (s.pipeline_hits if overlap else 0)
+    if overlap and tree == "chain":
+        assert s.pipeline_discarded > 0
 
 
 def test_trees_accept_at_least_as_much_per_round_as_chains(runs):

@@ -159,6 +159,40 @@ def test_bad_inputs_get_their_status_and_service_goes_on(served):
     assert out == plain(target, [3, 2, 1], len(out))
 
 
+def test_overlapping_rounds_are_verified_when_their_guess_held_and_refused_as_stale_otherwise(served):
+    """A round sent before the verdict of the one before it (after_length) is verified where the session then
+    stands as it assumed; otherwise it is refused with REASON_STALE_ROUND, nothing changes and the stream goes on."""
+    target, _, service, stub = served
+    assert stub.GetModelInfo(pb.GetModelInfoRequest()).overlapping_rounds
+    prompt = [1, 2, 3, 4, 5, 6, 0, 1]
+    g = plain(target, prompt, 10)
+    n = len(prompt)
+    client = Client(stub)
+    opened = client.send(open_msg(prompt)).opened
+    assert opened.first_token == g[0]
+
+    def draft_round(number, root, tokens, after=0):
+        return pb.ClientMessage(round=pb.DraftRound(round=number, root=root, tokens=tokens, after_length=after))
+
+    # Round 2 goes out before round 1's verdict, on the guess that round 1 is accepted whole with bonus g[3].
+    client.outbox.put(draft_round(1, g[0], g[1:3]))
+    overlapped = draft_round(2, g[3], g[4:6], after=n + 3)
+    client.outbox.put(overlapped)
+    v1, v2 = next(client.replies).verdict, next(client.replies).verdict
+    assert (v1.round, v1.accepted, v1.bonus) == (1, 2, g[3])
+    assert v1.delta.start + len(v1.delta.tokens) == n + 3  # the length the client counts is the server's
+    assert (v2.round, v2.accepted, v2.bonus, v2.delta.start) == (2, 2, g[6], n + 3)
+    assert client.send(overlapped).verdict == v2  # sent again: the same answer, no second run
+    # Guesses that did not hold: another root, another length. Refused, typed, and nothing moves.
+    for wrong in (draft_round(3, (g[6] + 1) % VOCAB, g[7:8], after=n + 6), draft_round(3, g[6], g[7:8], after=n + 5)):
+        e = client.send(wrong).error
+        assert (e.reason, e.round, e.code) == (pb.REASON_STALE_ROUND, 3, grpc.StatusCode.FAILED_PRECONDITION.value[0])
+    assert service.metrics.registry.get_sample_value("tether_stale_rounds_total") >= 2
+    v3 = client.send(draft_round(3, g[6], g[7:9])).verdict
+    assert (v3.round, v3.accepted, v3.bonus, v3.delta.start) == (3, 2, g[9], n + 6)
+    client.close()
+
+
 @pytest.mark.parametrize("rewind", [False, True])
 @pytest.mark.parametrize("lost", [False, True])
 def test_resync_after_a_cut(served, rewind, lost):

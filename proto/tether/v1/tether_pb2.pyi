@@ -26,6 +26,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REASON_INTERNAL: _ClassVar[ErrorReason]
     REASON_SESSION_FULL: _ClassVar[ErrorReason]
     REASON_NO_DRAFTER: _ClassVar[ErrorReason]
+    REASON_STALE_ROUND: _ClassVar[ErrorReason]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ REASON_STREAM_IDLE: ErrorReason
 REASON_INTERNAL: ErrorReason
 REASON_SESSION_FULL: ErrorReason
 REASON_NO_DRAFTER: ErrorReason
+REASON_STALE_ROUND: ErrorReason
 CODEC_RAW: Codec
 CODEC_FP16_SHUFFLE_ZSTD: Codec
 CODEC_INT8_ZSTD: Codec
@@ -79,7 +81,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id")
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id", "overlapping_rounds")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,7 @@ class ModelInfo(_message.Message):
     CHAT_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     EOS_ID_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     model_config_json: str
@@ -114,7 +117,8 @@ class ModelInfo(_message.Message):
     chat_format_json: str
     max_tree_nodes: int
     eos_id: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ...) -> None: ...
+    overlapping_rounds: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ..., overlapping_rounds: _Optional[bool] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
@@ -223,18 +227,20 @@ class OpenSession(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class DraftRound(_message.Message):
-    __slots__ = ("round", "root", "tokens", "q", "parents")
+    __slots__ = ("round", "root", "tokens", "q", "parents", "after_length")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_LENGTH_FIELD_NUMBER: _ClassVar[int]
     round: int
     root: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., root: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    after_length: int
+    def __init__(self, round: _Optional[int] = ..., root: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., after_length: _Optional[int] = ...) -> None: ...
 
 class AttachSession(_message.Message):
     __slots__ = ("session_id", "resume_token")
