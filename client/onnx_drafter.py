@@ -52,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -217,11 +217,14 @@ class OnnxDrafter:
         temperature: float = 0.0,
         top_p: float = 1.0,
         support: int = 8,
+        stop: Callable[[], bool] | None = None,
         generator: np.random.Generator | int | None = None,
     ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
         """A chain of k draft tokens after `root`. Returns the tokens and, when sampling, q_ids (int64) and
         q_probs (fp32), both [k, support]: the truncated distributions the tokens were drawn from. Pass one
-        np.random.Generator across rounds for one random stream (an int seed starts a new one every call)."""
+        np.random.Generator across rounds for one random stream (an int seed starts a new one every call).
+        `stop`, asked after each token but the last: True ends the chain there, shorter; draft(tokens[-1], the rest,
+        the same generator) then goes on as if it had not stopped."""
         rng = np.random.default_rng(generator) if temperature > 0 else None
         tokens: list[int] = []
         q_ids, q_probs = [], []
@@ -236,10 +239,12 @@ class OnnxDrafter:
                 q_ids.append(top)
                 q_probs.append(q)
             tokens.append(token)
+            if stop is not None and len(tokens) < k and stop():
+                break
         if rng is None:
             return tokens, None, None
-        width = min(support, self.vocab_size)
-        return tokens, np.asarray(q_ids, np.int64).reshape(k, width), np.asarray(q_probs, np.float32).reshape(k, width)
+        n, width = len(tokens), min(support, self.vocab_size)
+        return tokens, np.asarray(q_ids, np.int64).reshape(n, width), np.asarray(q_probs, np.float32).reshape(n, width)
 
     def feed(self, tokens: list[int]) -> int | None:
         """Step over `tokens`, already decided (a round sent, a prompt's tail), as drafted rows after those held;

@@ -26,8 +26,12 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   When the verdict accepts exactly that path and its bonus is the guess, the round drafted ahead is sent at once,
   before the verdict's delta is adopted (Stats.pipeline_hits); otherwise it is dropped (pipeline_discarded) and the
   next round is drafted anew. A round is drafted ahead only when accepting the one in flight whole would not end
-  the generation. Round numbers and roots are those a client without pipelining sends: the server sees nothing
-  new, and a round stays idempotent.
+  the generation. A chain drafted ahead stops as soon as a verdict is in (a drafter slower than the round trip: a
+  large TLI on a CPU edge, or a link of RTT 0), so a miss costs no more drafting; a hit finishes it first
+  (`_draft_rest`: the same tokens and draws as a draft never stopped). Each online draft samples from a random stream
+  of its own (the session's n-th), so where a draft was cut never moves a later draw: a seed repeats a text. Round
+  numbers and roots are those a client without pipelining sends: the server sees nothing new, and a round stays
+  idempotent.
 - Overlapping rounds (`overlap`, where ModelInfo.overlapping_rounds): the round drafted ahead goes out as soon as it
   is drafted, with DraftRound.after_length, the verified length the guess leaves (the root and the main path
   added). The server takes a stream's messages in order, so it sees that round straight after the verdict it depends
@@ -56,8 +60,11 @@ pipelining x overlap, a cut link under pipelining, sampled runs, a server withou
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tether.client.delta_gate import wire_delta
 from tether.client.errors import Problem
@@ -155,6 +162,8 @@ class Drafted:
     fed: int  # of the root and the main branch's tokens, how many the drafter holds rows for
     sent_at: float = 0.0  # time.monotonic() when it was sent
     overlapped: bool = False  # sent before the verdict of the round before it, and taken
+    short: int = 0  # a chain drafted ahead and cut short by its verdict's arrival: the tokens still to draft
+    rng: Any = None  # the random stream its tokens were drawn from (its own: see Rounds._draft), when sampling
     main: list[int] = field(default_factory=list)  # the path a round drafted ahead assumes: the chain, or main branch
 
     def tokens_on(self, path: list[int]) -> list[int]:
@@ -185,10 +194,15 @@ class Rounds:
             return Shape(depth, k, True, nodes, cfg.tree_top_k)
         return Shape(k, k)
 
-    def _draft(self, number: int, root: int, shape: Shape) -> Drafted:
-        """Round `number`'s draft after `root`, from the rows the drafter holds now."""
+    def _draft(self, number: int, root: int, shape: Shape, stop: Callable[[], bool] | None = None) -> Drafted:
+        """Round `number`'s draft after `root`, from the rows the drafter holds now. `stop` may cut a chain short
+        (Drafted.short; `_draft_rest` completes it). Each draft samples from a random stream of its own, the
+        session's n-th: how far a draft cut short got then changes no later draw, so a seed repeats a text whenever
+        the draft ahead is cut."""
         cfg = self.cfg
         t0 = time.monotonic()
+        rng = self._draft_streams(self._drafts_started) if cfg.temperature > 0 else None
+        self._drafts_started += 1
         if shape.tree:
             tree = self.drafter.draft_tree(root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1)
             tokens, parents = [int(t) for t in tree.tokens][1:], [int(p) for p in tree.parents][1:]
@@ -196,15 +210,30 @@ class Rounds:
             d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents))
         else:
             drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                        generator=self._draft_rng)  # fmt: skip
-            msg = pb.DraftRound(round=number, root=root, tokens=drafts)
-            if q_ids is not None:
-                rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
-                msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
-            # The drafter stepped over the root and every draft but the last.
-            d = Drafted(msg, None, shape.chain_k, fed=len(drafts), main=list(range(1, len(drafts) + 1)))
+                                                        stop=stop, generator=rng)  # fmt: skip
+            msg = pb.DraftRound(round=number, root=root)
+            d = Drafted(msg, None, shape.chain_k, fed=0, short=shape.k, rng=rng)
+            self._extend(d, drafts, q_ids, q_probs)
         self.measured.drafted(time.monotonic() - t0, shape.k)
         return d
+
+    def _extend(self, d: Drafted, drafts: list[int], q_ids, q_probs) -> None:
+        """Add a chain's `drafts` (and their q rows when sampling) to round `d`."""
+        d.msg.tokens.extend(drafts)
+        if q_ids is not None:
+            rows = zip(q_ids.tolist(), q_probs.tolist(), strict=True)
+            d.msg.q.extend(pb.SparseDistribution(ids=i, probs=p) for i, p in rows)
+        # The drafter stepped over the root and every draft but the last.
+        d.fed, d.short = len(d.msg.tokens), d.short - len(drafts)
+        d.main = list(range(1, d.fed + 1))
+
+    def _draft_rest(self, d: Drafted) -> None:
+        """Complete a chain cut short: the same tokens and draws as if it had never stopped."""
+        t0, cfg = time.monotonic(), self.cfg
+        drafts, q_ids, q_probs = self.drafter.draft(d.msg.tokens[-1], d.short, temperature=cfg.temperature,
+                                                    top_p=cfg.top_p, generator=d.rng)  # fmt: skip
+        self._extend(d, drafts, q_ids, q_probs)
+        self.measured.drafted(time.monotonic() - t0, len(drafts))
 
     def _feed(self, tokens: list[int]) -> int | None:
         """Step the drafter over tokens already decided or sent (greedy steps draw nothing); the argmax after the
@@ -240,7 +269,9 @@ class Rounds:
         guess = self._feed(([sent.msg.root] + tokens)[sent.fed :])
         if guess in stops:
             return None
-        return Ahead(path, guess, self._draft(sent.msg.round + 1, guess, self._plan(emitted, length)))
+        # A verdict in already: stop drafting ahead, so a miss costs no more of it (a hit finishes the chain).
+        stop = functools.partial(self.stream.has_reply, self._stale)
+        return Ahead(path, guess, self._draft(sent.msg.round + 1, guess, self._plan(emitted, length), stop))
 
     def _overlaps(self) -> bool:
         """Whether a round drafted ahead goes out before the verdict it depends on (see the module docstring)."""
@@ -263,7 +294,7 @@ class Rounds:
         sent, ahead, after = self._inflight, None, 0
         try:
             ahead = self._draft_ahead(sent) if self.cfg.pipeline else None
-            if ahead is not None and self._overlaps() and not self._stopping.is_set():
+            if ahead is not None and not ahead.round.short and self._overlaps() and not self._stopping.is_set():
                 # The server stands there after `sent` exactly when the guess holds: its root, then the main path.
                 after = self.verified + 1 + len(ahead.path)
                 self._send(ahead.round, after_length=after)
@@ -289,6 +320,8 @@ class Rounds:
                     self._stale = ahead.round.msg.round  # its refusal comes before the next round's verdict
                     self.stats.pipeline_discarded += 1
             elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
+                if ahead.round.short:
+                    self._draft_rest(ahead.round)
                 self._send(ahead.round)
                 self.stats.pipeline_hits += 1
             elif ahead is not None:

@@ -89,12 +89,14 @@ AFFINITY_HEADER = "x-tether-affinity"  # per-generation key for load balancers' 
 DOWNLOAD_ATTEMPTS = 20  # a download a flaky link breaks resumes where the cache stops, this many times in a row
 
 
-def _draft_seed(seed: int) -> int:
+def _draft_seed(seed: int, stream: int = -1) -> int:
     """The drafter's own seed, derived from the session's: the server seeds its verifier's uniforms with the session
     seed (a torch CPU Generator, as the torch drafter's), and drafts drawn from the same stream as the uniforms that
     judge them are not independent of them, which lossless rejection sampling needs (seen: chi-square 265 against a
-    bound of 46 over sampled tree rounds drafted that way, 15.6 with independent streams)."""
-    digest = hashlib.sha256(b"tether draft seed " + (seed % 2**64).to_bytes(8, "little")).digest()
+    bound of 46 over sampled tree rounds drafted that way, 15.6 with independent streams). `stream` >= 0: the seed of
+    the session's stream-th online draft (tether.client.rounds), one stream each; -1: offline drafting's stream."""
+    salt = b"" if stream < 0 else b" round draft " + stream.to_bytes(8, "little")
+    digest = hashlib.sha256(b"tether draft seed " + (seed % 2**64).to_bytes(8, "little") + salt).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64, as manual_seed takes
 
 
@@ -132,6 +134,7 @@ class EdgeSession(Resync, Rounds):
         self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
         self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
         self._stale: int = 0  # an overlapping round refused as stale is still to come back on the stream (its number)
+        self._drafts_started = 0  # online drafts so far: the next one samples from the stream of that number
         self._drafts: list[int] = []  # a verdict's accepted tokens, while its delta is checked
         self.offline_run = 0
         self._last_emit = 0.0
@@ -301,11 +304,13 @@ class EdgeSession(Resync, Rounds):
         cfg = self.cfg
         if self.reuse is not None and cfg.backend == "onnx":
             self._draft_rng = np.random.default_rng(_draft_seed(cfg.seed))
+            self._draft_streams = lambda n: np.random.default_rng(_draft_seed(cfg.seed, n))
             return self.reuse
         if cfg.backend == "onnx":
             part = fetch_onnx_part(self.stub, info, cfg.cache_dir, precision=cfg.precision, metadata=self.metadata,
                                    max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress)  # fmt: skip
             self._draft_rng = np.random.default_rng(_draft_seed(cfg.seed))
+            self._draft_streams = lambda n: np.random.default_rng(_draft_seed(cfg.seed, n))
             return Paired(info, part.tokenizer, part.drafter, part.nbytes)
         # The torch backend (kept to compare against) is the only part of the client that imports torch.
         import torch
@@ -314,11 +319,13 @@ class EdgeSession(Resync, Rounds):
 
         if self.reuse is not None:
             self._draft_rng = torch.Generator().manual_seed(_draft_seed(cfg.seed))
+            self._draft_streams = lambda n: torch.Generator().manual_seed(_draft_seed(cfg.seed, n))
             return self.reuse
         tensors = fetch_client_part(self.stub, info, cfg.cache_dir, metadata=self.metadata,
                                     max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress)  # fmt: skip
         models = build_client_models(info, tensors)
         self._draft_rng = torch.Generator().manual_seed(_draft_seed(cfg.seed))
+        self._draft_streams = lambda n: torch.Generator().manual_seed(_draft_seed(cfg.seed, n))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return Paired(info, models.tokenizer, models.drafter, nbytes)
 

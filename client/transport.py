@@ -343,6 +343,12 @@ class SessionStream:
         self.send(msg)
         return self.receive(timeout)
 
+    def has_reply(self, stale: int = 0) -> bool:
+        """Whether a reply is waiting that `receive(..., stale=stale)` would return or raise at once (a stale
+        round's refusal, which it passes over, does not count)."""
+        with self.inbox.mutex:
+            return any(not _is_stale(reply, stale) for _, reply in self.inbox.queue)
+
     def receive(self, timeout: float, since: float | None = None, stale: int = 0) -> pb.ServerMessage:
         """The next reply, waited for until `timeout` s after `since` (a time.monotonic(); default: now): a reply
         that came in meanwhile is taken even when that time has passed. `stale`: an overlapping round of that number
@@ -357,7 +363,7 @@ class SessionStream:
                 raise reply
             if reply.WhichOneof("body") != "error":
                 return reply
-            if stale and reply.error.reason == pb.REASON_STALE_ROUND and reply.error.round == stale:
+            if _is_stale(reply, stale):
                 stale = 0
                 continue
             raise refused(Refusal.of_inline(reply.error))
@@ -365,6 +371,17 @@ class SessionStream:
     def close(self) -> None:
         self.outbox.put(None)
         self.call.cancel()
+
+
+def _is_stale(reply: pb.ServerMessage | Exception, stale: int) -> bool:
+    """Whether `reply` is the REASON_STALE_ROUND refusal of overlapping round `stale` (0: none expected)."""
+    return (
+        bool(stale)
+        and isinstance(reply, pb.ServerMessage)
+        and reply.WhichOneof("body") == "error"
+        and reply.error.reason == pb.REASON_STALE_ROUND
+        and reply.error.round == stale
+    )
 
 
 def open_channel(address: str, *, keepalive_s: float, tls_ca: str = "", tls_cert: str = "", tls_key: str = ""):

@@ -23,6 +23,8 @@ caches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -88,11 +90,13 @@ class DrafterBase(nn.Module):
         temperature: float = 0.0,
         top_p: float = 1.0,
         support: int = 8,
+        stop: Callable[[], bool] | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[list[int], Tensor | None, Tensor | None]:
         """A chain of k draft tokens after `root` (the token at the first unverified position).
         Returns the tokens and, when sampling, q_ids/q_probs [k, min(support, V)]: the distributions they came
-        from (k = 0 gives [0, min(support, V)])."""
+        from (k = 0 gives [0, min(support, V)]). `stop`, asked after each token but the last: True ends the chain
+        there, shorter; draft(tokens[-1], the rest, same generator) then goes on as if it had not stopped."""
         tokens: list[int] = []
         q_ids, q_probs = [], []
         token = root
@@ -108,6 +112,8 @@ class DrafterBase(nn.Module):
                 q_probs.append(q)
             tokens.append(token)
             self._drafted += 1
+            if stop is not None and len(tokens) < k and stop():
+                break
         if temperature == 0:
             return tokens, None, None
         if not tokens:  # torch.stack refuses an empty list; a round with one token left drafts none

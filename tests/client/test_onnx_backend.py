@@ -267,6 +267,39 @@ def test_sampled_draft_carries_the_torch_distribution(exported):
     assert len(tokens) == 3 and q_ids.shape == (3, VOCAB) and np.allclose(q_probs.sum(-1), 1)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("backend", ["torch", "onnx"])
+def test_a_chain_stopped_and_gone_on_with_is_the_chain_never_stopped(exported, backend, temperature):
+    """draft(stop=) ends a chain early (asked after each token but the last); draft(tokens[-1], the rest) with the
+    same generator then gives the tokens, q rows and cache rows of one uninterrupted draft."""
+    target, ref, out = exported("moa", 2)
+    drafter = ref if backend == "torch" else OnnxDrafter.load(out)
+    _, delta = SequenceVerifier(target, ref, capacity=64).open(PROMPT)
+
+    def rng():
+        return torch.Generator().manual_seed(3) if backend == "torch" else np.random.default_rng(3)
+
+    settings = dict(temperature=temperature, top_p=1.0, support=4)
+    drafter.begin(delta)
+    whole = drafter.draft(PROMPT[-1], 5, **settings, generator=rng())
+    after_whole = drafter.draft(whole[0][-1], 1)[0]  # the next token: it reads the rows the draft left
+    asked = []
+    drafter.begin(delta)
+    g = rng()
+    first = drafter.draft(PROMPT[-1], 5, **settings, stop=lambda: asked.append(1) or len(asked) == 2, generator=g)
+    assert len(first[0]) == 2 and len(asked) == 2
+    rest = drafter.draft(first[0][-1], 3, **settings, generator=g)
+    assert first[0] + rest[0] == whole[0]
+    assert drafter.draft(rest[0][-1], 1)[0] == after_whole
+    if temperature == 0:
+        assert whole[1] is None and first[1] is None
+    else:
+        assert np.array_equal(np.concatenate([np.asarray(first[1]), np.asarray(rest[1])]), np.asarray(whole[1]))
+        np.testing.assert_array_equal(np.concatenate([np.asarray(first[2]), np.asarray(rest[2])]), np.asarray(whole[2]))
+    drafter.begin(delta)
+    assert len(drafter.draft(PROMPT[-1], 3, stop=lambda: False)[0]) == 3  # never asked to stop: the whole chain
+
+
 def test_cache_capacity_and_delta_order_are_checked(exported):
     target, ref, out = exported("moa", 1)
     onnx = OnnxDrafter.load(out)

@@ -3,6 +3,7 @@
 - greedy, chains or trees, drafting ahead or not, sending rounds drafted ahead before the verdict they depend on
   (overlapping) or after it, onnxruntime or torch: the text is plain greedy decoding's, token for token, every token
   verified; tree rounds go out as trees, and a greedy run sends rounds drafted ahead;
+- a draft ahead cut short by its verdict's arrival changes no token and no round, greedy or sampled;
 - trees accept at least as many tokens per round as chains on the same prompt;
 - sampled runs repeat for a seed (the rounds drafted ahead included) and draft rounds ahead: sent, for chains (a
   sampled tree is seldom accepted down its whole main branch, so the rounds drafted after one are thrown away);
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from tether.client.session import ClientConfig, EdgeSession, Event, State
+from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
 from tether.shared.speculative import target_probs
 
@@ -44,10 +46,15 @@ def cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cache"))
 
 
-def generate(address: str, cache: str, **fields):
+def generate(address: str, cache: str, early: bool | None = None, **fields):
+    """One generation. `early`: whether every verdict counts as in before the draft ahead of it is done (True: it
+    is cut after its first token; False: never cut; None: as the verdicts really come)."""
     session = EdgeSession(ClientConfig(server=address, max_new_tokens=N_NEW, cache_dir=cache, **PATIENT | fields))
     try:
-        return session.run(PROMPT)
+        with pytest.MonkeyPatch.context() as mp:
+            if early is not None:
+                mp.setattr(SessionStream, "has_reply", lambda self, stale=0: early)
+            return session.run(PROMPT)
     finally:
         session.close()
 
@@ -59,7 +66,8 @@ def runs(served, cache):
 
     def get(tree: str, pipeline: bool, overlap: bool = True):
         if (tree, pipeline, overlap) not in done:
-            done[tree, pipeline, overlap] = generate(served[0], cache, tree=tree, pipeline=pipeline, overlap=overlap)
+            done[tree, pipeline, overlap] = generate(served[0], cache, False, tree=tree, pipeline=pipeline,
+                                                     overlap=overlap)  # fmt: skip
         return done[tree, pipeline, overlap]
 
     return get
@@ -88,6 +96,22 @@ def test_greedy_equals_plain_greedy(served, runs, tree, pipeline, overlap):
     assert s.overlapped == (s.pipeline_hits if overlap else 0)
     if overlap and tree == "chain":
         assert s.pipeline_discarded > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_draft_ahead_cut_short_by_its_verdict_changes_no_token(served, cache, temperature):
+    """A verdict that comes in while the next round is drafted ahead stops that draft (a miss then costs no more of
+    it; a hit finishes it): the same tokens and the same rounds as drafts never cut, sampled too."""
+    fields = {"temperature": temperature, "top_p": 0.95, "seed": 5, "tree": "chain", "pipeline": True}
+    cut, whole = (generate(served[0], cache, early, **fields) for early in (True, False))
+    assert cut.token_ids == whole.token_ids and len(cut.token_ids) == N_NEW
+    if temperature == 0:
+        assert cut.token_ids == served[2]
+    figures = ("rounds", "accepted", "drafted", "pipeline_hits", "pipeline_discarded")
+    assert [getattr(cut.stats, f) for f in figures] == [getattr(whole.stats, f) for f in figures]
+    assert cut.stats.pipeline_hits > 0 and cut.stats.overlapped == 0  # cut short: sent once its verdict bore it out
+    assert cut.stats.pipeline_discarded > 0  # misses cut their drafts short: later draws must not move for it
+    assert whole.stats.overlapped == whole.stats.pipeline_hits > 0
 
 
 def test_trees_accept_at_least_as_much_per_round_as_chains(runs):
