@@ -31,7 +31,7 @@ from tether.client.errors import Problem
 from tether.client.refusals import Refusal
 from tether.client.rounds import lookahead_rows
 from tether.client.session_types import CODECS, Event, State, Stats
-from tether.client.transport import ServerError, SessionStream, rpc_error
+from tether.client.transport import ServerError, rpc_error
 from tether.v1 import tether_pb2 as pb
 
 
@@ -201,9 +201,7 @@ class Resync:
         self._check_token(reply.target_token, "next token")
 
     def _attach(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-        self.stream = SessionStream(self.stub, self.metadata)
+        self._new_stream()
         att = pb.AttachSession(session_id=self.session_id, resume_token=self.resume_token)
         reply = self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s)
         if reply.attached.verified_length != self.verified:

@@ -199,7 +199,7 @@ class EdgeSession(Resync, Rounds):
                 self.stub.Close(pb.CloseRequest(session_id=record.session_id), metadata=self.metadata, timeout=2.0)
             except grpc.RpcError:
                 pass  # gone already (or unreachable): nothing is lost, it held only what we re-send now
-        self.stream = SessionStream(self.stub, self.metadata)
+        self._new_stream()
         history = self.sequence[: self.verified]
         open_ = pb.OpenSession(prompt=history, sampling=self._sampling(), max_new_tokens=self.cfg.max_new_tokens,
                                delta_codec=CODECS[self.cfg.codec],
@@ -329,9 +329,16 @@ class EdgeSession(Resync, Rounds):
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return Paired(info, models.tokenizer, models.drafter, nbytes)
 
+    def _new_stream(self) -> None:
+        """A new Session stream in place of the one held, which is closed: an open or attach that failed leaves its
+        stream behind, and each would keep a gRPC thread waiting on it for good."""
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = SessionStream(self.stub, self.metadata)
+
     def _open(self) -> None:
         cfg = self.cfg
-        self.stream = SessionStream(self.stub, self.metadata)
+        self._new_stream()
         # A chat asks room for later turns too (the server caps it at its own limit; past that, turns rebuild).
         open_ = pb.OpenSession(prompt=self.prompt, sampling=self._sampling(),
                                max_new_tokens=cfg.max_new_tokens + self.reserve, delta_codec=CODECS[cfg.codec],

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, SessionLost, State
+from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import default_model_dir, load
 from tether.server.rpc_server import make_server
@@ -379,3 +380,39 @@ def test_rewind_that_ends_offline_with_every_token_absorbed_has_nothing_left_to_
         stop(server)
     assert result.stats.offline_tokens > 0 and result.stats.resyncs == 1 and result.stats.retracted == 0
     assert result.token_ids == plain
+
+
+def test_opens_that_fail_leave_no_stream_behind(models, tmp_path, monkeypatch):
+    """Each failed open (the link stalled: no answer within connect_timeout_s) is tried again on a new stream; the
+    one before is closed, so no gRPC thread is left waiting on it for good."""
+    made, closed = [], set()
+    real_init, real_close = SessionStream.__init__, SessionStream.close
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    def close(self):
+        closed.add(id(self))
+        real_close(self)
+
+    monkeypatch.setattr(SessionStream, "__init__", init)
+    monkeypatch.setattr(SessionStream, "close", close)
+    service = make_service(models)
+    server, port = serve(service)
+    sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
+    sim.start()
+    cfg = ClientConfig(server=sim.address, cache_dir=str(tmp_path), max_new_tokens=8, connect_timeout_s=0.5,
+                       backoff_initial_s=0.01, backoff_max_s=0.02)  # fmt: skip
+    session = EdgeSession(cfg, connect_attempts=3)
+    try:
+        session.pair()  # the weights over a clean link; then every open meets a stalled one
+        sim.stall()
+        with pytest.raises(LinkDown):
+            session.run(PROMPT)
+    finally:
+        session.close()
+        sim.stop()
+        stop(server)
+        service.close()
+    assert len(made) == 3 and all(id(s) in closed for s in made)
