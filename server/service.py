@@ -52,6 +52,7 @@ import logging
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -184,10 +185,16 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         self.table = SessionTable(self.pool, self._verifier, limits, metrics=self.metrics)
         self.check = Checks(target.cfg.vocab_size, model_fingerprint, self.pool)
         self.metrics.kv_blocks.set(self.pool.num_blocks)
-        self.metrics.kv_blocks_used.set_function(lambda: self.pool.used_blocks)
+        # Weakly: the batcher's threads reach this gauge, and would hold the pool and the service through it.
+        pool = weakref.ref(self.pool)
+        self.metrics.kv_blocks_used.set_function(lambda: p.used_blocks if (p := pool()) is not None else 0)
         self.batcher = RoundBatcher(target, window_s=c.batch_window_s, max_batch=c.max_batch,
                                     on_batch=self.metrics.observe_batch)  # fmt: skip
         self.executor = concurrent.futures.ThreadPoolExecutor(c.model_threads, thread_name_prefix="tether-model")
+        # A service dropped without close() (an embedding program's, a test's) still ends its threads, and so frees its
+        # KV pool; close() is the orderly way.
+        weakref.finalize(self, RoundBatcher.close, self.batcher)
+        weakref.finalize(self, self.executor.shutdown, False)
         self._inflight: set[concurrent.futures.Future] = set()  # work handed to threads (waited for at stop)
         self._generating = 0  # Generate streams decoding now
         self._inflight_lock = threading.Lock()

@@ -1,6 +1,8 @@
 """The gRPC service on loopback, driven by a test client that speaks the protocol directly."""
 
+import gc
 import queue
+import weakref
 
 import grpc
 import pytest
@@ -84,6 +86,23 @@ def run_session(stub, drafter, prompt, n, k=4, repeat_every=0, metadata=None, sa
         root = v.bonus
     client.close()
     return out, opened.session_id, opened.resume_token, len(prompt) + len(out) - 1, root
+
+
+def test_a_service_dropped_without_close_is_freed_and_ends_its_threads():
+    """Its batcher's threads must not keep it (and its KV pool) alive: an embedding program that forgets close()
+    gets the memory back once it lets the service go."""
+    target = tiny_target(vocab_size=VOCAB)
+    tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
+    service = TetherService(target, tiny_moa_drafter(target), tok, ServiceConfig(max_sessions=2), model_fingerprint=FP)
+    threads = (service.batcher.worker, service.batcher.finisher)
+    assert all(t.is_alive() for t in threads)
+    ref = weakref.ref(service)
+    del service
+    gc.collect()
+    assert ref() is None
+    for t in threads:
+        t.join(timeout=30)  # they end on their own once told to; the timeout only bounds a failure
+        assert not t.is_alive()
 
 
 def test_model_info(served):
