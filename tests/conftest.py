@@ -1,4 +1,13 @@
-"""Test configuration. Its presence puts tests/ on sys.path, so test modules share tiny_models.py."""
+"""Test configuration. Its presence puts tests/ on sys.path, so test modules share tiny_models.py.
+
+Every gRPC server a test module leaves serving is stopped, and every TetherService it made is closed, once the
+module's own fixtures are done (`_servers_released`): a service's batcher threads keep it alive to the
+end of the run otherwise, its KV pool (256 MB by default) among it, and the suite runs in one process.
+"""
+
+import functools
+import sys
+import weakref
 
 import pytest
 import torch
@@ -11,3 +20,39 @@ def _grad_mode_restored():
     enabled = torch.is_grad_enabled()
     yield
     torch.set_grad_enabled(enabled)
+
+
+_made: dict[str, weakref.WeakSet] = {"servers": weakref.WeakSet(), "services": weakref.WeakSet()}
+
+
+def _track(cls, kind: str) -> None:
+    """Wrap cls.__init__ so that every instance made from now on joins _made[kind] (weakly: tracking keeps none)."""
+    if getattr(cls.__init__, "_tracked", False):
+        return
+    real = cls.__init__
+
+    @functools.wraps(real)
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        _made[kind].add(self)
+
+    init._tracked = True
+    cls.__init__ = init
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers_released():
+    """After the module (this autouse fixture is set up before, so torn down after, the module's own): stop the gRPC
+    servers still serving, then close the services. Only classes already imported are tracked: test modules import
+    what they use at collection, before any fixture runs, and a suite that never imports the server pays nothing."""
+    if "tether.server.service" in sys.modules:
+        _track(sys.modules["tether.server.service"].TetherService, "services")
+    if "tether.server.rpc_server" in sys.modules:
+        _track(sys.modules["tether.server.rpc_server"].ServerHandle, "servers")
+    yield
+    for server in list(_made["servers"]):
+        server.stop(None)  # a no-op for one already stopped
+    for service in list(_made["services"]):
+        service.close()
+    _made["servers"] = weakref.WeakSet()
+    _made["services"] = weakref.WeakSet()

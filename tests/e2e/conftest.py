@@ -14,7 +14,7 @@ from tether.shared.drafter import load_drafter
 def start_server():
     """start_server(edit=None) -> (address, service): the shipped target and drafter served on the CPU over
     loopback, `edit(service)` applied before it starts (to make it look like another server); every server started
-    is stopped after the module."""
+    is stopped, and its service closed, after the module."""
     servers = []
 
     def start(edit=None):
@@ -26,12 +26,13 @@ def start_server():
             edit(service)
         server, port = make_server(service, "127.0.0.1:0")
         server.start()
-        servers.append(server)
+        servers.append((server, service))
         return f"127.0.0.1:{port}", service
 
     yield start
-    for server in servers:
+    for server, service in servers:
         server.stop(None)
+        service.close()  # its batcher thread would keep it, its KV pool among it, to the end of the run
 
 
 @pytest.fixture(scope="module")

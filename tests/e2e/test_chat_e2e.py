@@ -55,9 +55,10 @@ def models():
     return target, load_drafter(default_model_dir("drafter"), target), tok
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def servers(models):
-    """Started on demand: servers(drafter=True, template=None) -> (address, service); stopped after the module."""
+    """Started on demand: servers(drafter=True, template=None) -> (address, service); stopped after the test (each
+    holds a KV pool of its own: a module's worth at once would be gigabytes)."""
     started = []
 
     def start(drafter: bool = True, template: str | None = None):
