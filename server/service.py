@@ -193,8 +193,10 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         self.executor = concurrent.futures.ThreadPoolExecutor(c.model_threads, thread_name_prefix="tether-model")
         # A service dropped without close() (an embedding program's, a test's) still ends its threads, and so frees its
         # KV pool; close() is the orderly way.
-        weakref.finalize(self, RoundBatcher.close, self.batcher)
-        weakref.finalize(self, self.executor.shutdown, False)
+        # Not at interpreter exit, though: the threads are daemons then, and ending them midway aborts the process.
+        for done in (weakref.finalize(self, RoundBatcher.close, self.batcher),
+                     weakref.finalize(self, self.executor.shutdown, False)):  # fmt: skip
+            done.atexit = False
         self._inflight: set[concurrent.futures.Future] = set()  # work handed to threads (waited for at stop)
         self._generating = 0  # Generate streams decoding now
         self._inflight_lock = threading.Lock()
