@@ -201,14 +201,14 @@ class Rounds:
         the draft ahead is cut."""
         cfg = self.cfg
         t0 = time.monotonic()
-        rng = self._draft_streams(self._drafts_started) if cfg.temperature > 0 else None
-        self._drafts_started += 1
         if shape.tree:
             tree = self.drafter.draft_tree(root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1)
             tokens, parents = [int(t) for t in tree.tokens][1:], [int(p) for p in tree.parents][1:]
             msg = pb.DraftRound(round=number, root=root, tokens=tokens, parents=parents)
             d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents))
-        else:
+        else:  # a tree's nodes are top-k picks, which draw nothing: only chains take a stream
+            rng = self._draft_streams(self._drafts_started) if cfg.temperature > 0 else None
+            self._drafts_started += 1
             drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
                                                         stop=stop, generator=rng)  # fmt: skip
             msg = pb.DraftRound(round=number, root=root)

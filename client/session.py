@@ -134,7 +134,7 @@ class EdgeSession(Resync, Rounds):
         self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
         self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
         self._stale: int = 0  # an overlapping round refused as stale is still to come back on the stream (its number)
-        self._drafts_started = 0  # online drafts so far: the next one samples from the stream of that number
+        self._drafts_started = 0  # online chains drafted so far: the next one samples from the stream of that number
         self._drafts: list[int] = []  # a verdict's accepted tokens, while its delta is checked
         self.offline_run = 0
         self._last_emit = 0.0
