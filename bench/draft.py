@@ -15,6 +15,7 @@ Prints a table, then one JSON line.
     python bench/draft.py
     python bench/draft.py --contexts 64 2000 --torch
     python bench/draft.py --precisions fp32 fp16 int8
+    python bench/draft.py --model runs/medium --drafter runs/drafters/moa3 --threads 4
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precisions", nargs="*", default=[], choices=ONNX_PRECISIONS,
                     help="also time the server's ONNX parts in these precisions")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="", help="target directory (default: the default target)")
+    ap.add_argument("--drafter", default="", help="drafter directory trained against it (default: the default one)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    model_dir, drafter_dir = str(default_model_dir()), str(default_model_dir("drafter"))
+    model_dir, drafter_dir = args.model or str(default_model_dir()), args.drafter or str(default_model_dir("drafter"))
     target, tok = load(model_dir, "cpu")
     drafter = load_drafter(drafter_dir, target, target_fingerprint=fingerprint(model_dir))
     capacity = max(args.contexts) + args.k + 8
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             ver.release()
         exporter.close()
-    table = Table(title=f"draft step, default drafter (TLI {drafter.dcfg.tli}), k={args.k}, CPU ({platform.machine()})")
+    which = f"{args.drafter or 'default drafter'} ({drafter.dcfg.kind}, TLI {drafter.dcfg.tli})"
+    table = Table(title=f"draft step, {which}, k={args.k}, {args.threads} thread(s), CPU ({platform.machine()})")
     keys = ["onnx_ms", *(f"onnx_{p}_ms" for p in args.precisions)] + (["torch_ms"] if args.torch else [])
     table.add_column("context", justify="right")
     for key in keys:
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         refeed = (f"{r['onnx_refeed_stepped_ms']:.2f}", f"{r['onnx_refeed_fed_ms']:.2f}")
         table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys), *refeed)
     Console().print(table)
-    record = {"bench": "draft", "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads,
+    record = {"bench": "draft", "model": model_dir, "drafter": drafter_dir, "kind": drafter.dcfg.kind,
+              "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads,
               "torch": torch.__version__, "part_bytes": part_bytes, "rows": rows}  # fmt: skip
     print(json.dumps(record))
     return record

@@ -204,8 +204,9 @@ class Rig:
     def config(self, **kw) -> ClientConfig:
         a = self.args
         base = dict(server=self.sim.address, cache_dir=self.cache.name, max_new_tokens=a.new_tokens, k=a.k,
-                    codec=a.codec, backend=a.backend, precision=a.precision, api_key=a.api_key, round_timeout_s=10.0,
-                    connect_timeout_s=60.0, backoff_initial_s=0.05, backoff_max_s=0.5)  # fmt: skip
+                    codec=a.codec, backend=a.backend, precision=a.precision, threads=a.threads, api_key=a.api_key,
+                    round_timeout_s=10.0, connect_timeout_s=60.0, backoff_initial_s=0.05,
+                    backoff_max_s=0.5)  # fmt: skip
         have = {f.name for f in dataclasses.fields(ClientConfig)}
         base |= {name: getattr(a, name) for name in TREE_SHAPE if name in have and getattr(a, name)}
         return ClientConfig(**{**base, **kw})
@@ -377,6 +378,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--codec", default="lossless", choices=tuple(CODECS), help="the KV deltas' codec")
     ap.add_argument("--backend", default="onnx", choices=BACKENDS, help="the client's drafter runtime")
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the ONNX client part's weights")
+    ap.add_argument("--threads", type=int, default=1, help="the ONNX drafter's intra-op threads (ClientConfig.threads)")
     ap.add_argument("--api-key", default="", help="bearer key, when the server asks for one")
     ap.add_argument("--warmup", type=int, default=1, help="untimed generations per mode first (graphs, caches)")
     ap.add_argument("--outages-s", type=float, nargs="*", default=[5, 30], help="outages to measure (none: skip)")

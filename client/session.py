@@ -308,7 +308,8 @@ class EdgeSession(Resync, Rounds):
             return self.reuse
         if cfg.backend == "onnx":
             part = fetch_onnx_part(self.stub, info, cfg.cache_dir, precision=cfg.precision, metadata=self.metadata,
-                                   max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress)  # fmt: skip
+                                   max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress,
+                                   threads=cfg.threads)  # fmt: skip
             self._draft_rng = np.random.default_rng(_draft_seed(cfg.seed))
             self._draft_streams = lambda n: np.random.default_rng(_draft_seed(cfg.seed, n))
             return Paired(info, part.tokenizer, part.drafter, part.nbytes)

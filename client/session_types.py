@@ -54,6 +54,7 @@ class ClientConfig:
     policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
     backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
     precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire; computation is fp32 either way
+    threads: int = 1  # onnxruntime intra-op threads of the ONNX drafter (0: one per core); 1 suits small drafters
     k: int = 5  # draft tokens per round (a chain's)
     tree: str = "auto"  # draft shape: "chain", "tree", or "auto" (a tree while the round trip dwarfs drafting)
     tree_nodes: int = 32  # the most draft nodes of a tree round (the server's max_tree_nodes caps it)
@@ -87,6 +88,8 @@ class ClientConfig:
         for name in ("tree_nodes", "tree_depth", "tree_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be at least 0, not {self.threads}")
         if self.k < 0:
             raise ValueError(f"k must be at least 0, not {self.k}")
 

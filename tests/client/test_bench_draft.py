@@ -1,5 +1,5 @@
 """Smoke test of bench/draft.py: two short contexts, both drafters and an int8 part, checking the JSON record's
-fields (never a time: only that each is a positive number)."""
+fields (never a time: only that each is a positive number); and another drafter, named by its directory."""
 
 import importlib.util
 from pathlib import Path
@@ -18,3 +18,13 @@ def test_draft_step_record():
     for r in record["rows"]:
         assert r["onnx_ms"] > 0 and r["torch_ms"] > 0 and r["onnx_int8_ms"] > 0
         assert r["onnx_refeed_stepped_ms"] > 0 and r["onnx_refeed_fed_ms"] > 0
+
+
+def test_draft_step_of_another_drafter():
+    spec = importlib.util.spec_from_file_location("bench_draft", BENCH)
+    draft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draft)
+    eagle = str(Path(__file__).resolve().parents[2] / "deploy" / "models" / "drafter-eagle")
+    record = draft.main(["--contexts", "8", "--k", "2", "--reps", "2", "--drafter", eagle, "--threads", "2"])
+    assert record["drafter"] == eagle and record["kind"] == "eagle" and record["threads"] == 2
+    assert record["rows"][0]["onnx_ms"] > 0

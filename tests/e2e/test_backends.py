@@ -4,7 +4,7 @@
   greedy text, the same rounds and acceptance (so the same drafts) at fp32;
 - fp16 and int8 weights download fewer bytes and the text is still the target's greedy text (the target decides
   every token; only the drafts may differ);
-- sampling works with it;
+- sampling works with it; the drafter runs on the intra-op threads the config asks for;
 - a server that does not offer the ONNX part (one older than the client) is refused before anything is downloaded,
   with a typed error (FormatNotOffered) in the library and one line with status 1 from `tether-client generate`.
 
@@ -54,6 +54,20 @@ def test_onnx_backend_samples(address, tmp_path):
     cfg = ClientConfig(server=address, max_new_tokens=24, temperature=0.8, seed=3, cache_dir=str(tmp_path), **PATIENT)
     result = generate(cfg, "import os\n")
     assert len(result.token_ids) == 24 and result.stats.rounds > 0
+
+
+def test_the_onnx_drafter_runs_on_the_threads_asked_for(address, fp32_onnx, tmp_path):
+    cfg = ClientConfig(server=address, max_new_tokens=48, threads=2, cache_dir=str(tmp_path), **PATIENT)
+    session = EdgeSession(cfg)
+    try:
+        result = session.run(PROMPT)
+        sessions = session.models.drafter.sessions
+        assert sessions and {s.get_session_options().intra_op_num_threads for s in sessions.values()} == {2}
+    finally:
+        session.close()
+    assert result.token_ids == fp32_onnx.token_ids and result.stats.accepted > 0
+    with pytest.raises(ValueError, match="threads"):
+        ClientConfig(threads=-1).check()
 
 
 @pytest.fixture(scope="module")
