@@ -9,12 +9,13 @@ issue's bar ([4/7]): <= 2 ms a step for the default TLI 3 drafter, flat in conte
 Beside it, the re-feed of a pipelined round ([6/7]): the k + 1 tokens of a round sent ahead, stepped over once its
 verdict is in, one draft step per token against one causal `feed` call (milliseconds for all of them).
 With `--precisions`, also the parts the server streams (tether.server.client_export: its graphs with the weights
-in fp32, fp16 or int8, widened to fp32 at load), each timed the same way, with its size on the wire.
+in fp32, fp16 or int8; fp16 widened to fp32 at load, int8 run in int8), each timed the same way, with its size on
+the wire. `--idle-ms` sleeps before each chain, as a client does while a round trip is out: its caches go cold.
 Prints a table, then one JSON line.
 
     python bench/draft.py
     python bench/draft.py --contexts 64 2000 --torch
-    python bench/draft.py --precisions fp32 fp16 int8
+    python bench/draft.py --precisions fp32 fp16 int8 --idle-ms 10
     python bench/draft.py --model runs/medium --drafter runs/drafters/moa3 --threads 4
 """
 
@@ -41,10 +42,13 @@ from tether.shared.drafter import load_drafter
 from tether.shared.weights import ONNX_PRECISIONS, TOKENIZER_TENSOR, client_part_tensors
 
 
-def step_ms(drafter, root: int, k: int, reps: int) -> float:
-    """Median ms per drafted token over `reps` chains of k from `root`, each discarded after."""
+def step_ms(drafter, root: int, k: int, reps: int, idle_s: float = 0.0) -> float:
+    """Median ms per drafted token over `reps` chains of k from `root`, each discarded after; with `idle_s`, each
+    chain after that long asleep (a client drafting once a verdict is in, its caches gone cold meanwhile)."""
     times = []
     for _ in range(reps):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         drafter.draft(root, k)
         times.append((time.perf_counter() - t0) / k * 1e3)
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=5, help="tokens per chain")
     ap.add_argument("--reps", type=int, default=30, help="chains per context")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep this long before each chain (a round trip)")
     ap.add_argument("--torch", action="store_true", help="also time the torch drafter")
     ap.add_argument("--precisions", nargs="*", default=[], choices=ONNX_PRECISIONS,
                     help="also time the server's ONNX parts in these precisions")  # fmt: skip
@@ -102,13 +107,14 @@ def main(argv: list[str] | None = None) -> dict:
             prompt = torch.randint(0, target.cfg.vocab_size, (ctx,), generator=g).tolist()
             root, delta = ver.open(prompt)
             onnx.begin(delta, capacity=capacity)
-            row = {"context": ctx, "onnx_ms": step_ms(onnx, root, args.k, args.reps)}
+            idle = args.idle_ms / 1e3
+            row = {"context": ctx, "onnx_ms": step_ms(onnx, root, args.k, args.reps, idle)}
             known = [root] + torch.randint(0, target.cfg.vocab_size, (args.k,), generator=g).tolist()
             row["onnx_refeed_stepped_ms"] = refeed_ms(onnx, known, args.reps, batched=False)
             row["onnx_refeed_fed_ms"] = refeed_ms(onnx, known, args.reps, batched=True)
             for p, d in served.items():
                 d.begin(delta, capacity=capacity)
-                row[f"onnx_{p}_ms"] = step_ms(d, root, args.k, args.reps)
+                row[f"onnx_{p}_ms"] = step_ms(d, root, args.k, args.reps, idle)
             if args.torch:
                 drafter.begin(delta, capacity=capacity)
                 row["torch_ms"] = step_ms(drafter, root, args.k, args.reps)
@@ -116,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
             ver.release()
         exporter.close()
     which = f"{args.drafter or 'default drafter'} ({drafter.dcfg.kind}, TLI {drafter.dcfg.tli})"
+    which += f", after {args.idle_ms:g} ms idle" if args.idle_ms else ""
     table = Table(title=f"draft step, {which}, k={args.k}, {args.threads} thread(s), CPU ({platform.machine()})")
     keys = ["onnx_ms", *(f"onnx_{p}_ms" for p in args.precisions)] + (["torch_ms"] if args.torch else [])
     table.add_column("context", justify="right")
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys), *refeed)
     Console().print(table)
     record = {"bench": "draft", "model": model_dir, "drafter": drafter_dir, "kind": drafter.dcfg.kind,
-              "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads,
+              "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads, "idle_ms": args.idle_ms,
               "torch": torch.__version__, "part_bytes": part_bytes, "rows": rows}  # fmt: skip
     print(json.dumps(record))
     return record

@@ -24,7 +24,7 @@ up yet is waited for up to --connect-timeout-s), something that is not a gRPC se
 dialled in plaintext or the reverse, a certificate that does not verify.
 
 The drafter runs on onnxruntime by default (`--backend onnx`): the server sends the client part as ONNX graphs,
-their weights in `--precision` (fp16 halves and int8 quarters the download; drafting computes in fp32 either way),
+their weights in `--precision` (fp16 halves and int8 quarters the download; int8 also runs its matrix products in int8),
 and no torch is needed. `--backend torch` drafts with torch from the tensors instead (torch must be installed);
 use it too with a server too old to offer the ONNX part. A server without a drafter (`tether-server serve
 --drafter none`) decodes alone and streams its tokens (the summary and --json say server-only); the client fetches

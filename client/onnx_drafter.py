@@ -12,9 +12,10 @@ Contract (as DrafterBase; the differences are marked *):
   by name (the blobs of a part fetched from the server: tether.client.onnx_pairing, which checks the description
   first). A graph whose description has `weights` keeps its matrices outside (tether.server.client_export): they
   are read from that safetensors file, which must hold exactly the tensors described, in the dtype and shape of
-  the precision (tether.shared.weights.stored_layout), widened or dequantized to fp32 and handed to onnxruntime
-  by name. Every session reads external data from an empty folder, so a graph that names a file we did not
-  supply fails to load instead of reading one from the working directory.
+  the precision (tether.shared.weights.stored_layout), widened to fp32 and handed to onnxruntime by name; an int8
+  part's Linear products are rewritten to read its int8 rows instead (tether.client.onnx_int8). Every session
+  reads external data from an empty folder, so a graph that names a file we did not supply fails to load instead of
+  reading one from the working directory.
 - `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
   states of the round's root and accepted drafts and drops the drafted rows after them.
   * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
@@ -60,6 +61,7 @@ import numpy as np
 import onnxruntime as ort
 from safetensors import safe_open
 
+from tether.client.onnx_int8 import int8_matmuls
 from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
 from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
 from tether.shared.sampling import probabilities_np, proposal
@@ -92,9 +94,10 @@ def _causal_mask(past: int, t: int) -> np.ndarray:
     return mask
 
 
-def load_weights(path: str | Path, spec: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """A graph's external matrices as fp32, from the safetensors file `path` its description's `weights` names
-    (module docstring); ValueError unless the file holds exactly the tensors described."""
+def load_stored(path: str | Path, spec: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
+    """A graph's external matrices as stored, {name: (matrix, its int8 row scales or None)}, from the safetensors
+    file `path` its description's `weights` names (module docstring); ValueError unless the file holds exactly the
+    tensors described."""
     precision, shapes = spec["precision"], spec["tensors"]
     expected = {
         name + suffix: (SAFETENSORS_DTYPES[dtype], shape)
@@ -110,10 +113,7 @@ def load_weights(path: str | Path, spec: Mapping[str, Any]) -> dict[str, np.ndar
                 if stored.get_dtype() != dtype or tuple(stored.get_shape()) != shape:
                     raise ValueError(f"{key[:80]!r} is {stored.get_dtype()} {stored.get_shape()}, not {dtype} {shape}")
             scaled = precision == "int8"
-            return {
-                name: decode_weight(f.get_tensor(name), f.get_tensor(name + SCALE_SUFFIX) if scaled else None)
-                for name in shapes
-            }
+            return {n: (f.get_tensor(n), f.get_tensor(n + SCALE_SUFFIX) if scaled else None) for n in shapes}
     except ValueError:
         raise
     except Exception as e:  # safetensors raises its own error type on a file it cannot parse
@@ -188,7 +188,11 @@ class OnnxDrafter:
             if w is not None:
                 if check_hashes:
                     _check_sha256(w["file"], files[w["file"]].read_bytes(), w["sha256"])
-                weights = load_weights(files[w["file"]], w)
+                stored = load_stored(files[w["file"]], w)
+                if w["precision"] == "int8":  # its matrix products run in int8 (tether.client.onnx_int8)
+                    graph, weights = int8_matmuls(graph, stored)
+                else:
+                    weights = {n: decode_weight(q, scale) for n, (q, scale) in stored.items()}
             sessions[name], held = _session(graph, weights, threads)
             keep.append(held)
             io = [[a.name for a in sessions[name].get_inputs()], [a.name for a in sessions[name].get_outputs()]]

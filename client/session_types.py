@@ -53,7 +53,7 @@ class ClientConfig:
     seed: int = 0  # sampling seed (drafter and server)
     policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
     backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
-    precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire; computation is fp32 either way
+    precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire (int8 also computes in int8)
     threads: int = 1  # onnxruntime intra-op threads of the ONNX drafter (0: one per core); 1 suits small drafters
     k: int = 5  # draft tokens per round (a chain's)
     tree: str = "auto"  # draft shape: "chain", "tree", or "auto" (a tree while the round trip dwarfs drafting)

@@ -33,7 +33,7 @@ runtime allocates, and per graph its file, sha256, input and output names in ord
 two or more dimensions becomes an external reference (ONNX's external-data form, pointing at `location`) and is
 returned as a numpy array, so they can travel in another file and another precision (tether.server.client_export);
 onnxruntime is then given them by name (SessionOptions.add_external_initializers). The graph is edited without
-the `onnx` package: a message class built at run time knows the few ONNX fields touched (_onnx_subset) and
+the `onnx` package: a message class built at run time knows the few ONNX fields touched (tether.shared.onnx_subset) and
 protobuf keeps every other field as it was.
 
 Exporter: torch.onnx.export's TorchScript exporter (dynamo=False); the dynamo exporter needs onnxscript. The
@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import hashlib
 import json
 import warnings
@@ -63,10 +62,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from torch import Tensor, nn
 
 from tether.shared.model import DepthStream, apply_rope, rope_cos_sin, rope_frequencies
+from tether.shared.onnx_subset import ONNX_EXTERNAL, ONNX_FLOAT, onnx_model_class
 from tether.shared.weights import onnx_graph_io
 
 FORMAT_VERSION = 1
@@ -359,41 +358,9 @@ def export_client_onnx(drafter, out_dir: str | Path) -> dict:
     return manifest
 
 
-ONNX_FLOAT = 1  # TensorProto.DataType FLOAT
-ONNX_EXTERNAL = 1  # TensorProto.DataLocation EXTERNAL
-
-
-@functools.cache
-def _onnx_subset():
-    """ModelProto -> graph -> initializer -> the TensorProto fields split_weights reads or writes, with onnx.proto's
-    field numbers; parsing a model with it keeps every other field as unknown fields, written back unchanged."""
-    F = descriptor_pb2.FieldDescriptorProto
-    f = descriptor_pb2.FileDescriptorProto(name="tether_onnx_subset.proto", package="tether_onnx_subset")
-    f.syntax = "proto2"  # as onnx.proto
-    one, many = F.LABEL_OPTIONAL, F.LABEL_REPEATED
-    messages = {
-        "StringStringEntryProto": [("key", 1, F.TYPE_STRING, one, ""), ("value", 2, F.TYPE_STRING, one, "")],
-        "TensorProto": [("dims", 1, F.TYPE_INT64, many, ""), ("data_type", 2, F.TYPE_INT32, one, ""),
-                        ("name", 8, F.TYPE_STRING, one, ""), ("raw_data", 9, F.TYPE_BYTES, one, ""),
-                        ("external_data", 13, F.TYPE_MESSAGE, many, "StringStringEntryProto"),
-                        ("data_location", 14, F.TYPE_INT32, one, "")],
-        "GraphProto": [("initializer", 5, F.TYPE_MESSAGE, many, "TensorProto")],
-        "ModelProto": [("graph", 7, F.TYPE_MESSAGE, one, "GraphProto")],
-    }  # fmt: skip
-    for name, fields in messages.items():
-        m = f.message_type.add(name=name)
-        for field, number, kind, label, type_name in fields:
-            d = m.field.add(name=field, number=number, type=kind, label=label)
-            if type_name:
-                d.type_name = f".tether_onnx_subset.{type_name}"
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tether_onnx_subset.ModelProto"))
-
-
 def split_weights(graph: bytes, location: str) -> tuple[bytes, dict[str, np.ndarray]]:
     """(the graph with its fp32 matrices as external references to `location`, {initializer name: fp32 array})."""
-    model = _onnx_subset()()
+    model = onnx_model_class()()
     model.ParseFromString(graph)
     weights: dict[str, np.ndarray] = {}
     for t in model.graph.initializer:

@@ -25,6 +25,10 @@ def test_draft_step_of_another_drafter():
     draft = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draft)
     eagle = str(Path(__file__).resolve().parents[2] / "deploy" / "models" / "drafter-eagle")
-    record = draft.main(["--contexts", "8", "--k", "2", "--reps", "2", "--drafter", eagle, "--threads", "2"])
-    assert record["drafter"] == eagle and record["kind"] == "eagle" and record["threads"] == 2
+    record = draft.main(
+        ["--contexts", "8", "--k", "2", "--reps", "2", "--drafter", eagle, "--threads", "2", "--idle-ms", "1"]
+    )
+    assert (
+        record["drafter"] == eagle and record["kind"] == "eagle" and record["threads"] == 2 and record["idle_ms"] == 1
+    )
     assert record["rows"][0]["onnx_ms"] > 0

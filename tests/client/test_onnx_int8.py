@@ -1,0 +1,117 @@
+"""The int8 client part runs its matrix products in int8 (tether.client.onnx_int8).
+
+- The rewrite: every Linear product of the graph (MatMul over a transposed int8 matrix) becomes one
+  DynamicQuantizeMatMul over the int8 rows, the unused fp32 matrices and Transposes leave the graph, a matrix still
+  read elsewhere (the tied embeddings' lookup) stays, and the contrib domain is imported.
+- The drafter on it against the same int8 part widened to fp32 (the path before): the default MoA and EAGLE
+  drafters, real deltas from the verifier, logits close and greedy chains mostly the same.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tether.client import onnx_drafter
+from tether.client.onnx_drafter import OnnxDrafter, load_stored
+from tether.client.onnx_int8 import MS_DOMAIN, int8_matmuls
+from tether.server.client_export import ClientExporter
+from tether.server.generate import default_model_dir, load
+from tether.server.onnx_export import export_client_onnx
+from tether.server.verifier import SequenceVerifier
+from tether.shared.checkpoint import fingerprint
+from tether.shared.drafter import load_drafter
+from tether.shared.onnx_subset import onnx_model_class
+from tether.shared.weights import TOKENIZER_TENSOR, client_part_tensors, decode_weight
+
+CAPACITY = 256
+
+
+@pytest.fixture(scope="module", params=["drafter", "drafter-eagle"])
+def part(request, tmp_path_factory):
+    """(the int8 part's directory, target, torch drafter) of a default drafter, as the server exports it."""
+    torch.set_grad_enabled(False)
+    model_dir = str(default_model_dir())
+    target, tok = load(model_dir, "cpu")
+    drafter = load_drafter(str(default_model_dir(request.param)), target, target_fingerprint=fingerprint(model_dir))
+    out = tmp_path_factory.mktemp("part")
+    export_client_onnx(drafter, out)
+    weights = client_part_tensors(target, drafter)
+    weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok.to_json().encode()), dtype=torch.uint8)
+    exporter = ClientExporter(target.cfg, drafter.dcfg, weights, "0" * 64, out)
+    exporter.part("int8")
+    yield exporter.dir / "int8", target, drafter
+    exporter.close()
+
+
+def parsed(graph: bytes):
+    model = onnx_model_class()()
+    model.ParseFromString(graph)
+    return model
+
+
+def test_linear_products_are_rewritten_to_int8(part):
+    path, _, _ = part
+    manifest = json.loads((path / onnx_drafter.MANIFEST).read_text())
+    spec = manifest["graphs"]["step"]
+    graph = (path / spec["file"]).read_bytes()
+    stored = load_stored(path / spec["weights"]["file"], spec["weights"])
+    before = parsed(graph).graph
+    transposed = {n.output[0]: n.input[0] for n in before.node if n.op_type == "Transpose" and n.input[0] in stored}
+    linear = [n for n in before.node if n.op_type == "MatMul" and n.input[1] in transposed]
+    assert len(linear) >= 8, "the step graph's Linear layers"
+    out, weights = int8_matmuls(graph, stored)
+    after = parsed(out)
+    g = after.graph
+    int8 = [n for n in g.node if n.op_type == "DynamicQuantizeMatMul"]
+    assert len(int8) == len(linear) and all(n.domain == MS_DOMAIN for n in int8)
+    assert {o.domain for o in after.opset_import} >= {"", MS_DOMAIN}
+    read = {i for n in g.node for i in n.input}
+    inits = {t.name: t for t in g.initializer}
+    for n in int8:
+        q, scale = stored[transposed_name(n)]
+        b, s = inits[n.input[1]], inits[n.input[2]]
+        assert list(b.dims) == [q.shape[1], q.shape[0]] and np.array_equal(
+            np.frombuffer(b.raw_data, np.int8).reshape(q.shape[1], q.shape[0]), q.T
+        )
+        assert np.array_equal(np.frombuffer(s.raw_data, np.float32), scale)
+    # What no node reads any more is gone; what one still reads is handed over, dequantized.
+    assert set(weights) == {name for name in stored if name in read}
+    assert all(name in inits for name in weights) and not any(n.output[0] in transposed and n.output[0] not in read
+                                                              for n in g.node)  # fmt: skip
+    for name, w in weights.items():
+        np.testing.assert_array_equal(w, decode_weight(*stored[name]))
+
+
+def transposed_name(node) -> str:
+    return node.input[1].removesuffix("#int8T")
+
+
+def widened(graph, stored):
+    """The path before: every matrix dequantized to fp32, the graph as exported."""
+    return graph, {n: decode_weight(q, s) for n, (q, s) in stored.items()}
+
+
+def test_int8_drafts_stay_close_to_the_widened_part(part, monkeypatch):
+    path, target, drafter = part
+    fast = OnnxDrafter.load(path)
+    monkeypatch.setattr(onnx_drafter, "int8_matmuls", widened)
+    wide = OnnxDrafter.load(path)
+    g = torch.Generator().manual_seed(0)
+    errs, same_first, agree = [], [], []
+    for _ in range(3):
+        ver = SequenceVerifier(target, drafter, capacity=CAPACITY)
+        prompt = torch.randint(0, target.cfg.vocab_size, (60,), generator=g).tolist()
+        root, delta = ver.open(prompt)
+        for d in (fast, wide):
+            d.begin(delta, capacity=CAPACITY)
+        a, b = fast._step(root), wide._step(root)
+        errs.append(np.linalg.norm(a - b) / np.linalg.norm(b))
+        fast.discard_drafts(), wide.discard_drafts()
+        x, y = fast.draft(root, 5)[0], wide.draft(root, 5)[0]
+        same_first.append(x[0] == y[0])
+        agree.append(next((i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q), 5))
+        ver.release()
+    assert np.isfinite(errs).all() and max(errs) < 0.1, errs
+    assert all(same_first) and np.mean(agree) >= 3, (same_first, agree)
