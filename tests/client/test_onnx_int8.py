@@ -31,7 +31,8 @@ CAPACITY = 256
 @pytest.fixture(scope="module", params=["drafter", "drafter-eagle"])
 def part(request, tmp_path_factory):
     """(the int8 part's directory, target, torch drafter) of a default drafter, as the server exports it."""
-    torch.set_grad_enabled(False)
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # for this module's tests only: the modules after it train
     model_dir = str(default_model_dir())
     target, tok = load(model_dir, "cpu")
     drafter = load_drafter(str(default_model_dir(request.param)), target, target_fingerprint=fingerprint(model_dir))
@@ -43,6 +44,7 @@ def part(request, tmp_path_factory):
     exporter.part("int8")
     yield exporter.dir / "int8", target, drafter
     exporter.close()
+    torch.set_grad_enabled(grad)
 
 
 def parsed(graph: bytes):
