@@ -33,8 +33,8 @@ runtime allocates, and per graph its file, sha256, input and output names in ord
 two or more dimensions becomes an external reference (ONNX's external-data form, pointing at `location`) and is
 returned as a numpy array, so they can travel in another file and another precision (tether.server.client_export);
 onnxruntime is then given them by name (SessionOptions.add_external_initializers). The graph is edited without
-the `onnx` package: a message class built at run time knows the few ONNX fields touched (tether.shared.onnx_subset) and
-protobuf keeps every other field as it was.
+the `onnx` package: a message class built at run time knows the few ONNX fields touched
+(tether.shared.onnx_subset) and protobuf keeps every other field as it was.
 
 Exporter: torch.onnx.export's TorchScript exporter (dynamo=False); the dynamo exporter needs onnxscript. The
 TorchScript one imports the `onnx` package only to splice onnxscript custom functions into the model, which

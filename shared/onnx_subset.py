@@ -23,7 +23,6 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 ONNX_FLOAT = 1  # TensorProto.DataType FLOAT
 ONNX_INT8 = 3  # TensorProto.DataType INT8
 ONNX_EXTERNAL = 1  # TensorProto.DataLocation EXTERNAL
-ONNX_ATTR_INTS = 7  # AttributeProto.AttributeType INTS
 
 _F = descriptor_pb2.FieldDescriptorProto
 _ONE, _MANY = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
