@@ -5,6 +5,8 @@
   read elsewhere (the tied embeddings' lookup) stays, and the contrib domain is imported.
 - The drafter on it against the same int8 part widened to fp32 (the path before): the default MoA and EAGLE
   drafters, real deltas from the verifier, logits close and greedy chains mostly the same.
+- On small graphs built by hand: a Transpose that is not a matrix's [1, 0], or a matrix that is not int8, is left
+  alone; a lookup of the same matrix keeps it; a graph that already names the rewrite's tensors is refused.
 """
 
 import json
@@ -117,3 +119,38 @@ def test_int8_drafts_stay_close_to_the_widened_part(part, monkeypatch):
         ver.release()
     assert np.isfinite(errs).all() and max(errs) < 0.1, errs
     assert all(same_first) and np.mean(agree) >= 3, (same_first, agree)
+
+
+def synthetic(perm: list[int] | None = (1, 0), tied: bool = False, extra: str = "") -> bytes:
+    """A graph of the subset's fields only: y = x @ Transpose(W) (perm as given), and with `tied` a lookup of W too."""
+    model = onnx_model_class()()
+    g = model.graph
+    t = g.node.add(op_type="Transpose", input=["W"], output=["Wt"])
+    if perm is not None:
+        t.attribute.add(name="perm", ints=list(perm), type=7)
+    g.node.add(op_type="MatMul", input=["x", "Wt"], output=["y"])
+    if tied:
+        g.node.add(op_type="Gather", input=["W", "ids"], output=["e"])
+    for name in ("W", *([extra] if extra else [])):
+        g.initializer.add(name=name, data_type=1).dims.extend([4, 3])
+    return model.SerializeToString()
+
+
+def test_only_a_products_transposed_matrix_is_rewritten_and_a_lookup_keeps_it():
+    q = np.arange(-6, 6, dtype=np.int8).reshape(4, 3)  # [N, K]
+    stored = {"W": (q, np.full(4, 0.5, np.float32))}
+    for perm in ((1, 0), None):
+        out, weights = int8_matmuls(synthetic(perm), stored)
+        g = parsed(out).graph
+        assert [n.op_type for n in g.node] == ["DynamicQuantizeMatMul"] and weights == {}
+        assert [t.name for t in g.initializer] == ["W#int8T", "W#scale"]
+    out, weights = int8_matmuls(synthetic(tied=True), stored)
+    g = parsed(out).graph
+    assert [n.op_type for n in g.node] == ["DynamicQuantizeMatMul", "Gather"] and set(weights) == {"W"}
+    np.testing.assert_array_equal(weights["W"], q.astype(np.float32) * 0.5)
+    # Not a Linear's transpose, or not an int8 matrix: left as it was.
+    for graph, s in ((synthetic((0, 1)), stored), (synthetic(), {"W": (q.astype(np.float32), None)})):
+        out, weights = int8_matmuls(graph, s)
+        assert [n.op_type for n in parsed(out).graph.node] == ["Transpose", "MatMul"] and set(weights) == {"W"}
+    with pytest.raises(ValueError, match="already names"):
+        int8_matmuls(synthetic(extra="W#scale"), stored)
