@@ -39,7 +39,7 @@ from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
-from tether.shared.weights import ONNX_PRECISIONS, TOKENIZER_TENSOR, client_part_tensors
+from tether.shared.weights import ONNX_PRECISIONS, TOKENIZER_TENSOR, client_part_tensors, tokenizer_tensor
 
 
 def step_ms(drafter, root: int, k: int, reps: int, idle_s: float = 0.0) -> float:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         export_client_onnx(drafter, out)
         onnx = OnnxDrafter.load(out, threads=args.threads)
         weights = client_part_tensors(target, drafter)
-        weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok.to_json().encode()), dtype=torch.uint8)
+        weights[TOKENIZER_TENSOR] = tokenizer_tensor(tok.to_json())
         exporter = ClientExporter(target.cfg, drafter.dcfg, weights, "0" * 64, out)
         part_bytes = {p: exporter.part(p).nbytes for p in args.precisions}
         served = {p: OnnxDrafter.load(exporter.dir / p, threads=args.threads) for p in args.precisions}

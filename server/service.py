@@ -85,6 +85,7 @@ from tether.shared.weights import (
     drafter_fingerprint,
     iter_chunks,
     tokenizer_part,
+    tokenizer_tensor,
 )
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -151,8 +152,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
                             for k, v in part.items()}  # fmt: skip
             # The tokenizer travels with the weights (resumable, cached by hash): a client needs only an address.
-            self.weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tokenizer.to_json().encode()),
-                                                              dtype=torch.uint8)  # fmt: skip
+            self.weights[TOKENIZER_TENSOR] = tokenizer_tensor(tokenizer.to_json())
             self.manifest = build_manifest(self.weights)
             self.drafter_fingerprint = drafter_fingerprint(drafter.dcfg.to_dict(), self.manifest)
             self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint,

@@ -143,6 +143,13 @@ def canonical_tokenizer_json(text: str) -> bytes:
     return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def tokenizer_tensor(tokenizer_json: str) -> Tensor:
+    """The tensors stream's TOKENIZER_TENSOR entry: the tokenizer's JSON text as uint8 bytes [nbytes]."""
+    import torch
+
+    return torch.frombuffer(bytearray(tokenizer_json.encode()), dtype=torch.uint8)
+
+
 def tokenizer_part(tokenizer_json: str) -> tuple[dict[str, bytes], list[TensorEntry]]:
     """The TOKENIZER client part of a tokenizer's JSON text: ({TOKENIZER_TENSOR: its canonical bytes}, manifest)."""
     data = canonical_tokenizer_json(tokenizer_json)

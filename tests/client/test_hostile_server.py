@@ -20,7 +20,14 @@ from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.cli import main
 from tether.shared.tokenizer import Tokenizer
-from tether.shared.weights import TOKENIZER_TENSOR, TensorEntry, build_manifest, client_part_tensors, iter_chunks
+from tether.shared.weights import (
+    TOKENIZER_TENSOR,
+    TensorEntry,
+    build_manifest,
+    client_part_tensors,
+    iter_chunks,
+    tokenizer_tensor,
+)
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -56,7 +63,7 @@ def honest() -> Model:
     drafter = tiny_moa_drafter(target)
     tok = Tokenizer.from_pretrained(TOKENIZER)
     weights = {k: v.to(torch.bfloat16) for k, v in client_part_tensors(target, drafter).items()}
-    weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok.to_json().encode()), dtype=torch.uint8)
+    weights[TOKENIZER_TENSOR] = tokenizer_tensor(tok.to_json())
     return Model(target.cfg.to_dict(), drafter.dcfg.to_dict(), weights, build_manifest(weights), tok.sha256)
 
 

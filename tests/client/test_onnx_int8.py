@@ -25,7 +25,7 @@ from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.onnx_subset import onnx_model_class
-from tether.shared.weights import TOKENIZER_TENSOR, client_part_tensors, decode_weight
+from tether.shared.weights import TOKENIZER_TENSOR, client_part_tensors, decode_weight, tokenizer_tensor
 
 CAPACITY = 256
 
@@ -41,7 +41,7 @@ def part(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("part")
     export_client_onnx(drafter, out)
     weights = client_part_tensors(target, drafter)
-    weights[TOKENIZER_TENSOR] = torch.frombuffer(bytearray(tok.to_json().encode()), dtype=torch.uint8)
+    weights[TOKENIZER_TENSOR] = tokenizer_tensor(tok.to_json())
     exporter = ClientExporter(target.cfg, drafter.dcfg, weights, "0" * 64, out)
     exporter.part("int8")
     yield exporter.dir / "int8", target, drafter
