@@ -178,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=0, help="server-only: tokens per stream (0: the traces' length)")
     ap.add_argument("--warmup-rounds", type=int, default=2, help="edge: untimed rounds per client first")
     load_server().add_deployment_options(ap)
+    ap.add_argument("--frontends", type=int, default=0,
+                    help="in-process server: gRPC in this many front-end processes (serve --frontends)")  # fmt: skip
     ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per message / unary call")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run, all included")
     ap.add_argument("--seed", type=int, default=0)
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     sargv = ["--clients", str(args.max_clients), "--prompt-len", str(args.prompt_len), "--k", str(args.k),
              "--prompts", str(args.prompts), "--trace-tokens", str(args.trace_tokens), "--kv-pool-mb",
              str(args.kv_pool_mb), "--device", args.device, "--model", args.model,
-             "--drafter", args.drafter]  # fmt: skip
+             "--drafter", args.drafter, "--frontends", str(args.frontends)]  # fmt: skip
     sargs = server.parser().parse_args(sargv)
     sargs.device = sargs.device or ("cuda" if torch.cuda.is_available() else "cpu")
     service = rpc = None
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  service.model_fingerprint)  # fmt: skip
         recorded = traces.load(args.traces)
         tokens = args.tokens or recorded["tokens"]
-        with server.ServerProbe(service, args.metrics_url) as probe:
+        with server.ServerProbe(service, args.metrics_url, rpc) as probe:
             cap = Capacity(args, server, address, probe, tokens)
             results = {mode: cap.search(mode) for mode in args.modes}
     finally:

@@ -269,6 +269,15 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU time of another process of ours (Linux /proc; 0 elsewhere or once it has gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -370,10 +379,11 @@ class ServerProbe:
     """What the bench reads of the server around the timed window: CPU time of this process (in-process server),
     the batch_size and verify_seconds histograms (from the service, or scraped from --metrics-url)."""
 
-    def __init__(self, service=None, metrics_url: str = ""):
+    def __init__(self, service=None, metrics_url: str = "", server=None):
         from tether.server.heap import GCPauses
 
         self.service, self.metrics_url = service, metrics_url
+        self.frontends = getattr(server, "pids", lambda: [])  # --frontends: their CPU time is the server's too
         self.pauses = GCPauses()  # this process's collections, the in-process server's: installed by open()
 
     def __enter__(self) -> ServerProbe:
@@ -386,7 +396,7 @@ class ServerProbe:
     def sample(self) -> dict:
         out: dict = {}
         if self.service is not None:
-            out["cpu_s"] = cpu_s()  # this process's threads only: not the client processes
+            out["cpu_s"] = cpu_s() + sum(map(process_cpu_s, self.frontends()))  # not the client processes
             out |= memory(self.service)
             out |= {f"gc_{k}": v for k, v in self.pauses.snapshot(reset_max=True).items()}  # max: since last sample
             m = self.service.metrics
@@ -546,7 +556,7 @@ def start_server(args: argparse.Namespace):
         runner = step_runner(target, service.pool)
         runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
     heap.settle()  # as serve does before it listens
-    server, port = make_server(service, "127.0.0.1:0")
+    server, port = make_server(service, "127.0.0.1:0", frontends=args.frontends)
     server.start()
     return service, server, port
 
@@ -711,6 +721,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--max-batch", type=int, default=ServiceConfig.max_batch, help="in-process server: rounds per step at most"
     )
+    ap.add_argument("--frontends", type=int, default=0,
+                    help="in-process server: gRPC in this many front-end processes (serve --frontends)")  # fmt: skip
     ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per message / unary call")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per client count, all included")
     ap.add_argument("--seed", type=int, default=0)
@@ -782,7 +794,7 @@ def main(argv: list[str] | None = None) -> dict:
         service, server, port = start_server(args)
         address = f"127.0.0.1:{port}"
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
-    probe = ServerProbe(service, args.metrics_url)
+    probe = ServerProbe(service, args.metrics_url, server)
     rows = []
     try:
         if args.traces and not os.path.exists(args.traces):

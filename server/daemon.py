@@ -100,6 +100,7 @@ class ServeConfig:
     http_max_streams: int = 256  # HTTP generations at once; past it requests get 429 with Retry-After
     served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
     round_graph_tokens: int = 6  # capture at start the step graphs of rounds this long (k + 1), all batches; 0 = none
+    frontends: int = 0  # gRPC in this many front-end processes sharing the port, the models here; 0 = in this process
 
 
 # The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
@@ -242,6 +243,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--tp must be at least 1, got {cfg.tp}")
     if cfg.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1, got {cfg.prefill_chunk}")
+    if cfg.frontends < 0:
+        raise ValueError(f"--frontends is 0 (gRPC in this process) or more, got {cfg.frontends}")
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
     config = service_config(cfg)
@@ -284,15 +287,17 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     pauses = heap.GCPauses(service.metrics.gc_pause).install()
     log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
-    server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls)
+    server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
+                               log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
     if cfg.metrics_port:
         serve_metrics(service.metrics, cfg.host, cfg.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    print(f"listening on {cfg.host}:{port}" + (f" (tensor-parallel over {cfg.tp} ranks)" if cfg.tp > 1 else ""),
-          flush=True)  # fmt: skip
+    notes = [f"tensor-parallel over {cfg.tp} ranks"] if cfg.tp > 1 else []
+    notes += [f"{cfg.frontends} front-end processes"] if cfg.frontends else []
+    print(f"listening on {cfg.host}:{port}" + (f" ({', '.join(notes)})" if notes else ""), flush=True)
     http = None
     if cfg.http_port >= 0:
         http, http_port = start_http(service, config.model_id, _http_config(cfg, config))

@@ -166,9 +166,21 @@ def make_server(
     *,
     tls: TLSFiles | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    frontends: int = 0,
+    log_format: str = "text",
+    log_level: str = "warning",
 ) -> tuple[ServerHandle, int]:
     """A server for `service` bound to `address` ("host:0" picks a free port), over TLS when `tls` is given;
-    `interceptors` run after authentication. Returns the handle (not yet serving) and the port."""
+    `interceptors` run after authentication. Returns the handle (not yet serving) and the port.
+    With `frontends` > 0, gRPC runs in that many front-end processes instead, which take calls as soon as this
+    returns (tether.server.frontend_host; they log in `log_format` at `log_level`), and `interceptors` are not
+    supported."""
+    if frontends:
+        from tether.server.frontend_host import start_frontends
+
+        if interceptors:
+            raise ValueError("interceptors run inside the gRPC server: not with front-end processes")
+        return start_frontends(service, address, frontends, tls=tls, log_format=log_format, log_level=log_level)
     handle = ServerHandle(service, interceptors)
     try:
         port = handle.bind(address, tls)

@@ -33,6 +33,15 @@ def test_random_rounds_record(bench):
     assert one["speedup"] == 1.0 and three["speedup"] > 0
 
 
+def test_random_rounds_through_a_front_end_process(bench):
+    """--frontends: the same rounds, gRPC in another process; its CPU time is counted as the server's."""
+    record = bench.main(["--device", "cpu", "--clients", "2", "--rounds", "2", "--warmup-rounds", "1", "--k", "3",
+                         "--prompt-len", "16", "--frontends", "1", "--timeout", "120"])  # fmt: skip
+    (row,) = record["rows"]
+    assert record["args"]["frontends"] == 1 and row["clients"] == 2 and row["rounds"] == 4
+    assert row["tau"] >= 1 and row["mean_batch"] >= 1 and row["server_cpu_ms_per_round"] > 0
+
+
 def test_generate_streams_record(bench):
     record = bench.main(["--mode", "generate", "--device", "cpu", "--clients", "2", "--tokens", "6",
                          "--prompt-len", "8", "--timeout", "120"])  # fmt: skip

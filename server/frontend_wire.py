@@ -1,0 +1,180 @@
+"""Frames between the front-end processes and the engine process (`tether-server serve --frontends N`).
+
+The front ends terminate gRPC (HTTP/2, TLS, authentication, call limits) and pass each tether.v1.Tether call to
+the engine, which owns the models, the sessions and the batcher, over one Unix socket per front end. A call's
+request and reply messages cross as the protobuf bytes the client sent and the engine made: a front end parses
+nothing, the engine never touches HTTP/2 (docs/ARCHITECTURE.md, section 6).
+
+A frame is a 9-byte header, `call` (u32), `kind` (u8), `size` (u32), then `size` bytes. Call 0 is the link itself:
+
+| kind | way | payload |
+|---|---|---|
+| CONFIG | engine -> front end, call 0 | JSON: the address to bind, TLS files, limits, API keys |
+| HELLO | front end -> engine, call 0 | JSON: the front end's pid and the port it bound |
+| STOP | engine -> front end, call 0 | JSON: `grace` seconds for the calls in flight (null: none) |
+| CALL | front end -> engine | JSON: the method's name and the caller's identity (tether.server.auth) |
+| REQUEST | front end -> engine | one request message |
+| HALF_CLOSE | front end -> engine | empty: the client sent its last request |
+| CANCEL | front end -> engine | empty: the client went away; the engine cancels the handler |
+| REPLY | engine -> front end | one reply message |
+| END | engine -> front end | empty: the handler finished, status OK |
+| ABORT | engine -> front end | JSON: status code, details, trailing metadata (binary values in base64) |
+| CREDIT | both ways | u32: that many more messages of the call may be sent |
+
+Flow control: a side sends at most `WINDOW` messages of a call ahead of the other side's CREDIT, which is given back
+in halves as messages are consumed (a reply sent on to the client, a request read by the handler). So a fast
+FetchWeights or a client that streams rounds ahead holds at most `WINDOW` messages in memory on the other side,
+as gRPC's own flow control would have bounded them.
+
+Writes are coalesced: `Outbox.send` queues a frame and the queue goes out in one write at the end of the event
+loop's iteration, so a step's verdicts for many streams cost the engine one system call per front end.
+
+    outbox = Outbox(transport, loop); outbox.send(7, Kind.REPLY, payload)
+    for call, kind, payload in framer.feed(data): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import enum
+import json
+import struct
+from collections.abc import Iterator
+
+from tether.v1 import tether_pb2 as pb
+
+METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["Tether"].methods}  # what a CALL may name
+HEADER = struct.Struct("<IBI")  # call, kind, size
+CREDIT = struct.Struct("<I")
+WINDOW = 16  # messages of one call in flight ahead of the other side's credit
+MAX_FRAME = 64 << 20  # a frame larger than this is a broken peer (messages are bounded by max_message_bytes)
+
+
+class Kind(enum.IntEnum):
+    CONFIG = 1
+    HELLO = 2
+    STOP = 3
+    CALL = 4
+    REQUEST = 5
+    HALF_CLOSE = 6
+    CANCEL = 7
+    REPLY = 8
+    END = 9
+    ABORT = 10
+    CREDIT = 11
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a frame of this protocol: the link is dropped."""
+
+
+class Framer:
+    """Splits a byte stream into frames."""
+
+    def __init__(self, max_frame: int = MAX_FRAME):
+        self.buf = bytearray()
+        self.max_frame = max_frame
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, Kind, bytes]]:
+        self.buf += data
+        pos, buf = 0, self.buf
+        try:
+            while len(buf) - pos >= HEADER.size:
+                call, kind, size = HEADER.unpack_from(buf, pos)
+                if size > self.max_frame:
+                    raise FrameError(f"a frame of {size} bytes is over the {self.max_frame}-byte limit")
+                end = pos + HEADER.size + size
+                if end > len(buf):
+                    break
+                try:
+                    k = Kind(kind)
+                except ValueError:
+                    raise FrameError(f"unknown frame kind {kind}") from None
+                yield call, k, bytes(buf[pos + HEADER.size : end])
+                pos = end
+        finally:
+            del buf[:pos]
+
+
+class Outbox:
+    """Frames for one transport, written together once per event-loop iteration."""
+
+    def __init__(self, transport: asyncio.WriteTransport, loop: asyncio.AbstractEventLoop):
+        self.transport, self.loop = transport, loop
+        self.pending: list[bytes] = []
+
+    def send(self, call: int, kind: Kind, payload: bytes = b"") -> None:
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        self.pending += (HEADER.pack(call, kind, len(payload)), payload)
+
+    def _flush(self) -> None:
+        data, self.pending = b"".join(self.pending), []
+        if not self.transport.is_closing():
+            self.transport.write(data)
+
+
+def credit(n: int) -> bytes:
+    return CREDIT.pack(n)
+
+
+def read_credit(payload: bytes) -> int:
+    if len(payload) != CREDIT.size:
+        raise FrameError("a CREDIT frame carries 4 bytes")
+    return CREDIT.unpack(payload)[0]
+
+
+def dump(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def load(payload: bytes) -> dict:
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"a frame's JSON does not parse: {e}") from None
+    if not isinstance(obj, dict):
+        raise FrameError("a frame's JSON is not an object")
+    return obj
+
+
+def dump_metadata(metadata) -> list[list]:
+    """gRPC trailing metadata as JSON: binary values (keys ending in -bin) in base64."""
+    return [[k, base64.b64encode(v).decode() if isinstance(v, bytes) else v] for k, v in metadata or ()]
+
+
+def load_metadata(rows: list) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple((k, base64.b64decode(v) if k.endswith("-bin") else v) for k, v in rows)
+
+
+class Credit:
+    """How many more messages of a call this side may send, and a wait for more."""
+
+    def __init__(self, n: int = WINDOW):
+        self.n = n
+        self.more = asyncio.Event()
+
+    def add(self, n: int) -> None:
+        self.n += n
+        self.more.set()
+
+    async def take(self) -> None:
+        while self.n <= 0:
+            self.more.clear()
+            await self.more.wait()
+        self.n -= 1
+
+
+class Consumed:
+    """Counts messages consumed on the receiving side and says when a half window of credit goes back."""
+
+    def __init__(self):
+        self.count = 0
+
+    def one(self) -> int:
+        self.count += 1
+        if self.count >= WINDOW // 2:
+            n, self.count = self.count, 0
+            return n
+        return 0
