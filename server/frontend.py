@@ -230,6 +230,7 @@ async def run(engine_socket: str) -> int:
     loop = asyncio.get_running_loop()
     transport, link = await loop.create_unix_connection(lambda: EngineLink(loop), engine_socket)
     cfg = await link.config
+    link.framer.max_frame = max(link.framer.max_frame, cfg["max_message_bytes"] + 4096)
     configure_logging(cfg.get("log_format", "text"), cfg.get("log_level", "warning"))
     auth = AuthInterceptor(frozenset(cfg["api_keys"]), max_calls_per_key=cfg["max_calls_per_key"],
                            max_streams=cfg["max_streams"])  # fmt: skip

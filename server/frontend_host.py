@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 
 from tether.server.auth import CALLER
 from tether.server.frontend_wire import (
+    MAX_FRAME,
     METHODS,
     Consumed,
     Credit,
@@ -144,7 +145,8 @@ class FrontendConnection(asyncio.Protocol):
 
     def __init__(self, host: FrontendHost):
         self.host = host
-        self.framer = Framer()
+        # Messages are bounded by max_message_bytes, which may be set above the default frame limit.
+        self.framer = Framer(max(MAX_FRAME, host.service.config.max_message_bytes + 4096))
         self.calls: dict[int, EngineCall] = {}
         self.pid = 0
         self.transport: asyncio.Transport | None = None
@@ -215,6 +217,7 @@ class FrontendHost:
         self.hello_seen = asyncio.Event()
         self.port = 0
         self.stopping = False
+        self.grace: float | None = None  # what stop() gives the calls in flight (for a front end linked after it)
         self._server: asyncio.AbstractServer | None = None
         self._watch: asyncio.Task | None = None
 
@@ -226,6 +229,8 @@ class FrontendHost:
         conn.pid = int(info.get("pid", 0))
         if info.get("port"):
             self.connections[conn.pid] = conn
+            if self.stopping:  # started again while stop() ran: it missed the STOP the others were sent
+                conn.outbox.send(0, Kind.STOP, dump({"grace": self.grace}))
         self.hellos[conn.pid] = info
         self.hello_seen.set()
 
@@ -274,14 +279,17 @@ class FrontendHost:
                 self.procs.remove(proc)
                 log.warning("front end %d exited with status %s; starting another", proc.pid, proc.returncode,
                             extra={"event": "frontend_restart"})  # fmt: skip
+                proc = self._spawn()
                 try:
-                    await self._started(self._spawn())
+                    await self._started(proc)
                 except (OSError, TimeoutError) as e:
                     log.error("a front end failed to start again: %s", e)
+                    proc.kill()  # alive but never linked: the next pass starts another
+                    proc.wait()
 
     async def stop(self, grace: float | None) -> None:
         """Front ends stop taking calls and give those in flight `grace` seconds; then every call here ends."""
-        self.stopping = True
+        self.stopping, self.grace = True, grace
         if self._watch is not None:
             self._watch.cancel()
         for conn in list(self.connections.values()):
@@ -292,6 +300,7 @@ class FrontendHost:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()  # reaped: no zombie, and its returncode says it was killed
         for conn in list(self.connections.values()):
             conn.transport.close()
         if self._server is not None:

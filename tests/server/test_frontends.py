@@ -1,0 +1,598 @@
+"""The gRPC server with front-end processes (`make_server(..., frontends=N)`): gRPC in N processes, the service's
+handlers in this one, every tether.v1.Tether call carried between them as frames over a Unix socket.
+
+What the hop must not change: rounds, refusals (status, details, typed reason), weight downloads and the caller's
+identity are what the in-process server gives for the same service; health and reflection are answered; flow
+control lets a stream of many more messages than its window through, both ways. What the processes add: a front end
+killed is replaced on the same port while the engine keeps its sessions; the engine drops a peer that sends garbage
+and goes on; the keys travel only over the private socket; stop ends every process, removes the socket's directory
+and gives back all KV. The framing itself (tether.server.frontend_wire) is tested on its own at the end.
+
+Every wait is a bounded poll on something observable (BOUND_S is only a safety net); nothing asserts a duration.
+"""
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import queue
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from test_service import FP, VOCAB, Client, open_msg, plain, run_session, to_delta
+from tiny_models import tiny_moa_drafter, tiny_target
+
+from tether.client.refusals import Refusal
+from tether.server import frontend_wire as wire
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
+from tether.shared.tokenizer import Tokenizer
+from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
+
+BOUND_S = 60.0  # a safety net for waits that end on an observable condition
+KEY_A, KEY_B = [("authorization", "Bearer key-a")], [("authorization", "Bearer key-b")]
+
+
+def until(condition, what: str, bound_s: float = BOUND_S):
+    """Poll `condition` every 50 ms until it returns something true (returned); fail after `bound_s`."""
+    deadline = time.monotonic() + bound_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {bound_s:g} s")
+        time.sleep(0.05)
+    return value
+
+
+def service_for(target, drafter, tok, **config) -> TetherService:
+    config = {"max_prompt_tokens": 64, "max_sessions": 8} | config
+    return TetherService(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target(vocab_size=VOCAB)
+    drafter = tiny_moa_drafter(target)
+    tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
+    return target, drafter, tok
+
+
+@pytest.fixture(scope="module")
+def fronted(models):
+    """One service served twice: through two front ends (`stub`) and in this process (`direct`, the reference)."""
+    target, drafter, tok = models
+    service = service_for(target, drafter, tok)
+    handles = []
+    try:
+        handle, port = make_server(service, "127.0.0.1:0", frontends=2)
+        handles.append(handle)
+        handle.start()
+        direct, direct_port = make_server(service, "127.0.0.1:0")
+        handles.append(direct)
+        direct.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, grpc.insecure_channel(f"127.0.0.1:{direct_port}") as dc:
+            stub, direct_stub = tether_pb2_grpc.TetherStub(ch), tether_pb2_grpc.TetherStub(dc)
+            yield SimpleNamespace(target=target, drafter=drafter, service=service, handle=handle, port=port,
+                                  stub=stub, direct=direct_stub)  # fmt: skip
+    finally:
+        try:
+            for h in handles:
+                h.stop(None)
+        finally:
+            service.close()
+
+
+@pytest.fixture(scope="module")
+def keyed(models):
+    """A service with two API keys, through one front end."""
+    target, drafter, tok = models
+    service = service_for(target, drafter, tok, api_keys=frozenset({"key-a", "key-b"}))
+    handle = None
+    try:
+        handle, port = make_server(service, "127.0.0.1:0", frontends=1)
+        handle.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield SimpleNamespace(service=service, handle=handle, stub=tether_pb2_grpc.TetherStub(channel))
+    finally:
+        try:
+            if handle is not None:
+                handle.stop(None)
+        finally:
+            service.close()
+
+
+class Stream(Client):
+    """test_service's Client with a deadline on the stream, so that a server that never answers fails the test."""
+
+    def __init__(self, stub, metadata=None):
+        self.outbox: queue.Queue = queue.Queue()
+        self.replies = stub.Session(iter(self.outbox.get, None), metadata=metadata, timeout=BOUND_S)
+
+
+def engine_calls(handle) -> int:
+    """Calls the engine is running for front ends (its EngineCall tasks), counted on its event loop."""
+
+    async def count() -> int:
+        return sum(t.get_coro().__qualname__ == "EngineCall.run" for t in asyncio.all_tasks())
+
+    return asyncio.run_coroutine_threadsafe(count(), handle.loop).result(timeout=BOUND_S)
+
+
+def replaced(fronted, gone: set[int]) -> None:
+    """Wait until two front ends other than `gone` are linked to the engine and answer on the port, and the module's
+    channel is back."""
+
+    def up():
+        pids = set(fronted.handle.pids())
+        linked = len(pids) == 2 and not pids & gone and set(fronted.handle.host.connections) == pids
+        return linked and fresh_info(fronted.port)
+
+    assert until(up, "two new front ends answering on the port").model_fingerprint == FP
+    info = fronted.stub.GetModelInfo(pb.GetModelInfoRequest(), wait_for_ready=True, timeout=BOUND_S)
+    assert info.model_fingerprint == FP
+
+
+def fresh_info(port: int) -> pb.ModelInfo | None:
+    """GetModelInfo over a new channel; None while nothing answers on the port."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            return tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=BOUND_S / 4)
+        except grpc.RpcError:
+            return None
+
+
+def refusal(call) -> tuple:
+    """What a refused call says: status, details, typed reason and retry advice."""
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    r = Refusal.of_rpc_error(e.value)
+    return e.value.code(), e.value.details(), r.reason, r.retry_after_s
+
+
+# ---- calls through the front ends -------------------------------------------------------------------------------
+
+
+def test_session_rounds_through_front_ends_equal_plain_greedy_and_repeats_are_idempotent(fronted):
+    prompt = [1, 2, 3, 4, 5, 6, 0, 1]
+    out, sid, *_ = run_session(fronted.stub, fronted.drafter, prompt, 30, repeat_every=2)
+    assert out == plain(fronted.target, prompt, len(out))
+    assert sid in fronted.service.sessions  # the engine holds it after the stream ended
+
+
+def test_model_info_and_refusals_keep_status_details_and_reason_across_the_hop(fronted):
+    stub, direct = fronted.stub, fronted.direct
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=BOUND_S)
+    assert info.SerializeToString() == fronted.service.model_info.SerializeToString()
+
+    # Call-level aborts: the google.rpc.Status details (the typed reason) travel as trailing metadata.
+    unknown = pb.ResyncRequest(session_id="0" * 32, resume_token="0" * 32, verified_length=3, offline_tokens=[1],
+                               model_fingerprint=FP)  # fmt: skip
+    calls = [
+        lambda s: s.Resync(unknown, timeout=BOUND_S),  # no history for a session nobody holds
+        lambda s: s.Close(pb.CloseRequest(session_id="0" * 32), timeout=BOUND_S),
+        lambda s: s.Close(pb.CloseRequest(session_id="nope"), timeout=BOUND_S),
+        lambda s: list(s.FetchWeights(pb.FetchWeightsRequest(model_fingerprint="0" * 64), timeout=BOUND_S)),
+        lambda s: list(s.Generate(pb.OpenSession(prompt=[1, 99], model_fingerprint=FP), timeout=BOUND_S)),
+    ]
+    through = [refusal(lambda c=c: c(stub)) for c in calls]
+    assert through == [refusal(lambda c=c: c(direct)) for c in calls]
+    S = grpc.StatusCode
+    assert [(code, reason) for code, _, reason, _ in through] == [
+        (S.FAILED_PRECONDITION, pb.REASON_HISTORY_REQUIRED),
+        (S.NOT_FOUND, pb.REASON_UNKNOWN_SESSION),
+        (S.INVALID_ARGUMENT, pb.REASON_INVALID_REQUEST),
+        (S.FAILED_PRECONDITION, pb.REASON_MODEL_MISMATCH),
+        (S.INVALID_ARGUMENT, pb.REASON_INVALID_REQUEST),
+    ]
+
+    # Inline errors on a Session stream: the same messages as in process, and the stream goes on.
+    def inline_errors(s) -> list[pb.ServerMessage]:
+        client = Stream(s)
+        try:
+            got = [
+                client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=0))),  # before open
+                client.send(open_msg([1, 99])),  # a token out of the vocabulary
+                client.send(open_msg([1] * 65)),  # over max_prompt_tokens
+            ]
+            opened = client.send(open_msg([1, 2, 3])).opened
+            got.append(client.send(pb.ClientMessage(round=pb.DraftRound(round=2, root=opened.first_token))))
+            return got
+        finally:
+            client.close()
+
+    errors = inline_errors(stub)
+    assert all(m.WhichOneof("body") == "error" for m in errors)
+    assert errors == inline_errors(direct)
+    assert [(m.error.code, m.error.reason) for m in errors] == [
+        (S.FAILED_PRECONDITION.value[0], pb.REASON_OUT_OF_ORDER),
+        (S.INVALID_ARGUMENT.value[0], pb.REASON_INVALID_REQUEST),
+        (S.RESOURCE_EXHAUSTED.value[0], pb.REASON_TOO_LONG),
+        (S.FAILED_PRECONDITION.value[0], pb.REASON_OUT_OF_ORDER),
+    ]
+    assert errors[-1].error.round == 2
+
+
+def download(stub) -> tuple[list[bytes], dict[str, str]]:
+    """A whole FetchWeights in 2000-byte chunks: the messages as sent, and each tensor's sha256 of what came."""
+    req = pb.FetchWeightsRequest(model_fingerprint=FP, max_chunk_bytes=2000)
+    messages = list(stub.FetchWeights(req, timeout=BOUND_S))
+    parts: dict[str, list[tuple[int, bytes]]] = {}
+    for m in messages[1:]:
+        parts.setdefault(m.chunk.tensor, []).append((m.chunk.offset, m.chunk.data))
+    digests = {name: hashlib.sha256(b"".join(d for _, d in sorted(p))).hexdigest() for name, p in parts.items()}
+    return [m.SerializeToString() for m in messages], digests
+
+
+def test_a_weight_download_of_many_windows_arrives_whole_and_identical(fronted):
+    """Far more replies than the window: the engine goes on only as the front end gives credit back."""
+    through, digests = download(fronted.stub)
+    assert len(through) > 4 * wire.WINDOW
+    direct, direct_digests = download(fronted.direct)
+    assert digests == direct_digests
+    assert through == direct  # the same messages in the same order
+    manifest = pb.WeightChunk.FromString(through[0]).manifest.tensors
+    assert digests == {e.name: e.sha256 for e in manifest}  # every tensor whole
+
+
+def test_a_client_streaming_many_windows_ahead_gets_every_reply(fronted):
+    """Requests flow control: a client sends a round again and again without reading (as after reconnects); the
+    front end may carry only WINDOW of them ahead of the engine's credit, and every one is answered the same."""
+    prompt = [2, 4, 6, 1, 3]
+    client = Stream(fronted.stub)
+    try:
+        opened = client.send(open_msg(prompt)).opened
+        first = client.send(pb.ClientMessage(round=pb.DraftRound(round=1, root=opened.first_token, tokens=[0, 1])))
+        assert first.WhichOneof("body") == "verdict"
+        again = pb.ClientMessage(round=pb.DraftRound(round=1, root=opened.first_token, tokens=[0, 1]))
+        n = 4 * wire.WINDOW
+        for _ in range(n):
+            client.outbox.put(again)
+        replies = [next(client.replies) for _ in range(n)]
+    finally:
+        client.close()
+    assert list(client.replies) == [] and client.replies.code() == grpc.StatusCode.OK  # the half-close reached it
+    assert all(r == first for r in replies)
+    v = first.verdict
+    assert [opened.first_token, *[0, 1][: v.accepted], v.bonus] == plain(fronted.target, prompt, v.accepted + 2)
+
+
+def test_generate_streams_plain_decoding_and_a_client_going_away_cancels_it_in_the_engine(fronted):
+    """The front end tells the engine when its client goes away: the handler is cancelled and the KV given back.
+    The long generation cancelled here would otherwise stop on credit after WINDOW unread replies and hold its KV."""
+    target, service, stub = fronted.target, fronted.service, fronted.stub
+    prompt = [2, 6, 1, 3]
+    held = service.pool.used_blocks
+    req = pb.OpenSession(prompt=prompt, max_new_tokens=40, model_fingerprint=FP)
+    assert [t for m in stub.Generate(req, timeout=BOUND_S) for t in m.tokens] == plain(target, prompt, 40)
+    assert service.pool.used_blocks == held
+    long = pb.OpenSession(prompt=prompt, max_new_tokens=1024, model_fingerprint=FP)  # 1 + 64 replies of 16 tokens
+    stream = stub.Generate(long, timeout=BOUND_S)
+    assert list(next(stream).tokens) == plain(target, prompt, 1)
+    stream.cancel()
+    until(lambda: engine_calls(fronted.handle) == 0 and service.pool.used_blocks == held,
+          "the engine's handler cancelled and its KV given back")  # fmt: skip
+
+
+def test_health_and_reflection_are_answered_by_the_front_ends(fronted):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{fronted.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "tether.v1.Tether"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=BOUND_S).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        asks = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="tether.v1.Tether")]  # fmt: skip
+        listed, described = stub.ServerReflectionInfo(iter(asks), timeout=BOUND_S)
+    assert {"tether.v1.Tether", "grpc.health.v1.Health"} <= {s.name for s in listed.list_services_response.service}
+    assert described.file_descriptor_response.file_descriptor_proto  # grpcurl can describe the service
+
+
+# ---- API keys ----------------------------------------------------------------------------------------------------
+
+
+def test_api_keys_are_checked_by_the_front_end_and_the_caller_reaches_the_engine(keyed):
+    stub = keyed.stub
+    for meta in (None, [("authorization", "Bearer wrong")]):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=meta, timeout=BOUND_S)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    anonymous = Stream(stub)
+    with pytest.raises(grpc.RpcError) as e:
+        anonymous.send(open_msg([1, 2, 3]))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    anonymous.close()
+    assert not keyed.service.sessions  # refused before the engine saw it
+
+    client = Stream(stub, metadata=KEY_A)
+    opened = client.send(open_msg([1, 2, 3])).opened
+    client.close()
+    assert opened.session_id in keyed.service.sessions
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=KEY_B, timeout=BOUND_S)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND  # key-b's view: key-a's session does not exist
+    assert Refusal.of_rpc_error(e.value).reason == pb.REASON_UNKNOWN_SESSION
+    assert opened.session_id in keyed.service.sessions
+    stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=KEY_A, timeout=BOUND_S)
+    assert opened.session_id not in keyed.service.sessions
+
+
+# ---- the processes -----------------------------------------------------------------------------------------------
+
+
+def test_front_ends_killed_are_replaced_on_the_port_and_a_held_session_is_attached_again(fronted):
+    target, drafter, handle = fronted.target, fronted.drafter, fronted.handle
+    prompt = [3, 1, 4, 1, 5]
+    with grpc.insecure_channel(f"127.0.0.1:{fronted.port}") as channel:
+        client = Stream(tether_pb2_grpc.TetherStub(channel))
+        opened = client.send(open_msg(prompt)).opened
+        drafter.begin(to_delta(opened.delta))
+        out, root = [opened.first_token], opened.first_token
+        for rnd in (1, 2):
+            drafts, _, _ = drafter.draft(root, 3)
+            sent = pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts))
+            v = client.send(sent).verdict
+            drafter.commit(to_delta(v.delta))
+            out += drafts[: v.accepted] + [v.bonus]
+            root = v.bonus
+        last = (sent, v)
+
+        killed = set(handle.pids())
+        assert len(killed) == 2 and engine_calls(handle) >= 1  # this stream's, at least
+        for pid in killed:  # the channel's front end is one of them, which one is the kernel's choice
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            next(client.replies)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        client.close()
+
+    replaced(fronted, killed)
+    until(lambda: engine_calls(handle) == 0, "the dead front ends' calls cancelled in the engine")
+    assert opened.session_id in fronted.service.sessions  # the engine kept it through the drop
+
+    with grpc.insecure_channel(f"127.0.0.1:{fronted.port}") as channel:
+        client = Stream(tether_pb2_grpc.TetherStub(channel))
+        attach = pb.AttachSession(session_id=opened.session_id, resume_token=opened.resume_token)
+        attached = client.send(pb.ClientMessage(attach=attach)).attached
+        assert (attached.verified_length, attached.root, attached.last_round) == (
+            len(prompt) + len(out) - 1, root, 2)  # fmt: skip
+        assert client.send(last[0]).verdict == last[1]  # round 2 sent again: its verdict, not a second run
+        for rnd in (3, 4, 5):
+            drafts, _, _ = drafter.draft(root, 3)
+            v = client.send(pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts))).verdict
+            drafter.commit(to_delta(v.delta))
+            out += drafts[: v.accepted] + [v.bonus]
+            root = v.bonus
+        client.close()
+    assert out == plain(target, prompt, len(out))
+
+
+def test_front_ends_end_their_calls_and_exit_when_the_engines_socket_closes(fronted):
+    """As when the engine crashes: a front end never outlives its link. Its calls end UNAVAILABLE (retry), it exits
+    on its own, and (the engine being alive here) it is started again."""
+    host = fronted.handle.host
+    with grpc.insecure_channel(f"127.0.0.1:{fronted.port}") as channel:
+        client = Stream(tether_pb2_grpc.TetherStub(channel))
+        assert client.send(open_msg([1, 2, 3])).WhichOneof("body") == "opened"
+        procs = [p for p in host.procs if p.poll() is None]
+        assert len(procs) == 2 and set(host.connections) == {p.pid for p in procs}
+        for conn in list(host.connections.values()):
+            fronted.handle.loop.call_soon_threadsafe(conn.transport.close)
+        with pytest.raises(grpc.RpcError) as e:
+            next(client.replies)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        client.close()
+    until(lambda: all(p.poll() is not None for p in procs), "the front ends exited")
+    assert [p.returncode for p in procs] == [0, 0]  # on their own, not killed
+    replaced(fronted, {p.pid for p in procs})
+
+
+def read_frame(sock: socket.socket) -> tuple[int, wire.Kind, bytes]:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            more = sock.recv(n - len(data))
+            assert more, "the engine closed the socket mid-frame"
+            data += more
+        return data
+
+    call, kind, size = wire.HEADER.unpack(exactly(wire.HEADER.size))
+    return call, wire.Kind(kind), exactly(size)
+
+
+def engine_config(socket_path: str) -> dict:
+    """What the engine sends a new peer on its socket before anything else."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(BOUND_S)
+        sock.connect(socket_path)
+        call, kind, payload = read_frame(sock)
+    assert (call, kind) == (0, wire.Kind.CONFIG)
+    return json.loads(payload)
+
+
+def test_the_engine_drops_a_peer_sending_garbage_and_serves_on(fronted):
+    handle = fronted.handle
+    host = handle.host
+    assert stat.S_IMODE(os.stat(host.dir).st_mode) == 0o700  # the socket's directory is this user's alone
+    pids, linked = set(handle.pids()), set(host.connections)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(BOUND_S)  # recv waits at most this long; the assertion is on what it returns
+        sock.connect(host.socket)
+        assert read_frame(sock)[:2] == (0, wire.Kind.CONFIG)
+        sock.sendall(struct.pack("<IBI", 0, 99, 0))  # a frame of no kind the protocol has
+        assert sock.recv(1) == b""  # closed by the engine
+    assert set(handle.pids()) == pids and set(host.connections) == linked
+    assert fresh_info(fronted.port).model_fingerprint == FP
+
+
+def test_config_splits_the_stream_limit_and_carries_keys_only_where_there_are_some(fronted, keyed):
+    config = engine_config(fronted.handle.host.socket)
+    assert config["address"] == f"127.0.0.1:{fronted.port}"  # a front end started again joins the same port
+    assert config["max_streams"] == math.ceil(fronted.service.config.max_streams / 2)
+    assert config["api_keys"] == []
+    config = engine_config(keyed.handle.host.socket)
+    assert config["max_streams"] == keyed.service.config.max_streams  # one front end: all of it
+    assert sorted(config["api_keys"]) == ["key-a", "key-b"]
+
+
+def test_stop_ends_the_streams_and_the_processes_and_gives_back_all_kv(models):
+    target, drafter, tok = models
+    service = service_for(target, drafter, tok)
+    handle, port = make_server(service, "127.0.0.1:0", frontends=2)
+    try:
+        handle.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                client = Stream(tether_pb2_grpc.TetherStub(channel))
+                opened = client.send(open_msg([1, 2, 3, 4])).opened
+                assert service.pool.used_blocks > 0 and opened.session_id in service.sessions
+                handle.stop(grace=None).wait()
+                with pytest.raises(grpc.RpcError) as e:
+                    next(client.replies)
+                assert e.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+                client.close()
+        finally:
+            handle.stop(None)
+        assert all(p.returncode is not None for p in handle.host.procs)
+        assert [p.returncode for p in handle.host.procs] == [0, 0]  # they stopped on STOP, nobody killed them
+        assert not os.path.exists(handle.host.dir)
+        assert service.pool.free_blocks == service.pool.num_blocks and not service.sessions
+    finally:
+        service.close()
+
+
+def test_stop_while_a_front_end_is_started_again_stops_that_one_too(models, monkeypatch):
+    """A front end killed, its replacement caught before it says HELLO (it is spawned stopped), then the server
+    stopped: the replacement, let go once stop has begun, must be told to stop as well and exit on its own."""
+    target, drafter, tok = models
+    service = service_for(target, drafter, tok)
+    handle, _ = make_server(service, "127.0.0.1:0", frontends=2)
+    try:
+        host = handle.host
+        spawn = host._spawn
+
+        def spawn_stopped():
+            proc = spawn()
+            os.kill(proc.pid, signal.SIGSTOP)  # long before it can have connected: it must start Python first
+            return proc
+
+        monkeypatch.setattr(host, "_spawn", spawn_stopped)
+        first = set(handle.pids())
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        new = until(lambda: set(handle.pids()) - first, "a front end started again")
+        stopper = threading.Thread(target=handle.stop, args=(None,))
+        try:
+            stopper.start()
+            until(lambda: host.stopping, "stop begun")
+        finally:
+            for pid in new:
+                os.kill(pid, signal.SIGCONT)
+            stopper.join(timeout=BOUND_S)
+        assert not stopper.is_alive()
+        assert {p.pid: p.returncode for p in host.procs} == {pid: 0 for pid in (first - {victim}) | new}
+    finally:
+        try:
+            handle.stop(None)  # a no-op once stopped; otherwise what a failure left running goes
+        finally:
+            service.close()
+
+
+# ---- the frames --------------------------------------------------------------------------------------------------
+
+
+def test_framer_yields_the_same_frames_however_the_bytes_arrive():
+    frames = [(0, wire.Kind.CONFIG, b'{"a":1}'), (7, wire.Kind.REQUEST, bytes(range(256)) * 3),
+              (7, wire.Kind.HALF_CLOSE, b""), (2**32 - 1, wire.Kind.CREDIT, wire.credit(8))]  # fmt: skip
+    stream = b"".join(wire.HEADER.pack(c, k, len(p)) + p for c, k, p in frames)
+    whole = list(wire.Framer().feed(stream))
+    framer = wire.Framer()
+    bytewise = [f for i in range(len(stream)) for f in framer.feed(stream[i : i + 1])]
+    assert whole == bytewise == frames
+    assert not framer.buf  # nothing left over
+
+
+def test_framer_refuses_oversize_frames_and_unknown_kinds():
+    framer = wire.Framer(max_frame=10)
+    assert list(framer.feed(wire.HEADER.pack(1, wire.Kind.REPLY, 10) + bytes(10))) == [(1, wire.Kind.REPLY, bytes(10))]
+    with pytest.raises(wire.FrameError):
+        list(framer.feed(wire.HEADER.pack(1, wire.Kind.REPLY, 11)))  # refused on the header, before the body
+    with pytest.raises(wire.FrameError):
+        list(wire.Framer().feed(struct.pack("<IBI", 0, 99, 0)))
+    with pytest.raises(wire.FrameError):
+        wire.read_credit(b"\x01\x00")
+    for bad in (b"\xff", b"[1]", b"{"):
+        with pytest.raises(wire.FrameError):
+            wire.load(bad)
+
+
+def test_metadata_round_trips_binary_and_text_values():
+    metadata = (("grpc-status-details-bin", bytes(range(256))), ("retry-note", "soon"))
+    rows = wire.dump_metadata(metadata)
+    assert json.loads(json.dumps(rows)) == rows  # JSON-clean: bytes went as base64
+    assert wire.load_metadata(rows) == metadata
+    assert wire.dump_metadata(None) == []
+
+
+def test_credit_is_a_window_taken_one_by_one_and_given_back_in_halves():
+    consumed = wire.Consumed()
+    given = [consumed.one() for _ in range(2 * wire.WINDOW)]
+    half = wire.WINDOW // 2
+    assert given == ([0] * (half - 1) + [half]) * 4
+
+    async def window() -> tuple[int, bool, bool]:
+        c = wire.Credit()
+        taken = 0
+        while c.n > 0:
+            await c.take()
+            taken += 1
+        blocked = asyncio.ensure_future(c.take())
+        await asyncio.sleep(0)
+        waiting = not blocked.done()
+        c.add(half)
+        await asyncio.wait_for(blocked, BOUND_S)
+        return taken, waiting, c.n == half - 1
+
+    assert asyncio.run(window()) == (wire.WINDOW, True, True)
+
+
+def test_outbox_writes_a_loops_frames_in_one_write():
+    class Transport:
+        def __init__(self):
+            self.writes, self.closing = [], False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+    async def run() -> list[bytes]:
+        t = Transport()
+        outbox = wire.Outbox(t, asyncio.get_running_loop())
+        outbox.send(3, wire.Kind.REPLY, b"x")
+        outbox.send(3, wire.Kind.END)
+        outbox.send(4, wire.Kind.CREDIT, wire.credit(8))
+        assert t.writes == []  # nothing until the loop's iteration ends
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        t.closing = True
+        outbox.send(5, wire.Kind.END)  # a closing transport is written no more
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return t.writes
+
+    writes = asyncio.run(run())
+    assert len(writes) == 1
+    assert list(wire.Framer().feed(writes[0])) == [(3, wire.Kind.REPLY, b"x"), (3, wire.Kind.END, b""),
+                                                   (4, wire.Kind.CREDIT, wire.credit(8))]  # fmt: skip
