@@ -63,6 +63,7 @@ from tether.server.auth import CALLER
 from tether.server.batcher import RoundBatcher
 from tether.server.client_export import FORMATS, ClientExporter, ExportError
 from tether.server.errors import Reason, RequestError, inline, status_metadata
+from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
 from tether.server.plain_decoding import POOL_RETRY_S, PlainDecoding
@@ -387,44 +388,51 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         session: Session | None = None
         epoch = 0  # the session's resync count when this stream opened or attached it
         messages = aiter(request_iterator)
-        idle = self.config.stream_idle_s
-        while True:
-            try:
-                async with asyncio.timeout(idle):
+        watch = IdleWatch(self.config.stream_idle_s)  # one timer per stream, not per message
+        try:
+            while True:
+                try:
+                    watch.reading()
                     message = await anext(messages)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                e = RequestError(Reason.REASON_STREAM_IDLE, f"the stream sent nothing for {idle:g} s; reconnect")
-                await self._abort(context, e, "session", session.id if session else "")
-            kind = message.WhichOneof("body")
-            round_no = message.round.round if kind == "round" else 0
-            try:
-                if kind == "open":
-                    if session is not None:
-                        raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
-                    session, replies = await self._open(message.open, caller)
-                    epoch = session.resyncs
-                elif kind == "attach":
-                    if session is not None:
-                        raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
-                    session, epoch, reply = await self._attach(message.attach, caller)
-                    replies = [reply]
-                elif kind == "round":
-                    if session is None:
-                        raise RequestError(Reason.REASON_OUT_OF_ORDER, "open or attach a session before rounds")
-                    replies = [await self._round(session, message.round, epoch)]
-                else:
-                    raise invalid("empty client message")
-            except RequestError as e:
-                self._refused(e, kind or "empty", session.id if session else "")
-                replies = [inline(e, round_no)]
-            except Exception as e:  # a bug must cost one message, not the stream or the server
-                log.exception("internal error", extra={"event": "error", "session": session.id if session else ""})
-                replies = [inline(RequestError(Reason.REASON_INTERNAL, f"internal error: {type(e).__name__}"),
-                                  round_no)]  # fmt: skip
-            for reply in replies:
-                yield reply
+                    watch.read()
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if not watch.expired():
+                        raise
+                    e = RequestError(Reason.REASON_STREAM_IDLE,
+                                     f"the stream sent nothing for {watch.idle_s:g} s; reconnect")  # fmt: skip
+                    await self._abort(context, e, "session", session.id if session else "")
+                kind = message.WhichOneof("body")
+                round_no = message.round.round if kind == "round" else 0
+                try:
+                    if kind == "open":
+                        if session is not None:
+                            raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
+                        session, replies = await self._open(message.open, caller)
+                        epoch = session.resyncs
+                    elif kind == "attach":
+                        if session is not None:
+                            raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
+                        session, epoch, reply = await self._attach(message.attach, caller)
+                        replies = [reply]
+                    elif kind == "round":
+                        if session is None:
+                            raise RequestError(Reason.REASON_OUT_OF_ORDER, "open or attach a session before rounds")
+                        replies = [await self._round(session, message.round, epoch)]
+                    else:
+                        raise invalid("empty client message")
+                except RequestError as e:
+                    self._refused(e, kind or "empty", session.id if session else "")
+                    replies = [inline(e, round_no)]
+                except Exception as e:  # a bug must cost one message, not the stream or the server
+                    log.exception("internal error", extra={"event": "error", "session": session.id if session else ""})
+                    replies = [inline(RequestError(Reason.REASON_INTERNAL, f"internal error: {type(e).__name__}"),
+                                      round_no)]  # fmt: skip
+                for reply in replies:
+                    yield reply
+        finally:
+            watch.close()
 
     async def _open(self, req: pb.OpenSession, caller: str) -> tuple[Session, list[pb.ServerMessage]]:
         c = self.config
