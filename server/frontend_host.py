@@ -119,16 +119,15 @@ class EngineCall:
             else:
                 await self._reply(await handler(request, CallContext()))
             send(self.id, Kind.END)
-        except Aborted as a:
-            code = a.code.value[0] if isinstance(a.code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN.value[0]
-            send(self.id, Kind.ABORT, dump({"code": code, "details": a.details,
-                                            "metadata": dump_metadata(a.metadata)}))  # fmt: skip
         except asyncio.CancelledError:
             pass  # the client went away (CANCEL), its front end died, or the engine is stopping
         except Exception as e:  # as grpc.aio does: the call fails, the server goes on
-            log.exception("internal error in %s", self.method, extra={"event": "error"})
-            send(self.id, Kind.ABORT, dump({"code": grpc.StatusCode.UNKNOWN.value[0],
-                                            "details": f"Unexpected {type(e).__name__}", "metadata": []}))  # fmt: skip
+            if not isinstance(e, Aborted):
+                log.exception("internal error in %s", self.method, extra={"event": "error"})
+                e = Aborted(grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}", ())
+            code = e.code if isinstance(e.code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+            send(self.id, Kind.ABORT, dump({"code": code.value[0], "details": e.details,
+                                            "metadata": dump_metadata(e.metadata)}))  # fmt: skip
         finally:
             self.conn.calls.pop(self.id, None)
 
