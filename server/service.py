@@ -509,7 +509,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                                    f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
             try:
                 with self.metrics.verify_seconds.time():
-                    # The reply is encoded on the batcher's finishing thread, straight after the step.
+                    # The reply is encoded on the batcher's thread, straight after the step.
                     finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents))
                     work, here = self.batcher.submit_here(s.verifier, tree, finish)
                     verdict, message = await self._wait(work, claim, here)

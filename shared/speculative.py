@@ -88,6 +88,7 @@ class DraftTree:
 
     def __post_init__(self) -> None:
         n = self.tokens.numel()
+        self.__dict__["_n"] = n  # len() as a plain int: the batcher asks it of every round it packs
         if self.tokens.dim() != 1 or self.parents.shape != self.tokens.shape or n == 0:
             raise ValueError(
                 f"tokens and parents must be equal-length 1-D, got {self.tokens.shape}, {self.parents.shape}"
@@ -108,7 +109,7 @@ class DraftTree:
             raise ValueError(f"source_ids must be [{n}], got {self.source_ids.shape}")
 
     def __len__(self) -> int:
-        return self.tokens.numel()
+        return self._n
 
     @classmethod
     def chain(

@@ -185,7 +185,41 @@ def test_rounds_submitted_from_a_loop_are_settled_there_a_step_at_a_time(monkeyp
         assert rest[3][0].result(10) == ("finished", "done", 4) and rest[3][1].cancelled()
         assert rest[2][0].exception(10) is not None
         b.worker.join(10)
-        b.finisher.join(10)
 
     asyncio.run(main())
     assert calls == [1, 4]  # round 0's step, then the other four's, one call each
+
+
+def test_a_step_is_finished_before_the_next_step_starts(monkeypatch):
+    """The worker encodes a step's replies itself before it takes the next step, so rounds that arrive meanwhile
+    wait and join one larger step instead of a step each (the back-pressure that lets batches grow when the host
+    is the bound). Round 0's finish waits for a second step to begin; it must give up waiting, not see one."""
+    from tether.server import batcher as batcher_module
+
+    log, started, second = [], threading.Event(), threading.Event()
+
+    def fake_verify_batch(target, items, host_deltas=False):
+        log.append(("step", [v for v, _ in items]))
+        if len(log) > 1:
+            second.set()
+        started.set()
+        return [("done", v) for v, _ in items]
+
+    def finish(result):
+        if result[1] == 0:
+            assert rest_queued.wait(10)
+            second.wait(1.0)  # bounded: a separate finishing thread would see the next step start here
+        log.append(("finish", result[1]))
+        return result
+
+    monkeypatch.setattr(batcher_module, "verify_batch", fake_verify_batch)
+    rest_queued = threading.Event()
+    b = RoundBatcher(None, max_batch=8, max_tokens=64)
+    first = b.submit(0, DraftTree.chain(0, []), finish)
+    assert started.wait(10)
+    rest = [b.submit(i, DraftTree.chain(0, []), finish) for i in range(1, 4)]
+    rest_queued.set()
+    assert [f.result(10) for f in [first, *rest]] == [("done", i) for i in range(4)]
+    b.close()
+    b.worker.join(10)
+    assert log == [("step", [0]), ("finish", 0), ("step", [1, 2, 3]), ("finish", 1), ("finish", 2), ("finish", 3)]
