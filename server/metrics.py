@@ -23,6 +23,7 @@ class ServiceMetrics:
         self.tau = Histogram("tether_tau", "tokens gained per round (accepted + 1)",
                              buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65), registry=r)  # fmt: skip
         self.bytes_out = Counter("tether_bytes_out", "payload bytes sent, by kind", ["kind"], registry=r)
+        self.kv_delta_bytes = self.bytes_out.labels(kind="kv_delta")  # every reply's: no label lookup per round
         self.sessions = Gauge("tether_sessions", "sessions held", registry=r)
         self.evictions = Counter("tether_evictions", "sessions evicted (least recently used), by reason: the session "
                                  "limit or KV memory", ["reason"], registry=r)  # fmt: skip

@@ -297,11 +297,11 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         """A delta on the wire, in bfloat16: torch tensors (prefills, absorbs), or the batcher's numpy arrays of
         bfloat16 bits (tether.server.rounds.slice_deltas), which go to the wire format as they are."""
         if isinstance(delta, ArrayDelta):
-            payload = wire.encode_many({k: (a, "bfloat16") for k, a in delta.tensors.items()}, codec)
+            payload = wire.encode_bf16_bundle(delta.tensors, codec)
         else:
             tensors = {k: v if v.dtype == torch.bfloat16 else v.to(torch.bfloat16) for k, v in delta.tensors.items()}
             payload = encode_many(tensors, codec)
-        self.metrics.bytes_out.labels(kind="kv_delta").inc(len(payload))
+        self.metrics.kv_delta_bytes.inc(len(payload))
         return pb.KVDelta(start=delta.start, tokens=delta.tokens, payload=payload)
 
     def _refused(self, e: RequestError, what: str, session: str = "") -> None:

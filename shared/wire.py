@@ -36,6 +36,9 @@ Contract:
   -> {name: values}`: a named bundle
       magic b"TTBN" | version u8 | count u32 | count x (name length u16 | utf-8 name | frame length u32 | frame)
   with the same validation, the `max_nbytes` budget shared by all tensors of the bundle.
+  `encode_bf16_bundle(arrays, codec)` (arrays: {name: uint16 bfloat16 bits}) is encode_many of
+  {name: (bits, "bfloat16")}, byte for byte and error for error, in a fraction of its time: the server's
+  per-round KV delta.
   `parse_many(data, max_nbytes=...) -> dict[str, EncodedTensor]` parses every frame without decompressing any,
   so a receiver can check names, dtypes and shapes against what it expects before it allocates a byte.
 - Thread-safe: zstd (de)compressor objects are not, so each thread keeps its own.
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -65,6 +69,7 @@ __all__ = [
     "decode_array",
     "decode_many",
     "encode_array",
+    "encode_bf16_bundle",
     "encode_many",
     "parse_many",
     "values",
@@ -273,12 +278,17 @@ def _unshuffle(buf: bytes, itemsize: int) -> np.ndarray:
 _local = threading.local()  # zstd contexts are not thread-safe; one set per thread
 
 
-def _compress(data: bytes, level: int) -> bytes:
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor for `level` (already checked)."""
     cache = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
         # The checksum (4 bytes a frame) turns a corrupted payload into an error instead of wrong K/V.
         cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
-    return cache[level].compress(data)
+    return cache[level]
+
+
+def _compress(data: bytes, level: int) -> bytes:
+    return _compressor(level).compress(data)
 
 
 def _decompress(payload: bytes, expected: int) -> bytes:
@@ -300,8 +310,11 @@ def _decompress(payload: bytes, expected: int) -> bytes:
     return out
 
 
+_LEVEL_MIN = -(1 << 17)  # zstd's fastest negative level
+
+
 def _check_level(level: int) -> None:
-    if not isinstance(level, int) or not -(1 << 17) <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+    if not isinstance(level, int) or not _LEVEL_MIN <= level <= zstandard.MAX_COMPRESSION_LEVEL:
         raise CodecError(
             f"zstd level {level!r} out of range (fast negative levels up to {zstandard.MAX_COMPRESSION_LEVEL})"
         )
@@ -477,6 +490,73 @@ def encode_many(
         frame = _pack_frame(*fields)
         parts += [_NAME_LEN.pack(len(key)), key, _FRAME_LEN.pack(len(frame)), frame]
     return b"".join(parts)
+
+
+# encode_bf16_bundle packs everything of a bundle entry before the payload with one struct: name length, name,
+# frame length, then the frame's _HEAD, dims and _LENGTHS. One per (name bytes, ndim), at most
+# MAX_NAME_BYTES * (MAX_NDIM + 1) of them, a handful in practice.
+_ENTRY_HEADS: dict[tuple[int, int], tuple[struct.Struct, int]] = {}
+_BF16 = _DTYPE_IDS["bfloat16"]
+_U16 = np.dtype(np.uint16)  # native order: the wire's little-endian bytes on a _FAST_HOST
+_FAST_HOST = sys.byteorder == "little"
+# Up to this many elements, slicing a bytes object into planes is the quicker shuffle: a byte loop, twice as fast as
+# numpy's transpose at 200 elements, even at about 1k, twice as slow at 8k (numpy 2.4).
+_SMALL = 1024
+
+
+def _entry_head(n_key: int, ndim: int) -> tuple[struct.Struct, int]:
+    """The struct of an entry's bytes before its payload, and the frame's size without the payload."""
+    head = _ENTRY_HEADS.get((n_key, ndim))
+    if head is None:
+        fmt = f"{_NAME_LEN.format}{n_key}s{_FRAME_LEN.format[1:]}{_HEAD.format[1:]}{ndim}I{_LENGTHS.format[1:]}"
+        head = _ENTRY_HEADS[n_key, ndim] = (struct.Struct(fmt), _HEAD.size + _DIM.size * ndim + _LENGTHS.size)
+    return head
+
+
+def encode_bf16_bundle(arrays: Mapping[str, np.ndarray], codec: Codec, *, level: int = 3) -> bytes:
+    """encode_many({name: (bits, "bfloat16")}, codec, level=level) for uint16 arrays of bfloat16 bits (any
+    strides), the same bytes, at a fraction of the cost: the server encodes a KV delta of a few small tensors every
+    round on its batcher's thread. RAW and FP16_SHUFFLE_ZSTD on a little-endian host take the fast path; anything
+    else (INT8_ZSTD, a big-endian host, and any input the general path would refuse) goes through encode_many,
+    which returns or raises exactly what it would have."""
+    if not _FAST_HOST or not (codec == Codec.RAW or codec == Codec.FP16_SHUFFLE_ZSTD):
+        return _encode_bf16_general(arrays, codec, level)
+    shuffle = codec == Codec.FP16_SHUFFLE_ZSTD
+    if shuffle:
+        if type(level) is not int or not _LEVEL_MIN <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+            return _encode_bf16_general(arrays, codec, level)
+        compress = _compressor(level).compress
+    codec_id = int(codec)
+    parts = [_BUNDLE_HEAD.pack(BUNDLE_MAGIC, FORMAT_VERSION, len(arrays))]
+    try:
+        for name, a in arrays.items():
+            key = name.encode("utf-8")
+            n_key = len(key)
+            ndim = a.ndim if type(a) is np.ndarray else MAX_NDIM + 1
+            # A huge element count goes the general way too, which checks the dims before it copies a byte.
+            if not 0 < n_key <= MAX_NAME_BYTES or ndim > MAX_NDIM or a.dtype != _U16 or a.size > _U32_MAX:
+                return _encode_bf16_general(arrays, codec, level)
+            if shuffle and a.size <= _SMALL:
+                # A delta's few hundred values: bytes' own strided slicing beats any numpy call sequence.
+                raw = a.tobytes()  # C order, whatever a's strides
+                payload = compress(raw[0::2] + raw[1::2])
+            elif shuffle:
+                # tobytes of the transposed [n, 2] byte view writes the planes in one pass (on numpy 2.4 faster
+                # than _shuffle's plane loop at every size measured); ravel copies only a strided slice.
+                payload = compress(a.ravel().view(np.uint8).reshape(-1, 2).T.tobytes())  # [2, n]
+            else:
+                payload = a.tobytes()  # C order, whatever a's strides
+            head, frame_fixed = _entry_head(n_key, ndim)
+            n = len(payload)
+            parts += [head.pack(n_key, key, frame_fixed + n, TENSOR_MAGIC, FORMAT_VERSION, codec_id, _BF16, _BF16,
+                                ndim, *a.shape, n, 0), payload]  # fmt: skip
+    except struct.error:  # a dim or payload of 4 GiB or more: the general path refuses it in its own words
+        return _encode_bf16_general(arrays, codec, level)
+    return b"".join(parts)
+
+
+def _encode_bf16_general(arrays: Mapping[str, np.ndarray], codec: Codec, level: int) -> bytes:
+    return encode_many({name: (a, "bfloat16") for name, a in arrays.items()}, codec, level=level)
 
 
 def decode_many(data: bytes | bytearray | memoryview, *, max_nbytes: int = DEFAULT_MAX_NBYTES) -> dict[str, np.ndarray]:
