@@ -28,6 +28,7 @@ How the forward runs, fastest first:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -175,38 +176,80 @@ def decode_runner(target: Transformer, cache) -> StepRunner | None:
     return None
 
 
+_CHAIN_ROWS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _chain_rows(T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What every chain of T nodes shares: node indices [T], parents [T] and causal mask [T, T] (a chain's node i
+    sees nodes 0..i), one read-only set per T."""
+    rows = _CHAIN_ROWS.get(T)
+    if rows is None:
+        rows = (np.arange(T, dtype=np.int64), np.arange(-1, T - 1, dtype=np.int64), np.tri(T, dtype=np.bool_))
+        for a in rows:
+            a.flags.writeable = False
+        rows = _CHAIN_ROWS.setdefault(T, rows)
+    return rows
+
+
+def _flat(lists: list[list[int]], total: int) -> np.ndarray:
+    """The lists one after another as one int64 array (one pass in C, no intermediate list)."""
+    return np.fromiter(itertools.chain.from_iterable(lists), np.int64, total)
+
+
 def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> StepBatch:
     """The host metadata of one step: each tree's nodes after its cache's committed rows (reserving their blocks).
-    Plain numpy: this runs once per round on the host's critical path."""
-    B, T = len(trees), max(len(t) for t in trees)
+    Plain numpy: this runs once per round on the host's critical path (and holds the GIL), so every row is built as
+    a chain by whole-batch operations, Python touching each row only to reserve it and collect its lists, and only
+    trees that are not chains are then rewritten row by row."""
+    tokens_of = [t._tokens for t in trees]
+    sizes = list(map(len, tokens_of))
+    B, T = len(trees), max(sizes)
     bs = caches[0].pool.block_size
-    for c, t in zip(caches, trees, strict=True):
-        c.reserve(len(t))
-    tokens = np.zeros((B, T), np.int64)
-    positions = np.zeros((B, T), np.int64)
-    parents = np.zeros((B, T), np.int64)
-    mask = np.zeros((B, T, T), np.bool_)
-    slots = np.full((B, T), -1, np.int64)  # -1: padding, sent to the scratch block
-    lens = np.zeros(B, np.int64)
-    q_lens = np.zeros(B, np.int64)
-    table = np.full((B, max(len(c.blocks) for c in caches)), -1, np.int64)
-    causal = np.tri(T, dtype=np.bool_)  # a chain of n nodes sees its own [:n, :n] corner
-    for i, (c, t) in enumerate(zip(caches, trees, strict=True)):
-        n, L = len(t), c.length
-        blocks = np.asarray(c.blocks, np.int64)
-        table[i, : len(blocks)] = blocks
-        tokens[i, :n] = t._tokens
-        parents[i, :n] = t._parents
-        if t.is_chain:
-            positions[i, :n] = np.arange(L, L + n)
-            mask[i, :n, :n] = causal[:n, :n]
-        else:
-            positions[i, :n] = L + t.depths.numpy()
+    for c, n in zip(caches, sizes, strict=True):
+        c.reserve(n)  # before reading the blocks: it may add some
+    starts, tables = [c.length for c in caches], [c.blocks for c in caches]
+    widths = list(map(len, tables))
+    W = max(widths)
+    col, prev, causal = _chain_rows(T)
+    q_lens = np.array(sizes, np.int64)  # [B]
+    start = np.array(starts, np.int64)  # [B]
+    at = start[:, None] + col  # [B, T]: each node's row in its sequence (a chain node's position too)
+    # Boolean-mask assignment fills in row-major order, the order the flat lists were joined in.
+    table = _flat(tables, sum(widths))
+    if min(widths) == W:
+        table = table.reshape(B, W)
+    else:
+        blocks, table = table, np.full((B, W), -1, np.int64)  # [B, W]
+        table[np.arange(W) < np.array(widths)[:, None]] = blocks
+    idx = at // bs  # [B, T]: each node's block, as an index into the flattened table
+    idx += np.arange(0, B * W, W)[:, None]
+    if min(sizes) == T:  # no padding anywhere
+        tokens = _flat(tokens_of, B * T).reshape(B, T)
+        positions = at
+        parents = np.repeat(prev[None], B, 0)  # [B, T]
+        mask = np.repeat(causal[None], B, 0)  # [B, T, T]
+        slots = table.take(idx)
+        slots *= bs
+        slots += at % bs
+    else:
+        real = col < q_lens[:, None]  # [B, T]: a row's own nodes, not padding
+        tokens = np.zeros((B, T), np.int64)
+        tokens[real] = _flat(tokens_of, sum(sizes))
+        positions = at * real
+        parents = prev * real
+        mask = real[:, :, None] & causal  # row i's [:n, :n] corner is the triangle, the rest False
+        idx *= real  # padding reads block 0 of its row, then is overwritten: its block may be past the table
+        slots = table.take(idx)
+        slots *= bs
+        slots += at % bs
+        slots[~real] = -1  # padding, sent to the scratch block
+    for i, t in enumerate(trees):
+        if not t.is_chain:
+            n = sizes[i]
+            positions[i, :n] = starts[i] + t.depths.numpy()
+            parents[i, :n] = t._parents
             mask[i, :n, :n] = t.ancestor_mask().numpy()
-        pos = np.arange(L, L + n)
-        slots[i, :n] = blocks[pos // bs] * bs + pos % bs
-        lens[i], q_lens[i] = L + n, n
-    return StepBatch(tokens, positions, parents, mask, slots, table, lens, q_lens)
+    return StepBatch(tokens, positions, parents, mask, slots, table, start + q_lens, q_lens)
 
 
 @contextlib.contextmanager
