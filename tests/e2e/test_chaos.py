@@ -257,9 +257,11 @@ IN_RESYNC = [Outage("cut", rounds=2, offline=8), Outage("cut", call=2, offline=3
 @pytest.mark.parametrize(("outages", "piece"), [(random_outages(3), 1024), (IN_RESYNC, 2)],
                          ids=["random_one_call", "inside_resync_calls"])  # fmt: skip
 def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(models, tmp_path, outages, piece):
-    checked = []
+    checked, trail = [], []  # trail: every state change, said when an assertion fails (which resync went missing)
 
     def after_resync(session, service, e):
+        if e.kind == "state":
+            trail.append((e.state.name, e.detail[:60], session.stats.resyncs, len(session.tokens)))
         # Right after a resync the server holds exactly what the client verified: compare the TLI K/V.
         if e.kind == "state" and e.state == State.ONLINE and session.stats.resyncs > len(checked):
             ver = server_verifier(service, session.session_id)
@@ -275,7 +277,7 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
             checked.append(L)
 
     result, struck, _ = run_with_faults(models, tmp_path, "keep", outages, after_resync, piece=piece)
-    assert len(struck) >= 2 and len(checked) >= resyncs_owed(outages[: len(struck)]), (struck, checked)
+    assert len(struck) >= 2 and len(checked) >= resyncs_owed(outages[: len(struck)]), (struck, checked, trail)
     if piece == 2:
         assert struck == [o.kind for o in IN_RESYNC]
     assert len(result.token_ids) == N_NEW and result.stats.retracted == 0
