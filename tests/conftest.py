@@ -2,7 +2,8 @@
 
 Every gRPC server a test module leaves serving is stopped, and every TetherService it made is closed, once the
 module's own fixtures are done (`_servers_released`): a service's batcher threads keep it alive to the
-end of the run otherwise, its KV pool (256 MB by default) among it, and the suite runs in one process.
+end of the run otherwise, its KV pool (256 MB by default) among it, and each of `make test`'s worker processes
+runs many test files.
 """
 
 import functools
