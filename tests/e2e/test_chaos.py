@@ -262,8 +262,11 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
     def after_resync(session, service, e):
         if e.kind == "state":
             trail.append((e.state.name, e.detail[:60], session.stats.resyncs, len(session.tokens)))
-        # Right after a resync the server holds exactly what the client verified: compare the TLI K/V.
-        if e.kind == "state" and e.state == State.ONLINE and session.stats.resyncs > len(checked):
+        # Right after a resync the server holds exactly what the client verified: compare the TLI K/V. The first
+        # state change after it is ONLINE, or OFFLINE when the stream after it could not be attached (a loaded
+        # machine: the attach's deadline passed); nothing is verified in between either way. Checking at ONLINE only
+        # missed such a resync whenever the text then ended offline, where keep stops without another resync.
+        if e.kind == "state" and session.stats.resyncs > len(checked):
             ver = server_verifier(service, session.session_id)
             n = session.drafter.tli  # the onnxruntime drafter's TLI caches: numpy, [N, capacity, Hkv, D]
             L = session.verified
