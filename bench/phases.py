@@ -1,0 +1,168 @@
+"""Where a batched step's time goes: bench/server.py's in-process server with each phase of a round timed.
+
+The request path's throughput under load is bounded by the batcher's thread, whose steps run back to back
+(BENCHMARKS.md, "The request path on the H200, fifth pass"). This bench runs bench/server.py (its arguments after
+`--`, one `--clients` count, an in-process server) with the functions a step passes through wrapped: each call's wall
+time and the calling thread's CPU time (time.thread_time) are added up per (thread, phase). Wall minus CPU is time
+the thread was blocked: waiting for the GIL, for the GPU, or in C code that let the GIL go. Phases nest (verify_batch
+holds stage), so rows do not add up to the whole. The wrapping costs ~1 us a call, a few percent of a step.
+
+Prints bench/server.py's own table, then one row per (thread, phase) with calls, wall and CPU per step (divided by
+the batcher's steps) and per call, then one JSON line with both records.
+
+    python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+BATCHER = "tether-batcher"  # the batcher's thread (tether.server.batcher.RoundBatcher)
+# (module, attribute): what a round passes through on the batcher's thread, outermost first.
+PHASES = [
+    ("tether.server.batcher", "RoundBatcher._batch"),
+    ("tether.server.rounds", "verify_batch"),
+    ("tether.server.rounds", "step_batch"),
+    ("tether.server.step", "StepRunner.forward"),
+    ("tether.server.step", "_Graph.stage"),
+    ("tether.server.step", "StepRunner._replay"),
+    ("tether.server.rounds", "every_token_delta"),
+    ("tether.server.step", "StepRunner.server_part"),
+    ("tether.server.rounds", "_to_host"),
+    ("tether.shared.acceptance", "unpack_verdicts"),
+    ("tether.server.rounds", "slice_deltas"),
+    ("tether.server.rounds", "_commit"),
+    ("tether.server.batcher", "_finish"),
+    ("tether.server.service", "TetherService._verdict_reply"),
+    ("tether.server.service", "TetherService._delta"),
+    ("tether.shared.wire", "encode_bf16_bundle"),
+]
+
+
+class Phases:
+    """Per (thread name, phase): [calls, wall s, thread CPU s]. Each thread adds to its own keys only."""
+
+    def __init__(self):
+        self.totals: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, 0.0])
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, fn: Callable, phase: str) -> Callable:
+        totals = self.totals
+
+        def timed(*args, **kwargs):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                row = totals[threading.current_thread().name, phase]
+                row[0] += 1
+                row[1] += time.perf_counter() - t0
+                row[2] += time.thread_time() - c0
+
+        timed.__wrapped__ = fn
+        return timed
+
+    def install(self, phases: list[tuple[str, str]] = PHASES) -> None:
+        """Wrap each phase where it is defined and wherever a tether module imported it by name. A phase that no
+        longer exists is an error: the bench must not report on code that moved."""
+        for module_name, attr in phases:
+            module = importlib.import_module(module_name)
+            if "." in attr:  # a method: wrapped on its class
+                owner_name, name = attr.split(".")
+                owners = [getattr(module, owner_name)]
+                real = getattr(owners[0], name)
+            else:
+                name, real = attr, getattr(module, attr)
+                owners = [
+                    m
+                    for k, m in list(sys.modules.items())
+                    if k.startswith("tether.") and getattr(m, name, None) is real
+                ]
+            timed = self.wrap(real, attr)
+            for owner in owners:
+                setattr(owner, name, timed)
+                self._undo.append(lambda o=owner, n=name, r=real: setattr(o, n, r))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def rows(self) -> list[dict]:
+        """One dict per (thread, phase) that ran, per step and per call; steps: the batcher's verify_batch calls."""
+        steps = self.totals.get((BATCHER, "verify_batch"), [0])[0]
+        out = []
+        for (thread, phase), (n, wall, cpu) in self.totals.items():
+            per_step = thread == BATCHER and steps > 0
+            out.append({"thread": thread, "phase": phase, "calls": n, "wall_s": wall, "cpu_s": cpu,
+                        "wall_ms_per_step": 1e3 * wall / steps if per_step else None,
+                        "cpu_ms_per_step": 1e3 * cpu / steps if per_step else None,
+                        "wall_us_per_call": 1e6 * wall / n, "cpu_us_per_call": 1e6 * cpu / n})  # fmt: skip
+        order = {p: i for i, (_, p) in enumerate(PHASES)}
+        return sorted(out, key=lambda r: (r["thread"] != BATCHER, r["thread"], order.get(r["phase"], len(order))))
+
+
+def table(rows: list[dict], steps: int) -> Table:
+    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    t = Table(title=f"Phases of the server's rounds, {steps} batched steps (wall / thread CPU)")
+    for col in ("thread", "phase", "calls", "wall ms / step", "CPU ms / step", "wall us / call", "CPU us / call"):
+        t.add_column(col, justify="left" if col in ("thread", "phase") else "right")
+    for r in rows:
+        t.add_row(
+            r["thread"],
+            r["phase"],
+            str(r["calls"]),
+            f(r["wall_ms_per_step"], ".3f"),
+            f(r["cpu_ms_per_step"], ".3f"),
+            f(r["wall_us_per_call"], ".1f"),
+            f(r["cpu_us_per_call"], ".1f"),
+        )
+    return t
+
+
+def load_server_bench():
+    path = Path(__file__).resolve().parent / "server.py"
+    spec = importlib.util.spec_from_file_location("bench_server", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # bench/server.py imports its siblings (traces)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 usage="%(prog)s [-h] -- BENCH_SERVER_ARGS")  # fmt: skip
+    ap.add_argument("server_args", nargs=argparse.REMAINDER, help="bench/server.py's arguments, after --")
+    args = ap.parse_args(argv)
+    server_args = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    bench = load_server_bench()
+    parsed = bench.parser().parse_args(server_args)
+    if parsed.target or len(parsed.clients) != 1:
+        raise SystemExit("phases times an in-process server (no --target) at one --clients count")
+    phases = Phases()
+    phases.install()
+    try:
+        record = bench.main(server_args)
+    finally:
+        phases.uninstall()
+    rows = phases.rows()
+    steps = phases.totals.get((BATCHER, "verify_batch"), [0])[0]
+    Console(width=160).print(table(rows, steps))
+    out = {"bench": "phases", "steps": steps, "phases": rows, "server": record}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Smoke test of bench/phases.py: a tiny CPU run, checking the phases' call counts against the rounds served and that
+the wrapping is undone (never the timings)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tether.server import rounds, service
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "phases.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_phases", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_phases_count_every_step_and_round_and_unwrap(bench):
+    real_verify, real_reply = rounds.verify_batch, service.TetherService._verdict_reply
+    record = bench.main(["--", "--device", "cpu", "--clients", "2", "--rounds", "3", "--warmup-rounds", "1",
+                         "--k", "3", "--prompt-len", "16", "--client-procs", "1", "--timeout", "120"])  # fmt: skip
+    assert record["bench"] == "phases" and record["server"]["rows"][0]["rounds"] == 2 * 3
+    on_batcher = {r["phase"]: r for r in record["phases"] if r["thread"] == bench.BATCHER}
+    steps = record["steps"]
+    assert 1 <= steps <= 2 * (3 + 1) and on_batcher["verify_batch"]["calls"] == steps
+    assert on_batcher["_finish"]["calls"] == steps and on_batcher["RoundBatcher._batch"]["calls"] == steps
+    assert on_batcher["TetherService._verdict_reply"]["calls"] == 2 * (3 + 1)  # every round, warm-up included
+    for r in on_batcher.values():
+        assert r["calls"] > 0 and r["wall_s"] >= 0 and r["cpu_s"] >= 0 and r["wall_ms_per_step"] is not None
+    assert rounds.verify_batch is real_verify and service.TetherService._verdict_reply is real_reply
+
+
+def test_a_phase_that_moved_is_an_error(bench):
+    with pytest.raises(AttributeError):
+        bench.Phases().install([("tether.server.rounds", "no_such_phase")])
+
+
+def test_one_client_count_and_an_in_process_server_only(bench):
+    with pytest.raises(SystemExit, match="one --clients count"):
+        bench.main(["--", "--device", "cpu", "--clients", "1", "2"])
