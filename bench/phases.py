@@ -4,7 +4,8 @@ The request path's throughput under load is bounded by the batcher's thread, who
 (BENCHMARKS.md, "The request path on the H200, fifth pass"). This bench runs bench/server.py (its arguments after
 `--`, one `--clients` count, an in-process server) with the functions a step passes through wrapped: each call's wall
 time and the calling thread's CPU time (time.thread_time) are added up per (thread, phase). Wall minus CPU is time
-the thread was blocked: waiting for the GIL, for the GPU, or in C code that let the GIL go. Phases nest (verify_batch
+the thread was blocked: waiting for the GIL, for the GPU, or in C code that let the GIL go (CUDA's synchronisations
+spin by default, so a wait for the GPU may count as CPU instead). Phases nest (verify_batch
 holds stage), so rows do not add up to the whole. The wrapping costs ~3.7 us a call on a 2-core VM (the thread's
 CPU clock is read through a system call), ~200 calls in a step of 64 rounds: a few percent of a step on a GPU.
 
