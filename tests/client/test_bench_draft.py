@@ -1,16 +1,13 @@
 """Smoke test of bench/draft.py: two short contexts, both drafters and an int8 part, checking the JSON record's
 fields (never a time: only that each is a positive number); and another drafter, named by its directory."""
 
-import importlib.util
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "draft.py"
+from bench_modules import load_bench
 
 
 def test_draft_step_record():
-    spec = importlib.util.spec_from_file_location("bench_draft", BENCH)
-    draft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(draft)
+    draft = load_bench("draft")
     record = draft.main(["--contexts", "8", "40", "--k", "2", "--reps", "2", "--torch", "--precisions", "int8"])
     assert record["bench"] == "draft" and record["k"] == 2 and record["tli"] >= 0
     assert [r["context"] for r in record["rows"]] == [8, 40]
@@ -21,9 +18,7 @@ def test_draft_step_record():
 
 
 def test_draft_step_of_another_drafter():
-    spec = importlib.util.spec_from_file_location("bench_draft", BENCH)
-    draft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(draft)
+    draft = load_bench("draft")
     eagle = str(Path(__file__).resolve().parents[2] / "deploy" / "models" / "drafter-eagle")
     record = draft.main(
         ["--contexts", "8", "--k", "2", "--reps", "2", "--drafter", eagle, "--threads", "2", "--idle-ms", "1"]

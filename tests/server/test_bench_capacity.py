@@ -1,16 +1,11 @@
 """Smoke test of bench/capacity.py: a tiny search in both modes against the in-process server on draft traces it
 records first, checking the JSON record's fields and counts (never whether a count was sustained: that is timing)."""
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "capacity.py"
+from bench_modules import load_bench
 
 
 def test_capacity_record(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_capacity", BENCH)
-    capacity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(capacity)
+    capacity = load_bench("capacity")
     record = capacity.main(["--device", "cpu", "--rate", "5", "--max-clients", "2", "--duration", "1",
                             "--traces", str(tmp_path / "traces.json"), "--prompts", "2", "--prompt-len", "32",
                             "--trace-tokens", "24", "--timeout", "120"])  # fmt: skip

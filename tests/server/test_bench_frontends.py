@@ -1,16 +1,11 @@
 """Smoke test of bench/frontends.py: a tiny run with gRPC in process and with one front end, checking the JSON
 record's fields and counts (never its timings)."""
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "frontends.py"
+from bench_modules import load_bench
 
 
 def test_routing_record_in_process_and_with_a_front_end():
-    spec = importlib.util.spec_from_file_location("bench_frontends", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("frontends")
     record = bench.main(["--frontends", "0", "1", "--streams", "3", "--unary", "2", "--messages", "4"])
     assert record["bench"] == "frontends" and record["args"]["frontends"] == [0, 1]
     here, apart = record["rows"]

@@ -1,16 +1,11 @@
 """Smoke test of bench/http_api.py: a tiny run against the in-process server, checking the JSON record's fields and
 counts (never its timings)."""
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "http_api.py"
+from bench_modules import load_bench
 
 
 def test_http_and_generate_rows():
-    spec = importlib.util.spec_from_file_location("bench_http", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("http_api")
     record = bench.main(["--device", "cpu", "--clients", "1", "3", "--tokens", "5", "--prompt-len", "8",
                          "--drafter", "none"])  # fmt: skip
     assert record["bench"] == "http" and [(r["protocol"], r["clients"]) for r in record["rows"]] == [

@@ -4,11 +4,10 @@ its own measured figures (never a timing)."""
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_modules import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "link.py"
 NEW_TOKENS = 16
 HYBRID_FIELDS = ("tau", "rounds", "round_ms", "server_round_ms", "bound_tok_s", "bound_ratio", "bound_rtt0_tok_s",
                  "bound_rtt0_ratio")  # fmt: skip
@@ -16,10 +15,7 @@ HYBRID_FIELDS = ("tau", "rounds", "round_ms", "server_round_ms", "bound_tok_s", 
 
 @pytest.fixture(scope="module")
 def link():
-    spec = importlib.util.spec_from_file_location("bench_link", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("link")
 
 
 def test_link_record(link, tmp_path, capsys):

@@ -1,22 +1,15 @@
 """Smoke test of bench/phases.py: a tiny CPU run, checking the phases' call counts against the rounds served and that
 the wrapping is undone (never the timings)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_modules import load_bench
 
 from tether.server import rounds, service
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "phases.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_phases", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("phases")
 
 
 def test_phases_count_every_step_and_round_and_unwrap(bench):

@@ -1,20 +1,13 @@
 """Smoke test of bench/server.py: a tiny run of each mode against the in-process server, checking the JSON record's
 fields and counts (never its timings)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "server.py"
+from bench_modules import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_server", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("server")
 
 
 def test_random_rounds_record(bench):
