@@ -101,9 +101,13 @@ class Phases:
         while self._undo:
             self._undo.pop()()
 
+    def steps(self) -> int:
+        """The batched steps timed: the batcher's verify_batch calls."""
+        return self.totals.get((BATCHER, "verify_batch"), [0])[0]
+
     def rows(self) -> list[dict]:
-        """One dict per (thread, phase) that ran, per step and per call; steps: the batcher's verify_batch calls."""
-        steps = self.totals.get((BATCHER, "verify_batch"), [0])[0]
+        """One dict per (thread, phase) that ran, per step (the batcher's rows) and per call."""
+        steps = self.steps()
         out = []
         for (thread, phase), (n, wall, cpu) in self.totals.items():
             per_step = thread == BATCHER and steps > 0
@@ -116,7 +120,7 @@ class Phases:
 
 
 def table(rows: list[dict], steps: int) -> Table:
-    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    f = lambda x, spec: "-" if x is None else format(x, spec)
     t = Table(title=f"Phases of the server's rounds, {steps} batched steps (wall / thread CPU)")
     for col in ("thread", "phase", "calls", "wall ms / step", "CPU ms / step", "wall us / call", "CPU us / call"):
         t.add_column(col, justify="left" if col in ("thread", "phase") else "right")
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         phases.uninstall()
     rows = phases.rows()
-    steps = phases.totals.get((BATCHER, "verify_batch"), [0])[0]
+    steps = phases.steps()
     Console(width=160).print(table(rows, steps))
     out = {"bench": "phases", "steps": steps, "phases": rows, "server": record}
     print(json.dumps(out))
