@@ -1,21 +1,18 @@
-"""Where a batched step's time goes: bench/server.py's server (this process's engine, with or without front ends)
-with each phase of a round timed.
+"""Where a batched step's time goes: bench/server.py's in-process server with each phase of a round timed.
 
 The request path's throughput under load is bounded by the batcher's thread, whose steps run back to back
 (BENCHMARKS.md, "The request path on the H200, fifth pass"). This bench runs bench/server.py (its arguments after
-`--`, one `--clients` count, its server in this process, `--frontends N` allowed) with the functions a step passes
-through wrapped: each call's wall time and the calling thread's CPU time (time.thread_time) are added up per
-(thread, phase). Wall minus CPU is time the thread was blocked: waiting for the GIL, for the GPU, or in C code that
-let the GIL go (CUDA's synchronisations spin by default, so a wait for the GPU may count as CPU instead). Phases
-nest (verify_batch holds stage), so rows do not add up to the whole. The wrapping costs ~3.7 us a call on a 2-core
-VM (the thread's CPU clock is read through a system call), ~200 calls in a step of 64 rounds: a few percent of a
-step on a GPU.
+`--`, one `--clients` count, an in-process server) with the functions a step passes through wrapped: each call's wall
+time and the calling thread's CPU time (time.thread_time) are added up per (thread, phase). Wall minus CPU is time
+the thread was blocked: waiting for the GIL, for the GPU, or in C code that let the GIL go (CUDA's synchronisations
+spin by default, so a wait for the GPU may count as CPU instead). Phases nest (verify_batch
+holds stage), so rows do not add up to the whole. The wrapping costs ~3.7 us a call on a 2-core VM (the thread's
+CPU clock is read through a system call), ~200 calls in a step of 64 rounds: a few percent of a step on a GPU.
 
 Prints bench/server.py's own table, then one row per (thread, phase) with calls, wall and CPU per step (divided by
 the batcher's steps) and per call, then one JSON line with both records.
 
-    python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096 \
-        [--frontends 4]
+    python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096
 """
 
 from __future__ import annotations
@@ -51,8 +48,6 @@ PHASES = [
     ("tether.server.rounds", "_commit"),
     ("tether.server.batcher", "_finish"),
     ("tether.server.service", "TetherService._verdict_reply"),
-    ("tether.server.service", "TetherService._verdict_frame"),
-    ("tether.server.frontend_wire", "verdict_frame"),
     ("tether.server.service", "TetherService._delta"),
     ("tether.shared.wire", "encode_bf16_bundle"),
 ]

@@ -7,9 +7,7 @@ over them), and says HELLO with the port it bound. From then on each tether.v1.T
 counted here (tether.server.auth, with this front end's share of the call limits) and carried to the engine as
 frames (tether.server.frontend_wire): the request messages as the client sent them, the replies as the engine
 made them, an abort with its status, details and trailing metadata (the typed reason) as the engine raised it.
-grpc.health.v1 and reflection are answered here. No client message is parsed on this side; a round's verdict comes
-with its KV delta unencoded, and is encoded here into the reply the engine would have sent (frontend_wire's
-VERDICT), which takes the delta's encoding off the engine's batcher thread.
+grpc.health.v1 and reflection are answered here. Protobuf is parsed by nobody on this side.
 
 It stops when the engine says STOP (the calls in flight get the grace the engine passes on) or when the engine's
 socket closes (the engine is gone: no grace). SIGINT and SIGTERM are ignored: a terminal's Ctrl-C and a service
@@ -41,18 +39,14 @@ from tether.server.frontend_wire import (
     Framer,
     Kind,
     Outbox,
-    VerdictFrame,
-    count,
     credit,
     dump,
     load,
     load_metadata,
     read_credit,
-    verdict_message,
 )
 from tether.server.logs import configure_logging
 from tether.server.rpc_server import HEALTH_NAME, SERVICE_NAME, TLSFiles, channel_options
-from tether.shared import wire
 
 STATUS = {s.value[0]: s for s in grpc.StatusCode}
 _END, _LOST = object(), object()
@@ -79,8 +73,6 @@ class Call:
         elif kind == Kind.ABORT:
             self.ended = True
             self.replies.put_nowait(load(payload))
-        elif kind == Kind.VERDICT:
-            self.replies.put_nowait(VerdictFrame(payload))
         elif kind == Kind.CREDIT:
             self.send_credit.add(read_credit(payload))
         else:
@@ -103,13 +95,6 @@ class Call:
         if isinstance(item, dict):
             code = STATUS.get(item.get("code"), grpc.StatusCode.UNKNOWN)
             await context.abort(code, str(item.get("details", "")), load_metadata(item.get("metadata", [])))
-        if isinstance(item, VerdictFrame):
-            try:
-                item, delta_bytes = verdict_message(item.payload, max_nbytes=self.link.max_message_bytes)
-            except FrameError as e:  # the engine's bug: this call fails, the others go on
-                log.error("call %d: %s", self.id, e)
-                await context.abort(grpc.StatusCode.INTERNAL, "the server could not encode a round's reply")
-            self.link.count_delta_bytes(delta_bytes)
         n = self.consumed.one()
         if n:
             self.link.outbox.send(self.id, Kind.CREDIT, credit(n))
@@ -135,19 +120,6 @@ class EngineLink(asyncio.Protocol):
         self.stop: asyncio.Future = loop.create_future()  # the engine's grace for the calls in flight
         self.outbox: Outbox | None = None
         self.transport: asyncio.Transport | None = None
-        self.max_message_bytes = wire.DEFAULT_MAX_NBYTES  # bounds a verdict's delta; the engine's limit from CONFIG
-        self.delta_bytes = 0  # encoded since the last DELTA_BYTES frame
-
-    def count_delta_bytes(self, n: int) -> None:
-        """Tell the engine, once per event-loop iteration, how many delta bytes this front end encoded."""
-        if not self.delta_bytes:
-            self.loop.call_soon(self._report_delta_bytes)
-        self.delta_bytes += n
-
-    def _report_delta_bytes(self) -> None:
-        n, self.delta_bytes = self.delta_bytes, 0
-        if n and not self.transport.is_closing():
-            self.outbox.send(0, Kind.DELTA_BYTES, count(n))
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -259,7 +231,6 @@ async def run(engine_socket: str) -> int:
     transport, link = await loop.create_unix_connection(lambda: EngineLink(loop), engine_socket)
     cfg = await link.config
     link.framer.max_frame = max(link.framer.max_frame, cfg["max_message_bytes"] + 4096)
-    link.max_message_bytes = cfg["max_message_bytes"]
     configure_logging(cfg.get("log_format", "text"), cfg.get("log_level", "warning"))
     auth = AuthInterceptor(frozenset(cfg["api_keys"]), max_calls_per_key=cfg["max_calls_per_key"],
                            max_streams=cfg["max_streams"])  # fmt: skip

@@ -47,8 +47,6 @@ class Servable(Protocol):
 
     def release_all(self) -> None: ...  # give back every session's KV (on the loop, after stop_work)
 
-    def delta_bytes_sent(self, n: int) -> None: ...  # KV delta bytes a front end encoded for it (its metric)
-
 
 @dataclass(frozen=True)
 class TLSFiles:

@@ -51,7 +51,6 @@ import json
 import logging
 import os
 import secrets
-import struct
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -64,7 +63,6 @@ from tether.server.auth import CALLER
 from tether.server.batcher import RoundBatcher
 from tether.server.client_export import FORMATS, ClientExporter, ExportError
 from tether.server.errors import Reason, RequestError, inline, status_metadata
-from tether.server.frontend_wire import VERDICT_FRAMES, VerdictFrame, verdict_frame, verdict_message
 from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
@@ -74,7 +72,7 @@ from tether.server.validation import Checks, check_codec, check_id, check_sampli
 from tether.server.verifier import SequenceVerifier
 from tether.shared import wire
 from tether.shared.chat_template import ChatFormat
-from tether.shared.codecs import Codec, CodecError, bf16_bits, encode_many
+from tether.shared.codecs import Codec, CodecError, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.drafter_config import ArrayDelta
 from tether.shared.ids import is_session_id
@@ -492,7 +490,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                 # taken (or recorded) as the new numbering's round.
                 raise RequestError(Reason.REASON_OUT_OF_ORDER, "the session was resynced since this stream attached")
             if req.round == s.last_round and s.last_reply is not None:
-                return self._again(s.last_reply)  # a round sent again after a reconnect: same answer, no second run
+                return s.last_reply  # a round sent again after a reconnect: same answer, no second run
             stands = (s.last_round + 1, s.root, s.verifier.length)
             if req.after_length and (req.round, req.root, req.after_length) != stands:
                 # Sent before the verdict of the round before it, on a guess of that verdict which did not hold.
@@ -511,10 +509,8 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                                    f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
             try:
                 with self.metrics.verify_seconds.time():
-                    # The reply is made on the batcher's thread, straight after the step; a front end carrying the
-                    # call encodes its delta (VERDICT_FRAMES), which takes that work off the batcher.
-                    reply = self._verdict_frame if VERDICT_FRAMES.get() else self._verdict_reply
-                    finish = functools.partial(reply, req.round, s.codec, bool(req.parents))
+                    # The reply is encoded on the batcher's thread, straight after the step.
+                    finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents))
                     work, here = self.batcher.submit_here(s.verifier, tree, finish)
                     verdict, message = await self._wait(work, claim, here)
             except ValueError as e:
@@ -541,30 +537,6 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload,
                        path=verdict.path[1:] if tree_round else ())  # fmt: skip
         return verdict, pb.ServerMessage(verdict=v)
-
-    def _verdict_frame(self, round_no: int, codec: Codec, tree_round: bool, result: tuple) -> tuple:
-        """_verdict_reply for a call a front end carries: (verdict, its VerdictFrame), the delta left for the front
-        end to encode (tether.server.frontend_wire): the same bytes in the end."""
-        verdict, delta = result
-        if not isinstance(delta, ArrayDelta):  # torch tensors (sampled rounds, a CPU server): bfloat16 bits first
-            delta = ArrayDelta(delta.start, delta.tokens, {k: bf16_bits(t) for k, t in delta.tensors.items()})
-        try:
-            frame = verdict_frame(round_no, verdict.accepted, verdict.bonus, verdict.path[1:] if tree_round else (),
-                                  delta, codec)  # fmt: skip
-        except (CodecError, struct.error) as e:
-            raise RuntimeError(f"framing a round's verdict failed: {e}") from e
-        return verdict, frame
-
-    def _again(self, reply: pb.ServerMessage | VerdictFrame) -> pb.ServerMessage | VerdictFrame:
-        """A recorded reply, sent again: as a ServerMessage on a call no front end carries (one service can be
-        served both ways at once, and a client may reconnect through either)."""
-        if isinstance(reply, VerdictFrame) and not VERDICT_FRAMES.get():
-            return pb.ServerMessage.FromString(verdict_message(reply.payload)[0])
-        return reply
-
-    def delta_bytes_sent(self, n: int) -> None:
-        """Bytes of KV deltas a front end encoded for this service's verdicts (the metric counts them here)."""
-        self.metrics.kv_delta_bytes.inc(n)
 
     # ---- Resync -------------------------------------------------------------------------------------------
 

@@ -27,16 +27,6 @@ def test_phases_count_every_step_and_round_and_unwrap(bench):
     assert rounds.verify_batch is real_verify and service.TetherService._verdict_reply is real_reply
 
 
-def test_with_front_ends_every_round_leaves_the_batcher_as_a_verdict_frame(bench):
-    record = bench.main(["--", "--device", "cpu", "--clients", "2", "--rounds", "3", "--warmup-rounds", "1",
-                         "--k", "3", "--prompt-len", "16", "--client-procs", "1", "--timeout", "120",
-                         "--frontends", "1"])  # fmt: skip
-    on_batcher = {r["phase"]: r for r in record["phases"] if r["thread"] == bench.BATCHER}
-    assert on_batcher["TetherService._verdict_frame"]["calls"] == 2 * (3 + 1)
-    assert on_batcher["verdict_frame"]["calls"] == 2 * (3 + 1)
-    assert "TetherService._verdict_reply" not in on_batcher  # nothing encoded on the batcher
-
-
 def test_a_phase_that_moved_is_an_error(bench):
     with pytest.raises(AttributeError):
         bench.Phases().install([("tether.server.rounds", "no_such_phase")])

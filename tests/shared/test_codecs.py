@@ -12,14 +12,12 @@ from tether.shared.codecs import (
     Codec,
     CodecError,
     EncodedTensor,
-    bf16_bits,
     compression_ratio,
     decode,
     decode_many,
     encode,
     encode_many,
 )
-from tether.shared.wire import encode_bf16_bundle
 
 LOSSLESS = (Codec.RAW, Codec.FP16_SHUFFLE_ZSTD)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -287,14 +285,3 @@ def test_int8_beats_fp16_on_random_normal_data():
     ratio = compression_ratio(x, Codec.INT8_ZSTD) / compression_ratio(x, Codec.FP16_SHUFFLE_ZSTD)
     assert ratio > 1.8, ratio
     assert compression_ratio(x, Codec.RAW) < 1  # the frame header is pure overhead
-
-
-def test_bf16_bits_rounds_as_torch_does_and_keeps_a_bfloat16_views_strides():
-    x = torch.randn(6, 5, dtype=torch.float32)
-    assert (bf16_bits(x) == x.to(torch.bfloat16).view(torch.int16).numpy().view("uint16")).all()
-    b = torch.randn(4, 9, 3).to(torch.bfloat16)
-    part = b[:, 2:5]  # a strided view, as a row's slice of a step's delta
-    bits = bf16_bits(part)
-    assert bits.shape == (4, 3, 3) and not bits.flags.c_contiguous
-    assert torch.equal(torch.from_numpy(bits.view("int16")).view(torch.bfloat16), part)
-    assert encode_many({"p": part}, Codec.FP16_SHUFFLE_ZSTD) == encode_bf16_bundle({"p": bits}, Codec.FP16_SHUFFLE_ZSTD)
