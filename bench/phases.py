@@ -10,7 +10,8 @@ holds stage), so rows do not add up to the whole. The wrapping costs ~3.7 us a c
 CPU clock is read through a system call), ~200 calls in a step of 64 rounds: a few percent of a step on a GPU.
 
 Prints bench/server.py's own table, then one row per (thread, phase) with calls, wall and CPU per step (divided by
-the batcher's steps) and per call, then one JSON line with both records.
+the batcher's steps) and per call; with `--frontends N`, also a round's time in the engine hop by hop (class Hops)
+beside the clients' round trip; then one JSON line with all of it.
 
     python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096
 """
@@ -18,9 +19,12 @@ the batcher's steps) and per call, then one JSON line with both records.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import importlib
 import importlib.util
 import json
+import statistics
 import sys
 import threading
 import time
@@ -119,6 +123,84 @@ class Phases:
         return sorted(out, key=lambda r: (r["thread"] != BATCHER, r["thread"], order.get(r["phase"], len(order))))
 
 
+class Hops:
+    """With front ends, a round's time in the engine, in three hops: from its REQUEST frame's arrival on the event
+    loop to the start of the service's `_round` (the loop's queue, the stream's parsing), `_round` itself (the
+    session's claim and checks, the wait for the batcher and its step), and from `_round`'s end to the reply's frame
+    being queued for the front end. What the client's round trip holds beyond their sum is outside the engine (the
+    front end, gRPC, the client process). Keyed by the call's task: a stream's messages are handled in order."""
+
+    def __init__(self):
+        self.arrived: dict = defaultdict(collections.deque)  # task -> arrival times of frames not yet parsed
+        self.current: dict = {}  # task -> arrival of the message its handler has now
+        self.spans: dict = {}  # task -> (arrival, start, end) of its last _round
+        self.samples: list[tuple[float, float, float]] = []  # (pre, round, post) seconds, one per verdict
+        self._undo: list[Callable[[], None]] = []
+
+    def install(self) -> None:
+        from tether.server import frontend_host, service
+
+        hops, clock = self, time.perf_counter
+        real_frame, real_parse = frontend_host.FrontendConnection._frame, frontend_host._parse
+        real_round, real_reply = service.TetherService._round, frontend_host.EngineCall._reply
+
+        def _frame(conn, call_id, kind, payload):
+            if kind == frontend_host.Kind.REQUEST and (call := conn.calls.get(call_id)) is not None:
+                hops.arrived[call.task].append(clock())
+            return real_frame(conn, call_id, kind, payload)
+
+        def _parse(cls, payload):
+            task = asyncio.current_task()
+            if hops.arrived[task]:
+                hops.current[task] = hops.arrived[task].popleft()
+            return real_parse(cls, payload)
+
+        async def _round(svc, *args, **kwargs):
+            task, t0 = asyncio.current_task(), clock()
+            try:
+                return await real_round(svc, *args, **kwargs)
+            finally:
+                if task in hops.current:
+                    hops.spans[task] = (hops.current[task], t0, clock())
+
+        async def _reply(call, message):
+            await real_reply(call, message)
+            span = hops.spans.pop(asyncio.current_task(), None)
+            if span is not None and message.WhichOneof("body") == "verdict":
+                arrival, start, end = span
+                hops.samples.append((start - arrival, end - start, clock() - end))
+
+        for owner, name, fn, real in ((frontend_host.FrontendConnection, "_frame", _frame, real_frame),
+                                      (frontend_host, "_parse", _parse, real_parse),
+                                      (service.TetherService, "_round", _round, real_round),
+                                      (frontend_host.EngineCall, "_reply", _reply, real_reply)):  # fmt: skip
+            setattr(owner, name, fn)
+            self._undo.append(lambda o=owner, n=name, r=real: setattr(o, n, r))
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def rows(self) -> list[dict]:
+        """Per hop and for their sum: rounds, mean and p50 in ms."""
+        if not self.samples:
+            return []
+        cols = list(zip(*self.samples, strict=True)) + [[sum(x) for x in self.samples]]
+        names = ("arrival -> _round", "_round (claim, batcher)", "_round -> reply queued", "in the engine")
+        return [{"hop": n, "rounds": len(c), "mean_ms": 1e3 * statistics.fmean(c), "p50_ms": 1e3 * statistics.median(c)}
+                for n, c in zip(names, cols, strict=True)]  # fmt: skip
+
+
+def hops_table(rows: list[dict], client_p50_ms: float | None) -> Table:
+    where = f"; the clients' p50 round trip {client_p50_ms:.1f} ms" if client_p50_ms is not None else ""
+    t = Table(title=f"A round's time in the engine, with front ends{where}")
+    for col in ("hop", "rounds", "mean ms", "p50 ms"):
+        t.add_column(col, justify="left" if col == "hop" else "right")
+    for r in rows:
+        t.add_row(r["hop"], str(r["rounds"]), f"{r['mean_ms']:.2f}", f"{r['p50_ms']:.2f}")
+    return t
+
+
 def table(rows: list[dict], steps: int) -> Table:
     f = lambda x, spec: "-" if x is None else format(x, spec)
     t = Table(title=f"Phases of the server's rounds, {steps} batched steps (wall / thread CPU)")
@@ -156,16 +238,23 @@ def main(argv: list[str] | None = None) -> dict:
     parsed = bench.parser().parse_args(server_args)
     if parsed.target or len(parsed.clients) != 1:
         raise SystemExit("phases times an in-process server (no --target) at one --clients count")
-    phases = Phases()
+    phases, hops = Phases(), Hops()
     phases.install()
+    if parsed.frontends:
+        hops.install()
     try:
         record = bench.main(server_args)
     finally:
         phases.uninstall()
+        hops.uninstall()
     rows = phases.rows()
     steps = phases.steps()
-    Console(width=160).print(table(rows, steps))
-    out = {"bench": "phases", "steps": steps, "phases": rows, "server": record}
+    console = Console(width=160)
+    console.print(table(rows, steps))
+    hop_rows = hops.rows()
+    if hop_rows:
+        console.print(hops_table(hop_rows, record["rows"][0].get("p50_ms")))
+    out = {"bench": "phases", "steps": steps, "phases": rows, "hops": hop_rows, "server": record}
     print(json.dumps(out))
     return out
 

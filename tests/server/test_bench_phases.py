@@ -25,6 +25,19 @@ def test_phases_count_every_step_and_round_and_unwrap(bench):
     for r in on_batcher.values():
         assert r["calls"] > 0 and r["wall_s"] >= 0 and r["cpu_s"] >= 0 and r["wall_ms_per_step"] is not None
     assert rounds.verify_batch is real_verify and service.TetherService._verdict_reply is real_reply
+    assert record["hops"] == []  # in process: no front ends to time
+
+
+def test_with_front_ends_every_verdict_is_timed_hop_by_hop_and_the_hops_add_up(bench):
+    record = bench.main(["--", "--device", "cpu", "--clients", "2", "--rounds", "3", "--warmup-rounds", "1",
+                         "--k", "3", "--prompt-len", "16", "--client-procs", "1", "--timeout", "120",
+                         "--frontends", "1"])  # fmt: skip
+    hops = {r["hop"]: r for r in record["hops"]}
+    assert list(hops) == ["arrival -> _round", "_round (claim, batcher)", "_round -> reply queued", "in the engine"]
+    assert all(r["rounds"] == 2 * (3 + 1) for r in hops.values())  # every round's verdict, warm-up included
+    parts = sum(hops[h]["mean_ms"] for h in list(hops)[:3])
+    assert parts == pytest.approx(hops["in the engine"]["mean_ms"]) and all(r["mean_ms"] >= 0 for r in hops.values())
+    assert record["steps"] >= 1
 
 
 def test_a_phase_that_moved_is_an_error(bench):
