@@ -14,6 +14,8 @@ the batcher's steps) and per call; with `--frontends N`, also a round's time in 
 beside the clients' round trip; then one JSON line with all of it.
 
     python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096
+    python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096 \
+        --frontends 4
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ class Hops:
     loop to the start of the service's `_round` (the loop's queue, the stream's parsing), `_round` itself (the
     session's claim and checks, the wait for the batcher and its step), and from `_round`'s end to the reply's frame
     being queued for the front end. What the client's round trip holds beyond their sum is outside the engine (the
-    front end, gRPC, the client process). Keyed by the call's task: a stream's messages are handled in order."""
+    front end, gRPC, the client process). Keyed by the call's task: a stream's messages are handled in order. The
+    clients' warm-up rounds are counted too (bench/server.py's p50 leaves them out: a few of each client's rounds)."""
 
     def __init__(self):
         self.arrived: dict = defaultdict(collections.deque)  # task -> arrival times of frames not yet parsed
