@@ -11,11 +11,14 @@ CPU clock is read through a system call), ~200 calls in a step of 64 rounds: a f
 
 Prints bench/server.py's own table, then one row per (thread, phase) with calls, wall and CPU per step (divided by
 the batcher's steps) and per call; with `--frontends N`, also a round's time in the engine hop by hop (class Hops)
-beside the clients' round trip; then one JSON line with all of it.
+beside the clients' round trip; then one JSON line with all of it. A session's open (its prefill and prompt delta,
+on the model threads) is timed too: in trace mode with `--rate` and `--duration` (what bench/capacity.py runs),
+clients open a session per trace, and those rows say what that churn costs beside the batcher.
 
     python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096
     python bench/phases.py -- --device cuda --clients 128 --rounds 250 --client-procs 4 --kv-pool-mb 4096 \
         --frontends 4
+    python bench/phases.py -- --device cuda --mode trace --traces traces.json --clients 288 --rate 20 --duration 10
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 BATCHER = "tether-batcher"  # the batcher's thread (tether.server.batcher.RoundBatcher)
-# (module, attribute): what a round passes through on the batcher's thread, outermost first.
+# (module, attribute): what a round passes through on the batcher's thread, outermost first; then a session's open.
 PHASES = [
     ("tether.server.batcher", "RoundBatcher._batch"),
     ("tether.server.rounds", "verify_batch"),
@@ -56,6 +59,10 @@ PHASES = [
     ("tether.server.service", "TetherService._verdict_reply"),
     ("tether.server.service", "TetherService._delta"),
     ("tether.shared.wire", "encode_bf16_bundle"),
+    # Not on the batcher: a session's open on the model threads (its prefill, then its prompt's delta encoded), which
+    # clients that end their sessions often pay again and again under the same GIL.
+    ("tether.server.verifier", "SequenceVerifier.open"),
+    ("tether.server.service", "TetherService._delta_parts"),
 ]
 
 
