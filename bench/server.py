@@ -6,6 +6,7 @@ coroutines in that process (`--client-procs` spreads them over several), each on
 (`--channels C`: C shared connections per process instead). They run in another process because grpc.aio keeps
 one event loop per process in practice (tether.server.rpc_server.event_loop): aio clients on a second loop beside
 the server's would share its completion queue; and so the server process's CPU time counts the server alone.
+The clients' code is bench/server_clients.py; this file starts their processes and adds up what they measured.
 
 - `random` (default): each client opens a Session with a `--prompt-len` prompt of random token ids (the
   vocabulary from GetModelInfo, which also gives the fingerprint) and the client's default delta codec (lossless),
@@ -69,21 +70,12 @@ from math import nan
 
 import grpc
 
-from tether.v1 import tether_pb2 as pb
-from tether.v1 import tether_pb2_grpc
-
-MAX_MESSAGE = 64 << 20
-LOSSLESS = pb.CODEC_FP16_SHUFFLE_ZSTD  # tether.client.session's default codec ("lossless")
-
 
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-# ---- the client process ------------------------------------------------------------------------------------
 
 
 def sibling(name: str):
@@ -100,173 +92,9 @@ def sibling(name: str):
     return sys.modules[key]
 
 
-class RoundClient:
-    """One Session stream: open with a random prompt, then chains of random drafts, one round at a time."""
-
-    def __init__(self, stub, args: argparse.Namespace, vocab: int, fp: str, seed: int):
-        self.stub, self.args, self.vocab, self.fp = stub, args, vocab, fp
-        self.rng = random.Random(seed)
-        self.call = None
-        self.session_id, self.root, self.round = "", 0, 0
-
-    async def _send(self, msg: pb.ClientMessage) -> pb.ServerMessage:
-        await asyncio.wait_for(self.call.write(msg), self.args.rpc_timeout)
-        reply = await asyncio.wait_for(self.call.read(), self.args.rpc_timeout)
-        if reply is grpc.aio.EOF:
-            raise RuntimeError("the server ended the stream")
-        if reply.WhichOneof("body") == "error":
-            e = reply.error
-            raise RuntimeError(f"server error on round {e.round}: {pb.ErrorReason.Name(e.reason)}: {e.message}")
-        return reply
-
-    def prompt(self) -> tuple[list[int], int]:
-        """The next session's prompt and max_new_tokens."""
-        a = self.args
-        return [self.rng.randrange(self.vocab) for _ in range(a.prompt_len)], (a.warmup_rounds + a.rounds) * (a.k + 1)
-
-    def drafts(self) -> list[int]:
-        """The next round's draft tokens (after self.root)."""
-        return [self.rng.randrange(self.vocab) for _ in range(self.args.k)]
-
-    def verdict(self, root: int, v: pb.Verdict, out: dict, counted: bool) -> None:
-        """What a replay follows and checks of each verdict (nothing here); `counted`: it arrived in the window."""
-
-    def exhausted(self) -> bool:
-        """Whether this session has no round left to send (a trace ran out): the next round opens a new one."""
-        return False
-
-    async def open(self) -> None:
-        self.call = self.stub.Session(timeout=self.args.timeout)
-        prompt, max_new = self.prompt()
-        req = pb.OpenSession(prompt=prompt, max_new_tokens=max_new, model_fingerprint=self.fp, delta_codec=LOSSLESS)
-        reply = await self._send(pb.ClientMessage(open=req))
-        for _ in range(reply.opened.delta_parts):  # a long prompt's delta comes in parts
-            await asyncio.wait_for(self.call.read(), self.args.rpc_timeout)
-        self.session_id, self.root, self.round = reply.opened.session_id, reply.opened.first_token, 0
-
-    async def run(self, n: int | None = None, until: float = 0.0, rate: float = 0.0) -> dict:
-        """n rounds, or (n None) rounds until `until` (time.perf_counter), paced to `rate` tokens/s when set: a
-        round goes when the tokens gained so far are due at that rate (a client behind its budget catches up
-        back to back). Counts (rounds, scored and gained tokens, trace matches) cover the verdicts that arrived
-        by `until`; lat_s has every round's latency (write to verdict)."""
-        out = {"lat_s": [], "rounds": 0, "scored": 0, "gained": 0, "matched": 0, "recorded": 0, "reopens": 0}
-        t0 = time.perf_counter()
-        budget = 0  # tokens gained, due at t0 + budget / rate
-        if n is None and not until:
-            raise ValueError("run() needs a number of rounds or an end")
-        while n is None or len(out["lat_s"]) < n:
-            if rate > 0:
-                due = t0 + budget / rate
-                if until and due >= until:
-                    break
-                if (wait := due - time.perf_counter()) > 0:
-                    await asyncio.sleep(wait)
-            if until and time.perf_counter() >= until:
-                break
-            if self.exhausted():
-                await self.close()
-                await self.open()
-                out["reopens"] += 1
-            self.round += 1
-            root, drafts = self.root, self.drafts()
-            msg = pb.ClientMessage(round=pb.DraftRound(round=self.round, root=root, tokens=drafts))
-            t1 = time.perf_counter()
-            v = (await self._send(msg)).verdict
-            t2 = time.perf_counter()
-            out["lat_s"].append(t2 - t1)
-            self.root = v.bonus
-            budget += v.accepted + 1
-            if not until or t2 <= until:
-                out["rounds"] += 1
-                out["scored"] += len(drafts) + 1
-                out["gained"] += v.accepted + 1
-            self.verdict(root, v, out, not until or t2 <= until)
-        return out
-
-    async def close(self) -> None:
-        if self.call is None:
-            return
-        try:
-            await asyncio.wait_for(self.call.done_writing(), self.args.rpc_timeout)
-            if self.session_id:
-                await self.stub.Close(pb.CloseRequest(session_id=self.session_id), timeout=self.args.rpc_timeout)
-        except (grpc.RpcError, TimeoutError):
-            pass
-        self.call.cancel()
-        self.call, self.session_id = None, ""
-
-
-class TraceClient(RoundClient):
-    """Replays recorded drafts (bench/traces.py): a session on trace i's prompt, then for round r the drafts
-    recorded for round r, after the root the server actually decided (the last verdict's bonus). With the
-    recording's target, device and dtype the verdicts are the recorded ones; elsewhere they may drift, and
-    round r still sends round r's drafts. A trace that runs out: a new session on the next trace."""
-
-    def __init__(self, stub, args: argparse.Namespace, vocab: int, fp: str, traces: list[dict], index: int):
-        super().__init__(stub, args, vocab, fp, index)
-        self.traces, self.index, self.pos = traces, index - 1, 0
-
-    def prompt(self) -> tuple[list[int], int]:
-        self.index, self.pos = (self.index + 1) % len(self.traces), 0
-        t = self.traces[self.index]
-        return list(t["prompt"]), 1 + sum(len(r["drafts"]) + 1 for r in t["rounds"])
-
-    def exhausted(self) -> bool:
-        return self.pos >= len(self.traces[self.index]["rounds"])
-
-    def drafts(self) -> list[int]:
-        return list(self.traces[self.index]["rounds"][self.pos]["drafts"])
-
-    def verdict(self, root: int, v: pb.Verdict, out: dict, counted: bool) -> None:
-        rec = self.traces[self.index]["rounds"][self.pos]
-        self.pos += 1
-        if counted:
-            out["recorded"] += rec["accepted"] + 1
-            out["matched"] += root == rec["root"] and v.accepted == rec["accepted"] and v.bonus == rec["bonus"]
-
-
-async def generate_stream(stub, args: argparse.Namespace, prompt: list[int], fp: str, tokens: int) -> dict:
-    req = pb.OpenSession(prompt=prompt, max_new_tokens=tokens, model_fingerprint=fp)
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    async for msg in stub.Generate(req, timeout=args.timeout):  # bounded: the call's deadline
-        last = time.perf_counter()
-        first = first or last
-        n += len(msg.tokens)
-    if first is None:
-        raise RuntimeError("a Generate stream sent no token")
-    return {"tokens": n, "ttft_s": first - t0, "stream_s": last - first}
-
-
-async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until: float) -> dict:
-    """Generate streams of --tokens, one after another, until `until`: the tokens received by then, the gaps
-    between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt."""
-    out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0}
-    while time.perf_counter() < until:
-        req = pb.OpenSession(prompt=prompts(), max_new_tokens=args.tokens, model_fingerprint=fp)
-        call = stub.Generate(req, timeout=args.timeout)
-        t0 = last = time.perf_counter()
-        out["streams"] += 1
-        try:
-            while (left := until - time.perf_counter()) > 0:
-                msg = await asyncio.wait_for(call.read(), left)
-                if msg is grpc.aio.EOF:
-                    break
-                t = time.perf_counter()
-                out["tokens"] += len(msg.tokens)
-                (out["gaps_s"] if last > t0 else out["ttft_s"]).append(t - last)
-                last = t
-        except TimeoutError:
-            pass
-        finally:
-            call.cancel()
-    return out
-
-
-def cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+def clients():
+    """The client side, bench/server_clients.py."""
+    return sibling("server_clients")
 
 
 def process_cpu_s(pid: int) -> float:
@@ -276,89 +104,6 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def emit(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
-
-
-async def await_go() -> None:
-    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    if line.strip() != "go":  # EOF: the bench process went away
-        raise SystemExit(1)
-
-
-async def client_process(args: argparse.Namespace, n: int, seed: int, first: int = 0) -> None:
-    """Open n clients (numbers first .. first + n - 1 of all processes' clients), warm up, say "ready", wait for
-    "go" on stdin, run the timed part, print its numbers."""
-    opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-    n_chan = n if args.channels <= 0 else min(args.channels, n)
-    chans = [grpc.aio.insecure_channel(args.worker, options=opts) for _ in range(n_chan)]
-    stubs = [tether_pb2_grpc.TetherStub(ch) for ch in chans]
-    clients: list[RoundClient] = []
-    recorded = sibling("traces").load(args.traces) if args.traces else {}
-    traces = recorded.get("traces", [])
-    try:
-        info = await stubs[0].GetModelInfo(pb.GetModelInfoRequest(), timeout=args.rpc_timeout)
-        vocab, fp = json.loads(info.model_config_json)["vocab_size"], info.model_fingerprint
-        if recorded.get("target_fingerprint") and recorded["target_fingerprint"] != fp:
-            raise SystemExit(f"{args.traces} was recorded with target {recorded['target_fingerprint'][:12]}; the "
-                             f"server serves {fp[:12]}")  # fmt: skip
-        prompt_len = max((len(t["prompt"]) for t in traces), default=args.prompt_len)
-        k = max((len(r["drafts"]) for t in traces for r in t["rounds"]), default=args.k)
-        if prompt_len > info.max_prompt_tokens or k > info.max_draft_tokens:
-            raise SystemExit(f"the server takes prompts of {info.max_prompt_tokens} and rounds of "
-                             f"{info.max_draft_tokens} tokens at most")  # fmt: skip
-        room = json.loads(info.model_config_json)["max_seq_len"] - prompt_len
-        if args.mode == "random" and (args.warmup_rounds + args.rounds) * (k + 1) > room:
-            raise SystemExit(f"{args.warmup_rounds} + {args.rounds} rounds of {k + 1} tokens after a {prompt_len}-"
-                             f"token prompt exceed the model's {room + prompt_len} positions: at most "
-                             f"{room // (k + 1) - args.warmup_rounds} rounds")  # fmt: skip
-        if args.mode == "generate":
-            rng = random.Random(seed)
-
-            def prompts(i: int):
-                def next_prompt() -> list[int]:
-                    nonlocal i
-                    i += 1
-                    if traces:
-                        return list(traces[(i - 1) % len(traces)]["prompt"])
-                    return [rng.randrange(vocab) for _ in range(args.prompt_len)]
-
-                return next_prompt
-
-            await generate_stream(stubs[0], args, prompts(first)(), fp, 8)  # the first stream's one-time costs
-            emit({"ready": n})
-            await await_go()
-            t0, c0 = time.perf_counter(), cpu_s()
-            if args.duration > 0:
-                until = t0 + args.duration
-                streams = await asyncio.gather(*(generate_until(stubs[i % n_chan], args, prompts(first + i), fp,
-                                                                until) for i in range(n)))  # fmt: skip
-            else:
-                streams = await asyncio.gather(*(generate_stream(stubs[i % n_chan], args, prompts(first + i)(), fp,
-                                                                 args.tokens) for i in range(n)))  # fmt: skip
-            emit({"wall_s": time.perf_counter() - t0, "cpu_s": cpu_s() - c0, "streams": streams})
-            return
-        if args.mode == "trace":
-            clients = [TraceClient(stubs[i % n_chan], args, vocab, fp, traces, first + i) for i in range(n)]
-        else:
-            clients = [RoundClient(stubs[i % n_chan], args, vocab, fp, seed + i) for i in range(n)]
-        await asyncio.gather(*(c.open() for c in clients))
-        await asyncio.gather(*(c.run(args.warmup_rounds) for c in clients))
-        emit({"ready": n})
-        await await_go()
-        t0, c0 = time.perf_counter(), cpu_s()
-        if args.duration > 0:
-            until = t0 + args.duration
-            results = await asyncio.gather(*(c.run(None, until, args.rate) for c in clients))
-        else:
-            results = await asyncio.gather(*(c.run(args.rounds, 0.0, args.rate) for c in clients))
-        emit({"wall_s": time.perf_counter() - t0, "cpu_s": cpu_s() - c0, "clients": results})
-    finally:
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
-        for ch in chans:
-            await ch.close()
 
 
 # ---- the bench process --------------------------------------------------------------------------------------
@@ -396,7 +141,7 @@ class ServerProbe:
     def sample(self) -> dict:
         out: dict = {}
         if self.service is not None:
-            out["cpu_s"] = cpu_s() + sum(map(process_cpu_s, self.frontends()))  # not the client processes
+            out["cpu_s"] = clients().cpu_s() + sum(map(process_cpu_s, self.frontends()))  # not the client processes
             out |= memory(self.service)
             out |= {f"gc_{k}": v for k, v in self.pauses.snapshot(reset_max=True).items()}  # max: since last sample
             m = self.service.metrics
@@ -768,7 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.worker:
         spec = argparse.Namespace(**{**json.loads(args.worker_spec), "worker": args.worker})
-        asyncio.run(client_process(spec, args.worker_clients, args.worker_seed, args.worker_first))
+        recorded = sibling("traces").load(spec.traces) if spec.traces else {}
+        asyncio.run(clients().client_process(spec, args.worker_clients, args.worker_seed, args.worker_first, recorded))
         return {}
     if min(args.clients) < 1 or args.rounds < 1 or args.k < 1 or args.prompt_len < 1 or args.tokens < 2:
         raise SystemExit("--clients, --rounds, --k and --prompt-len must be at least 1, --tokens at least 2")
