@@ -51,7 +51,10 @@ def cpu_s(pid: int | None = None) -> float:
 
 async def client(port: int, streams: int, unary: int, messages: int) -> dict:
     """The client process: `streams` Session streams and `unary` GetModelInfo callers, `messages` each."""
-    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(max(1, min(streams + unary, 16)))]
+    local = [("grpc.use_local_subchannel_pool", 1)]  # a TCP connection per channel, spread over the front ends
+    chans = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) for _ in range(max(1, min(streams + unary, 16)))
+    ]
     stubs = [tether_pb2_grpc.TetherStub(c) for c in chans]
     bad_round = pb.ClientMessage(round=pb.DraftRound(round=1, root=0))
 

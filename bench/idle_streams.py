@@ -53,7 +53,8 @@ def pct(xs: list[float], q: float) -> float:
 
 async def client(port: int, n_streams: int, channels: int, probes: int, fp: str) -> dict:
     """The client process: hold n idle streams, say so, wait for the server's go, then time the probes."""
-    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(max(1, channels))]
+    local = [("grpc.use_local_subchannel_pool", 1)]  # a TCP connection per channel (else all share one)
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) for _ in range(max(1, channels))]
     try:
         stubs = [tether_pb2_grpc.TetherStub(ch) for ch in chans]
         held = [stubs[i % len(stubs)].Session() for i in range(n_streams)]

@@ -209,15 +209,22 @@ async def await_go() -> None:
         raise SystemExit(1)
 
 
+def open_channels(address: str, n: int) -> list[grpc.aio.Channel]:
+    """n grpc.aio channels to `address`, each on a TCP connection of its own, as n separate clients would be: grpc's
+    global subchannel pool would otherwise carry every channel of this process over one connection, which the
+    server's SO_REUSEPORT then hands to a single front end (and HTTP/2 multiplexes all their streams)."""
+    opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.use_local_subchannel_pool", 1)]  # fmt: skip
+    return [grpc.aio.insecure_channel(address, options=opts) for _ in range(n)]
+
+
 async def client_process(
     args: argparse.Namespace, n: int, seed: int, first: int = 0, recorded: dict | None = None
 ) -> None:
     """Open n clients (numbers first .. first + n - 1 of all processes' clients), warm up, say "ready", wait for
     "go" on stdin, run the timed part, print its numbers. `recorded`: the --traces file as bench/traces.py loads
     it (trace mode, and Generate's prompts when given)."""
-    opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-    n_chan = n if args.channels <= 0 else min(args.channels, n)
-    chans = [grpc.aio.insecure_channel(args.worker, options=opts) for _ in range(n_chan)]
+    chans = open_channels(args.worker, n if args.channels <= 0 else min(args.channels, n))
     stubs = [tether_pb2_grpc.TetherStub(ch) for ch in chans]
     clients: list[RoundClient] = []
     recorded = recorded or {}
@@ -257,17 +264,17 @@ async def client_process(
             t0, c0 = time.perf_counter(), cpu_s()
             if args.duration > 0:
                 until = t0 + args.duration
-                streams = await asyncio.gather(*(generate_until(stubs[i % n_chan], args, prompts(first + i), fp,
+                streams = await asyncio.gather(*(generate_until(stubs[i % len(stubs)], args, prompts(first + i), fp,
                                                                 until) for i in range(n)))  # fmt: skip
             else:
-                streams = await asyncio.gather(*(generate_stream(stubs[i % n_chan], args, prompts(first + i)(), fp,
+                streams = await asyncio.gather(*(generate_stream(stubs[i % len(stubs)], args, prompts(first + i)(), fp,
                                                                  args.tokens) for i in range(n)))  # fmt: skip
             emit({"wall_s": time.perf_counter() - t0, "cpu_s": cpu_s() - c0, "streams": streams})
             return
         if args.mode == "trace":
-            clients = [TraceClient(stubs[i % n_chan], args, vocab, fp, traces, first + i) for i in range(n)]
+            clients = [TraceClient(stubs[i % len(stubs)], args, vocab, fp, traces, first + i) for i in range(n)]
         else:
-            clients = [RoundClient(stubs[i % n_chan], args, vocab, fp, seed + i) for i in range(n)]
+            clients = [RoundClient(stubs[i % len(stubs)], args, vocab, fp, seed + i) for i in range(n)]
         await asyncio.gather(*(c.open() for c in clients))
         await asyncio.gather(*(c.run(args.warmup_rounds) for c in clients))
         emit({"ready": n})

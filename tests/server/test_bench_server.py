@@ -1,6 +1,9 @@
 """Smoke test of bench/server.py: a tiny run of each mode against the in-process server, checking the JSON record's
 fields and counts (never its timings)."""
 
+import asyncio
+
+import grpc
 import pytest
 from bench_modules import load_bench
 
@@ -70,3 +73,33 @@ def test_trace_record_and_replay(bench, tmp_path):
         assert row["tau"] >= 1 and row["tau_recorded"] >= 1 and 0 <= row["trace_match"] <= 1
         assert row["accepted_tokens_per_s"] == pytest.approx(row["tau"] * row["rounds_per_s"])
         assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"] and 1 <= row["mean_batch"] <= n
+
+
+def test_each_client_channel_is_a_connection_of_its_own():
+    """The clients' channels reach the server as separate TCP connections (distinct peers), as separate clients
+    would: on one shared connection, SO_REUSEPORT would hand every client of a process to one front end."""
+    clients = load_bench("server_clients")
+
+    async def run() -> set[str]:
+        peers: set[str] = set()
+
+        async def echo(request: bytes, context) -> bytes:
+            peers.add(context.peer())
+            return request
+
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler("t.T", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channels = clients.open_channels(f"127.0.0.1:{port}", 5)
+        try:
+            for ch in channels:
+                assert await ch.unary_unary("/t.T/Echo")(b"x", timeout=30) == b"x"
+        finally:
+            for ch in channels:
+                await ch.close()
+            await server.stop(None)
+        return peers
+
+    assert len(asyncio.run(run())) == 5
