@@ -21,11 +21,13 @@ before the first `serve` (a Kubernetes initContainer, a provisioning step; an im
     tether-server serve --port 50051 --max-sessions 64 --cache-dir /var/cache/tether
     tether-server serve --http-port 8000 --drafter none   # an OpenAI-compatible endpoint, the target decoding alone
     tether-server serve --tp 2          # a tensor-parallel target over 2 GPUs (tether.server.tp_serve)
+    tether-server serve --engines 3 --frontends 2   # 3 engine processes on one GPU (tether.server.engines)
     tether-server warm --cache-dir /var/cache/tether
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,6 +42,7 @@ import torch
 
 from tether.server import heap
 from tether.server.batcher import warm_up
+from tether.server.engines import EngineWorkers, engine_share
 from tether.server.generate import DTYPES, attention_backend, default_model_dir, load, pick_device
 from tether.server.http_api import start_http
 from tether.server.logs import configure_logging
@@ -60,6 +63,7 @@ from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import host
 from tether.shared.drafter import load_drafter
+from tether.shared.ids import MAX_ENGINES
 from tether.shared.model import Transformer
 from tether.shared.weights import ONNX_PRECISIONS, client_part_tensors
 
@@ -101,6 +105,9 @@ class ServeConfig:
     served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
     round_graph_tokens: int = 6  # capture at start the step graphs of rounds this long (k + 1), all batches; 0 = none
     frontends: int = 0  # gRPC in this many front-end processes sharing the port, the models here; 0 = in this process
+    # Several engine processes on the device, each with a copy of the models, its share of the KV pool and sessions;
+    # the front ends route each session's calls to the engine holding it (tether.server.engines). Needs frontends.
+    engines: int = 1  # engine processes (the host work of one process bounds rounds/s before the GPU does)
 
 
 # The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
@@ -245,9 +252,17 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--prefill-chunk must be at least 1, got {cfg.prefill_chunk}")
     if cfg.frontends < 0:
         raise ValueError(f"--frontends is 0 (gRPC in this process) or more, got {cfg.frontends}")
+    if not 1 <= cfg.engines <= MAX_ENGINES:
+        raise ValueError(f"--engines is 1 to {MAX_ENGINES}, got {cfg.engines}")
+    if cfg.engines > 1 and (cfg.frontends < 1 or cfg.tp > 1 or cfg.kv_pool_mb < cfg.engines):
+        raise ValueError("--engines E > 1 needs --frontends N >= 1 (they route the calls), --tp 1, and at least E MB "
+                         "of --kv-pool-mb (each engine takes an even share)")  # fmt: skip
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
+    whole, cfg = cfg, engine_share(cfg, 0)  # this process is engine 0: its share of the pool and the limits
     config = service_config(cfg)
+    if whole.engines > 1:
+        config = dataclasses.replace(config, engine=0)
     precisions = [p for p in cfg.onnx_precisions.split(",") if p]
     if not set(precisions) <= set(ONNX_PRECISIONS):
         raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
@@ -256,6 +271,18 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if cfg.http_port < -1 or cfg.http_max_streams < 1:
         raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams at least 1")
     kernel_dir = use_cache(cfg)
+    workers = EngineWorkers(whole) if whole.engines > 1 else None  # they load and warm up while this one does
+    try:
+        return _serve(cfg, whole, config, device, precisions, kernel_dir, workers, t_start, ready)
+    finally:
+        if workers is not None:
+            workers.stop()
+
+
+def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: str, precisions: list[str],
+           kernel_dir: Path, workers: EngineWorkers | None, t_start: float,
+           ready: threading.Event | None) -> int:  # fmt: skip
+    """serve, once its flags are checked: `cfg` is this engine's share of `whole`, the command line's."""
     followers, tp_target = [], None
     if cfg.tp > 1:
         kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -287,7 +314,8 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     pauses = heap.GCPauses(service.metrics.gc_pause).install()
     log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
-    server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
+    engines = workers.wait_ready() if workers is not None else []
+    server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends, engines=engines,
                                log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
     if cfg.metrics_port:
         serve_metrics(service.metrics, cfg.host, cfg.metrics_port)
@@ -297,6 +325,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     server.start()
     notes = [f"tensor-parallel over {cfg.tp} ranks"] if cfg.tp > 1 else []
     notes += [f"{cfg.frontends} front-end processes"] if cfg.frontends else []
+    notes += [f"{whole.engines} engine processes"] if whole.engines > 1 else []
     print(f"listening on {cfg.host}:{port}" + (f" ({', '.join(notes)})" if notes else ""), flush=True)
     http = None
     if cfg.http_port >= 0:

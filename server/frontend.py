@@ -7,13 +7,21 @@ over them), and says HELLO with the port it bound. From then on each tether.v1.T
 counted here (tether.server.auth, with this front end's share of the call limits) and carried to the engine as
 frames (tether.server.frontend_wire): the request messages as the client sent them, the replies as the engine
 made them, an abort with its status, details and trailing metadata (the typed reason) as the engine raised it.
-grpc.health.v1 and reflection are answered here. Protobuf is parsed by nobody on this side.
+grpc.health.v1 and reflection are answered here.
 
-It stops when the engine says STOP (the calls in flight get the grace the engine passes on) or when the engine's
+With several engines (`serve --engines E`) it links to each engine's socket (`--engine` once per engine, the
+serving process's first) and routes every call (class Router): a Session stream that attaches, a Resync and a Close
+to the engine whose index the session id carries (tether.shared.ids.engine_of); a stream that opens a session, and
+a Generate stream, to the live engine with the fewest calls from this front end; GetModelInfo and FetchWeights to
+the first. Only those first messages are parsed here, and only to route; with one engine nothing is. An engine
+process that goes away ends its calls UNAVAILABLE (its sessions are lost: clients rebuild them by Resync with their
+history, which goes to a live engine); the front end goes on with the others.
+
+It stops when the (first) engine says STOP (the calls in flight get the grace the engine passes on) or when its
 socket closes (the engine is gone: no grace). SIGINT and SIGTERM are ignored: a terminal's Ctrl-C and a service
 manager's SIGTERM reach the whole process group, and it is the engine that decides how the calls end.
 
-    python -m tether.server.frontend --engine /tmp/tether-engine-XXXX/engine.sock
+    python -m tether.server.frontend --engine /tmp/tether-engine-XXXX/engine.sock [--engine ENGINE_1_SOCKET ...]
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import signal
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -47,6 +56,8 @@ from tether.server.frontend_wire import (
 )
 from tether.server.logs import configure_logging
 from tether.server.rpc_server import HEALTH_NAME, SERVICE_NAME, TLSFiles, channel_options
+from tether.shared.ids import engine_of
+from tether.v1 import tether_pb2 as pb
 
 STATUS = {s.value[0]: s for s in grpc.StatusCode}
 _END, _LOST = object(), object()
@@ -120,6 +131,7 @@ class EngineLink(asyncio.Protocol):
         self.stop: asyncio.Future = loop.create_future()  # the engine's grace for the calls in flight
         self.outbox: Outbox | None = None
         self.transport: asyncio.Transport | None = None
+        self.alive = True  # False once the engine's socket closed: nothing more is routed here
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -145,6 +157,7 @@ class EngineLink(asyncio.Protocol):
             raise FrameError(f"unexpected {kind.name} on the link")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.alive = False
         for call in list(self.calls.values()):
             call.replies.put_nowait(_LOST)
         if not self.stop.done():
@@ -159,11 +172,49 @@ class EngineLink(asyncio.Protocol):
         return call
 
 
-def forwarding_handlers(link: EngineLink) -> dict[str, grpc.RpcMethodHandler]:
-    """A raw-bytes handler per tether.v1.Tether method that carries the call to the engine."""
+class Router:
+    """Which engine's link carries a call. The first link is the serving process's: its loss stops this front end,
+    so there is always one live link to fall back on."""
 
-    async def pump(call: Call, requests) -> None:
+    SESSION_NAMED = {"Resync": pb.ResyncRequest, "Close": pb.CloseRequest}  # unary calls naming their session
+    FIRST = ("GetModelInfo", "FetchWeights")  # what every engine answers alike, kept on one (its export cache)
+
+    def __init__(self, links: list[EngineLink]):
+        self.links = links
+
+    def least_busy(self) -> EngineLink:
+        """The live engine with the fewest calls from this front end (the first on a tie)."""
+        return min((link for link in self.links if link.alive), key=lambda link: len(link.calls))
+
+    def holding(self, session_id: str) -> EngineLink:
+        """The engine whose index `session_id` carries, if it is live; else the least busy (which answers for a
+        session it does not hold: NOT_FOUND, or a rebuild from the history a Resync brings)."""
+        k = engine_of(session_id, len(self.links))
+        return self.links[k] if k is not None and self.links[k].alive else self.least_busy()
+
+    def route(self, method: str, first: bytes | None) -> EngineLink:
+        """The link for a call of `method` whose first request is `first` (None: the client sent none)."""
+        if len(self.links) == 1 or method in self.FIRST:
+            return self.links[0]
         try:
+            if method in self.SESSION_NAMED and first is not None:
+                return self.holding(self.SESSION_NAMED[method].FromString(first).session_id)
+            if method == "Session" and first is not None:
+                message = pb.ClientMessage.FromString(first)
+                if message.WhichOneof("body") == "attach":
+                    return self.holding(message.attach.session_id)
+        except DecodeError:
+            pass  # the engine it lands on refuses it as it would any malformed request
+        return self.least_busy()
+
+
+def forwarding_handlers(router: Router) -> dict[str, grpc.RpcMethodHandler]:
+    """A raw-bytes handler per tether.v1.Tether method that carries the call to its engine."""
+
+    async def pump(call: Call, requests, first: bytes | None = None) -> None:
+        try:
+            if first is not None:
+                await call.send(first)
             async for request in requests:
                 await call.send(request)
         except grpc.RpcError:
@@ -176,7 +227,7 @@ def forwarding_handlers(link: EngineLink) -> dict[str, grpc.RpcMethodHandler]:
                 yield reply
 
         async def unary_unary(request: bytes, context) -> bytes:
-            call = link.open(name, CALLER.get())
+            call = router.route(name, request).open(name, CALLER.get())
             try:
                 await call.send(request)
                 call.half_close()
@@ -188,7 +239,7 @@ def forwarding_handlers(link: EngineLink) -> dict[str, grpc.RpcMethodHandler]:
                 call.finish()
 
         async def unary_stream(request: bytes, context):
-            call = link.open(name, CALLER.get())
+            call = router.route(name, request).open(name, CALLER.get())
             try:
                 await call.send(request)
                 call.half_close()
@@ -198,8 +249,15 @@ def forwarding_handlers(link: EngineLink) -> dict[str, grpc.RpcMethodHandler]:
                 call.finish()
 
         async def stream_stream(requests, context):
-            call = link.open(name, CALLER.get())
-            sending = asyncio.ensure_future(pump(call, requests))
+            first = None
+            if len(router.links) > 1:  # the first message says which engine: wait for it before opening the call
+                requests = aiter(requests)
+                try:
+                    first = await anext(requests)
+                except StopAsyncIteration:
+                    pass
+            call = router.route(name, first).open(name, CALLER.get())
+            sending = asyncio.ensure_future(pump(call, requests, first))
             try:
                 async for reply in replies(call, context):
                     yield reply
@@ -226,17 +284,21 @@ class Forwarding(grpc.GenericRpcHandler):
         return self.handlers.get(handler_call_details.method)
 
 
-async def run(engine_socket: str) -> int:
+async def run(engine_sockets: list[str]) -> int:
+    """Link to each engine (the first sends CONFIG), listen, say HELLO to each, serve until the first says STOP."""
     loop = asyncio.get_running_loop()
-    transport, link = await loop.create_unix_connection(lambda: EngineLink(loop), engine_socket)
+    linked = [await loop.create_unix_connection(lambda: EngineLink(loop), path) for path in engine_sockets]
+    links = [link for _, link in linked]
+    link = links[0]
     cfg = await link.config
-    link.framer.max_frame = max(link.framer.max_frame, cfg["max_message_bytes"] + 4096)
+    for each in links:
+        each.framer.max_frame = max(each.framer.max_frame, cfg["max_message_bytes"] + 4096)
     configure_logging(cfg.get("log_format", "text"), cfg.get("log_level", "warning"))
     auth = AuthInterceptor(frozenset(cfg["api_keys"]), max_calls_per_key=cfg["max_calls_per_key"],
                            max_streams=cfg["max_streams"])  # fmt: skip
     options = [*channel_options(cfg["max_message_bytes"]), ("grpc.so_reuseport", 1)]  # the front ends share the port
     server = grpc.aio.server(interceptors=[auth], options=options)
-    server.add_generic_rpc_handlers((Forwarding(forwarding_handlers(link)),))
+    server.add_generic_rpc_handlers((Forwarding(forwarding_handlers(Router(links))),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), server)
@@ -253,22 +315,26 @@ async def run(engine_socket: str) -> int:
         error = f"cannot listen on {cfg['address']}"
         link.outbox.send(0, Kind.HELLO, dump({"pid": os.getpid(), "port": 0, "error": error}))
         await asyncio.sleep(0)
-        transport.close()
+        for transport, _ in linked:
+            transport.close()
         return 3
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    link.outbox.send(0, Kind.HELLO, dump({"pid": os.getpid(), "port": port}))
+    for each in links:
+        each.outbox.send(0, Kind.HELLO, dump({"pid": os.getpid(), "port": port}))
     grace = await link.stop
     await health.enter_graceful_shutdown()
     await server.stop(grace)
-    transport.close()
+    for transport, _ in linked:
+        transport.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="a front end of tether-server serve --frontends N (started by serve)")
-    ap.add_argument("--engine", required=True, help="the engine's Unix socket")
+    ap.add_argument("--engine", required=True, action="append",
+                    help="an engine's Unix socket; once per engine, the serving process's first")  # fmt: skip
     args = ap.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

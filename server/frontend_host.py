@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -200,9 +201,11 @@ class FrontendConnection(asyncio.Protocol):
 class FrontendHost:
     """The engine's socket, its front-end processes and their supervision (all on the gRPC event loop)."""
 
-    def __init__(self, service: Servable, address: str, n: int, tls: TLSFiles | None, logs: tuple[str, str]):
+    def __init__(self, service: Servable, address: str, n: int, tls: TLSFiles | None, logs: tuple[str, str],
+                 engines: tuple[str, ...] = ()):  # fmt: skip
         c = service.config
         self.service, self.address, self.n, self.tls = service, address, n, tls
+        self.engines = engines  # the other engine processes' sockets (serve --engines): front ends link to them too
         self.loop = event_loop()
         self.limits = {"max_message_bytes": c.max_message_bytes, "api_keys": sorted(c.api_keys),
                        "max_calls_per_key": math.ceil(c.max_calls_per_key / n),
@@ -239,6 +242,8 @@ class FrontendHost:
 
     def _spawn(self) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "tether.server.frontend", "--engine", self.socket]
+        for path in self.engines:
+            cmd += ["--engine", path]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
         self.procs.append(proc)
         return proc
@@ -360,12 +365,13 @@ def start_frontends(
     n: int,
     *,
     tls: TLSFiles | None = None,
+    engines: Sequence[str] = (),
     log_format: str = "text",
     log_level: str = "warning",
 ) -> tuple[FrontendsHandle, int]:
     if n < 1:
         raise ValueError(f"front ends: at least 1, got {n}")
-    host = FrontendHost(service, address, n, tls, (log_format, log_level))
+    host = FrontendHost(service, address, n, tls, (log_format, log_level), tuple(engines))
     try:
         port = asyncio.run_coroutine_threadsafe(host.start(), host.loop).result()
     except BaseException:

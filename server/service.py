@@ -115,6 +115,7 @@ class ServiceConfig:
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     model_threads: int = 2  # threads for prefills, resync absorbs and Generate steps
+    engine: int | None = None  # with serve --engines: this process's index, written into its session ids
 
 
 class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
@@ -182,7 +183,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
                                               dtype=target.embed_tokens.weight.dtype)  # fmt: skip
-        limits = TableLimits(c.max_sessions, c.max_sessions_per_key, c.session_lease_s)
+        limits = TableLimits(c.max_sessions, c.max_sessions_per_key, c.session_lease_s, c.engine)
         self.table = SessionTable(self.pool, self._verifier, limits, metrics=self.metrics)
         self.check = Checks(target.cfg.vocab_size, model_fingerprint, self.pool)
         self.metrics.kv_blocks.set(self.pool.num_blocks)

@@ -54,6 +54,7 @@ class TableLimits:
     max_sessions: int = 256  # sessions held at once; past it the least recently used idle one is evicted
     max_sessions_per_key: int = 64  # sessions one API key may hold at once (with authentication)
     lease_s: float = 300.0  # a session idle this long expires: its quota and KV go back
+    engine: int | None = None  # this engine's index in its session ids (serve --engines); None: one engine
 
 
 @dataclass(eq=False)
@@ -175,7 +176,9 @@ class SessionTable:
         REASON_CAPACITY (with retry advice) before anything is allocated. Its KV blocks are taken as the caller
         prefills it; if that fails the caller retires it."""
         self._make_room(owner)
-        session = Session(new_session_id(), owner, self.make_verifier(sampling, capacity), sampling, codec)
+        session = Session(
+            new_session_id(self.limits.engine), owner, self.make_verifier(sampling, capacity), sampling, codec
+        )
         await session.lock.acquire()  # a fresh lock: never waits
         with self._lock:
             session.busy, session.last_used = 1, self.clock()
