@@ -18,7 +18,7 @@ Contract:
   directory. A worker also ends when the serving process's end of its stdin closes, so none outlives a crash.
 - An engine that dies alone is not restarted: its calls end UNAVAILABLE and its sessions are lost, which clients
   recover from as from any eviction (Resync with the history builds the session on a live engine); the others
-  serve on.
+  serve on, and the serving process logs the death as an error (event `engine_exit`).
 
     tether-server serve --engines 3 --frontends 2 --kv-pool-mb 6144    # 2 GiB of KV per engine
 """
@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class EngineWorkers:
         self.dir = Path(tempfile.mkdtemp(prefix="tether-engines-"))  # mode 0700: this user's alone
         self.sockets = [str(self.dir / f"engine-{k}.sock") for k in range(1, cfg.engines)]
         self.procs: list[subprocess.Popen] = []
+        self.stopping = False
         try:
             for k, path in enumerate(self.sockets, start=1):
                 cmd = [sys.executable, "-m", "tether.server.engines", "--index", str(k), "--socket", path]
@@ -93,9 +95,18 @@ class EngineWorkers:
                 status = proc.poll()
                 why = f"exited with status {status}" if status is not None else f"not ready in {timeout:.0f} s"
                 raise OSError(f"engine {k} {why} (its log is above)")
+        for k, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=self._watch, args=(k, proc), name=f"tether-engine-{k}-watch", daemon=True).start()
         return self.sockets
 
+    def _watch(self, k: int, proc: subprocess.Popen) -> None:
+        status = proc.wait()
+        if not self.stopping:
+            log.error("engine %d exited with status %s; its sessions are lost (clients rebuild them by resync) and "
+                      "the other engines serve on", k, status, extra={"event": "engine_exit"})  # fmt: skip
+
     def stop(self) -> None:
+        self.stopping = True
         for proc in self.procs:
             if proc.stdin and not proc.stdin.closed:
                 try:

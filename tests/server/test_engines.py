@@ -8,11 +8,14 @@ something observable; nothing asserts a duration.
 """
 
 import asyncio
+import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -204,6 +207,15 @@ def test_serve_with_two_engines_routes_sessions_to_both_then_stops_every_process
                 for s in streams:
                     s.close()
         assert sorted(engine_of(sid, 2) for sid in ids) == [0, 1]
+        (engine,) = [pid for pid in procs if "tether.server.engines" in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(engine, signal.SIGKILL)  # engine 1 dies: logged, and engine 0 serves on
+        errors: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [errors.put(line) for line in proc.stderr], daemon=True).start()
+        seen: list[str] = []
+        until(lambda: any("engine 1 exited" in line for line in drain(errors, seen)), "the death logged")
+        with grpc.insecure_channel(address) as channel:  # engine 0 serves on (routing around the dead one: above)
+            again = tether_pb2_grpc.TetherStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=120)
+            assert again.model_fingerprint == info.model_fingerprint
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
         assert "stopped" in proc.stdout.read()
@@ -213,6 +225,13 @@ def test_serve_with_two_engines_routes_sessions_to_both_then_stops_every_process
     finally:
         proc.kill()
         proc.communicate()
+
+
+def drain(lines: queue.Queue, seen: list[str]) -> list[str]:
+    """Every line read so far (those waiting in `lines` added to `seen`)."""
+    while not lines.empty():
+        seen.append(lines.get_nowait())
+    return seen
 
 
 def test_serve_refuses_engines_without_front_ends_with_one_line():
