@@ -35,10 +35,10 @@ Contract (as DrafterBase; the differences are marked *):
 
 Caches are numpy buffers sized `capacity` rows; each graph call takes the committed rows and returns the new
 ones (onnx_export's docstring has the graph contract), so rolling back drafted rows is just a shorter length.
-One cost the torch drafter does not pay: feeding MoA's SA the verified tokens it has not seen (the prompt at
-begin, the last draft after a fully accepted chain, the whole delta after a tree) runs the step graph, whose
-TLI layers then run too, their rows discarded (no logits are computed). A separate SA graph would avoid that
-but store the embedding table twice.
+Beside the graphs described, the runtime derives two sessions from the step graph at load (tether.client.onnx_derived):
+one-token draft steps run on `step1` (its token and logit-row axes fixed at 1), and MoA's SA rows of verified tokens
+(the prompt at begin, an adopted delta's tokens) come from `sa_rows` (the step graph pruned to them), not from a run
+of the whole step graph. Without them (a graph they cannot be derived from) the step graph serves every call.
 
 Tests: tests/client/test_onnx_backend.py (parity with torch, a run with torch blocked) and tests/shared/test_wire.py.
 
@@ -61,6 +61,7 @@ import numpy as np
 import onnxruntime as ort
 from safetensors import safe_open
 
+from tether.client.onnx_derived import SessionOptions, derived_graphs
 from tether.client.onnx_int8 import int8_matmuls
 from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
 from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
@@ -126,14 +127,21 @@ def _check_sha256(name: str, data: bytes, want: str) -> None:
         raise ValueError(f"{name}: sha256 {digest[:12]} does not match the manifest's")
 
 
-def _session(graph: bytes, weights: Mapping[str, np.ndarray], threads: int) -> tuple[ort.InferenceSession, list]:
+def _session(
+    graph: bytes, weights: Mapping[str, np.ndarray], threads: int, options: SessionOptions | None = None
+) -> tuple[ort.InferenceSession, list]:
     """An onnxruntime session of `graph` with `weights` as its external initializers; returns it and the values
     it was given, which must live as long as it does."""
+    options = options or SessionOptions()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     # Idle pool threads would otherwise busy-wait after every call, taking cores from the rest of the client.
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not options.prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    for axis, size in options.fixed_dims.items():
+        opts.add_free_dimension_override_by_name(axis, size)
     values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
     if weights:
         opts.add_external_initializers(list(weights), values)
@@ -179,7 +187,7 @@ class OnnxDrafter:
         kinds = {"moa": OnnxMoADrafter, "eagle": OnnxEagleDrafter}
         if manifest["kind"] not in kinds:
             raise ValueError(f"unknown drafter kind {manifest['kind']!r}")
-        sessions, keep = {}, []
+        sessions, keep, derived = {}, [], {}
         for name, g in manifest["graphs"].items():
             graph = files[g["file"]].read_bytes()
             if check_hashes:
@@ -198,6 +206,14 @@ class OnnxDrafter:
             io = [[a.name for a in sessions[name].get_inputs()], [a.name for a in sessions[name].get_outputs()]]
             if io != [g["inputs"], g["outputs"]]:
                 raise ValueError(f"graph {name!r} takes and gives {io}, its description says otherwise")
+            if name == "step":
+                derived = derived_graphs(manifest["kind"], graph, weights)
+        for name, (graph, weights, options) in derived.items():
+            try:
+                sessions[name], held = _session(graph, weights, threads, options)
+            except Exception:  # onnxruntime raises types of its own; without a derived session the step graph serves
+                continue
+            keep.append(held)
         return kinds[manifest["kind"]](manifest, sessions, keep)
 
     # ---- the public loop (DrafterBase's, in numpy) ------------------------------------------------------
@@ -293,6 +309,13 @@ class OnnxDrafter:
         self._drop_drafted(base)
         return tree
 
+    def _step_session(self, T: int, R: int) -> ort.InferenceSession:
+        """The session that runs the step graph for T new tokens and R logit rows: `step1` for one token's logits
+        where it was derived (module docstring)."""
+        if T == 1 and R == 1:
+            return self.sessions.get("step1", self.sessions["step"])
+        return self.sessions["step"]
+
     # ---- subclass contract -------------------------------------------------------------------------------
 
     def verified_length(self) -> int:
@@ -335,6 +358,8 @@ class OnnxMoADrafter(OnnxDrafter):
         super().__init__(manifest, sessions, keep)
         self.tli = manifest["shapes"]["tli"]
         self.step_inputs = manifest["graphs"]["step"]["inputs"]
+        rows = self.sessions.get("sa_rows")
+        self.sa_rows_inputs = [a.name for a in rows.get_inputs()] if rows is not None else []
 
     def verified_length(self) -> int:
         return self.n_ctx
@@ -372,7 +397,8 @@ class OnnxMoADrafter(OnnxDrafter):
         ]
         for i in range(self.tli):
             feeds += [self.tli_k[i, None, :P], self.tli_v[i, None, :P]]
-        logits, sa_k, sa_v, *tli = self.sessions["step"].run(None, dict(zip(self.step_inputs, feeds, strict=True)))
+        session = self._step_session(T, len(logit_rows))
+        logits, sa_k, sa_v, *tli = session.run(None, dict(zip(self.step_inputs, feeds, strict=True)))
         self.sa_k[P : P + T], self.sa_v[P : P + T] = sa_k[0], sa_v[0]
         self.sa_len = P + T
         if not sa_only:
@@ -400,10 +426,24 @@ class OnnxMoADrafter(OnnxDrafter):
         self.sa_len = min(self.sa_len, P + n)
         if self.sa_len < P:
             raise ValueError(f"SA holds {self.sa_len} rows, short of the delta's start {P}")
-        missing = list(delta.tokens[self.sa_len - P :])
-        if missing:
-            S = self.sa_len
-            self._run(missing, list(range(S, S + len(missing))), _causal_mask(S, len(missing)), [], sa_only=True)
+        self._sa_feed(list(delta.tokens[self.sa_len - P :]))
+
+    def _sa_feed(self, tokens: list[int]) -> None:
+        """Commit SA rows for verified `tokens` after the rows held: from `sa_rows` where it was derived, else by
+        the step graph (its TLI rows dropped, no logits)."""
+        S, T = self.sa_len, len(tokens)
+        if not T:
+            return
+        positions = list(range(S, S + T))
+        session = self.sessions.get("sa_rows")
+        if session is None:
+            self._run(tokens, positions, _causal_mask(S, T), [], sa_only=True)
+            return
+        self._check_room(S + T)
+        feeds = {"tokens": _ids(tokens), "positions": _ids(positions)}
+        sa_k, sa_v = session.run(None, {name: feeds[name] for name in self.sa_rows_inputs})
+        self.sa_k[S : S + T], self.sa_v[S : S + T] = sa_k[0], sa_v[0]
+        self.sa_len = S + T
 
     def _drop_drafted(self, base: int) -> None:
         self.sa_len = self.tli_len = base
@@ -455,7 +495,7 @@ class OnnxEagleDrafter(OnnxDrafter):
             "k": self.k[None, :P],
             "v": self.v[None, :P],
         }
-        logits, feat, k, v = self.sessions["step"].run(None, feed)
+        logits, feat, k, v = self._step_session(T, len(logit_rows)).run(None, feed)
         self.k[P : P + T], self.v[P : P + T] = k[0], v[0]
         self.length = P + T
         return logits[0], feat[0]

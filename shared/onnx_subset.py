@@ -1,8 +1,9 @@
 """The few fields of onnx.proto that tether edits, as protobuf message classes built at run time (no `onnx` package).
 
 The server takes a drafter graph's matrices out of it (tether.server.onnx_export.split_weights) and the edge client
-rewrites an int8 part's matrix products to run in int8 (tether.client.onnx_int8). Both only need initializers,
-nodes and opset imports; parsing a model with these classes keeps every field not listed here as an unknown field,
+rewrites an int8 part's matrix products to run in int8 (tether.client.onnx_int8) and prunes a graph to some of its
+outputs (tether.client.onnx_derived). They only need initializers, nodes, the graph's inputs and outputs by name,
+and opset imports; parsing a model with these classes keeps every field not listed here as an unknown field,
 written back unchanged, so the rest of the graph survives an edit byte for byte (fields move only in order, which
 ONNX readers ignore). Field numbers are onnx.proto's.
 
@@ -11,7 +12,8 @@ ONNX readers ignore). Field numbers are onnx.proto's.
     [t.name for t in model.graph.initializer], [n.op_type for n in model.graph.node]
     model.SerializeToString()
 
-Tests: tests/server/test_client_export.py (split_weights), tests/client/test_onnx_int8.py (the int8 rewrite).
+Tests: tests/server/test_client_export.py (split_weights), tests/client/test_onnx_int8.py (the int8 rewrite),
+tests/client/test_onnx_derived.py (pruning).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 ONNX_FLOAT = 1  # TensorProto.DataType FLOAT
 ONNX_INT8 = 3  # TensorProto.DataType INT8
 ONNX_EXTERNAL = 1  # TensorProto.DataLocation EXTERNAL
+ONNX_ATTR_GRAPH, ONNX_ATTR_GRAPHS = 5, 10  # AttributeProto.AttributeType GRAPH, GRAPHS: a node holding subgraphs
 
 _F = descriptor_pb2.FieldDescriptorProto
 _ONE, _MANY = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
@@ -35,12 +38,15 @@ _MESSAGES = {
                     ("data_location", 14, _F.TYPE_INT32, _ONE, "")],
     "AttributeProto": [("name", 1, _F.TYPE_STRING, _ONE, ""), ("ints", 8, _F.TYPE_INT64, _MANY, ""),
                        ("type", 20, _F.TYPE_INT32, _ONE, "")],
+    "ValueInfoProto": [("name", 1, _F.TYPE_STRING, _ONE, "")],
     "NodeProto": [("input", 1, _F.TYPE_STRING, _MANY, ""), ("output", 2, _F.TYPE_STRING, _MANY, ""),
                   ("name", 3, _F.TYPE_STRING, _ONE, ""), ("op_type", 4, _F.TYPE_STRING, _ONE, ""),
                   ("attribute", 5, _F.TYPE_MESSAGE, _MANY, "AttributeProto"),
                   ("domain", 7, _F.TYPE_STRING, _ONE, "")],
     "GraphProto": [("node", 1, _F.TYPE_MESSAGE, _MANY, "NodeProto"),
-                   ("initializer", 5, _F.TYPE_MESSAGE, _MANY, "TensorProto")],
+                   ("initializer", 5, _F.TYPE_MESSAGE, _MANY, "TensorProto"),
+                   ("input", 11, _F.TYPE_MESSAGE, _MANY, "ValueInfoProto"),
+                   ("output", 12, _F.TYPE_MESSAGE, _MANY, "ValueInfoProto")],
     "OperatorSetIdProto": [("domain", 1, _F.TYPE_STRING, _ONE, ""), ("version", 2, _F.TYPE_INT64, _ONE, "")],
     "ModelProto": [("graph", 7, _F.TYPE_MESSAGE, _ONE, "GraphProto"),
                    ("opset_import", 8, _F.TYPE_MESSAGE, _MANY, "OperatorSetIdProto")],
