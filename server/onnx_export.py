@@ -77,10 +77,9 @@ def attend_split(
     q: Tensor,  # [1, T, Hq, D]
     past_k: Tensor,  # [1, P, Hkv, D] committed rows, in the cache's own layout
     past_v: Tensor,
-    past_mask: Tensor,  # [T, P] bool
     new_k: Tensor,  # [1, T', Hkv, D] rows the graph computed (T' = T, or CA's one null key)
     new_v: Tensor,
-    new_mask: Tensor,  # [T, T'] bool
+    mask: Tensor | None,  # [T, P + T'] bool: row i sees key j (committed rows, then new ones); None: every key
     depth_k: Tensor | None,  # [1, T, L, Hkv, D] each query's own depth keys (MoDA), or None
     depth_v: Tensor | None,
     scale: float,
@@ -91,9 +90,16 @@ def attend_split(
     draft step (its cost grew with context). The committed rows are read in place by two MatMuls, the query
     spread block-diagonally over the KV heads so K and V need no transpose (the off-diagonal products are zero
     and thrown away: Hkv times the FLOPs of the head-wise product, a few thousand per row); the softmax runs over
-    the scores of all three parts at once. Returns [1, T, Hq, D]."""
+    the scores of all three parts at once. Returns [1, T, Hq, D].
+
+    A step graph is hundreds of small nodes, so onnxruntime's cost per node sets a draft step's time on a CPU: the
+    mask comes whole (one per graph, not sliced and joined again in every layer), and the KV heads and depth entries
+    are Python ints, constants in the graph. Read from a shape they would be traced as shape arithmetic run at every
+    call, which onnxruntime cannot fold while P is free. Hq and D stay traced: as constants they kept onnxruntime
+    from folding T in a one-token session (tether.client.onnx_derived)."""
     _, T, Hq, D = q.shape
-    Hkv = past_k.shape[2]
+    P = past_k.shape[1]
+    Hkv = int(past_k.shape[2])
     G = Hq // Hkv
     eye = torch.eye(Hkv, dtype=q.dtype)  # [Hkv (the key's head), Hkv (the query's)]
     qh = q[0].reshape(T, Hkv, G, D)
@@ -104,12 +110,13 @@ def attend_split(
     parts = [s_past, s_new]
     if depth_k is not None:
         parts.append(torch.einsum("qhgd,qlhd->hgql", qh, depth_k[0]))  # [Hkv, G, T, L]
-    masks = [past_mask, new_mask]
-    if depth_k is not None:
-        masks.append(torch.ones(T, depth_k.shape[2], dtype=torch.bool))  # a query sees all its depth keys
-    s = (torch.cat(parts, -1).float() * scale).masked_fill(~torch.cat(masks, -1), float("-inf"))
+    s = torch.cat(parts, -1).float() * scale
+    if mask is not None:
+        if depth_k is not None:  # a query sees all its depth keys
+            mask = torch.cat([mask, torch.ones(T, int(depth_k.shape[2]), dtype=torch.bool)], -1)
+        s = s.masked_fill(~mask, float("-inf"))
     p = s.softmax(-1).to(q.dtype)
-    P, Tn = past_mask.shape[-1], new_mask.shape[-1]
+    Tn = new_k.shape[1]  # T'
     p_past, p_new = p[..., :P], p[..., P : P + Tn]
     # o[h, g, t, h', d] = sum_p p[h, g, t, p] v[p, h', d]; keep h == h'.
     o = (p_past.reshape(Hkv * G * T, -1) @ past_v.reshape(-1, Hkv * D)).reshape(Hkv, G, T, Hkv, D)
@@ -130,10 +137,8 @@ class _Committed:
         self.k, self.v = k, v  # [1, P, Hkv, D]
 
     def attend(self, layer, q, k, v, depth_k, depth_v, *, scale: float, tree_mask: Tensor) -> Tensor:
-        P = self.k.shape[1]
         dk = depth_k if depth_k is not None and depth_k.shape[2] > 0 else None
-        return attend_split(q, self.k, self.v, tree_mask[:, :P], k, v, tree_mask[:, P:], dk,
-                            None if dk is None else depth_v, scale)  # fmt: skip
+        return attend_split(q, self.k, self.v, k, v, tree_mask, dk, None if dk is None else depth_v, scale)
 
 
 def _cross_attention(ca, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -142,10 +147,7 @@ def _cross_attention(ca, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, s
     B, T, _ = x.shape
     c = ca.cfg
     q = apply_rope(ca.q_proj(ca.q_norm(x)).view(B, T, c.n_heads, c.head_dim), cos, sin)
-    every = torch.ones(T, ctx_k.shape[1], dtype=torch.bool)
-    null = torch.ones(T, 1, dtype=torch.bool)
-    o = attend_split(q, ctx_k, ctx_v, every, ca.null_k[None, None], ca.null_v[None, None], null, None, None,
-                     c.head_dim**-0.5)  # fmt: skip
+    o = attend_split(q, ctx_k, ctx_v, ca.null_k[None, None], ca.null_v[None, None], None, None, None, c.head_dim**-0.5)
     x = x + ca.o_proj(o.flatten(2))
     return x + ca.ffn(ca.ffn_norm(x))
 

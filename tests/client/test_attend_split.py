@@ -25,6 +25,10 @@ def test_split_attention_equals_the_reference(T, P, Hq, Hkv, D, L):
     mask[:, P:] = torch.tril(torch.ones(T, T, dtype=torch.bool))  # each new row sees itself: no empty row
     want = moda_attention_reference(q, torch.cat([past_k, new_k], 1), torch.cat([past_v, new_v], 1), depth_k,
                                     depth_v, scale=D**-0.5, tree_mask=mask)  # fmt: skip
-    got = attend_split(q, past_k, past_v, mask[:, :P], new_k, new_v, mask[:, P:], depth_k, depth_v, D**-0.5)
+    got = attend_split(q, past_k, past_v, new_k, new_v, mask, depth_k, depth_v, D**-0.5)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    every = attend_split(q, past_k, past_v, new_k, new_v, None, depth_k, depth_v, D**-0.5)  # no mask: every key
+    want = moda_attention_reference(q, torch.cat([past_k, new_k], 1), torch.cat([past_v, new_v], 1), depth_k,
+                                    depth_v, scale=D**-0.5, tree_mask=torch.ones_like(mask))  # fmt: skip
+    torch.testing.assert_close(every, want, rtol=1e-5, atol=1e-5)
