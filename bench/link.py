@@ -95,7 +95,9 @@ MODES = {
     "auto+ahead": {"tree": "auto", "pipeline": True, "overlap": False},
     "auto+pipe": {"tree": "auto", "pipeline": True, "overlap": True},
 }
-TREE_SHAPE = ("tree_nodes", "tree_depth", "tree_top_k")  # ClientConfig fields the bench's flags of that name set
+# ClientConfig fields the bench's flags of that name set, where the client in use has them: the tree's shape, and
+# how many overlapping rounds queue behind the one in flight
+CLIENT_INTS = ("tree_nodes", "tree_depth", "tree_top_k", "overlap_depth")
 # What a client from before tree rounds and pipelining does; one from before overlapping rounds sends a round drafted
 # ahead after the verdict it depends on.
 LEGACY = {"tree": "chain", "pipeline": False, "overlap": False}
@@ -208,7 +210,7 @@ class Rig:
                     round_timeout_s=10.0, connect_timeout_s=60.0, backoff_initial_s=0.05,
                     backoff_max_s=0.5)  # fmt: skip
         have = {f.name for f in dataclasses.fields(ClientConfig)}
-        base |= {name: getattr(a, name) for name in TREE_SHAPE if name in have and getattr(a, name)}
+        base |= {name: getattr(a, name) for name in CLIENT_INTS if name in have and getattr(a, name)}
         return ClientConfig(**{**base, **kw})
 
     def shape(self, rtt_ms: float, mbps: float) -> None:
@@ -372,9 +374,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mbps", type=float, nargs="+", default=[1, 10, 100], help="bandwidth cap each way (0: none)")
     ap.add_argument("--new-tokens", type=int, default=200, help="tokens each generation writes")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per chain round")
-    for name in TREE_SHAPE:
+    for name in CLIENT_INTS:
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=0,
-                        help=f"tree rounds' {name} (ClientConfig.{name}); 0: the client's default")  # fmt: skip
+                        help=f"ClientConfig.{name}; 0: the client's default")  # fmt: skip
     ap.add_argument("--codec", default="lossless", choices=tuple(CODECS), help="the KV deltas' codec")
     ap.add_argument("--backend", default="onnx", choices=BACKENDS, help="the client's drafter runtime")
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the ONNX client part's weights")

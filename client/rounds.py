@@ -42,6 +42,16 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   refusal, which the transport passes over, before the next round's verdict. So a run of hits costs a round trip
   once, not a round trip a round, and greedy text and sampled laws are the same as without overlap: whether a round
   counts still depends on the verdict alone.
+  `overlap_depth` rounds may be queued so behind the one in flight (`_fill_overlap`): each drafted after the one
+  before it, on the guess that every round before it holds, and sent with the length all those guesses leave.
+  A verdict that bears out the first queued round's guess makes it the round in flight and keeps the others
+  queued; one that does not makes every queued round stale. With one queued, the client drafts the next round
+  only once a verdict is in, so rounds go out every (drafting + round trip) / 2 at best; with two, the client drafts
+  through the round trip while it lasts (every max(drafting, (drafting + round trip) / 3)). Once the drafter holds no
+  rows for the rounds in flight (after a verdict's delta), drafting the next one steps over all their roots and main
+  paths in one call. Greedy generations only: a round queued behind another is drafted from that one's drafted rows
+  or from verified ones, whichever the timing gives, which would make a sampled text depend on the clock; sampled
+  generations queue one round (greedy text is the target's whatever was drafted).
 - Exactness: before a verdict's delta is adopted the drafter drops every drafted row (the round's own and those
   drafted ahead), so the caches of verified positions come from the deltas alone, the same after a chain, a tree
   or a round drafted ahead (tests/client/test_round_shape.py). A round sent as drafted ahead has its root and main
@@ -177,6 +187,7 @@ class Ahead:
     path: list[int]
     bonus: int
     round: Drafted
+    after: int  # the verified length the guess leaves: where the server must stand to verify this round
 
 
 class Rounds:
@@ -257,21 +268,56 @@ class Rounds:
         q = sum(len(row.ids) for row in d.msg.q)
         self.stats.bytes_up += 4 * (1 + len(d.msg.tokens) + len(d.msg.parents)) + 8 * q
 
-    def _draft_ahead(self, sent: Drafted) -> Ahead | None:
-        """The round after `sent`, drafted as if `sent` were accepted along its main path with the drafter's guess
-        of the bonus; None when that would end the generation."""
-        path = sent.main
-        tokens = sent.tokens_on(path)
-        emitted, length = len(self.tokens) + len(path) + 1, len(self.sequence) + len(path) + 1
+    def _pending(self) -> list[Drafted]:
+        """The rounds sent and not answered, in order: the one in flight, then those queued behind it."""
+        return [self._inflight, *(a.round for a in self._queued)]
+
+    def _draft_ahead(self) -> Ahead | None:
+        """The round after the last one pending, drafted as if every pending round were accepted along its main
+        path with the drafter's guess of each bonus; None when that would end the generation. The drafter first
+        steps over what it holds no rows for of the pending rounds' roots and main paths, in one call."""
+        pending = self._pending()
+        base = pending[-1]
+        path = base.main
+        tokens = base.tokens_on(path)
+        ahead = sum(len(d.main) + 1 for d in pending)  # positions the pending rounds make text when they all hold
+        emitted, length = len(self.tokens) + ahead, len(self.sequence) + ahead
         stops = self.stop_ids or frozenset()
         if stops.intersection(tokens) or emitted >= self.cfg.max_new_tokens or length >= self.max_positions:
             return None
-        guess = self._feed(([sent.msg.root] + tokens)[sent.fed :])
+        unfed = [t for d in pending for t in ([d.msg.root] + d.tokens_on(d.main))[d.fed :]]
+        guess = self._feed(unfed)
+        for d in pending:
+            d.fed = len(d.main) + 1
         if guess in stops:
             return None
         # A verdict in already: stop drafting ahead, so a miss costs no more of it (a hit finishes the chain).
         stop = functools.partial(self.stream.has_reply, self._stale)
-        return Ahead(path, guess, self._draft(sent.msg.round + 1, guess, self._plan(emitted, length), stop))
+        drafted = self._draft(base.msg.round + 1, guess, self._plan(emitted, length), stop)
+        return Ahead(path, guess, drafted, after=self.verified + ahead)
+
+    def _fill_overlap(self) -> Ahead | None:
+        """Draft rounds ahead and send them before the verdicts they depend on, until `overlap_depth` are queued
+        behind the round in flight or a verdict is in. Returns a round drafted ahead but cut short by a verdict
+        while none was queued (sent after that verdict if it bears the guess out, as without overlap)."""
+        # Sampled text must repeat for a seed: a round drafted behind a queued one reads that one's drafted rows, or
+        # the verified ones if the verdict came first, so its proposals would depend on timing. Greedy text is the
+        # target's whatever was drafted.
+        depth = self.cfg.overlap_depth if self.cfg.temperature == 0 else 1
+        while len(self._queued) < depth and not self._stopping.is_set():
+            if self._queued and self.stream.has_reply(self._stale):
+                break  # the verdict is in: taking it comes first
+            ahead = self._draft_ahead()
+            if ahead is None:
+                break
+            if ahead.round.short:
+                if not self._queued:
+                    return ahead
+                self.stats.pipeline_discarded += 1  # behind a queued round: its rows go with the others
+                break
+            self._send(ahead.round, after_length=ahead.after)
+            self._queued.append(ahead)
+        return None
 
     def _overlaps(self) -> bool:
         """Whether a round drafted ahead goes out before the verdict it depends on (see the module docstring)."""
@@ -281,7 +327,8 @@ class Rounds:
         """Forget the rounds in flight and their drafted rows (the stream they went on is gone, or the generation
         is)."""
         self._inflight = self._answered_at = None
-        self._stale = 0
+        self.stats.pipeline_discarded += len(self._queued)
+        self._queued, self._stale = [], []
         self.drafter.discard_drafts()
 
     def _round(self) -> None:
@@ -291,34 +338,37 @@ class Rounds:
         if self._inflight is None:
             shape = self._plan(len(self.tokens), len(self.sequence))
             self._send(self._draft(self.round + 1, self.tokens[-1], shape))
-        sent, ahead, after = self._inflight, None, 0
+        sent, ahead = self._inflight, None
         try:
-            ahead = self._draft_ahead(sent) if self.cfg.pipeline else None
-            if ahead is not None and not ahead.round.short and self._overlaps() and not self._stopping.is_set():
-                # The server stands there after `sent` exactly when the guess holds: its root, then the main path.
-                after = self.verified + 1 + len(ahead.path)
-                self._send(ahead.round, after_length=after)
+            if self.cfg.pipeline and self._overlaps():
+                ahead = self._fill_overlap()
+            elif self.cfg.pipeline:
+                ahead = self._draft_ahead()
             t_wait = time.monotonic()
             reply = self.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at, stale=self._stale)
-            self._stale = 0
+            self._stale = []
             waited, self._answered_at = time.monotonic() - t_wait, self.stream.arrived_at
             v, path = self._verdict(reply, sent)
             self._inflight = None
             wait = None if sent.overlapped else self._answered_at - sent.sent_at
             self.measured.answered(wait, whole=v.accepted >= sent.chain_k)
             self.stats.verdict_wait_s += self._answered_at - sent.sent_at
-            if after:
+            if self._queued:
                 # The server's test, not the client's: a tree's other path of the same length and bonus also
-                # leaves it at `after` with that root, and the round then is verified there (exactly: it is the
-                # target that decides). Its drafted rows are dropped with the others below.
-                if (len(path), v.bonus) == (len(ahead.path), ahead.bonus):
-                    self._inflight, self._answered_at = ahead.round, None
-                    ahead.round.overlapped = True
+                # leaves it at the queued round's `after` with that root, and the round then is verified there
+                # (exactly: it is the target that decides). Drafted rows are dropped with the others below.
+                first = self._queued[0]
+                if (len(path), v.bonus) == (len(first.path), first.bonus):
+                    self._queued.pop(0)
+                    self._inflight, self._answered_at = first.round, None
+                    first.round.overlapped = True
                     self.stats.pipeline_hits += 1
                     self.stats.overlapped += 1
                 else:
-                    self._stale = ahead.round.msg.round  # its refusal comes before the next round's verdict
-                    self.stats.pipeline_discarded += 1
+                    # Every queued round assumed this one held: their refusals come before the next verdict.
+                    self._stale = [a.round.msg.round for a in self._queued]
+                    self.stats.pipeline_discarded += len(self._queued)
+                    self._queued = []
             elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
                 if ahead.round.short:
                     self._draft_rest(ahead.round)
@@ -345,10 +395,10 @@ class Rounds:
         self.stats.drafted += len(sent.msg.tokens)
         self.stats.accepted += v.accepted
         self.verified = v.delta.start + len(v.delta.tokens)
-        if self._inflight is not None:
-            # Sent as drafted ahead: its rows went with this verdict's delta. Drafting the round after it feeds its
-            # root and main path again, over the verified states and in one call (_draft_ahead).
-            self._inflight.fed = 0
+        for d in self._pending() if self._inflight is not None else []:
+            # Sent as drafted ahead: their rows went with this verdict's delta. Drafting the round after them feeds
+            # their roots and main paths again, over the verified states and in one call (_draft_ahead).
+            d.fed = 0
         self.stats.round_work_s += time.monotonic() - t_round - waited
         self._emit(accepted + [v.bonus], "verified")
 

@@ -133,7 +133,8 @@ class EdgeSession(Resync, Rounds):
         self.measured = Measured()  # the round trip, drafting time and acceptance (tether.client.rounds: tree="auto")
         self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
         self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
-        self._stale: int = 0  # an overlapping round refused as stale is still to come back on the stream (its number)
+        self._queued: list = []  # overlapping rounds sent behind the one in flight, in order (rounds.Ahead)
+        self._stale: list[int] = []  # overlapping rounds whose refusals as stale are still to come back (numbers)
         self._drafts_started = 0  # online chains drafted so far: the next one samples from the stream of that number
         self._drafts: list[int] = []  # a verdict's accepted tokens, while its delta is checked
         self.offline_run = 0

@@ -62,6 +62,7 @@ class ClientConfig:
     tree_top_k: int = 3  # children of each node a tree expands, and nodes expanded per level
     pipeline: bool = True  # draft the next round while this one is verified
     overlap: bool = True  # with pipeline: send that round before the verdict, where the server takes it (ModelInfo)
+    overlap_depth: int = 2  # with overlap, greedy: rounds sent ahead of the one in flight (sampling: 1; rounds.py)
     codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
     api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
     tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
@@ -85,7 +86,7 @@ class ClientConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
-        for name in ("tree_nodes", "tree_depth", "tree_top_k"):
+        for name in ("tree_nodes", "tree_depth", "tree_top_k", "overlap_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.threads < 0:

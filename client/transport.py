@@ -46,7 +46,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
@@ -343,17 +343,18 @@ class SessionStream:
         self.send(msg)
         return self.receive(timeout)
 
-    def has_reply(self, stale: int = 0) -> bool:
+    def has_reply(self, stale: Collection[int] = ()) -> bool:
         """Whether a reply is waiting that `receive(..., stale=stale)` would return or raise at once (a stale
         round's refusal, which it passes over, does not count)."""
         with self.inbox.mutex:
             return any(not _is_stale(reply, stale) for _, reply in self.inbox.queue)
 
-    def receive(self, timeout: float, since: float | None = None, stale: int = 0) -> pb.ServerMessage:
+    def receive(self, timeout: float, since: float | None = None, stale: Collection[int] = ()) -> pb.ServerMessage:
         """The next reply, waited for until `timeout` s after `since` (a time.monotonic(); default: now): a reply
-        that came in meanwhile is taken even when that time has passed. `stale`: an overlapping round of that number
-        was sent on a guess that did not hold; its REASON_STALE_ROUND refusal is passed over, once."""
+        that came in meanwhile is taken even when that time has passed. `stale`: overlapping rounds of those numbers
+        were sent on guesses that did not hold; their REASON_STALE_ROUND refusals are passed over, once each."""
         deadline = time.monotonic() + timeout if since is None else since + timeout
+        stale = set(stale)
         while True:
             try:
                 self.arrived_at, reply = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -364,7 +365,7 @@ class SessionStream:
             if reply.WhichOneof("body") != "error":
                 return reply
             if _is_stale(reply, stale):
-                stale = 0
+                stale.discard(reply.error.round)
                 continue
             raise refused(Refusal.of_inline(reply.error))
 
@@ -373,14 +374,14 @@ class SessionStream:
         self.call.cancel()
 
 
-def _is_stale(reply: pb.ServerMessage | Exception, stale: int) -> bool:
-    """Whether `reply` is the REASON_STALE_ROUND refusal of overlapping round `stale` (0: none expected)."""
+def _is_stale(reply: pb.ServerMessage | Exception, stale: Collection[int]) -> bool:
+    """Whether `reply` is the REASON_STALE_ROUND refusal of one of the overlapping rounds numbered in `stale`."""
     return (
         bool(stale)
         and isinstance(reply, pb.ServerMessage)
         and reply.WhichOneof("body") == "error"
         and reply.error.reason == pb.REASON_STALE_ROUND
-        and reply.error.round == stale
+        and reply.error.round in stale
     )
 
 

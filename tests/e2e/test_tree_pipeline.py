@@ -4,6 +4,8 @@
   (overlapping) or after it, onnxruntime or torch: the text is plain greedy decoding's, token for token, every token
   verified; tree rounds go out as trees, and a greedy run sends rounds drafted ahead;
 - a draft ahead cut short by its verdict's arrival changes no token and no round, greedy or sampled;
+- two overlapping rounds queued behind the one in flight (greedy's default) give plain greedy's text too, and a miss
+  throws both away;
 - trees accept at least as many tokens per round as chains on the same prompt;
 - sampled runs repeat for a seed (the rounds drafted ahead included) and draft rounds ahead: sent, for chains (a
   sampled tree is seldom accepted down its whole main branch, so the rounds drafted after one are thrown away);
@@ -88,7 +90,9 @@ def test_greedy_equals_plain_greedy(served, runs, tree, pipeline, overlap):
         assert s.tree_rounds == 0
     if pipeline:
         assert s.pipeline_hits > 0
-        assert s.pipeline_hits + s.pipeline_discarded <= s.rounds
+        # Every round drafted ahead is a hit or thrown away, once; a verdict's round drafts at most the queue's
+        # depth of them (two overlapping rounds by default, one otherwise).
+        assert s.pipeline_hits + s.pipeline_discarded <= (2 if overlap else 1) * s.rounds
     else:
         assert s.pipeline_hits == s.pipeline_discarded == 0
     # Overlapping: every hit went out before the verdict it depended on, and the misses' rounds, sent too, came
@@ -102,7 +106,8 @@ def test_greedy_equals_plain_greedy(served, runs, tree, pipeline, overlap):
 def test_a_draft_ahead_cut_short_by_its_verdict_changes_no_token(served, cache, temperature):
     """A verdict that comes in while the next round is drafted ahead stops that draft (a miss then costs no more of
     it; a hit finishes it): the same tokens and the same rounds as drafts never cut, sampled too."""
-    fields = {"temperature": temperature, "top_p": 0.95, "seed": 5, "tree": "chain", "pipeline": True}
+    fields = {"temperature": temperature, "top_p": 0.95, "seed": 5, "tree": "chain", "pipeline": True,
+              "overlap_depth": 1}  # fmt: skip
     cut, whole = (generate(served[0], cache, early, **fields) for early in (True, False))
     assert cut.token_ids == whole.token_ids and len(cut.token_ids) == N_NEW
     if temperature == 0:
@@ -112,6 +117,18 @@ def test_a_draft_ahead_cut_short_by_its_verdict_changes_no_token(served, cache, 
     assert cut.stats.pipeline_hits > 0 and cut.stats.overlapped == 0  # cut short: sent once its verdict bore it out
     assert cut.stats.pipeline_discarded > 0  # misses cut their drafts short: later draws must not move for it
     assert whole.stats.overlapped == whole.stats.pipeline_hits > 0
+
+
+@pytest.mark.parametrize("tree", ["chain", "tree"])
+def test_rounds_queued_two_deep_give_plain_greedy_text(served, cache, runs, tree):
+    """Greedy, two overlapping rounds queued behind the one in flight (the default): the text is plain greedy's, and
+    a miss makes both queued rounds stale, their refusals passed over (more rounds thrown away than one deep)."""
+    two = runs(tree, True, True)
+    one = generate(served[0], cache, False, tree=tree, pipeline=True, overlap_depth=1)
+    assert two.token_ids == one.token_ids == served[2]
+    assert two.stats.overlapped == two.stats.pipeline_hits > 0
+    assert two.stats.pipeline_discarded > one.stats.pipeline_discarded > 0
+    assert one.stats.pipeline_hits + one.stats.pipeline_discarded <= one.stats.rounds
 
 
 def test_trees_accept_at_least_as_much_per_round_as_chains(runs):
