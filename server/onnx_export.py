@@ -10,7 +10,8 @@ caches as numpy buffers and rolls drafted rows back by keeping a shorter length.
 - EAGLE: `step.onnx` runs fc -> layer -> final norm -> LM head over (token, previous feature) pairs.
 - The attention layers (MoA: SA, CA, TLI; EAGLE: its layer) read the committed rows in place (`attend_split`):
   no concatenation or transpose of a cache inside the graph, whose copy at every draft step made a step's time
-  grow with context.
+  grow with context. They apply RoPE as one matrix product a use (`rope_matrices`), built once per graph: a step
+  is hundreds of small nodes, and onnxruntime's cost per node is much of its time on a CPU.
 
 Graph contract (fp32, batch 1; T new tokens, P committed cache rows, S verified context rows, R logit rows;
 Hs/Ds: the drafter's own KV heads/width, Hkv/D: the target's):
@@ -64,7 +65,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tether.shared.model import DepthStream, apply_rope, rope_cos_sin, rope_frequencies
+from tether.shared.model import DepthStream, rope_cos_sin, rope_frequencies
 from tether.shared.onnx_subset import ONNX_EXTERNAL, ONNX_FLOAT, onnx_model_class
 from tether.shared.weights import onnx_graph_io
 
@@ -141,19 +142,61 @@ class _Committed:
         return attend_split(q, self.k, self.v, k, v, tree_mask, dk, None if dk is None else depth_v, scale)
 
 
-def _cross_attention(ca, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rope_matrices(cos: Tensor, sin: Tensor) -> Tensor:
+    """cos, sin [1, T, 1, D] (tether.shared.model.rope_cos_sin) -> [1, T, D, D]: RoPE at each position as one
+    matrix, x @ M = apply_rope(x, cos, sin) for x [1, T, H, D]. In a step graph apply_rope is six nodes (split, negate,
+    join, two products, a sum) at each of its uses; the matrix is one product there, built once per graph: M[t] =
+    diag(cos[t]) + R diag(sin[t]), R the rotate-half permutation with its signs (x @ R = cat(-x2, x1)). Each column
+    of M holds two non-zeros, so the product adds the same two terms apply_rope adds."""
+    D = int(cos.shape[-1])
+    h = D // 2
+    rot = torch.zeros(D, D, dtype=cos.dtype)
+    rot[:h, h:] = torch.eye(h)  # input i < h feeds output i + h
+    rot[h:, :h] = -torch.eye(h)  # input i >= h feeds output i - h, negated
+    return torch.eye(D, dtype=cos.dtype) * cos + rot * sin  # [1, T, D, D]: the rows broadcast over cos's size-1 axis
+
+
+class _MatrixRope:
+    """Attention.rotate for the step graph: the product with the matrices its forward set (rope_matrices)."""
+
+    def __init__(self):
+        self.m: Tensor | None = None  # [1, T, D, D]
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return x @ self.m  # [1, T, H, D]
+
+
+@contextlib.contextmanager
+def _rotating_by(ropes: Sequence[tuple[nn.Module, _MatrixRope]]) -> Iterator[None]:
+    """Give each attention module its matrix rotation for as long as the export runs; then put back what it had
+    (a caller's drafter may be the one exported when it is already fp32 on the CPU)."""
+    saved = [(attn, attn.__dict__.get("rotate")) for attn, _ in ropes]
+    for attn, rope in ropes:
+        attn.rotate = rope
+    try:
+        yield
+    finally:
+        for attn, before in saved:
+            if before is None:
+                del attn.rotate
+            else:
+                attn.rotate = before
+
+
+def _cross_attention(ca, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, rope: Tensor) -> Tensor:
     """tether.shared.moa.CrossAttention.forward for a step (every context row visible), its null key attended
-    beside the context rows instead of concatenated before them."""
+    beside the context rows instead of concatenated before them; `rope` the RoPE matrices (rope_matrices)."""
     B, T, _ = x.shape
     c = ca.cfg
-    q = apply_rope(ca.q_proj(ca.q_norm(x)).view(B, T, c.n_heads, c.head_dim), cos, sin)
+    q = ca.q_proj(ca.q_norm(x)).view(B, T, c.n_heads, c.head_dim) @ rope
     o = attend_split(q, ctx_k, ctx_v, ca.null_k[None, None], ca.null_v[None, None], None, None, None, c.head_dim**-0.5)
     x = x + ca.o_proj(o.flatten(2))
     return x + ca.ffn(ca.ffn_norm(x))
 
 
 class _MoAStep(nn.Module):
-    """T new tokens through SA -> CA -> TLI -> norm -> head, the caches passed in and the new rows out."""
+    """T new tokens through SA -> CA -> TLI -> norm -> head, the caches passed in and the new rows out. Export it
+    inside `rotating()`: its attention layers then apply RoPE as one matrix product (rope_matrices)."""
 
     def __init__(self, drafter):
         super().__init__()
@@ -162,16 +205,23 @@ class _MoAStep(nn.Module):
         # Fresh fp32 frequencies: a drafter cast to bf16 also cast its inv_freq buffers.
         self.register_buffer("inv_freq", rope_frequencies(drafter.layer_cfg), persistent=False)
         self.register_buffer("tli_inv_freq", rope_frequencies(drafter.target.cfg), persistent=False)
+        self.rope, self.tli_rope = _MatrixRope(), _MatrixRope()
+
+    def rotating(self) -> contextlib.AbstractContextManager:
+        ropes = [(self.drafter.sa.attn, self.rope)] + [(b.attn, self.tli_rope) for b in self.drafter.tli_layers]
+        return _rotating_by(ropes)
 
     def forward(self, tokens, positions, mask, logit_rows, sa_k, sa_v, ctx_k, ctx_v, *tli_kv):
         d, t = self.drafter, self.target
         cos, sin = rope_cos_sin(self.inv_freq, positions)
+        self.rope.m = rope_matrices(cos, sin)
         x = t.embed_tokens(tokens)  # [1, T, dim]
         x, sk, sv = d.sa(x, cos, sin, DepthStream(x, 0, grad=True), _Committed(sa_k, sa_v), 0, mask, "reference")
-        h = _cross_attention(d.ca, x, ctx_k, ctx_v, cos, sin)  # CA sees every verified row
+        h = _cross_attention(d.ca, x, ctx_k, ctx_v, self.rope.m)  # CA sees every verified row
         new_tli = []
         if self.n_tli:
             tcos, tsin = rope_cos_sin(self.tli_inv_freq, positions)
+            self.tli_rope.m = rope_matrices(tcos, tsin)
             # As MoADrafter.run_tli (its depth predictor, if any, is in the graph); grad=True picks DepthStream's
             # list form, which traces without in-place writes.
             depth = d.tli_depth_stream(h, tcos, tsin, tokens=tokens, grad=True)
@@ -197,16 +247,22 @@ class _MoAContext(nn.Module):
 
 
 class _EagleStep(nn.Module):
-    """T new (token, previous feature) pairs through fc -> layer -> norm -> head, the cache passed in."""
+    """T new (token, previous feature) pairs through fc -> layer -> norm -> head, the cache passed in; exported
+    inside `rotating()`, as _MoAStep."""
 
     def __init__(self, drafter):
         super().__init__()
         self.drafter, self.target = drafter, drafter.target
         self.register_buffer("inv_freq", rope_frequencies(drafter.layer_cfg), persistent=False)
+        self.rope = _MatrixRope()
+
+    def rotating(self) -> contextlib.AbstractContextManager:
+        return _rotating_by([(self.drafter.layer.attn, self.rope)])
 
     def forward(self, tokens, positions, mask, logit_rows, prev_feat, k, v):
         d, t = self.drafter, self.target
         cos, sin = rope_cos_sin(self.inv_freq, positions)
+        self.rope.m = rope_matrices(cos, sin)
         x = d.fc(torch.cat([t.embed_tokens(tokens), d.feat_norm(prev_feat)], -1))
         feat, nk, nv = d.layer(x, cos, sin, DepthStream(x, 0, grad=True), _Committed(k, v), 0, mask, "reference")
         return t.head(t.norm(feat.index_select(1, logit_rows))), feat, nk, nv
@@ -322,7 +378,9 @@ def export_client_onnx(drafter, out_dir: str | Path) -> dict:
             torch.randn(1, S, hs, ds),
             *[torch.randn(1, P, tcfg.n_kv_heads, tcfg.head_dim) for _ in tli_in],
         )
-        graphs["step"] = _export(_MoAStep(drafter).eval(), args, out / "step.onnx", inputs, outputs, axes)
+        step = _MoAStep(drafter).eval()
+        with step.rotating():
+            graphs["step"] = _export(step, args, out / "step.onnx", inputs, outputs, axes)
         ctx_in, ctx_out = io["context"]
         ctx_axes = {"lsa": {1: "n"}, "positions": {1: "n"}, "ctx_k": {1: "n"}, "ctx_v": {1: "n"}}
         ctx_args = (torch.randn(1, S, tcfg.dim), torch.arange(2, 2 + S)[None])
@@ -334,7 +392,9 @@ def export_client_onnx(drafter, out_dir: str | Path) -> dict:
         axes = dict(step_axes, prev_feat={1: "T"}, k={1: "P"}, v={1: "P"}, feat={1: "T"})
         axes.update(k_new={1: "T"}, v_new={1: "T"})
         args = (tokens, positions, mask, logit_rows, torch.randn(1, T, tcfg.dim), *torch.randn(2, 1, P, hs, ds))
-        graphs["step"] = _export(_EagleStep(drafter).eval(), args, out / "step.onnx", inputs, outputs, axes)
+        step = _EagleStep(drafter).eval()
+        with step.rotating():
+            graphs["step"] = _export(step, args, out / "step.onnx", inputs, outputs, axes)
     for g in graphs.values():
         g["sha256"] = _sha256(out / g["file"])
     manifest = {
