@@ -45,7 +45,9 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   `overlap_depth` rounds may be queued so behind the one in flight (`_fill_overlap`): each drafted after the one
   before it, on the guess that every round before it holds, and sent with the length all those guesses leave.
   A verdict that bears out the first queued round's guess makes it the round in flight and keeps the others
-  queued; one that does not makes every queued round stale. With one queued, the client drafts the next round
+  queued; one that does not makes every queued round stale. A round being drafted behind a queued one when a
+  verdict comes in is cut short and kept unsent: a hit finishes it from the rows it was drafted from and sends it, so
+  the drafting already done is not thrown away. With one queued, the client drafts the next round
   only once a verdict is in, so rounds go out every (drafting + round trip) / 2 at best; with two, the client drafts
   through the round trip while it lasts (every max(drafting, (drafting + round trip) / 3)). Once the drafter holds no
   rows for the rounds in flight (after a verdict's delta), drafting the next one steps over all their roots and main
@@ -170,7 +172,7 @@ class Drafted:
     parents: list[int] | None  # a tree's (node i's parent is parents[i - 1]); None: a chain
     chain_k: int
     fed: int  # of the root and the main branch's tokens, how many the drafter holds rows for
-    sent_at: float = 0.0  # time.monotonic() when it was sent
+    sent_at: float = 0.0  # time.monotonic() when it was sent; 0.0: not sent (yet)
     overlapped: bool = False  # sent before the verdict of the round before it, and taken
     short: int = 0  # a chain drafted ahead and cut short by its verdict's arrival: the tokens still to draft
     rng: Any = None  # the random stream its tokens were drawn from (its own: see Rounds._draft), when sampling
@@ -313,11 +315,22 @@ class Rounds:
             if ahead.round.short:
                 if not self._queued:
                     return ahead
-                self.stats.pipeline_discarded += 1  # behind a queued round: its rows go with the others
+                # Cut short behind a queued round: kept unsent; a verdict that bears out the round before it
+                # finishes it from the same rows and sends it, one that does not throws it away with the others.
+                self._queued.append(ahead)
                 break
             self._send(ahead.round, after_length=ahead.after)
             self._queued.append(ahead)
         return None
+
+    def _send_queued(self) -> None:
+        """After a hit: finish and send the round queued unsent (cut short by that verdict), before the drafter
+        drops the rows it was drafted from."""
+        for a in self._queued:
+            if not a.round.sent_at and not self._stopping.is_set():
+                if a.round.short:
+                    self._draft_rest(a.round)
+                self._send(a.round, after_length=a.after)
 
     def _overlaps(self) -> bool:
         """Whether a round drafted ahead goes out before the verdict it depends on (see the module docstring)."""
@@ -364,9 +377,11 @@ class Rounds:
                     first.round.overlapped = True
                     self.stats.pipeline_hits += 1
                     self.stats.overlapped += 1
+                    self._send_queued()
                 else:
-                    # Every queued round assumed this one held: their refusals come before the next verdict.
-                    self._stale = [a.round.msg.round for a in self._queued]
+                    # Every queued round assumed this one held: the refusals of those sent come before the next
+                    # verdict.
+                    self._stale = [a.round.msg.round for a in self._queued if a.round.sent_at]
                     self.stats.pipeline_discarded += len(self._queued)
                     self._queued = []
             elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():

@@ -131,6 +131,42 @@ def test_rounds_queued_two_deep_give_plain_greedy_text(served, cache, runs, tree
     assert one.stats.pipeline_hits + one.stats.pipeline_discarded <= one.stats.rounds
 
 
+def test_a_round_cut_short_behind_a_queued_one_is_finished_on_a_hit(served, cache, monkeypatch):
+    """Two queued, and each verdict comes in while the second queued round is drafted (after its first token): that
+    round is kept unsent, finished from the same rows on a hit and sent, thrown away on a miss; the text is plain
+    greedy's and the rounds still overlap."""
+    finished = []
+    real_rest = EdgeSession._draft_rest
+
+    def draft_rest(self, d):
+        finished.append(d.msg.round)
+        return real_rest(self, d)
+
+    calls = {"n": 0}
+
+    def has_reply(self, stale=()):
+        session = owner[0]
+        if not session._queued:
+            return False  # the first round drafted ahead is never cut here
+        calls["n"] += 1
+        return calls["n"] % 2 == 0  # the check before the second draft says no, its first stop check yes
+
+    owner: list = []
+    monkeypatch.setattr(EdgeSession, "_draft_rest", draft_rest)
+    monkeypatch.setattr(SessionStream, "has_reply", has_reply)
+    session = EdgeSession(ClientConfig(server=served[0], max_new_tokens=N_NEW, cache_dir=cache, tree="chain",
+                                       pipeline=True, **PATIENT))  # fmt: skip
+    owner.append(session)
+    try:
+        result = session.run(PROMPT)
+    finally:
+        session.close()
+    s = result.stats
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    assert finished, "no round cut short behind a queued one was finished"
+    assert s.overlapped == s.pipeline_hits > 0 and s.pipeline_discarded > 0
+
+
 def test_trees_accept_at_least_as_much_per_round_as_chains(runs):
     chain, tree = runs("chain", False).stats, runs("tree", False).stats
     assert tree.tau >= chain.tau and tree.rounds <= chain.rounds
