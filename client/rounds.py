@@ -328,9 +328,13 @@ class Rounds:
         drops the rows it was drafted from."""
         for a in self._queued:
             if not a.round.sent_at and not self._stopping.is_set():
-                if a.round.short:
-                    self._draft_rest(a.round)
-                self._send(a.round, after_length=a.after)
+                self._finish_and_send(a.round, after_length=a.after)
+
+    def _finish_and_send(self, d: Drafted, *, after_length: int = 0) -> None:
+        """Send round `d` drafted ahead, first completing it if a verdict cut it short."""
+        if d.short:
+            self._draft_rest(d)
+        self._send(d, after_length=after_length)
 
     def _overlaps(self) -> bool:
         """Whether a round drafted ahead goes out before the verdict it depends on (see the module docstring)."""
@@ -385,9 +389,7 @@ class Rounds:
                     self.stats.pipeline_discarded += len(self._queued)
                     self._queued = []
             elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
-                if ahead.round.short:
-                    self._draft_rest(ahead.round)
-                self._send(ahead.round)
+                self._finish_and_send(ahead.round)
                 self.stats.pipeline_hits += 1
             elif ahead is not None:
                 self.stats.pipeline_discarded += 1
@@ -410,10 +412,11 @@ class Rounds:
         self.stats.drafted += len(sent.msg.tokens)
         self.stats.accepted += v.accepted
         self.verified = v.delta.start + len(v.delta.tokens)
-        for d in self._pending() if self._inflight is not None else []:
+        if self._inflight is not None:
             # Sent as drafted ahead: their rows went with this verdict's delta. Drafting the round after them feeds
             # their roots and main paths again, over the verified states and in one call (_draft_ahead).
-            d.fed = 0
+            for d in self._pending():
+                d.fed = 0
         self.stats.round_work_s += time.monotonic() - t_round - waited
         self._emit(accepted + [v.bonus], "verified")
 
