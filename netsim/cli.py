@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tether.netsim import timers
 from tether.netsim.proxy import LinkConfig, NetSim, NetSimEvent, NetSimStats
 from tether.netsim.scenario import Scenario, load_scenario
 
@@ -84,7 +85,8 @@ def run(cfg: NetSimConfig) -> int:
     # Everything a user can get wrong fails here, before the port is bound.
     link = LinkConfig(cfg.latency_ms, cfg.jitter_ms, cfg.bandwidth_kbps)
     scenario = load_scenario(cfg.scenario) if cfg.scenario else None
-    stats = asyncio.run(serve(cfg, link, scenario))
+    with asyncio.Runner(loop_factory=timers.new_event_loop) as runner:  # a link's delays are its timers
+        stats = runner.run(serve(cfg, link, scenario))
     print(json.dumps(stats.summary()) if cfg.json else format_stats(stats), flush=True)
     return 0
 

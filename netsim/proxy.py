@@ -7,9 +7,11 @@ so HTTP/2 and TLS pass through untouched.
 Contract:
 - Every accepted connection gets its own connection to `upstream`. Bytes client->server go "up", server->client
   "down"; each direction is a link of its own with the same model (`LinkConfig`, settable per direction):
-  a chunk read at time t is delivered no earlier than t + latency + uniform(0, jitter), never before the chunk
-  read before it on the same connection (no reordering), and no faster than the bandwidth cap allows (one
-  serialization queue per direction, shared by all connections, as on one real link).
+  a chunk read at time t is serialized onto the link at the bandwidth cap, behind what the link was given
+  before (one serialization queue per direction, shared by all connections, as on one real link), and delivered
+  latency + uniform(0, jitter) after its last byte is on, never before the chunk read before it on the same
+  connection (no reordering). One timer per chunk (per piece of ~20 ms of the link under a cap), on an event loop
+  whose timers wait in microseconds (tether.netsim.timers), so the link's delays are what they were set to.
 - `cut()` resets every open connection (RST to both ends; bytes in flight are dropped) and refuses new ones
   (accepted, then reset at once) until `restore()`. `stall()` keeps connections open and new ones are still
   accepted, but nothing is delivered either way (FINs and resets included) until `restore()`, which then delivers
@@ -41,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tether.netsim import timers
 from tether.netsim.scenario import Scenario, parse_scenario, play
 
 READ_CHUNK = 64 * 1024  # bytes read from a socket at once (a chunk keeps its arrival time as one unit)
@@ -197,19 +200,17 @@ class _Pipe:
 
 
 class _Shaper:
-    """One direction's serialization queue, shared by every connection: bytes leave at most at the link's rate."""
+    """One direction's serialization queue, shared by every connection: bytes go onto the link at most at its rate."""
 
     def __init__(self):
         self.free_at = 0.0  # loop time the link finishes sending what it has been given
 
-    async def transmit(self, loop: asyncio.AbstractEventLoop, n: int, bytes_per_s: float) -> None:
+    def reserve(self, now: float, n: int, bytes_per_s: float) -> float:
+        """When `n` bytes handed to the link at `now` are all on it (behind what it was given before)."""
         if bytes_per_s <= 0:
-            return
-        # Reserve the slot first, then sleep: concurrent connections interleave piece by piece, and the
-        # deadline is absolute, so timer lateness does not add up over a long transfer.
-        start = max(loop.time(), self.free_at)
-        self.free_at = start + n / bytes_per_s
-        await _sleep_until(loop, self.free_at)
+            return now
+        self.free_at = max(now, self.free_at) + n / bytes_per_s
+        return self.free_at
 
 
 def _pieces(data: bytes, bytes_per_s: float) -> list[bytes]:
@@ -317,6 +318,8 @@ class NetSim:
         conns = list(self._conns.values())
         for conn in conns:
             self._kill(conn, "cut")
+        for shaper in self._shapers.values():  # what they were sending died with them
+            shaper.free_at = 0.0
         self._counts["reset"] += len(conns)
         self._emit("cut", reset=len(conns))
         return len(conns)
@@ -452,11 +455,15 @@ class NetSim:
             if conn.outcome == "open":
                 conn.outcome = "peer-reset"
 
-    def _due(self, direction: str, pipe: _Pipe) -> float:
+    def _due(self, direction: str, pipe: _Pipe, n: int) -> float:
+        """When `n` bytes read now arrive at the far end: once the link has serialized them (behind whatever it
+        carries already, every connection's), plus the latency and jitter. One timer a piece: each timer fires a
+        little late, so a chunk waits on one, not on one for its latency and another for its serialization."""
         link = self._links[direction]
+        sent = self._shapers[direction].reserve(self._loop.time(), n, link.bytes_per_s)
         delay_ms = link.latency_ms + (self._rng.uniform(0, link.jitter_ms) if link.jitter_ms else 0.0)
         # Never before the previous chunk: jitter delays, it does not reorder (TCP would put it back in order).
-        pipe.last_due = max(self._loop.time() + delay_ms / 1000, pipe.last_due)
+        pipe.last_due = max(sent + delay_ms / 1000, pipe.last_due)
         return pipe.last_due
 
     async def _read(self, direction: str, src: asyncio.StreamReader, pipe: _Pipe) -> None:
@@ -464,19 +471,21 @@ class NetSim:
             try:
                 data = await src.read(READ_CHUNK)
             except OSError:
-                await pipe.put(self._due(direction, pipe), _RESET)
+                await pipe.put(self._due(direction, pipe, 0), _RESET)
                 return
-            await pipe.put(self._due(direction, pipe), data or _EOF)
             if not data:
+                await pipe.put(self._due(direction, pipe, 0), _EOF)
                 return
+            for piece in _pieces(data, self._links[direction].bytes_per_s):
+                await pipe.put(self._due(direction, pipe, len(piece)), piece)
 
     async def _deliver(self, conn: _Conn, direction: str, pipe: _Pipe, dst: asyncio.StreamWriter) -> None:
         loop = self._loop
         while True:
             due, item = await pipe.get()
             await _sleep_until(loop, due)
+            await self._flowing.wait()  # returns at once unless stalled (a stall holds FIN and RST too)
             if not isinstance(item, bytes):
-                await self._flowing.wait()  # a stall holds FIN and RST too
                 if item is _RESET:
                     raise _Broken(direction)
                 try:
@@ -484,18 +493,16 @@ class NetSim:
                 except OSError as e:
                     raise _Broken(direction) from e
                 return
-            for piece in _pieces(item, self._links[direction].bytes_per_s):
-                await self._shapers[direction].transmit(loop, len(piece), self._links[direction].bytes_per_s)
-                await self._flowing.wait()  # returns at once unless stalled: no await between it and write()
-                if dst.transport.is_closing():
-                    raise _Broken(direction)
-                dst.write(piece)
-                conn.bytes[direction] += len(piece)
-                self._bytes[direction] += len(piece)
-                try:
-                    await dst.drain()
-                except OSError as e:
-                    raise _Broken(direction) from e
+            # No await between the stall check and write(): a stall that begins now holds the next piece.
+            if dst.transport.is_closing():
+                raise _Broken(direction)
+            dst.write(item)
+            conn.bytes[direction] += len(item)
+            self._bytes[direction] += len(item)
+            try:
+                await dst.drain()
+            except OSError as e:
+                raise _Broken(direction) from e
 
 
 class NetSimThread:
@@ -507,9 +514,11 @@ class NetSimThread:
 
     def __init__(self, listen: str | tuple[str, int], upstream: str | tuple[str, int], link: LinkConfig | None = None,
                  **kwargs):  # fmt: skip
-        """Takes NetSim's arguments."""
+        """Takes NetSim's arguments, and `loop_factory` (timers.new_event_loop: timers precise to microseconds;
+        asyncio.new_event_loop is the stock loop, whose timers on Linux fire up to a millisecond late)."""
         self._args = (listen, upstream, link)
         self._on_event = kwargs.pop("on_event", None)
+        self._loop_factory = kwargs.pop("loop_factory", timers.new_event_loop)
         self._kwargs = kwargs
         self._sim: NetSim | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -534,7 +543,7 @@ class NetSimThread:
         return self.port
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = self._loop_factory()
         self._loop = loop
         try:
             self._sim = NetSim(*self._args, on_event=self._event, **self._kwargs)
