@@ -130,10 +130,11 @@ class DeltaGate:
         self.inner.begin(self._admit(wire, 0), capacity=capacity)
         self.begun = True
 
-    def commit(self, wire: WireDelta) -> None:
+    def commit(self, wire: WireDelta, keep_drafts: bool = False) -> bool:
+        """The drafter's commit of the admitted delta; whether it kept the rows drafted after it."""
         if not self.begun:
             raise self.refuse("a delta arrived before the prompt's")
-        self.inner.commit(self._admit(wire, self.inner.verified_length()))
+        return self.inner.commit(self._admit(wire, self.inner.verified_length()), keep_drafts=keep_drafts)
 
     def draft(self, root: int, k: int, **kwargs):
         self._check_root(root)

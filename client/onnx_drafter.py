@@ -18,6 +18,9 @@ Contract (as DrafterBase; the differences are marked *):
   reading one from the working directory.
 - `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
   states of the round's root and accepted drafts and drops the drafted rows after them.
+  * `commit(delta, keep_drafts=True)` keeps them instead, when the caller vouches that the rows held at the
+  delta's positions are of its tokens (a round drafted ahead and borne out): the next draft goes on after them
+  with no re-feed. Returns whether it kept any (the torch drafters never do).
   * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
   tensors are numpy arrays or torch tensors (converted through their own methods, so torch is not imported
   here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.shared.wire.decode_many.
@@ -225,9 +228,14 @@ class OnnxDrafter:
         self._reset(capacity or self.max_seq_len)
         self._adopt(delta)
 
-    def commit(self, delta) -> None:
-        """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped."""
-        self._adopt(delta)
+    def commit(self, delta, keep_drafts: bool = False) -> bool:
+        """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped, unless
+        `keep_drafts` and the caches hold rows past the delta: then they stay, and the next draft goes on after
+        them. The caller vouches that the held rows at the delta's positions are of its tokens (a round drafted
+        ahead was borne out); those rows take the verified states. Returns whether drafted rows were kept."""
+        keep = keep_drafts and self.held_rows() > delta.start + len(delta.tokens)
+        self._adopt(delta, keep)
+        return keep
 
     def draft(
         self,
@@ -328,7 +336,9 @@ class OnnxDrafter:
     def _reset(self, capacity: int) -> None:
         raise NotImplementedError
 
-    def _adopt(self, delta) -> None:
+    def _adopt(self, delta, keep: bool = False) -> None:
+        """Take the verified states of positions [delta.start, delta.start + n); `keep`: rows held after them stay
+        as they are (else they are dropped)."""
         raise NotImplementedError
 
     def _step(self, token: int) -> np.ndarray:
@@ -407,9 +417,10 @@ class OnnxMoADrafter(OnnxDrafter):
             self.tli_len = P + T
         return logits[0]
 
-    def _adopt(self, delta) -> None:
+    def _adopt(self, delta, keep: bool = False) -> None:
         """Take the verified states of positions [delta.start, delta.start + n) into the caches."""
         P, n = delta.start, len(delta.tokens)
+        held = self.sa_len, self.tli_len
         if self.n_ctx != P:
             raise ValueError(f"delta starts at {P} but {self.n_ctx} positions are verified")
         self._check_room(P + n)
@@ -422,6 +433,14 @@ class OnnxMoADrafter(OnnxDrafter):
             self.tli_k[:, P : P + n] = _f32(delta.tensors["tli_k"])  # [N, n, Hkv, D]
             self.tli_v[:, P : P + n] = _f32(delta.tensors["tli_v"])
             self.tli_len = P + n
+        if keep:
+            # The drafted rows after the delta stay. Its positions' SA rows are computed again, as after a plain
+            # commit: the step graph drafted them, and sa_rows' sums round otherwise, so verified rows would
+            # depend on how they were drafted.
+            self.sa_len = P
+            self._sa_feed(list(delta.tokens))
+            self.sa_len, self.tli_len = held
+            return
         # SA depends on tokens alone, so its rows for accepted drafts stay valid; feed what it has not seen.
         self.sa_len = min(self.sa_len, P + n)
         if self.sa_len < P:
@@ -500,18 +519,22 @@ class OnnxEagleDrafter(OnnxDrafter):
         self.length = P + T
         return logits[0], feat[0]
 
-    def _adopt(self, delta) -> None:
+    def _adopt(self, delta, keep: bool = False) -> None:
         P, n = delta.start, len(delta.tokens)
         if self.n_verified != P:
             raise ValueError(f"delta starts at {P} but {self.n_verified} positions are verified")
         feats = _f32(delta.tensors["hidden"])  # [n, dim]
-        # Re-run the layer over the verified tokens with the exact features, so no drafted feature stays.
+        held, going_on = self.length, self.prev_feat
+        # Re-run the layer over the verified tokens with the exact features, so no drafted feature stays in their
+        # rows (rows kept after them were drafted over the drafted ones).
         self.length = P
         prev = np.concatenate([self.last_feat, feats[:-1]])
         self._run(list(delta.tokens), list(range(P, P + n)), _causal_mask(P, n), [], prev)
         self.last_feat = feats[-1:]
         self.prev_feat = self.last_feat
         self.n_verified = P + n
+        if keep:
+            self.length, self.prev_feat = held, going_on  # the chain drafted after them goes on where it stood
 
     def _drop_drafted(self, base: int) -> None:
         self.length = base

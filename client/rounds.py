@@ -54,11 +54,16 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   paths in one call. Greedy generations only: a round queued behind another is drafted from that one's drafted rows
   or from verified ones, whichever the timing gives, which would make a sampled text depend on the clock; sampled
   generations queue one round (greedy text is the target's whatever was drafted).
-- Exactness: before a verdict's delta is adopted the drafter drops every drafted row (the round's own and those
-  drafted ahead), so the caches of verified positions come from the deltas alone, the same after a chain, a tree
-  or a round drafted ahead (tests/client/test_round_shape.py). A round sent as drafted ahead has its root and main
-  path fed again over the verified states (one causal call, as the round after it is drafted ahead), so that round
-  is drafted from there. A round drafted ahead when sampling carries the q its tokens were drawn from (over the
+- Exactness: the caches of verified positions come from the deltas alone, the same after a chain, a tree or a
+  round drafted ahead (tests/client/test_round_shape.py). Before a verdict's delta is adopted the drafter drops
+  every drafted row (the round's own and those drafted ahead), and a round sent as drafted ahead has its root and
+  main path fed again over the verified states (one causal call, as the round after it is drafted ahead), so that
+  round is drafted from there. Except under greedy when the verdict bears out the guess the rounds pending were
+  drafted on (the main path itself, not another of its length): the delta is adopted with the rows drafted after
+  it kept (commit(keep_drafts=True), where the drafter can; Stats.rows_kept), since their tokens are the ones
+  drafted over, and drafting goes on after them with no re-feed (12 tokens a round with two queued). Those rows
+  were drafted over drafted rows of the verified positions; only the drafts after them read them, and greedy
+  text is the target's whatever was drafted. A round drafted ahead when sampling carries the q its tokens were drawn from (over the
   drafter's state then); its draws are the drafter's own, apart from the verifier's uniforms, and whether it is
   sent depends on the verdict before it only. Under greedy every emitted token is the target's, whatever was drafted.
 - A lost round (no verdict in time, a refused message, a broken stream) drops the drafted rows and any round drafted
@@ -370,12 +375,14 @@ class Rounds:
             wait = None if sent.overlapped else self._answered_at - sent.sent_at
             self.measured.answered(wait, whole=v.accepted >= sent.chain_k)
             self.stats.verdict_wait_s += self._answered_at - sent.sent_at
+            borne_out = False  # the round drafted ahead went out on this verdict's exact path and bonus
             if self._queued:
                 # The server's test, not the client's: a tree's other path of the same length and bonus also
                 # leaves it at the queued round's `after` with that root, and the round then is verified there
-                # (exactly: it is the target that decides). Drafted rows are dropped with the others below.
+                # (exactly: it is the target that decides).
                 first = self._queued[0]
                 if (len(path), v.bonus) == (len(first.path), first.bonus):
+                    borne_out = path == first.path
                     self._queued.pop(0)
                     self._inflight, self._answered_at = first.round, None
                     first.round.overlapped = True
@@ -391,6 +398,7 @@ class Rounds:
             elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
                 self._finish_and_send(ahead.round)
                 self.stats.pipeline_hits += 1
+                borne_out = True
             elif ahead is not None:
                 self.stats.pipeline_discarded += 1
             ahead = None
@@ -398,8 +406,13 @@ class Rounds:
             self._count_down(v.delta)
             self._drafts = accepted  # what the delta may cover after the root
             try:
-                self.drafter.discard_drafts()  # verified rows come from the delta alone, however they were drafted
-                self.drafter.commit(wire_delta(v.delta))
+                # Verified rows come from the delta alone, however they were drafted. Under greedy, rows drafted
+                # after them for the rounds now pending stay where the drafter can keep them (their tokens are
+                # the ones drafted over); sampled text must not depend on which rows a draft read.
+                kept = borne_out and self.cfg.temperature == 0 and self._inflight is not None
+                if not kept:
+                    self.drafter.discard_drafts()
+                kept = self.drafter.commit(wire_delta(v.delta), keep_drafts=kept)
             finally:
                 self._drafts = []
         except BaseException:
@@ -412,7 +425,8 @@ class Rounds:
         self.stats.drafted += len(sent.msg.tokens)
         self.stats.accepted += v.accepted
         self.verified = v.delta.start + len(v.delta.tokens)
-        if self._inflight is not None:
+        self.stats.rows_kept += int(kept)
+        if self._inflight is not None and not kept:
             # Sent as drafted ahead: their rows went with this verdict's delta. Drafting the round after them feeds
             # their roots and main paths again, over the verified states and in one call (_draft_ahead).
             for d in self._pending():

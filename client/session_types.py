@@ -124,6 +124,7 @@ class Stats:
     pipeline_hits: int = 0  # rounds sent as drafted ahead while the round before them was verified
     pipeline_discarded: int = 0  # rounds drafted ahead and thrown away (the verdict went otherwise, or the link)
     overlapped: int = 0  # of pipeline_hits, those sent before the verdict of the round before them (overlap)
+    rows_kept: int = 0  # verdicts after which the drafter kept the rows drafted for the rounds pending (no re-feed)
     bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
     # Where ONLINE rounds' time goes (a round's time is about verdict_wait + verdict_to_send, per round):
     round_work_s: float = 0.0  # not waiting for verdicts: drafting (ahead too), adopting deltas, sending

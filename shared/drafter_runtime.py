@@ -76,10 +76,13 @@ class DrafterBase(nn.Module):
         self._drafted = 0
 
     @torch.inference_mode()
-    def commit(self, delta: DraftDelta | ArrayDelta) -> None:
-        """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped."""
+    def commit(self, delta: DraftDelta | ArrayDelta, keep_drafts: bool = False) -> bool:
+        """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped.
+        `keep_drafts` (the caller would have rows drafted after them kept, tether.client.onnx_drafter) is not
+        taken here: these caches drop them, the caller feeds them again. Returns False: nothing was kept."""
         self._adopt(_as_tensors(delta))
         self._drafted = 0
+        return False
 
     @torch.inference_mode()
     def draft(

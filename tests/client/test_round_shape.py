@@ -12,7 +12,8 @@
   round drafted ahead) or a tree, dropping the drafted rows and adopting the delta leaves exactly the caches of a
   drafter that never drafted and adopted the same deltas, so a tree's accepted path ends as a chain of the same
   tokens would; a tree grown after a drafted chain starts where a chain step there would (the root's own logits),
-  and the torch drafter grows the same tree there.
+  and the torch drafter grows the same tree there. A commit that keeps drafts (a round drafted ahead, borne out)
+  gives the verified positions the delta's states alone and leaves the rows drafted after them as they were.
 
     .venv/bin/python -m pytest -q tests/client/test_round_shape.py
 """
@@ -297,3 +298,52 @@ def test_a_tree_after_a_drafted_chain_starts_where_a_chain_step_would(models):
         assert ref.draft(root, 2)[0] == prefix
         want = ref.draft_tree(prefix[-1], depth=3, top_k=2, total_tokens=6)
         assert (tree.tokens, tree.parents) == (want.tokens.tolist(), want.parents.tolist())
+
+
+def test_a_commit_that_keeps_drafts_takes_the_deltas_states_and_keeps_the_rows_after(models):
+    target, ref, out = models
+    drafter, clean = OnnxDrafter.load(out), OnnxDrafter.load(out)
+    server = Target(target, ref)
+    root, delta = server.open(PROMPT)
+    for d in (drafter, clean):
+        d.begin(delta, capacity=128)
+    end = drafter.verified_length() + 4  # verified once round r (a root and 3 drafts) is accepted whole
+
+    # Round r, then r + 1 drafted ahead after a guessed bonus, as the session drafts them.
+    drafts, _, _ = drafter.draft(root, 3)
+    (guess,), _, _ = drafter.draft(drafts[-1], 1)
+    ahead, _, _ = drafter.draft(guess, 2)
+    before = held(drafter)
+    next_root, delta = server.verify(DraftTree.chain(root, drafts), [0, 1, 2, 3])
+    assert drafter.commit(delta, keep_drafts=True)
+    clean.commit(delta)
+    assert drafter.verified_length() == clean.verified_length() == end
+    assert drafter.held_rows() == end + 2  # the bonus guess and the first draft of r + 1
+    kept, fresh = held(drafter), held(clean)
+    # Verified rows are the delta's alone, as after a plain commit; the rows after them are as they were drafted.
+    rows = ["sa_k", "sa_v"] if drafter.kind == "moa" else ["k", "v"]
+    for name in rows:
+        assert np.array_equal(kept[name][:end], fresh[name]), name
+        assert np.array_equal(kept[name][end:], before[name][end:]), name
+    if drafter.kind == "moa":
+        for name in ("tli_k", "tli_v"):
+            assert np.array_equal(kept[name][:, :end], fresh[name]), name
+            assert np.array_equal(kept[name][:, end:], before[name][:, end:]), name
+        for name in ("ctx_k", "ctx_v"):  # verified positions only
+            assert np.array_equal(kept[name], fresh[name]), name
+    else:
+        assert np.array_equal(kept["last"], fresh["last"])
+    drafter.draft(ahead[-1], 1)  # drafting goes on after the kept rows
+    assert drafter.held_rows() == end + 3
+
+    # With nothing drafted past a delta there is nothing to keep: a plain commit.
+    for d in (drafter, clean):
+        d.discard_drafts()
+    more, _, _ = clean.draft(next_root, 2)
+    assert drafter.draft(next_root, 2)[0] == more
+    _, delta = server.verify(DraftTree.chain(next_root, more), [0, 1])
+    for d in (drafter, clean):
+        d.discard_drafts()
+    assert not drafter.commit(delta, keep_drafts=True)
+    clean.commit(delta)
+    assert_same(drafter, clean)
