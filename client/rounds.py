@@ -54,18 +54,18 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   paths in one call. Greedy generations only: a round queued behind another is drafted from that one's drafted rows
   or from verified ones, whichever the timing gives, which would make a sampled text depend on the clock; sampled
   generations queue one round (greedy text is the target's whatever was drafted).
-- Exactness: the caches of verified positions come from the deltas alone, the same after a chain, a tree or a
-  round drafted ahead (tests/client/test_round_shape.py). Before a verdict's delta is adopted the drafter drops
-  every drafted row (the round's own and those drafted ahead), and a round sent as drafted ahead has its root and
-  main path fed again over the verified states (one causal call, as the round after it is drafted ahead), so that
-  round is drafted from there. Except under greedy when the verdict bears out the guess the rounds pending were
-  drafted on (the main path itself, not another of its length): the delta is adopted with the rows drafted after
-  it kept (commit(keep_drafts=True), where the drafter can; Stats.rows_kept), since their tokens are the ones
-  drafted over, and drafting goes on after them with no re-feed (12 tokens a round with two queued). Those rows
-  were drafted over drafted rows of the verified positions; only the drafts after them read them, and greedy
-  text is the target's whatever was drafted. A round drafted ahead when sampling carries the q its tokens were drawn from (over the
-  drafter's state then); its draws are the drafter's own, apart from the verifier's uniforms, and whether it is
-  sent depends on the verdict before it only. Under greedy every emitted token is the target's, whatever was drafted.
+- Exactness: the caches of verified positions come from the deltas alone, the same after a chain, a tree or a round
+  drafted ahead (tests/client/test_round_shape.py). Before a verdict's delta is adopted the drafter drops every drafted
+  row (the round's own and those drafted ahead), and a round sent as drafted ahead has its root and main path fed again
+  over the verified states (one causal call, as the round after it is drafted ahead), so that round is drafted from
+  there. Except under greedy when the verdict bears out the guess the rounds pending were drafted on (the main path
+  itself, not another of its length): the delta is adopted with the rows drafted after it kept
+  (commit(keep_drafts=True), where the drafter can; Stats.rows_kept), since their tokens are the ones drafted over, and
+  drafting goes on after them with no re-feed (12 tokens a round with two queued). Those rows were drafted over drafted
+  rows of the verified positions; only the drafts after them read them, and greedy text is the target's whatever was
+  drafted. A round drafted ahead when sampling carries the q its tokens were drawn from (over the drafter's state then);
+  its draws are the drafter's own, apart from the verifier's uniforms, and whether it is sent depends on the verdict
+  before it only. Under greedy every emitted token is the target's, whatever was drafted.
 - A lost round (no verdict in time, a refused message, a broken stream) drops the drafted rows and any round drafted
   ahead, and the session goes OFFLINE as before (tether.client.resync).
 
