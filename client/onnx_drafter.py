@@ -68,7 +68,7 @@ from tether.client.onnx_derived import SessionOptions, derived_graphs
 from tether.client.onnx_int8 import int8_matmuls
 from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
 from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
-from tether.shared.sampling import probabilities_np, proposal
+from tether.shared.sampling import probabilities_np, proposal, top_k_ids
 from tether.shared.weights import SCALE_SUFFIX, decode_weight, stored_layout
 
 FORMAT_VERSION = 1
@@ -310,7 +310,7 @@ class OnnxDrafter:
             logp = _log_softmax(self._tree_step(tokens, positions, mask, parent_rows))  # [F, V]
             for j, node in enumerate(frontier):
                 rows[node] = n_rows + j
-            ids = np.argsort(-logp, axis=-1, kind="stable")[:, :top_k]
+            ids = top_k_ids(logp, top_k)
             return ids, np.take_along_axis(logp, ids, -1)
 
         tree = expand_tree(root, step, depth=depth, top_k=top_k, total_tokens=total_tokens)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.shared.sampling import probabilities, probabilities_np, proposal, sample_token
+from tether.shared.sampling import probabilities, probabilities_np, proposal, sample_token, top_k_ids
 
 
 def torch_rule(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
@@ -97,3 +97,18 @@ def test_importing_the_rule_leaves_torch_out():
     code = "import sys, tether.shared.sampling, tether.shared.draft_trees; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("shape", [(4096,), (3, 4096), (2, 3, 1000), (5, 7)])
+@pytest.mark.parametrize("k", [0, 1, 3, 8, 40, 5000])
+def test_top_k_ids_is_the_stable_sorts_prefix(shape, k):
+    rng = np.random.default_rng(k + len(shape))
+    for x in (rng.standard_normal(shape).astype(np.float32),  # distinct values
+              rng.integers(0, 4, shape).astype(np.float32),  # ties everywhere, at the k-th value too
+              np.zeros(shape, np.float32)):  # fmt: skip
+        want = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+        got = top_k_ids(x, k)
+        assert got.shape == want.shape and np.array_equal(got, want)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.flat[1] = np.nan  # ordered as the sort orders it
+    assert np.array_equal(top_k_ids(x, k), np.argsort(-x, axis=-1, kind="stable")[..., :k])
