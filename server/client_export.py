@@ -69,7 +69,7 @@ from tether.v1 import tether_pb2 as pb
 
 # The ONNX formats of FetchWeights, by the precision of their weights.
 FORMATS = {pb.CLIENT_PART_ONNX_FP32: "fp32", pb.CLIENT_PART_ONNX_FP16: "fp16", pb.CLIENT_PART_ONNX_INT8: "int8"}
-EXPORT_VERSION = 3  # raise when the exported files change for the same drafter: older exports are then ignored
+EXPORT_VERSION = 4  # raise when the exported files change for the same drafter: older exports are then ignored
 _HASH_BLOCK = 1 << 20
 # torch.onnx keeps global state while it exports (and onnx_export patches one of its functions): one at a time
 # in this process, whichever exporter asks.

@@ -99,32 +99,35 @@ def attend_split(
     call, which onnxruntime cannot fold while P is free. Hq and D stay traced: as constants they kept onnxruntime
     from folding T in a one-token session (tether.client.onnx_derived)."""
     _, T, Hq, D = q.shape
-    P = past_k.shape[1]
     Hkv = int(past_k.shape[2])
     G = Hq // Hkv
     eye = torch.eye(Hkv, dtype=q.dtype)  # [Hkv (the key's head), Hkv (the query's)]
-    qh = q[0].reshape(T, Hkv, G, D)
+    qh = q.reshape(T, Hkv, G, D)  # B = 1: no Gather of the batch row (a node a call)
     # qb[h, d, h', g, t] = q[t, h', g, d] where h == h', else 0: [Hkv * D, Hkv * G * T]
     qb = (qh.permute(1, 3, 2, 0)[:, :, None] * eye[:, None, :, None, None]).reshape(Hkv * D, Hkv * G * T)
     s_past = (past_k.reshape(-1, Hkv * D) @ qb).transpose(0, 1).reshape(Hkv, G, T, -1)  # [Hkv, G, T, P]
-    s_new = torch.einsum("qhgd,khd->hgqk", qh, new_k[0])  # [Hkv, G, T, T']
+    # Einsums sum over the batch axis (B = 1) rather than index it: indexing is a Gather node at every call.
+    s_new = torch.einsum("qhgd,bkhd->hgqk", qh, new_k)  # [Hkv, G, T, T']
     parts = [s_past, s_new]
     if depth_k is not None:
-        parts.append(torch.einsum("qhgd,qlhd->hgql", qh, depth_k[0]))  # [Hkv, G, T, L]
+        parts.append(torch.einsum("qhgd,bqlhd->hgql", qh, depth_k))  # [Hkv, G, T, L]
     s = torch.cat(parts, -1).float() * scale
     if mask is not None:
         if depth_k is not None:  # a query sees all its depth keys
             mask = torch.cat([mask, torch.ones(T, int(depth_k.shape[2]), dtype=torch.bool)], -1)
         s = s.masked_fill(~mask, float("-inf"))
     p = s.softmax(-1).to(q.dtype)
-    Tn = new_k.shape[1]  # T'
-    p_past, p_new = p[..., :P], p[..., P : P + Tn]
+    # The parts are sliced from the end: P is free in every session, so bounds counted from it are shape arithmetic
+    # at every call, while T' and L are fixed in a one-token session, which onnxruntime then folds.
+    L = int(depth_k.shape[2]) if depth_k is not None else 0
+    tail = new_k.shape[1] + L  # T' + L
+    p_past, p_new = p[..., :-tail], p[..., -tail : (-L if L else None)]
     # o[h, g, t, h', d] = sum_p p[h, g, t, p] v[p, h', d]; keep h == h'.
     o = (p_past.reshape(Hkv * G * T, -1) @ past_v.reshape(-1, Hkv * D)).reshape(Hkv, G, T, Hkv, D)
     o = (o * eye[:, None, None, :, None]).sum(3)  # [Hkv, G, T, D]
-    o = o + torch.einsum("hgqk,khd->hgqd", p_new, new_v[0])
+    o = o + torch.einsum("hgqk,bkhd->hgqd", p_new, new_v)
     if depth_k is not None:
-        o = o + torch.einsum("hgql,qlhd->hgqd", p[..., P + Tn :], depth_v[0])
+        o = o + torch.einsum("hgql,bqlhd->hgqd", p[..., -L:], depth_v)
     return o.permute(2, 0, 1, 3).reshape(1, T, Hq, D)
 
 
