@@ -10,8 +10,8 @@ a step's time (the default drafter: ~1 ms a step), and a round does more than it
   nodes. A graph whose SA rows would read anything else gets no such session.
 - `step1`: the step graph with its new-token and logit-row axes (T, R) fixed at 1 by onnxruntime's free-dimension
   overrides, for the one-token draft steps: onnxruntime folds the shape arithmetic that depends on them at load
-  (the default MoA drafter's step: 270 nodes left of 462 after onnxruntime's optimizations; 0.72 against 0.83 ms a
-  step at context 200 on a 2-core EPYC).
+  (the default MoA drafter's step: 270 nodes left of 462 after onnxruntime's optimizations; when first measured,
+  0.72 against 0.83 ms a step at context 200 on a 2-core EPYC).
 Both read the same weight arrays as the step session, handed in by name. `step1` keeps no pre-packed copies of the
 matrices (`session.disable_prepacking`): a one-row product runs as fast on the matrix as stored (measured), and the
 client does not hold a second copy of its part. Calls the runtime routes elsewhere (T > 1, no logits) keep the step
