@@ -409,10 +409,10 @@ class Rounds:
                 # Verified rows come from the delta alone, however they were drafted. Under greedy, rows drafted
                 # after them for the rounds now pending stay where the drafter can keep them (their tokens are
                 # the ones drafted over); sampled text must not depend on which rows a draft read.
-                kept = borne_out and self.cfg.temperature == 0 and self._inflight is not None
-                if not kept:
+                keep = borne_out and self.cfg.temperature == 0 and self._inflight is not None
+                if not keep:
                     self.drafter.discard_drafts()
-                kept = self.drafter.commit(wire_delta(v.delta), keep_drafts=kept)
+                kept = self.drafter.commit(wire_delta(v.delta), keep_drafts=keep)
             finally:
                 self._drafts = []
         except BaseException:

@@ -109,17 +109,17 @@ def attend_split(
     # Einsums sum over the batch axis (B = 1) rather than index it: indexing is a Gather node at every call.
     s_new = torch.einsum("qhgd,bkhd->hgqk", qh, new_k)  # [Hkv, G, T, T']
     parts = [s_past, s_new]
+    L = int(depth_k.shape[2]) if depth_k is not None else 0  # depth entries a query sees
     if depth_k is not None:
         parts.append(torch.einsum("qhgd,bqlhd->hgql", qh, depth_k))  # [Hkv, G, T, L]
     s = torch.cat(parts, -1).float() * scale
     if mask is not None:
         if depth_k is not None:  # a query sees all its depth keys
-            mask = torch.cat([mask, torch.ones(T, int(depth_k.shape[2]), dtype=torch.bool)], -1)
+            mask = torch.cat([mask, torch.ones(T, L, dtype=torch.bool)], -1)
         s = s.masked_fill(~mask, float("-inf"))
     p = s.softmax(-1).to(q.dtype)
     # The parts are sliced from the end: P is free in every session, so bounds counted from it are shape arithmetic
     # at every call, while T' and L are fixed in a one-token session, which onnxruntime then folds.
-    L = int(depth_k.shape[2]) if depth_k is not None else 0
     tail = new_k.shape[1] + L  # T' + L
     p_past, p_new = p[..., :-tail], p[..., -tail : (-L if L else None)]
     # o[h, g, t, h', d] = sum_p p[h, g, t, p] v[p, h', d]; keep h == h'.
