@@ -4,7 +4,10 @@ offline curve (how long a drafter stays right with no new target states).
 For each drafter, on `--prompts` held-out windows of `--prompt-len` tokens:
 - greedy chain drafting with k=`--k`, `--new-tokens` tokens: mean tau (tokens gained per verification round),
   tokens per target forward (the prefill counts as one), and wall-clock tokens/s on this device;
-- the same with EAGLE-2 dynamic tree drafting (`--tree depth,top_k,total_tokens`), verified in one forward;
+- the same with EAGLE-2 dynamic tree drafting for each shape in `--tree depth,top_k,total_tokens ...`, each tree
+  verified in one forward; total_tokens is what a verification costs the server, so each drafter's best tau at
+  each total_tokens (over the shapes given) is reported, and its ratio to EAGLE's best at the same budget: a deep
+  tree suits a drafter that stays right long, a wide one a drafter that goes wrong early;
 - offline: from the verified prompt, the drafter alone drafts `--offline` tokens after the target's first
   token; agreement at position i is the fraction of prompts whose i-th offline token equals the target's
   greedy continuation. Reported per position (JSON) and as the mean over the first 32.
@@ -15,6 +18,7 @@ The corpus must be tokenized with the target's tokenizer (checked). Ratios to EA
 against the first EAGLE drafter given. Prints a table, then one JSON line.
 
     python bench/spec.py --data data/corpus --prompts 32
+    python bench/spec.py --tree 10,8,80 16,8,80 24,8,80 16,4,80 --k 12     # each drafter's best 80-node tree
 """
 
 from __future__ import annotations
@@ -89,6 +93,48 @@ def offline_curve(target, drafter, prompts, references: list[list[int]], length:
     return (hits / len(prompts)).tolist()
 
 
+def parse_tree_shapes(values: list[str]) -> list[tuple[int, int, int]]:
+    """`--tree` values ("depth,top_k,total_tokens"; '' skips) as int triples, in the order given, each once."""
+    shapes = []
+    for value in values:
+        if not value:
+            continue
+        shape = tuple(int(x) for x in value.split(","))
+        if len(shape) != 3 or min(shape) < 1:
+            raise SystemExit(f"--tree {value!r}: expected depth,top_k,total_tokens, three positive integers")
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
+def best_trees(trees: list[dict]) -> dict[str, dict]:
+    """A drafter's best tree at each verification budget: {str(total_tokens): {"shape", "tau"}}, the budgets
+    ascending; of shapes with equal tau, the first given."""
+    best: dict[int, dict] = {}
+    for t in trees:
+        n = t["shape"][2]
+        if n not in best or t["tau"] > best[n]["tau"]:
+            best[n] = {"shape": t["shape"], "tau": t["tau"]}
+    return {str(n): best[n] for n in sorted(best)}
+
+
+def tree_table(rows: list[dict], shapes: list[tuple[int, int, int]]) -> Table:
+    """Tree tau, one column per shape, then each drafter's best shape at each budget."""
+    budgets = sorted({s[2] for s in shapes})
+    table = Table(title="tree tau by shape (depth, top_k, total_tokens); best at each total_tokens")
+    table.add_column("drafter", justify="right")
+    for d, k, n in shapes:
+        table.add_column(f"{d},{k},{n}", justify="right")
+    for n in budgets:
+        table.add_column(f"best @{n}", justify="right")
+    for r in rows:
+        best = r["best_tree"]
+        table.add_row(r["drafter"], *[f"{t['tau']:.3f}" for t in r["trees"]],
+                      *[f"{best[str(n)]['tau']:.3f} ({best[str(n)]['shape'][0]},{best[str(n)]['shape'][1]})"
+                        for n in budgets])  # fmt: skip
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=ROOT / "deploy/models/target")
@@ -99,11 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--offline", type=int, default=64)
-    ap.add_argument("--tree", default="6,8,48", help="tree drafting depth,top_k,total_tokens ('' to skip)")
+    ap.add_argument("--tree", nargs="*", default=["6,8,48"],
+                    help="tree shapes, each depth,top_k,total_tokens (none, or '', to skip trees)")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="the target's weights and compute (fp32: outputs must match plain decoding)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.offline < 1:
+        ap.error("--offline must be at least 1 (the offline curve is part of every record)")
 
     dtype = getattr(torch, args.dtype)
     exact = dtype == torch.float32
@@ -115,35 +164,35 @@ def main(argv: list[str] | None = None) -> dict:
     references = [[t for c in plain.generate(p, needed) for t in c] for p in prompts]
     plain_tps = len(prompts) * needed / (time.perf_counter() - t0)
     fp = fingerprint(args.target)
-    tree = tuple(int(x) for x in args.tree.split(",")) if args.tree else None
+    shapes = parse_tree_shapes(args.tree)
     rows = []
     for path in args.drafters:
         drafter = load_drafter(path, target, target_fingerprint=fp)
         refs = [r[: args.new_tokens] for r in references]
         chain = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, exact=exact)
-        if tree:
-            t = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, tree=tree, exact=exact)
-            chain |= {"tree_tau": t["tau"], "tree_tokens_per_forward": t["tokens_per_forward"],
-                      "tree_tokens_per_s": t["tokens_per_s"],
-                      "tree_mismatched_prompts": t["mismatched_prompts"]}  # fmt: skip
+        trees = [{"shape": list(shape), **run_chain(target, drafter, prompts, args.new_tokens, args.k, refs,
+                                                    tree=shape, exact=exact)} for shape in shapes]  # fmt: skip
         curve = offline_curve(target, drafter, prompts, references, args.offline)
         rows.append({"drafter": path.name, "kind": drafter.dcfg.kind, "tli": drafter.dcfg.tli,
-                     "params": drafter.num_trainable(), **chain, "offline_first32": float(np.mean(curve[:32])),
+                     "params": drafter.num_trainable(), **chain, "trees": trees, "best_tree": best_trees(trees),
+                     "offline_first32": float(np.mean(curve[:32])),
                      "offline_curve": [round(x, 4) for x in curve]})  # fmt: skip
 
     table = Table(title=f"speculative decoding, held-out, greedy, chain k={args.k}, {len(prompts)} prompts")
-    columns = ("drafter", "kind", "TLI", "params", "tau", "tok/forward", "tok/s", "tree tau", "tree tok/s",
-               "offline agree@1..32", "offline @1", "@8", "@32")  # fmt: skip
+    columns = ("drafter", "kind", "TLI", "params", "tau", "tok/forward", "tok/s", "offline agree@1..32",
+               "offline @1", "@8", "@32")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="right")
-    table.add_row("(plain)", "-", "-", "-", "1.000", "1.000", f"{plain_tps:.1f}", *["-"] * 6)
+    table.add_row("(plain)", "-", "-", "-", "1.000", "1.000", f"{plain_tps:.1f}", *["-"] * 4)
     for r in rows:
         c = r["offline_curve"]
         table.add_row(r["drafter"], r["kind"], str(r["tli"]), f"{r['params'] / 1e6:.2f}M", f"{r['tau']:.3f}",
-                      f"{r['tokens_per_forward']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r.get('tree_tau', 0):.3f}",
-                      f"{r.get('tree_tokens_per_s', 0):.1f}", f"{r['offline_first32']:.3f}",
-                      f"{c[0]:.3f}", f"{c[7]:.3f}", f"{c[31]:.3f}" if len(c) > 31 else "-")  # fmt: skip
-    Console(width=170).print(table)
+                      f"{r['tokens_per_forward']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['offline_first32']:.3f}",
+                      *[f"{c[i]:.3f}" if len(c) > i else "-" for i in (0, 7, 31)])  # fmt: skip
+    console = Console(width=170)
+    console.print(table)
+    if shapes:
+        console.print(tree_table(rows, shapes))
     result = {
         "bench": "spec",
         "device": args.device,
@@ -151,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "prompts": len(prompts),
         "k": args.k,
-        "tree": list(tree) if tree else None,
+        "trees": [list(shape) for shape in shapes],
         "plain_tokens_per_s": plain_tps,
         "drafters": rows,
     }
@@ -159,9 +208,14 @@ def main(argv: list[str] | None = None) -> dict:
     if eagles:
         eagle, moas = eagles[0], [r for r in rows if r["kind"] == "moa"]
         result["eagle"] = eagle["drafter"]
-        for key in ("tau", "tree_tau", "offline_first32"):
-            if key in eagle and eagle[key]:
+        for key in ("tau", "offline_first32"):
+            if eagle[key]:
                 result[f"{key}_ratio_vs_eagle"] = {r["drafter"]: r[key] / eagle[key] for r in moas}
+        if shapes:
+            result["best_tree_tau_ratio_vs_eagle"] = {
+                r["drafter"]: {n: best["tau"] / eagle["best_tree"][n]["tau"] for n, best in r["best_tree"].items()}
+                for r in moas
+            }
     print(json.dumps(result))
     return result
 
