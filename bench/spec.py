@@ -1,5 +1,6 @@
 """Speculative decoding quality on the held-out split: acceptance length, tokens per target forward, and the
 offline curve (how long a drafter stays right with no new target states).
+Each chain and tree measurement is also written to stderr as a JSON line when it finishes.
 
 For each drafter, on `--prompts` held-out windows of `--prompt-len` tokens:
 - greedy chain drafting with k=`--k`, `--new-tokens` tokens: mean tau (tokens gained per verification round),
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -91,6 +93,12 @@ def offline_curve(target, drafter, prompts, references: list[list[int]], length:
         drafts, _, _ = drafter.draft(ref[0], length)
         hits += np.array(drafts) == np.array(ref[1 : length + 1])
     return (hits / len(prompts)).tolist()
+
+
+def measured(drafter: str, figures: dict) -> None:
+    """One finished measurement as a JSON line on stderr, as it lands: a long run (deep trees, many shapes) that is
+    stopped still leaves what it measured; stdout keeps the table and the one JSON record."""
+    print(json.dumps({"drafter": drafter, **figures}), file=sys.stderr, flush=True)
 
 
 def parse_tree_shapes(values: list[str]) -> list[tuple[int, int, int]]:
@@ -170,8 +178,12 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = load_drafter(path, target, target_fingerprint=fp)
         refs = [r[: args.new_tokens] for r in references]
         chain = run_chain(target, drafter, prompts, args.new_tokens, args.k, refs, exact=exact)
-        trees = [{"shape": list(shape), **run_chain(target, drafter, prompts, args.new_tokens, args.k, refs,
-                                                    tree=shape, exact=exact)} for shape in shapes]  # fmt: skip
+        measured(path.name, {"k": args.k, **chain})
+        trees = []
+        for shape in shapes:
+            trees.append({"shape": list(shape), **run_chain(target, drafter, prompts, args.new_tokens, args.k, refs,
+                                                            tree=shape, exact=exact)})  # fmt: skip
+            measured(path.name, trees[-1])
         curve = offline_curve(target, drafter, prompts, references, args.offline)
         rows.append({"drafter": path.name, "kind": drafter.dcfg.kind, "tli": drafter.dcfg.tli,
                      "params": drafter.num_trainable(), **chain, "trees": trees, "best_tree": best_trees(trees),

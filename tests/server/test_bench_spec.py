@@ -34,12 +34,19 @@ def test_spec_record(models, capsys):
                         "--drafters", str(models / "moa"), str(models / "eagle"), "--prompts", "2",
                         "--prompt-len", "24", "--new-tokens", "10", "--k", "3", "--offline", "4",
                         "--tree", *SHAPES, "5,2,6"])  # fmt: skip
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record  # the one JSON line, last
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1]) == record  # the one JSON line, last
+    landed = [json.loads(line) for line in err.strip().splitlines() if line.startswith("{")]
+    assert [(m["drafter"], m.get("shape")) for m in landed] == [
+        (name, shape) for name in ("moa", "eagle") for shape in (None, [3, 2, 6], [5, 2, 6], [4, 3, 10])
+    ]  # each measurement as it finished: the chain, then each tree
     assert record["trees"] == [[3, 2, 6], [5, 2, 6], [4, 3, 10]]  # in the order given, each once
     moa, eagle = record["drafters"]
     assert (moa["kind"], eagle["kind"]) == ("moa", "eagle") and record["eagle"] == "eagle"
     for r in (moa, eagle):
         assert [t["shape"] for t in r["trees"]] == record["trees"]
+        assert [m for m in landed if m["drafter"] == r["drafter"]][1:] == [{"drafter": r["drafter"], **t}
+                                                                           for t in r["trees"]]  # fmt: skip
         assert all(t["tau"] >= 1 and t["mismatched_prompts"] == 0 for t in r["trees"])
         assert list(r["best_tree"]) == ["6", "10"]
         for n, best in r["best_tree"].items():
