@@ -1,7 +1,8 @@
 """Sessions the edge client derives at load from a drafter's step graph, to cut a round's work besides its drafts.
 
 Why: a draft step is ~700 small graph nodes, so on a CPU edge onnxruntime's cost per node, more than arithmetic, sets
-a step's time (the default drafter: ~1 ms a step), and a round does more than its draft steps. Two derived sessions:
+a step's time (the default drafter: ~1 ms a step), and a round does more than its draft steps. Up to three derived
+sessions:
 - `sa_rows` (MoA): the SA keys and values of verified tokens. SA is the drafter's first layer, so its K/V at a
   position are a function of the token and the position alone (the embedding, SA's input norm, its K and V
   projections, RoPE). Adopting a verdict's delta used to feed the accepted tokens through the whole step graph (SA,
@@ -12,15 +13,23 @@ a step's time (the default drafter: ~1 ms a step), and a round does more than it
   overrides, for the one-token draft steps: onnxruntime folds the shape arithmetic that depends on them at load
   (the default MoA drafter's step: 270 nodes left of 462 after onnxruntime's optimizations; when first measured,
   0.72 against 0.83 ms a step at context 200 on a 2-core EPYC).
-Both read the same weight arrays as the step session, handed in by name. `step1` keeps no pre-packed copies of the
+- `tree` (with a tree width w >= 2 asked for at load): the step graph with T and R fixed at w, for the levels of a
+  draft tree w wide (every level after the root's feeds w frontier nodes and reads w logit rows). The general step
+  graph serves them otherwise. The client's default tree (12 levels, 3 wide, 32 nodes) with the default drafter on
+  a 2-core EPYC, the same trees: 22.0 against 24.9 ms after 200 tokens of context, 30.9 against 32.1 after 1,000
+  (attention over the context is the larger part there). It keeps pre-packed matrices (w-row products gain from
+  them: slower than the step graph without), so it costs about one more copy of the matrices (16 MB more resident
+  for the default part), which a chain-only client does not ask for.
+All read the same weight arrays as the step session, handed in by name. `step1` keeps no pre-packed copies of the
 matrices (`session.disable_prepacking`): a one-row product runs as fast on the matrix as stored (measured), and the
-client does not hold a second copy of its part. Calls the runtime routes elsewhere (T > 1, no logits) keep the step
-session, so a part from any server works, derived sessions or none.
+client does not hold a second copy of its part. Calls the runtime routes elsewhere (other T, no logits) keep the
+step session, so a part from any server works, derived sessions or none.
 
 Contract: `prune_to(graph, outputs)` -> (the graph computing only `outputs`, the names of the inputs it still
 reads); ValueError when an output is missing or a node it keeps holds a subgraph (whose outer reads pruning cannot
-see). `derived_graphs(kind, graph, weights)` -> {name: (graph, weights, session options)} for a kind's step graph as
-the step session loaded it (an int8 part's products already rewritten); onnx_drafter builds the sessions.
+see). `derived_graphs(kind, graph, weights, tree_width=0)` -> {name: (graph, weights, session options)} for a kind's
+step graph as the step session loaded it (an int8 part's products already rewritten); onnx_drafter builds the
+sessions.
 
     graph, reads = prune_to(step_graph, ["sa_k_new", "sa_v_new"])   # reads == ["tokens", "positions"]
 
@@ -82,10 +91,13 @@ def _initializers(graph: bytes) -> set[str]:
 
 
 def derived_graphs(
-    kind: str, graph: bytes, weights: Mapping[str, np.ndarray]
+    kind: str, graph: bytes, weights: Mapping[str, np.ndarray], tree_width: int = 0
 ) -> dict[str, tuple[bytes, dict[str, np.ndarray], SessionOptions]]:
-    """{session name: (graph, its weights, options)} derived from `kind`'s step graph (module docstring)."""
+    """{session name: (graph, its weights, options)} derived from `kind`'s step graph (module docstring); `tree`
+    only for a tree_width of 2 or more."""
     out = {"step1": (graph, dict(weights), SessionOptions(fixed_dims=ONE_TOKEN, prepack=False))}
+    if tree_width >= 2:
+        out["tree"] = (graph, dict(weights), SessionOptions(fixed_dims={"T": tree_width, "R": tree_width}))
     if kind == "moa":
         try:
             pruned, reads = prune_to(graph, SA_ROWS_OUTPUTS)

@@ -5,17 +5,18 @@ drafts as tether.shared.drafter_runtime.DrafterBase over the same deltas. It imp
 safetensors and the standard library only, never torch, so an edge install can leave torch out.
 
 Contract (as DrafterBase; the differences are marked *):
-- `OnnxDrafter.load(dir, threads=1)` reads onnx_drafter.json, checks each graph's sha256 and returns the MoA or
-  EAGLE runtime. `threads` is onnxruntime's intra-op thread count (0: one per core); the graphs are so small
-  that one thread drafts about as fast as a pool (measured on 2 cores) and leaves a core to the rest of the client.
-- `OnnxDrafter.from_files(description, files, threads=1)`: the same from a description already read and its files
-  by name (the blobs of a part fetched from the server: tether.client.onnx_pairing, which checks the description
-  first). A graph whose description has `weights` keeps its matrices outside (tether.server.client_export): they
-  are read from that safetensors file, which must hold exactly the tensors described, in the dtype and shape of
-  the precision (tether.shared.weights.stored_layout), widened to fp32 and handed to onnxruntime by name; an int8
-  part's Linear products are rewritten to read its int8 rows instead (tether.client.onnx_int8). Every session
-  reads external data from an empty folder, so a graph that names a file we did not supply fails to load instead of
-  reading one from the working directory.
+- `OnnxDrafter.load(dir, threads=1, tree_width=0)` reads onnx_drafter.json, checks each graph's sha256 and returns
+  the MoA or EAGLE runtime. `threads` is onnxruntime's intra-op thread count (0: one per core); the graphs are so
+  small that one thread drafts about as fast as a pool (measured on 2 cores) and leaves a core to the rest of the
+  client. `tree_width` (>= 2): the top_k of the trees the caller will draft, for which a session is derived.
+- `OnnxDrafter.from_files(description, files, threads=1, tree_width=0)`: the same from a description already read
+  and its files by name (the blobs of a part fetched from the server: tether.client.onnx_pairing, which checks the
+  description first). A graph whose description has `weights` keeps its matrices outside
+  (tether.server.client_export): they are read from that safetensors file, which must hold exactly the tensors
+  described, in the dtype and shape of the precision (tether.shared.weights.stored_layout), widened to fp32 and handed
+  to onnxruntime by name; an int8 part's Linear products are rewritten to read its int8 rows instead
+  (tether.client.onnx_int8). Every session reads external data from an empty folder, so a graph that names a file we
+  did not supply fails to load instead of reading one from the working directory.
 - `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
   states of the round's root and accepted drafts and drops the drafted rows after them.
   * `commit(delta, keep_drafts=True)` keeps them instead, when the caller vouches that the rows held at the
@@ -38,10 +39,11 @@ Contract (as DrafterBase; the differences are marked *):
 
 Caches are numpy buffers sized `capacity` rows; each graph call takes the committed rows and returns the new
 ones (onnx_export's docstring has the graph contract), so rolling back drafted rows is just a shorter length.
-Beside the graphs described, the runtime derives two sessions from the step graph at load (tether.client.onnx_derived):
-one-token draft steps run on `step1` (its token and logit-row axes fixed at 1), and MoA's SA rows of verified tokens
-(the prompt at begin, an adopted delta's tokens) come from `sa_rows` (the step graph pruned to them), not from a run
-of the whole step graph. Without them (a graph they cannot be derived from) the step graph serves every call.
+Beside the graphs described, the runtime derives sessions from the step graph at load (tether.client.onnx_derived):
+one-token draft steps run on `step1` (its token and logit-row axes fixed at 1), the levels of a tree `tree_width`
+wide on `tree` (both fixed at that width), and MoA's SA rows of verified tokens (the prompt at begin, an adopted
+delta's tokens) come from `sa_rows` (the step graph pruned to them), not from a run of the whole step graph.
+Without them (a graph they cannot be derived from) the step graph serves every call.
 
 Tests: tests/client/test_onnx_backend.py (parity with torch, a run with torch blocked) and tests/shared/test_wire.py.
 
@@ -168,9 +170,10 @@ class OnnxDrafter:
         self.target_kv = (sh["target_kv_heads"], sh["target_head_dim"])  # (Hkv, D)
         self.sessions = dict(sessions)
         self._keep = keep  # the external weights the sessions read
+        self.tree_width = 0  # the T (= R) the `tree` session is fixed at, when there is one
 
     @classmethod
-    def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True) -> OnnxDrafter:
+    def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True, tree_width: int = 0) -> OnnxDrafter:
         path = Path(path)
         f = path / MANIFEST
         if not f.exists():
@@ -179,11 +182,17 @@ class OnnxDrafter:
         names = [g["file"] for g in manifest.get("graphs", {}).values()]
         names += [g["weights"]["file"] for g in manifest.get("graphs", {}).values() if "weights" in g]
         return cls.from_files(manifest, {name: path / name for name in names}, threads=threads,
-                              check_hashes=check_hashes)  # fmt: skip
+                              check_hashes=check_hashes, tree_width=tree_width)  # fmt: skip
 
     @classmethod
     def from_files(
-        cls, manifest: dict, files: Mapping[str, Path], *, threads: int = 1, check_hashes: bool = True
+        cls,
+        manifest: dict,
+        files: Mapping[str, Path],
+        *,
+        threads: int = 1,
+        check_hashes: bool = True,
+        tree_width: int = 0,
     ) -> OnnxDrafter:
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}")
@@ -210,14 +219,17 @@ class OnnxDrafter:
             if io != [g["inputs"], g["outputs"]]:
                 raise ValueError(f"graph {name!r} takes and gives {io}, its description says otherwise")
             if name == "step":
-                derived = derived_graphs(manifest["kind"], graph, weights)
+                derived = derived_graphs(manifest["kind"], graph, weights, tree_width)
         for name, (graph, weights, options) in derived.items():
             try:
                 sessions[name], held = _session(graph, weights, threads, options)
             except Exception:  # onnxruntime raises types of its own; without a derived session the step graph serves
                 continue
             keep.append(held)
-        return kinds[manifest["kind"]](manifest, sessions, keep)
+        drafter = kinds[manifest["kind"]](manifest, sessions, keep)
+        if "tree" in sessions:
+            drafter.tree_width = tree_width
+        return drafter
 
     # ---- the public loop (DrafterBase's, in numpy) ------------------------------------------------------
 
@@ -318,10 +330,12 @@ class OnnxDrafter:
         return tree
 
     def _step_session(self, T: int, R: int) -> ort.InferenceSession:
-        """The session that runs the step graph for T new tokens and R logit rows: `step1` for one token's logits
-        where it was derived (module docstring)."""
+        """The session that runs the step graph for T new tokens and R logit rows: `step1` for one token's logits,
+        `tree` for a tree level as wide as it was derived for, where they were (module docstring)."""
         if T == 1 and R == 1:
             return self.sessions.get("step1", self.sessions["step"])
+        if T == R == self.tree_width:
+            return self.sessions["tree"]
         return self.sessions["step"]
 
     # ---- subclass contract -------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ everything it imports, never imports torch: an edge install needs numpy, onnxrun
 and gRPC only.
 
 Contract: `fetch_onnx_part(stub, info, cache_dir, *, precision="fp32", metadata=(), timeout_s=120.0,
-on_progress=None, max_bytes=DEFAULT_MAX_BYTES, threads=1)` -> OnnxClientPart(drafter, tokenizer, nbytes); `threads`
-is the drafter's onnxruntime intra-op thread count (OnnxDrafter.from_files). In order:
+on_progress=None, max_bytes=DEFAULT_MAX_BYTES, threads=1, tree_width=0)` -> OnnxClientPart(drafter, tokenizer,
+nbytes); `threads` is the drafter's onnxruntime intra-op thread count and `tree_width` the top_k of the trees it will
+draft (OnnxDrafter.from_files). In order:
 - before anything is downloaded: `info` is checked (tether.client.pairing_checks.check_model_info) and must list the
   format; the manifest alone is asked for and must be of that format and of info's model and drafter, its entries
   exactly the fixed file names of the drafter's kind, uint8, each within its bound and all within `max_bytes`;
@@ -92,6 +93,7 @@ def fetch_onnx_part(
     on_progress: Callable[[int, int], None] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     threads: int = 1,
+    tree_width: int = 0,
 ) -> OnnxClientPart:
     """Download (or find in the cache) the ONNX client part of `info`'s drafter; see the module docstring."""
     if precision not in FORMATS:
@@ -112,7 +114,7 @@ def fetch_onnx_part(
     check_description(description, cfg, dcfg, precision, by_name)
     tokenizer = check_tokenizer(files[TOKENIZER_TENSOR].read_bytes(), info)
     try:
-        drafter = OnnxDrafter.from_files(description, files, threads=threads)
+        drafter = OnnxDrafter.from_files(description, files, threads=threads, tree_width=tree_width)
     except ValueError as e:
         raise PairingError(Problem.MANIFEST, f"the ONNX part does not load: {str(e)[:300]}") from None
     except Exception as e:  # onnxruntime raises its own types on a graph it refuses

@@ -308,9 +308,10 @@ class EdgeSession(Resync, Rounds):
             self._draft_streams = lambda n: np.random.default_rng(_draft_seed(cfg.seed, n))
             return self.reuse
         if cfg.backend == "onnx":
+            tree_width = 0 if cfg.tree == "chain" else cfg.tree_top_k  # a chain-only client derives no tree session
             part = fetch_onnx_part(self.stub, info, cfg.cache_dir, precision=cfg.precision, metadata=self.metadata,
                                    max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress,
-                                   threads=cfg.threads)  # fmt: skip
+                                   threads=cfg.threads, tree_width=tree_width)  # fmt: skip
             self._draft_rng = np.random.default_rng(_draft_seed(cfg.seed))
             self._draft_streams = lambda n: np.random.default_rng(_draft_seed(cfg.seed, n))
             return Paired(info, part.tokenizer, part.drafter, part.nbytes)

@@ -7,6 +7,8 @@
   step1, T > 1 and logit-free calls on the step graph, and adopting a delta runs no step graph at all.
 - With its derived sessions and without them the drafter drafts the same and holds the same caches; derived
   sessions onnxruntime cannot build are left out and the step graph serves.
+- Asked for trees w wide, it derives `tree`, runs every w-wide level on it (the root's on step1, others on the step
+  graph), and grows the same trees as without it.
 """
 
 import numpy as np
@@ -174,8 +176,8 @@ def test_sessions_onnxruntime_cannot_build_are_left_out(parts, monkeypatch):
     target, ref, out, _ = parts["moa"]
     real = derived_graphs
 
-    def broken(kind, graph, weights):
-        made = real(kind, graph, weights)
+    def broken(kind, graph, weights, tree_width=0):
+        made = real(kind, graph, weights, tree_width)
         pruned, w, options = made["sa_rows"]
         return {**made, "sa_rows": (b"not a graph", w, options)}
 
@@ -185,3 +187,34 @@ def test_sessions_onnxruntime_cannot_build_are_left_out(parts, monkeypatch):
     root, delta = SequenceVerifier(target, ref, capacity=CAPACITY).open(PROMPT)
     drafter.begin(delta, capacity=CAPACITY)  # SA rows by the step graph
     assert drafter.held_rows() == len(PROMPT) and len(drafter.draft(root, 3)[0]) == 3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["moa", "eagle"])
+def test_the_tree_session_serves_levels_as_wide_as_asked_and_grows_the_same_trees(parts, kind, precision):
+    target, ref, out, int8 = parts[kind]
+    path = out if precision == "fp32" else int8
+    plain, wide = OnnxDrafter.load(path), OnnxDrafter.load(path, tree_width=2)
+    assert "tree" not in plain.sessions and plain.tree_width == 0
+    assert set(wide.sessions) - set(plain.sessions) == {"tree"} and wide.tree_width == 2
+    assert "tree" not in OnnxDrafter.load(path, tree_width=1).sessions  # a chain's width: step1 serves it
+    sessions = {name: CountingSession(s) for name, s in wide.sessions.items() if name in ("step", "step1", "tree")}
+    wide.sessions = {**wide.sessions, **sessions}
+    server = SequenceVerifier(target, ref, capacity=CAPACITY)
+    root, delta = server.open(PROMPT)
+    for d in (plain, wide):
+        d.begin(delta, capacity=CAPACITY)
+    for shape in ((4, 2, 7), (3, 3, 8), (4, 2, 7)):
+        depth, top_k, total = shape
+        counts = {name: len(s.shapes) for name, s in sessions.items()}
+        a = plain.draft_tree(root, depth=depth, top_k=top_k, total_tokens=total)
+        b = wide.draft_tree(root, depth=depth, top_k=top_k, total_tokens=total)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents), shape
+        new = {name: s.shapes[counts[name] :] for name, s in sessions.items()}
+        if top_k == 2:  # the root's level on step1, the three levels below it two wide on tree
+            assert new["step1"] == [1] and new["tree"] == [2, 2, 2] and new["step"] == []
+        else:  # three wide: not what the tree session is fixed at
+            assert new["step1"] == [1] and new["tree"] == [] and new["step"] == [3, 3]
+        for d in (plain, wide):
+            d.discard_drafts()
+    assert plain.held_rows() == wide.held_rows() == len(PROMPT)

@@ -70,6 +70,17 @@ def test_the_onnx_drafter_runs_on_the_threads_asked_for(address, fp32_onnx, tmp_
         ClientConfig(threads=-1).check()
 
 
+@pytest.mark.parametrize(("tree", "top_k", "width"), [("auto", 3, 3), ("tree", 2, 2), ("chain", 3, 0)])
+def test_the_onnx_drafter_derives_a_tree_session_for_the_trees_it_may_draft(address, tmp_path, tree, top_k, width):
+    cfg = ClientConfig(server=address, cache_dir=str(tmp_path), **{**PATIENT, "tree": tree, "tree_top_k": top_k})
+    session = EdgeSession(cfg)
+    try:
+        drafter = session.pair().drafter
+        assert drafter.tree_width == width and ("tree" in drafter.sessions) == (width > 0)
+    finally:
+        session.close()
+
+
 @pytest.fixture(scope="module")
 def tensors_only(start_server):
     """A server from before the ONNX client part: its model info lists the tensors alone."""
