@@ -10,12 +10,15 @@ Beside it, the re-feed of a pipelined round ([6/7]): the k + 1 tokens of a round
 verdict is in, one draft step per token against one causal `feed` call (milliseconds for all of them).
 With `--precisions`, also the parts the server streams (tether.server.client_export: its graphs with the weights
 in fp32, fp16 or int8; fp16 widened to fp32 at load, int8 run in int8), each timed the same way, with its size on
-the wire. `--idle-ms` sleeps before each chain, as a client does while a round trip is out: its caches go cold.
+the wire. With `--tree depth,top_k,nodes`, also the median milliseconds of a whole draft tree from the root, on the
+general step graph and on the tree session derived for that width (tether.client.onnx_derived), interleaved.
+`--idle-ms` sleeps before each chain, as a client does while a round trip is out: its caches go cold.
 Prints a table, then one JSON line.
 
     python bench/draft.py
     python bench/draft.py --contexts 64 2000 --torch
     python bench/draft.py --precisions fp32 fp16 int8 --idle-ms 10
+    python bench/draft.py --contexts 200 1000 --tree 12,3,32        # the client's default tree
     python bench/draft.py --model runs/medium --drafter runs/drafters/moa3 --threads 4
 """
 
@@ -71,6 +74,34 @@ def refeed_ms(drafter, tokens: list[int], reps: int, *, batched: bool) -> float:
     return statistics.median(times)
 
 
+def tree_shape(value: str) -> tuple[int, int, int] | None:
+    """`--tree` as (depth, top_k, nodes), None for ''."""
+    if not value:
+        return None
+    shape = tuple(int(x) for x in value.split(","))
+    if len(shape) != 3 or shape[0] < 1 or shape[1] < 2 or shape[2] < 1:
+        raise SystemExit(f"--tree {value!r}: expected depth,top_k,nodes with depth, nodes >= 1 and top_k >= 2")
+    return shape
+
+
+def tree_ms(drafters: list, root: int, shape: tuple[int, int, int], reps: int) -> list[float]:
+    """Median ms per draft tree of `shape` from `root` for each drafter, their trees drawn in turn (so a drift in
+    the machine's speed falls on all alike), each tree's rows dropped after; the trees must be the same."""
+    depth, top_k, nodes = shape
+    times = [[] for _ in drafters]
+    for _ in range(reps):
+        grown = []
+        for d, ts in zip(drafters, times, strict=True):
+            t0 = time.perf_counter()
+            tree = d.draft_tree(root, depth=depth, top_k=top_k, total_tokens=nodes + 1)
+            ts.append((time.perf_counter() - t0) * 1e3)
+            d.discard_drafts()
+            grown.append((tree.tokens, tree.parents))
+        if any(g != grown[0] for g in grown):
+            raise AssertionError("the drafters grew different trees from the same root")
+    return [statistics.median(ts) for ts in times]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 1024, 2000])
@@ -81,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--torch", action="store_true", help="also time the torch drafter")
     ap.add_argument("--precisions", nargs="*", default=[], choices=ONNX_PRECISIONS,
                     help="also time the server's ONNX parts in these precisions")  # fmt: skip
+    ap.add_argument("--tree", default="", help="also time draft trees of this depth,top_k,nodes ('' to skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="", help="target directory (default: the default target)")
     ap.add_argument("--drafter", default="", help="drafter directory trained against it (default: the default one)")
@@ -89,12 +121,15 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir, drafter_dir = args.model or str(default_model_dir()), args.drafter or str(default_model_dir("drafter"))
     target, tok = load(model_dir, "cpu")
     drafter = load_drafter(drafter_dir, target, target_fingerprint=fingerprint(model_dir))
-    capacity = max(args.contexts) + args.k + 8
+    tree = tree_shape(args.tree)
+    fed = 1 + (tree[0] - 1) * tree[1] if tree else 0  # the most rows a tree feeds: the root, then top_k a level
+    capacity = max(args.contexts) + max(args.k, fed) + 8
     if capacity > target.cfg.max_seq_len:
-        raise SystemExit(f"contexts up to {target.cfg.max_seq_len - args.k - 8} fit the target's max_seq_len")
+        raise SystemExit(f"contexts up to {target.cfg.max_seq_len - max(args.k, fed) - 8} fit the target's max_seq_len")
     with tempfile.TemporaryDirectory() as out:
         export_client_onnx(drafter, out)
         onnx = OnnxDrafter.load(out, threads=args.threads)
+        widened = OnnxDrafter.load(out, threads=args.threads, tree_width=tree[1]) if tree else None
         weights = client_part_tensors(target, drafter)
         weights[TOKENIZER_TENSOR] = tokenizer_tensor(tok.to_json())
         exporter = ClientExporter(target.cfg, drafter.dcfg, weights, "0" * 64, out)
@@ -112,6 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
             known = [root] + torch.randint(0, target.cfg.vocab_size, (args.k,), generator=g).tolist()
             row["onnx_refeed_stepped_ms"] = refeed_ms(onnx, known, args.reps, batched=False)
             row["onnx_refeed_fed_ms"] = refeed_ms(onnx, known, args.reps, batched=True)
+            if tree:
+                widened.begin(delta, capacity=capacity)
+                row["tree_step_graph_ms"], row["tree_session_ms"] = tree_ms([onnx, widened], root, tree, args.reps)
             for p, d in served.items():
                 d.begin(delta, capacity=capacity)
                 row[f"onnx_{p}_ms"] = step_ms(d, root, args.k, args.reps, idle)
@@ -133,12 +171,17 @@ def main(argv: list[str] | None = None) -> dict:
     k1 = args.k + 1
     table.add_column(f"re-feed {k1} tokens: {k1} steps ms", justify="right")
     table.add_column("one feed ms", justify="right")
+    if tree:
+        table.add_column(f"tree {args.tree}: step graph ms", justify="right")
+        table.add_column("tree session ms", justify="right")
     for r in rows:
         refeed = (f"{r['onnx_refeed_stepped_ms']:.2f}", f"{r['onnx_refeed_fed_ms']:.2f}")
-        table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys), *refeed)
+        trees = (f"{r['tree_step_graph_ms']:.2f}", f"{r['tree_session_ms']:.2f}") if tree else ()
+        table.add_row(str(r["context"]), *(f"{r[key]:.2f}" for key in keys), *refeed, *trees)
     Console().print(table)
     record = {"bench": "draft", "model": model_dir, "drafter": drafter_dir, "kind": drafter.dcfg.kind,
               "tli": drafter.dcfg.tli, "k": args.k, "threads": args.threads, "idle_ms": args.idle_ms,
+              "tree": list(tree) if tree else None,
               "torch": torch.__version__, "part_bytes": part_bytes, "rows": rows}  # fmt: skip
     print(json.dumps(record))
     return record

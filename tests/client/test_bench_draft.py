@@ -1,8 +1,10 @@
 """Smoke test of bench/draft.py: two short contexts, both drafters and an int8 part, checking the JSON record's
-fields (never a time: only that each is a positive number); and another drafter, named by its directory."""
+fields (never a time: only that each is a positive number); another drafter, named by its directory; and draft trees
+timed on the step graph and on the tree session."""
 
 from pathlib import Path
 
+import pytest
 from bench_modules import load_bench
 
 
@@ -26,4 +28,15 @@ def test_draft_step_of_another_drafter():
     assert (
         record["drafter"] == eagle and record["kind"] == "eagle" and record["threads"] == 2 and record["idle_ms"] == 1
     )
-    assert record["rows"][0]["onnx_ms"] > 0
+    assert record["rows"][0]["onnx_ms"] > 0 and record["tree"] is None and "tree_session_ms" not in record["rows"][0]
+
+
+def test_draft_trees_timed_on_both_sessions():
+    draft = load_bench("draft")
+    record = draft.main(["--contexts", "8", "--k", "2", "--reps", "2", "--tree", "3,2,5"])
+    assert record["tree"] == [3, 2, 5]
+    row = record["rows"][0]
+    assert row["tree_step_graph_ms"] > 0 and row["tree_session_ms"] > 0  # the two grew the same trees (else raised)
+    for bad in ("3,1,5", "3,2", "0,2,5"):
+        with pytest.raises(SystemExit, match="depth,top_k,nodes"):
+            draft.tree_shape(bad)
