@@ -13,13 +13,13 @@ sessions:
   overrides, for the one-token draft steps: onnxruntime folds the shape arithmetic that depends on them at load
   (the default MoA drafter's step: 270 nodes left of 462 after onnxruntime's optimizations; when first measured,
   0.72 against 0.83 ms a step at context 200 on a 2-core EPYC).
-- `tree` (with a tree width w >= 2 asked for at load): the step graph with T and R fixed at w, for the levels of a
-  draft tree w wide (every level after the root's feeds w frontier nodes and reads w logit rows). The general step
-  graph serves them otherwise. The client's default tree (12 levels, 3 wide, 32 nodes) with the default drafter on
-  a 2-core EPYC, the same trees: 20.7 against 23.9 ms after 200 tokens of context, 26.4 against 29.8 after 1,000
-  (`bench/draft.py --tree 12,3,32`). It keeps pre-packed matrices (w-row products gain from them: slower than the
-  step graph without), so it costs about one more copy of the matrices (16 MB more resident for the default part),
-  which a chain-only client does not ask for.
+- `tree` (with a tree width w >= 2 asked for at load): the step graph with T and R fixed at w, for the levels of a draft
+  tree w wide (every level after the root's feeds w frontier nodes and reads w logit rows). The general step graph
+  serves them otherwise. The client's default tree (12 levels, 3 wide, 32 nodes) with the default drafter on a 2-core
+  EPYC, the same trees: 20.7 against 23.9 ms after 200 tokens of context, 26.4 against 29.8 after 1,000 (`bench/draft.py
+  --tree 12,3,32`; 6-7% on an H200 host's Xeon). It keeps pre-packed matrices (w-row products gain from them: slower
+  than the step graph without), so it costs about one more copy of the matrices (16 MB more resident for the default
+  part), which a chain-only client does not ask for.
 All read the same weight arrays as the step session, handed in by name. `step1` keeps no pre-packed copies of the
 matrices (`session.disable_prepacking`): a one-row product runs as fast on the matrix as stored (measured), and the
 client does not hold a second copy of its part. Calls the runtime routes elsewhere (other T, no logits) keep the
