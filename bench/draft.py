@@ -8,11 +8,12 @@ attends over the whole context. Reported: median milliseconds per draft step (on
 issue's bar ([4/7]): <= 2 ms a step for the default TLI 3 drafter, flat in context up to 2K, on a 2-core CPU.
 Beside it, the re-feed of a pipelined round ([6/7]): the k + 1 tokens of a round sent ahead, stepped over once its
 verdict is in, one draft step per token against one causal `feed` call (milliseconds for all of them).
-With `--precisions`, also the parts the server streams (tether.server.client_export: its graphs with the weights
-in fp32, fp16 or int8; fp16 widened to fp32 at load, int8 run in int8), each timed the same way, with its size on
-the wire. With `--tree depth,top_k,nodes`, also the median milliseconds of a whole draft tree from the root, on the
-general step graph and on the tree session derived for that width (tether.client.onnx_derived), interleaved.
-`--idle-ms` sleeps before each chain, as a client does while a round trip is out: its caches go cold.
+With `--precisions`, also the parts the server streams (tether.server.client_export: its graphs with the weights in
+fp32, fp16 or int8; fp16 widened to fp32 at load, int8 run in int8), each timed the same way, with its size on the
+wire. With `--tree depth,top_k,nodes` (nodes not counting the root, as the client's tree_nodes; bench/spec.py's
+total_tokens counts it), also the median milliseconds of a whole draft tree from the root, on the general step graph
+and on the tree session derived for that width (tether.client.onnx_derived), interleaved. `--idle-ms` sleeps before
+each chain, as a client does while a round trip is out: its caches go cold.
 Prints a table, then one JSON line.
 
     python bench/draft.py
@@ -112,7 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--torch", action="store_true", help="also time the torch drafter")
     ap.add_argument("--precisions", nargs="*", default=[], choices=ONNX_PRECISIONS,
                     help="also time the server's ONNX parts in these precisions")  # fmt: skip
-    ap.add_argument("--tree", default="", help="also time draft trees of this depth,top_k,nodes ('' to skip)")
+    ap.add_argument("--tree", default="",
+                    help="also time draft trees of this depth,top_k,nodes, nodes without the root as the client's "
+                         "--tree-nodes ('' to skip)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="", help="target directory (default: the default target)")
     ap.add_argument("--drafter", default="", help="drafter directory trained against it (default: the default one)")
