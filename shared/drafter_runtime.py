@@ -159,12 +159,14 @@ class DrafterBase(nn.Module):
         def step(frontier: list[int], tree: GrowingTree) -> tuple[Tensor, Tensor]:
             n_rows = len(rows)
             F = len(frontier)
-            mask = torch.zeros(F, base + n_rows + F, dtype=torch.bool, device=self.device)
+            # Built on the host and copied once: set entry by entry on a GPU, a 24-level tree's masks cost ~1,000
+            # tiny kernel launches a round (top_k x depth^2 / 2 ancestor entries).
+            mask = np.zeros((F, base + n_rows + F), dtype=bool)
             mask[:, :base] = True  # every node sees the verified prefix
             for j, node in enumerate(frontier):
-                for a in tree.path_to(node)[:-1]:
-                    mask[j, base + rows[a]] = True
-                mask[j, base + n_rows + j] = True
+                mask[j, [base + rows[a] for a in tree.path_to(node)[:-1]]] = True  # its ancestors' rows
+                mask[j, base + n_rows + j] = True  # and itself
+            mask = torch.from_numpy(mask).to(self.device)  # [F, base + n_rows + F]
             tokens = torch.tensor([tree.tokens[i] for i in frontier], device=self.device)
             positions = torch.tensor([base + tree.depths[i] for i in frontier], device=self.device)
             parent_rows = [rows.get(tree.parents[i]) for i in frontier]
