@@ -160,7 +160,7 @@ class DrafterBase(nn.Module):
             n_rows = len(rows)
             F = len(frontier)
             # Built on the host and copied once: set entry by entry on a GPU, a 24-level tree's masks cost ~1,000
-            # tiny kernel launches a round (top_k x depth^2 / 2 ancestor entries).
+            # one-element device writes a round (top_k x depth^2 / 2 ancestor entries), each its own GPU operation.
             mask = np.zeros((F, base + n_rows + F), dtype=bool)
             mask[:, :base] = True  # every node sees the verified prefix
             for j, node in enumerate(frontier):
