@@ -80,6 +80,7 @@ EOF
   echo "pipeline started in $WORK"
   ;&  # and poll in the same call
 poll)
+  set +e  # a log not written yet is no error
   while [ $SECONDS -lt "$POLL_S" ] && ! grep -q '^DONE' "$WORK/log" 2>/dev/null; do sleep 5; done
   echo "=== log"; cat "$WORK/log"
   for f in target.log drafter-moa4.log drafter-eagle.log; do
