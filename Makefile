@@ -1,23 +1,40 @@
-# Quick start: `make demo` (server, netsim and client on this machine, two network drops), `make test` (as CI runs it).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Pinned: this exact CPU wheel lies on the build machines' disk; an open range would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
-STAMP := $(VENV)/.installed
+# The lock (`make lock` rewrites it): every install here takes exactly these versions, the ones CI last tested.
+LOCK := constraints.txt
+PIP := $(BIN)/python -m pip install --constraint $(LOCK)
+# The repository root never goes first on sys.path (`python -m` and `python -c` put it there): its kernels/ would
+# shadow Hugging Face's `kernels` package, which transformers imports. Every recipe and its children inherit this.
+export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint demo proto clean
+.PHONY: install install-demo test lint demo lock proto clean
 
-$(STAMP): pyproject.toml
+# The venv with pip and the CPU torch; then either the demo's extras or everything the tests need (a superset).
+$(VENV)/.base: $(LOCK)
+	@echo "make: creating $(VENV) with pip and the CPU build of torch (once; about a minute)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	$(PIP) -q --upgrade pip
+	$(PIP) -q $(TORCH)
+	touch $@
 
-install: $(STAMP)
+$(VENV)/.demo: $(VENV)/.base pyproject.toml
+	@echo "make: installing tether[server,client] into $(VENV) (once)"
+	$(PIP) -q --build-constraint $(LOCK) -e '.[server,client]'
+	touch $@
 
-lint: $(STAMP)
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	@echo "make: installing tether[test] (server, client and the test tools) into $(VENV) (once)"
+	$(PIP) -q --build-constraint $(LOCK) -e '.[test]'
+	touch $@ $(VENV)/.demo
+
+install: $(VENV)/.test
+
+install-demo: $(VENV)/.demo
+
+lint: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
@@ -26,16 +43,26 @@ lint: $(STAMP)
 # and every test must pass with both cores busy anyway.
 WORKERS ?= 2
 
-test: $(STAMP) lint
+test: $(VENV)/.test lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
+demo: $(VENV)/.demo
+	@echo "demo: the server, tether-netsim and two clients on this machine's CPU (torch loads in a few seconds)"
+	$(BIN)/python -m tether.server.demo
+
+# Refresh the lock on purpose: resolve pyproject.toml anew in a throwaway venv with a current pip, then review the
+# diff and run `make test` before committing it.
+lock:
+	rm -rf $(VENV)-lock
+	$(PY) -m venv $(VENV)-lock
+	$(VENV)-lock/bin/python -m pip install -q --upgrade pip
+	$(VENV)-lock/bin/python deploy/lock.py
+	rm -rf $(VENV)-lock
+
 # The generated code is committed; tests/test_proto.py checks it is fresh.
-proto: $(STAMP)
+proto: $(VENV)/.test
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto \
 		proto/tether/v1/tether.proto
 
-demo: $(STAMP)
-	$(BIN)/python -m tether.server.demo
-
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV)-lock build *.egg-info

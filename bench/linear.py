@@ -36,9 +36,9 @@ L2_BYTES = 64 << 20  # at least this many bytes of weight copies per shape: H200
 
 
 def load_kernels_bench():
-    """bench/kernels.py as a module (bench/ is no package), for its CUDA-graph timer and copy bandwidth."""
+    """bench/moda_kernels.py as a module (bench/ is no package), for its CUDA-graph timer and copy bandwidth."""
     if "tether_bench_kernels" not in sys.modules:
-        path = Path(__file__).resolve().parent / "kernels.py"
+        path = Path(__file__).resolve().parent / "moda_kernels.py"
         spec = importlib.util.spec_from_file_location("tether_bench_kernels", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["tether_bench_kernels"] = module

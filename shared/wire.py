@@ -10,7 +10,7 @@ client reads and writes them without torch, and the server wraps these functions
   Neighbouring values often share sign and exponent, so the high-byte plane is repetitive while the low
   mantissa plane is close to noise; interleaved, the noise breaks up the repeats zstd would match. On
   smooth data that halves the size against plain zstd; on the shipped model's bf16 K/V, LSA vectors and
-  weights it gains 1-5% (bench/codecs.py). Integer and bool tensors pass through it losslessly too.
+  weights it gains 1-5% (bench/delta_codecs.py). Integer and bool tensors pass through it losslessly too.
 - INT8_ZSTD (2): lossy. Symmetric int8 with one fp16 scale per vector along the last axis (per
   (token, head) row of D values for K/V, per token for hidden states), then zstd of the int8 bytes.
   scale = max|row| / 127, rounded up to the next fp16, so |x - decode(x)| <= scale / 2 in fp32 before

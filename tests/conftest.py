@@ -1,5 +1,9 @@
 """Test configuration. Its presence puts tests/ on sys.path, so test modules share tiny_models.py.
 
+The repository root is taken off sys.path before anything is imported (`python -m pytest` puts it first, and its
+kernels/ would shadow Hugging Face's `kernels` package, which transformers imports), and PYTHONSAFEPATH keeps it off
+for every Python the tests start: `make test` exports the same, this covers a developer's own pytest run.
+
 Every gRPC server a test module leaves serving is stopped, and every TetherService it made is closed, once the
 module's own fixtures are done (`_servers_released`): a service's batcher threads keep it alive to the
 end of the run otherwise, its KV pool (256 MB by default) among it, and each of `make test`'s worker processes
@@ -7,11 +11,17 @@ runs many test files.
 """
 
 import functools
+import os
 import sys
 import weakref
+from pathlib import Path
 
-import pytest
-import torch
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

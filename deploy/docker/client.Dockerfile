@@ -23,7 +23,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python -m venv /opt/tether
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY deploy/docker/client-constraints.txt ./constraints.txt
+COPY constraints.txt ./constraints.txt
 # Every package of the distribution, as pyproject.toml maps them (the wheel holds them all; the client imports no
 # server or kernel module, and the client extra brings none of their dependencies).
 COPY shared ./shared
@@ -32,7 +32,8 @@ COPY client ./client
 COPY kernels ./kernels
 COPY netsim ./netsim
 COPY proto ./proto
-# The project itself; every dependency is pinned by the constraints file (deploy/docker/lock.py). Then the session
+# The project itself; every dependency is pinned by the repository's lock (`make lock`; its torch lines go unused: the
+# client extra brings no torch). Then the session
 # must import, and without torch.
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir --constraint constraints.txt ".[client]" \

@@ -37,16 +37,18 @@ RUN apt-get update \
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY deploy/docker/server-constraints.txt ./constraints.txt
+COPY constraints.txt ./lock.txt
 COPY shared ./shared
 COPY server ./server
 COPY client ./client
 COPY kernels ./kernels
 COPY netsim ./netsim
 COPY proto ./proto
-# The project itself; every dependency is pinned by the constraints file (deploy/docker/lock.py).
+# The project itself; every dependency is pinned by the repository's lock (`make lock`), less the torch stack, which
+# torch's own index pinned above.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --constraint constraints.txt ".[server]" \
+RUN grep -vE '^(torch|triton|nvidia-.*|cuda-.*)==' lock.txt > constraints.txt \
+    && pip install --no-cache-dir --constraint constraints.txt ".[server]" \
     && python -c "import tether.server.daemon, grpc_health.v1.health, grpc_reflection.v1alpha.reflection"
 
 # ---- runtime -----------------------------------------------------------------------------------------------------

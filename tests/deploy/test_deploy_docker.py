@@ -4,7 +4,8 @@
 - Structure: multi-stage, every base image tagged (never `latest`), a numeric non-root USER in the final stage,
   the ports and the HEALTHCHECK, and every COPY source exists in the repository. The server's torch is pinned and
   comes from its own index; the client image installs no torch at all (it drafts with onnxruntime).
-- The pip constraints the images install with still satisfy pyproject.toml (deploy/docker/lock.py regenerates them).
+- The images install with the repository's lock (constraints.txt, `make lock`), the one `make test` uses; it pins
+  every dependency within pyproject.toml's ranges, and the server image leaves its torch stack to torch's index.
 - The server's ENTRYPOINT parses with the real `tether-server serve` parser; the client's entrypoint script passes
   shellcheck, puts `--backend onnx` first and lets the command line override it (the real `tether-client` parser).
 - The HEALTHCHECK script against a live grpc.health.v1 server: SERVING, NOT_SERVING, and nobody listening.
@@ -139,26 +140,45 @@ def test_client_image_installs_no_torch():
     assert "import sys, onnxruntime, tether.client.session; assert 'torch' not in sys.modules" in install
 
 
-@pytest.mark.parametrize("extra", ["server", "client"])
-def test_constraints_pin_every_dependency_within_pyproject(extra):
-    from packaging.requirements import Requirement
-
+def lock_pins() -> dict[str, str]:
     pins = {}
-    for line in (DOCKER / f"{extra}-constraints.txt").read_text().splitlines():
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
         if line and not line.startswith("#"):
             name, _, version = line.partition("==")
             pins[canonical(name)] = version
-    assert not [n for n in pins if TORCH_STACK.match(n)], "the torch stack comes from torch's index, not the pins"
+    return pins
+
+
+def test_lock_pins_every_dependency_within_pyproject():
+    from packaging.requirements import Requirement
+
+    pins = lock_pins()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for text in project["dependencies"] + project["optional-dependencies"][extra]:
+    for text in project["dependencies"] + [r for reqs in project["optional-dependencies"].values() for r in reqs]:
         req = Requirement(text)
         name = canonical(req.name)
-        if TORCH_STACK.match(name):
+        if name == "tether":  # the test extra names the others
             continue
-        assert name in pins, f"{name} is not pinned: run deploy/docker/lock.py"
+        assert name in pins, f"{name} is not pinned: run `make lock`"
         assert req.specifier.contains(pins[name], prereleases=True), (
-            f"{name}=={pins[name]} no longer satisfies {text}: run deploy/docker/lock.py"
+            f"{name}=={pins[name]} no longer satisfies {text}: run `make lock`"
         )
+
+
+def test_lock_torch_is_the_makefiles_and_every_install_uses_the_lock():
+    makefile = (ROOT / "Makefile").read_text()
+    (torch_pin,) = re.findall(r"^TORCH := torch==(\S+)$", makefile, re.MULTILINE)
+    assert lock_pins()["torch"] == torch_pin
+    assert (
+        "LOCK := constraints.txt" in makefile and "PIP := $(BIN)/python -m pip install --constraint $(LOCK)" in makefile
+    )
+    installs = [line for line in makefile.splitlines() if "pip install" in line or "$(PIP)" in line]
+    assert installs and all("$(PIP)" in line or "--constraint" in line for line in installs if "-lock/" not in line)
+    for dockerfile in (SERVER, CLIENT):
+        copies = [r for w, r in instructions(dockerfile) if w == "COPY" and r.startswith("constraints.txt ")]
+        assert copies, f"{dockerfile.name} does not install from the lock"
+    (install,) = [r for w, r in stages(SERVER)[0] if w == "RUN" and '".[server]"' in r]
+    assert "grep -vE '^(torch|triton|nvidia-.*|cuda-.*)==' lock.txt > constraints.txt" in install
 
 
 def entrypoint(path: Path) -> list[str]:

@@ -11,7 +11,7 @@ reference that shows what the byte-plane shuffle buys. Ratio = raw bf16 bytes / 
 raw bytes; decode includes parsing the frame; INT8 error = ||x - decode(x)|| / ||x||.
 Prints a table, then one JSON line.
 
-    python bench/codecs.py
+    python bench/delta_codecs.py
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ achieved HBM bandwidth (the cache's K/V bytes read over that time), next to the 
 measured in the same run (the target: k=8 at 32K >= 70% of it); and the eager time per call, host work included.
 Prints the tables, then one JSON line.
 
-    python bench/kernels.py
-    python bench/kernels.py --prefill-t 4096 --contexts 32768 --depths 32        # a quick look
-    python bench/kernels.py --prefill-t --contexts 32768 --verify-k 8 --verify-tiles 64,4,3 128,4,2 \
+    python bench/moda_kernels.py
+    python bench/moda_kernels.py --prefill-t 4096 --contexts 32768 --depths 32        # a quick look
+    python bench/moda_kernels.py --prefill-t --contexts 32768 --verify-k 8 --verify-tiles 64,4,3 128,4,2 \
         --verify-splits 17 33 49                                                 # tune the verify tiles
 """
 
@@ -219,7 +219,7 @@ def main() -> int:
                     help="split counts for --verify-tiles (default: the heuristic's)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+        raise SystemExit("bench/moda_kernels.py needs a CUDA GPU")
     import triton
 
     console = Console()
