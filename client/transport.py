@@ -296,7 +296,9 @@ def diagnose(address: str, *, tls: bool, timeout_s: float = 2.0) -> Hint | None:
         return Hint.PLAINTEXT_SERVER if tls else None
     if _speaks_tls(host, port, timeout_s):
         return Hint.CERTIFICATE if tls else Hint.TLS_SERVER
-    return Hint.NOT_GRPC
+    # Only bytes that answered say "not gRPC" (an HTTP/1 server's status line or error page); a reset or a close
+    # with no answer is a link down (a proxy cut, a server restarting), retried as an outage.
+    return Hint.NOT_GRPC if first else None
 
 
 def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
