@@ -16,7 +16,9 @@ Contract (as DrafterBase; the differences are marked *):
   described, in the dtype and shape of the precision (tether.shared.weights.stored_layout), widened to fp32 and handed
   to onnxruntime by name; an int8 part's Linear products are rewritten to read its int8 rows instead
   (tether.client.onnx_int8). Every session reads external data from an empty folder, so a graph that names a file we
-  did not supply fails to load instead of reading one from the working directory.
+  did not supply fails to load instead of reading one from the working directory. Every session allocates from
+  the capped arena and every call runs under the time bound of `limits` (tether.client.onnx_bounds.RunLimits): a
+  call past either raises DraftingStopped, one line.
 - `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
   states of the round's root and accepted drafts and drops the drafted rows after them.
   * `commit(delta, keep_drafts=True)` keeps them instead, when the caller vouches that the rows held at the
@@ -66,6 +68,7 @@ import numpy as np
 import onnxruntime as ort
 from safetensors import safe_open
 
+from tether.client.onnx_bounds import DEFAULT_LIMITS, BoundedSession, RunLimits, bound_session_options
 from tether.client.onnx_derived import SessionOptions, derived_graphs
 from tether.client.onnx_int8 import int8_matmuls
 from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
@@ -133,12 +136,18 @@ def _check_sha256(name: str, data: bytes, want: str) -> None:
 
 
 def _session(
-    graph: bytes, weights: Mapping[str, np.ndarray], threads: int, options: SessionOptions | None = None
-) -> tuple[ort.InferenceSession, list]:
-    """An onnxruntime session of `graph` with `weights` as its external initializers; returns it and the values
-    it was given, which must live as long as it does."""
+    name: str,
+    graph: bytes,
+    weights: Mapping[str, np.ndarray],
+    threads: int,
+    limits: RunLimits,
+    options: SessionOptions | None = None,
+) -> tuple[BoundedSession, list]:
+    """An onnxruntime session of `graph` with `weights` as its external initializers, under `limits`; returns it
+    and the values it was given, which must live as long as it does."""
     options = options or SessionOptions()
     opts = ort.SessionOptions()
+    bound_session_options(opts, limits)
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     # Idle pool threads would otherwise busy-wait after every call, taking cores from the rest of the client.
@@ -153,7 +162,7 @@ def _session(
     with tempfile.TemporaryDirectory(prefix="tether-onnx-") as empty:
         opts.add_session_config_entry(EXTERNAL_FOLDER_KEY, empty)
         session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-    return session, [values, weights]
+    return BoundedSession(session, name, limits), [values, weights]
 
 
 class OnnxDrafter:
@@ -162,7 +171,7 @@ class OnnxDrafter:
 
     kind = ""
 
-    def __init__(self, manifest: dict, sessions: Mapping[str, ort.InferenceSession], keep: list | None = None):
+    def __init__(self, manifest: dict, sessions: Mapping[str, BoundedSession], keep: list | None = None):
         self.manifest = manifest
         sh = manifest["shapes"]
         self.vocab_size, self.dim, self.max_seq_len = sh["vocab_size"], sh["dim"], sh["max_seq_len"]
@@ -173,7 +182,8 @@ class OnnxDrafter:
         self.tree_width = 0  # the T (= R) the `tree` session is fixed at, when there is one
 
     @classmethod
-    def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True, tree_width: int = 0) -> OnnxDrafter:
+    def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True, tree_width: int = 0,
+             limits: RunLimits = DEFAULT_LIMITS) -> OnnxDrafter:  # fmt: skip
         path = Path(path)
         f = path / MANIFEST
         if not f.exists():
@@ -182,7 +192,7 @@ class OnnxDrafter:
         names = [g["file"] for g in manifest.get("graphs", {}).values()]
         names += [g["weights"]["file"] for g in manifest.get("graphs", {}).values() if "weights" in g]
         return cls.from_files(manifest, {name: path / name for name in names}, threads=threads,
-                              check_hashes=check_hashes, tree_width=tree_width)  # fmt: skip
+                              check_hashes=check_hashes, tree_width=tree_width, limits=limits)  # fmt: skip
 
     @classmethod
     def from_files(
@@ -193,6 +203,7 @@ class OnnxDrafter:
         threads: int = 1,
         check_hashes: bool = True,
         tree_width: int = 0,
+        limits: RunLimits = DEFAULT_LIMITS,
     ) -> OnnxDrafter:
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}")
@@ -213,7 +224,7 @@ class OnnxDrafter:
                     graph, weights = int8_matmuls(graph, stored)
                 else:
                     weights = {n: decode_weight(q, scale) for n, (q, scale) in stored.items()}
-            sessions[name], held = _session(graph, weights, threads)
+            sessions[name], held = _session(name, graph, weights, threads, limits)
             keep.append(held)
             io = [[a.name for a in sessions[name].get_inputs()], [a.name for a in sessions[name].get_outputs()]]
             if io != [g["inputs"], g["outputs"]]:
@@ -222,7 +233,7 @@ class OnnxDrafter:
                 derived = derived_graphs(manifest["kind"], graph, weights, tree_width)
         for name, (graph, weights, options) in derived.items():
             try:
-                sessions[name], held = _session(graph, weights, threads, options)
+                sessions[name], held = _session(name, graph, weights, threads, limits, options)
             except Exception:  # onnxruntime raises types of its own; without a derived session the step graph serves
                 continue
             keep.append(held)
@@ -329,7 +340,7 @@ class OnnxDrafter:
         self._drop_drafted(base)
         return tree
 
-    def _step_session(self, T: int, R: int) -> ort.InferenceSession:
+    def _step_session(self, T: int, R: int) -> BoundedSession:
         """The session that runs the step graph for T new tokens and R logit rows: `step1` for one token's logits,
         `tree` for a tree level as wide as it was derived for, where they were (module docstring)."""
         if T == 1 and R == 1:
@@ -378,7 +389,7 @@ class OnnxMoADrafter(OnnxDrafter):
 
     kind = "moa"
 
-    def __init__(self, manifest: dict, sessions: Mapping[str, ort.InferenceSession], keep: list | None = None):
+    def __init__(self, manifest: dict, sessions: Mapping[str, BoundedSession], keep: list | None = None):
         super().__init__(manifest, sessions, keep)
         self.tli = manifest["shapes"]["tli"]
         self.step_inputs = manifest["graphs"]["step"]["inputs"]

@@ -21,8 +21,12 @@ draft (OnnxDrafter.from_files). In order:
   fixed file names, their sha256 the manifest's, their inputs and outputs the graph contract
   (tether.shared.weights.onnx_graph_io), the precision asked, and weight tensors whose stored bytes fit their file
   (so widening int8 or fp16 to fp32 allocates at most 4x what was downloaded); the tokenizer has info's hash;
+- each graph must hold only what the exporter emits, within the bounds info's configs imply
+  (tether.client.onnx_graph_policy: no control flow, no other operator domain, no tensor or static shape larger
+  than the model's own), before onnxruntime sees it;
 - tether.client.onnx_drafter.OnnxDrafter.from_files then checks each weights file holds exactly the tensors
-  described and that onnxruntime's view of each graph has the described inputs and outputs.
+  described and that onnxruntime's view of each graph has the described inputs and outputs; drafting runs under a
+  memory and a time bound (tether.client.onnx_bounds).
 Refusals are PairingError or WeightCacheError (tether.client.errors.ServerDataError, `.problem` says what); a
 stream that breaks raises ConnectionError or grpc.RpcError, and calling again resumes.
 
@@ -45,6 +49,7 @@ from typing import Any
 
 from tether.client.errors import Problem
 from tether.client.onnx_drafter import FORMAT_VERSION, OnnxDrafter
+from tether.client.onnx_graph_policy import GraphLimits, GraphRefused, check_graph
 from tether.client.pairing_checks import (
     DEFAULT_MAX_BYTES,
     MAX_FINGERPRINT_CHARS,
@@ -113,6 +118,7 @@ def fetch_onnx_part(
     description = _description(files[ONNX_MANIFEST].read_bytes())
     check_description(description, cfg, dcfg, precision, by_name)
     tokenizer = check_tokenizer(files[TOKENIZER_TENSOR].read_bytes(), info)
+    check_graphs(description, files, GraphLimits.of(cfg, dcfg))
     try:
         drafter = OnnxDrafter.from_files(description, files, threads=threads, tree_width=tree_width)
     except ValueError as e:
@@ -175,6 +181,16 @@ def check_description(
              f"graph {name!r}'s weights are not {name}.safetensors in {precision}")  # fmt: skip
         stored = _stored_bytes(w.get("tensors"), precision, need)
         need(stored <= entries[f"{name}.safetensors"].nbytes, f"graph {name!r}'s weights do not fit their file")
+
+
+def check_graphs(description: dict, files: dict[str, Path], limits: GraphLimits) -> None:
+    """Refuse a part whose graphs hold anything the exporter does not emit (tether.client.onnx_graph_policy), before
+    onnxruntime sees them; `description` is checked already."""
+    for g in description["graphs"].values():
+        try:
+            check_graph(files[g["file"]].read_bytes(), limits, g["weights"]["tensors"])
+        except GraphRefused as e:
+            raise PairingError(Problem.MANIFEST, f"{g['file']} is not a graph this client runs: {e}") from None
 
 
 def _stored_bytes(tensors: Any, precision: str, need: Callable[[bool, str], None]) -> int:

@@ -307,7 +307,8 @@ def test_limits_and_formats_the_server_does_not_offer_are_refused_before_downloa
 
 def test_a_graph_that_names_a_file_we_did_not_supply_does_not_load(servers, tmp_path, monkeypatch):
     """Its weight left out of the weights file and the description, the graph still names it as external data in
-    step.safetensors: onnxruntime would read it from the working directory, where such a file now lies."""
+    step.safetensors: onnxruntime would read it from the working directory, where such a file now lies. The graph
+    check refuses it (external data the description does not list) before onnxruntime sees it."""
     s = servers()
     part = s.service.exporter.part("fp32")
     files = rewritten(drop_embeddings, lambda d: d["graphs"]["step"]["weights"]["tensors"].pop(
@@ -316,7 +317,7 @@ def test_a_graph_that_names_a_file_we_did_not_supply_does_not_load(servers, tmp_
     (tmp_path / "step.safetensors").write_bytes(bytes(16 << 20))
     with pytest.raises(ServerDataError) as e:
         fetch_onnx_part(Tamper(s.stub, files=files), s.info, tmp_path / "cache")
-    assert e.value.problem == Problem.MANIFEST and "onnxruntime" in str(e.value)
+    assert e.value.problem == Problem.MANIFEST
 
 
 CHILD = textwrap.dedent(
