@@ -12,7 +12,7 @@ export PYTHONSAFEPATH := 1
 
 .PHONY: install install-demo test lint demo lock proto clean
 
-# The venv with pip and the CPU torch; then either the demo's extras or everything the tests need (a superset).
+# The venv with pip and the CPU torch; then either the demo's extra or everything the tests need (a superset).
 $(VENV)/.base: $(LOCK)
 	@echo "make: creating $(VENV) with pip and the CPU build of torch (once; about a minute)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,8 +21,8 @@ $(VENV)/.base: $(LOCK)
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.base pyproject.toml
-	@echo "make: installing tether[server,client] into $(VENV) (once)"
-	$(PIP) -q --build-constraint $(LOCK) -e '.[server,client]'
+	@echo "make: installing tether[demo] (the server on the CPU, the edge client) into $(VENV) (once)"
+	$(PIP) -q --build-constraint $(LOCK) -e '.[demo]'
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml

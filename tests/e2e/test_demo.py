@@ -104,9 +104,23 @@ def test_outage_counts_follow_the_link_as_the_caller_changes_it(tok):
         view.link_change("down", lambda: None)
 
 
+# `make demo` installs tether[demo] only: no Triton (GPU kernels, about 1 GB), no matplotlib, no test tools. The demo's
+# process refuses to import them, so a dependency creeping into its path fails here rather than on a user's machine.
+ONLY_THE_DEMO_EXTRA = """
+import runpy, sys
+class NotInTheDemoExtra:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("triton", "matplotlib", "transformers", "openai", "httpx"):
+            raise ImportError(f"{name} is not in tether[demo]")
+sys.meta_path.insert(0, NotInTheDemoExtra())
+runpy.run_module("tether.server.demo", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_demo(policy: str, env: dict[str, str]) -> str:
-    cmd = [sys.executable, "-m", "tether.server.demo", "--policy", policy, "--max-new-tokens", "200", "--pace", "40"]
-    proc = subprocess.run(cmd, capture_output=True, timeout=300, env={"PATH": "", **env})
+    args = ["--policy", policy, "--max-new-tokens", "200", "--pace", "40"]
+    cmd = [sys.executable, "-c", ONLY_THE_DEMO_EXTRA, *args]
+    proc = subprocess.run(cmd, capture_output=True, timeout=300, env={"PATH": "", "PYTHONSAFEPATH": "1", **env})
     out = proc.stdout.decode()  # as written: text mode would turn the terminal's carriage returns into newlines
     assert proc.returncode == 0, out + proc.stderr.decode()
     return out
