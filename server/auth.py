@@ -6,7 +6,9 @@ Contract:
   so nothing a stranger sends is parsed, stored or logged. grpc.health.v1 and reflection stay open (load
   balancers and probes call them without keys).
 - The caller's identity, a sha256 of its key ("" without authentication), is `CALLER.get()` inside handlers.
-  Identities, never keys, are what sessions are bound to and what logs may show (a prefix).
+  Identities, never keys, are what sessions are bound to and what logs may show (a prefix). `work_owner()` is
+  whose queued model work a call counts against (tether.server.model_work): the identity, or without
+  authentication the host of the caller's peer (`PEER`, set here or by the front end that carried the call).
 - Calls in flight per caller are bounded (`max_calls_per_key`, with authentication), and Session and Generate
   streams over all callers (`max_streams`): past either, a call ends RESOURCE_EXHAUSTED (REASON_CAPACITY, with
   retry advice) at once. Idle streams are the stream handlers' business (tether.server.service).
@@ -28,6 +30,7 @@ import grpc
 from tether.server.errors import Reason, RequestError, status_metadata
 
 CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("tether_caller", default="")
+PEER: contextvars.ContextVar[str] = contextvars.ContextVar("tether_peer", default="")  # the caller's host
 PROTECTED = "/tether.v1.Tether/"
 STREAMS = {PROTECTED + "Session", PROTECTED + "Generate"}  # long-lived calls, bounded over all callers
 FULL_RETRY_S = 1.0  # retry advice when the call limits are reached
@@ -37,6 +40,20 @@ log = logging.getLogger("tether.server")
 
 def identity(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7", "ipv6:[::1]:5000" ->
+    "ipv6:[::1]"): a client's connections all count as that client. Anything else (a Unix socket) whole."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and rest.rpartition(":")[0]:
+        return f"{kind}:{rest.rpartition(':')[0]}"
+    return peer
+
+
+def work_owner() -> str:
+    """Whose queued model work this call counts against: its key's identity, else its host ("host " + PEER)."""
+    return CALLER.get() or "host " + PEER.get()
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -86,8 +103,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                                                    retry_after_s=FULL_RETRY_S))  # fmt: skip
         return _counted(handler, self, caller, stream)
 
-    def _enter(self, caller: str, stream: bool) -> None:
+    def _enter(self, caller: str, stream: bool, context) -> None:
         CALLER.set(caller)
+        PEER.set(peer_host(context.peer() or ""))
         self.calls[caller] += 1
         self.streams += stream
 
@@ -117,14 +135,14 @@ def _counted(handler: grpc.RpcMethodHandler, auth: AuthInterceptor, caller: str,
     inner = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
     async def call(request, context):
-        auth._enter(caller, stream)
+        auth._enter(caller, stream, context)
         try:
             return await inner(request, context)
         finally:
             auth._exit(caller, stream)
 
     async def call_stream(request, context):
-        auth._enter(caller, stream)
+        auth._enter(caller, stream, context)
         try:
             async for reply in inner(request, context):
                 yield reply

@@ -15,6 +15,8 @@ Contract:
   (tether.server.rounds.verify_batch, deltas in host memory for the encoder); rounds arriving meanwhile join the
   next step, and a round left out is first in the next. `window_s` > 0 waits that long for more rounds before
   each step. If the batch as a whole fails, each round is verified on its own, so one bad round fails alone.
+  A round whose Future was cancelled before the worker took it for a step (its caller went away:
+  tether.server.model_work) is dropped there and never reaches the model; once taken it runs to the step's end.
 - `warm_up(target, pool, drafter=None)`: every kernel variant and step graph a server needs, run once before it
   listens.
 """
@@ -127,7 +129,8 @@ class RoundBatcher:
 
     def _batch(self, first) -> tuple[list, bool]:
         """`first` and every round already waiting that fits one step with it, oldest first (continuous batching:
-        a round that arrives while a step runs joins the next step). Returns the batch and whether close() came."""
+        a round that arrives while a step runs joins the next step), each marked running as it is taken, those
+        cancelled meanwhile dropped. Returns the batch and whether close() came."""
         batch, longest = [first], len(first[1])
         deadline = time.monotonic() + self.window_s
         while True:
@@ -141,8 +144,9 @@ class RoundBatcher:
             if not self._fits(len(batch) + 1, grown):
                 self._next.appendleft(item)
                 return batch, False
-            batch.append(item)
-            longest = grown
+            if _taken(item):
+                batch.append(item)
+                longest = grown
 
     def _run(self) -> None:
         closing = False
@@ -150,6 +154,8 @@ class RoundBatcher:
             first = self._take(None)
             if first is None:
                 closing = True
+                continue
+            if not _taken(first):
                 continue
             batch, closed = self._batch(first)
             closing = closing or closed
@@ -167,6 +173,11 @@ class RoundBatcher:
                     except Exception as e:
                         results.append(e)
             _finish([(done, result) for (_, _, done), result in zip(batch, results, strict=True)])
+
+
+def _taken(item) -> bool:
+    """Marks a waiting round as running; False (drop it) when its caller cancelled it first."""
+    return item[2][0].set_running_or_notify_cancel()
 
 
 def _finish(step: list) -> None:

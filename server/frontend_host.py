@@ -39,7 +39,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from tether.server.auth import CALLER
+from tether.server.auth import CALLER, PEER
 from tether.server.frontend_wire import (
     MAX_FRAME,
     METHODS,
@@ -81,8 +81,8 @@ class CallContext:
 class EngineCall:
     """One client call, run here on the service's handler."""
 
-    def __init__(self, conn: FrontendConnection, call_id: int, method: str, caller: str):
-        self.conn, self.id, self.method, self.caller = conn, call_id, method, caller
+    def __init__(self, conn: FrontendConnection, call_id: int, method: str, caller: str, peer: str = ""):
+        self.conn, self.id, self.method, self.caller, self.peer = conn, call_id, method, caller, peer
         self.requests: asyncio.Queue = asyncio.Queue()  # request bytes, then None after the last
         self.reply_credit = Credit()
         self.consumed = Consumed()
@@ -109,6 +109,7 @@ class EngineCall:
         send = self.conn.outbox.send
         try:
             CALLER.set(self.caller)
+            PEER.set(self.peer)
             if self.method not in METHODS:
                 raise Aborted(grpc.StatusCode.UNIMPLEMENTED, f"no method {self.method}", ())
             cls, m = MESSAGES[self.method]
@@ -175,7 +176,8 @@ class FrontendConnection(asyncio.Protocol):
             if call_id in self.calls:
                 raise FrameError(f"call {call_id} opened twice")
             head = load(payload)
-            call = self.calls[call_id] = EngineCall(self, call_id, str(head.get("method")), str(head.get("caller")))
+            call = self.calls[call_id] = EngineCall(self, call_id, str(head.get("method")), str(head.get("caller")),
+                                                    str(head.get("peer", "")))  # fmt: skip
             call.task = self.host.loop.create_task(call.run(self.host.service))
             return
         call = self.calls.get(call_id)

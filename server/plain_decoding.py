@@ -11,8 +11,9 @@ Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
   token is a round of the batcher (tether.server.batcher), verified in one step with every other stream's and every
   Session's rounds. Its KV lives in the paged pool, lent by the session table (tether.server.sessions) and given
   back however the generator ends: closed by its consumer (a client went away) it gives the KV back at once, or
-  when the step in flight on a model thread ends; `released` is called then. A full pool raises
-  RequestError(REASON_CAPACITY) with retry advice.
+  when the step in flight on a model thread ends (work not yet started is dropped: tether.server.model_work);
+  `released` is called then. A full pool raises RequestError(REASON_CAPACITY) with retry advice, and so does a
+  caller over its share of the model threads' queue.
 - `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens.
 
 The mixin runs on the service's event loop and uses its table, threads, batcher, checks and metrics.
@@ -95,17 +96,17 @@ class PlainDecoding:
         self._generating += 1  # handlers all run on the one event loop: no lock
         work: concurrent.futures.Future | None = None
         try:
-            work = self.executor.submit(ver.open, prompt)
-            token, _ = await self._wait(work)
+            work = self.work.submit(ver.open, prompt, stoppable=True)
+            token, _ = await self.work.wait(work)
             yield [token]
             left = n - 1
             while left > 0 and ver.room > 0:
                 if self._generating == 1:
-                    work = self.executor.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
-                    chunk = await self._wait(work)
+                    work = self.work.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
+                    chunk = await self.work.wait(work)
                 else:
                     work, here = self.batcher.submit_here(ver, DraftTree.chain(token, []))
-                    chunk = [(await self._wait(work, None, here))[0].bonus]
+                    chunk = [(await self.work.wait(work, None, here))[0].bonus]
                 token, left = chunk[-1], left - len(chunk)
                 yield chunk
         except PoolExhausted:

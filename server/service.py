@@ -19,7 +19,8 @@ Contract (the messages are in proto/tether/v1/tether.proto):
 - Resync: after a disconnection, truncate to the client's verified length, absorb its offline tokens (all of
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
   disagreement and the next token. A session the server does not hold is rebuilt from the full history under a
-  new id (the reply's session_id); without the history the answer is REASON_HISTORY_REQUIRED.
+  new id (the reply's session_id); without the history the answer is REASON_HISTORY_REQUIRED
+  (tether.server.resync).
 - Close frees a session. Generate: plain server-side decoding streamed token by token (the baseline;
   tether.server.plain_decoding, which the OpenAI-compatible HTTP API decodes through too).
 - Without a drafter (`serve --drafter none`) ModelInfo says `server_only`, and Session, Resync and FetchWeights
@@ -35,7 +36,9 @@ run before any handler (tether.server.auth); a session is bound to the key that 
 other keys. Running out of room (sessions, KV memory, streams) is retryable: REASON_CAPACITY with retry advice.
 
 Threads: handlers are coroutines on the server's event loop; prefill, resync absorbs, Generate steps and delta
-encoding run on `model_threads` threads, rounds on the batcher's thread, so the loop only routes messages.
+encoding run on `model_threads` threads, rounds on the batcher's thread, so the loop only routes messages. Work
+whose caller has gone never starts (a long prefill stops between chunks), and a caller has at most
+`max_model_calls_per_caller` calls waiting for the model threads (tether.server.model_work).
 
     service = TetherService(target, drafter, tokenizer, ServiceConfig(), model_fingerprint=fp)
     server, port = make_server(service, "127.0.0.1:50051"); server.start()  # tether.server.rpc_server
@@ -44,14 +47,12 @@ encoding run on `model_threads` threads, rounds on the batcher's thread, so the 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import itertools
 import json
 import logging
 import os
 import secrets
-import threading
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ from tether.server.errors import Reason, RequestError, inline, status_metadata
 from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import KVPool, PoolExhausted
 from tether.server.metrics import ServiceMetrics
+from tether.server.model_work import ModelWork
 from tether.server.plain_decoding import POOL_RETRY_S, PlainDecoding
+from tether.server.resync import Resyncing
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
 from tether.server.verifier import SequenceVerifier
@@ -75,7 +78,6 @@ from tether.shared.chat_template import ChatFormat
 from tether.shared.codecs import Codec, CodecError, encode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.drafter_config import ArrayDelta
-from tether.shared.ids import is_session_id
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import (
@@ -115,10 +117,11 @@ class ServiceConfig:
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     model_threads: int = 2  # threads for prefills, resync absorbs and Generate steps
+    max_model_calls_per_caller: int = 128  # calls of one key (or, without keys, one host) waiting for those threads
     engine: int | None = None  # with serve --engines: this process's index, written into its session ids
 
 
-class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
+class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
     def __init__(
         self,
         target: Transformer,
@@ -192,16 +195,14 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         self.metrics.kv_blocks_used.set_function(lambda: p.used_blocks if (p := pool()) is not None else 0)
         self.batcher = RoundBatcher(target, window_s=c.batch_window_s, max_batch=c.max_batch,
                                     on_batch=self.metrics.observe_batch)  # fmt: skip
-        self.executor = concurrent.futures.ThreadPoolExecutor(c.model_threads, thread_name_prefix="tether-model")
+        self.work = ModelWork(c.model_threads, c.max_model_calls_per_caller)
         # A service dropped without close() (an embedding program's, a test's) still ends its threads, and so frees its
         # KV pool; close() is the orderly way.
         # Not at interpreter exit, though: the threads are daemons then, and ending them midway aborts the process.
         for done in (weakref.finalize(self, RoundBatcher.close, self.batcher),
-                     weakref.finalize(self, self.executor.shutdown, False)):  # fmt: skip
+                     weakref.finalize(self, self.work.close, False)):  # fmt: skip
             done.atexit = False
-        self._inflight: set[concurrent.futures.Future] = set()  # work handed to threads (waited for at stop)
         self._generating = 0  # Generate streams decoding now
-        self._inflight_lock = threading.Lock()
 
     @property
     def sessions(self) -> dict[str, Session]:
@@ -218,9 +219,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
             self.table.expire()
 
     def stop_work(self) -> None:
-        with self._inflight_lock:
-            pending = list(self._inflight)
-        concurrent.futures.wait(pending)
+        self.work.stop_work()
 
     def release_all(self) -> None:
         self.table.close_all()
@@ -228,41 +227,14 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
     def close(self) -> None:
         """End the service's threads (the process is stopping)."""
         self.batcher.close()
-        self.executor.shutdown(wait=True)
+        self.work.close()
         if self.exporter is not None:
             self.exporter.close()
 
-    # ---- work off the event loop ------------------------------------------------------------------------
+    # ---- work off the event loop (tether.server.model_work) --------------------------------------------------
 
-    def _track(self, work: concurrent.futures.Future) -> concurrent.futures.Future:
-        with self._inflight_lock:
-            self._inflight.add(work)
-        work.add_done_callback(self._untrack)
-        return work
-
-    def _untrack(self, work: concurrent.futures.Future) -> None:
-        with self._inflight_lock:
-            self._inflight.discard(work)
-
-    async def _wait(self, work: concurrent.futures.Future, claim: Claim | None = None,
-                    here: asyncio.Future | None = None):  # fmt: skip
-        """The result of work running on a thread (from `here`, its outcome on this loop, when the batcher gave
-        one: RoundBatcher.submit_here). If the call is cancelled meanwhile (its client went away), the session
-        stays claimed until the thread has finished with it."""
-        self._track(work)
-        # A wrapped Future is shielded (cancelling it would cancel `work`); `here` is this call's own: cancelling it
-        # only tells the batcher nobody waits for it any more.
-        result = asyncio.wrap_future(work) if here is None else here
-        try:
-            return await (asyncio.shield(result) if here is None else here)
-        except asyncio.CancelledError:
-            result.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now: no warning
-            if claim is not None:
-                claim.hand_over(work)
-            raise
-
-    async def _in_thread(self, fn, *args, claim: Claim | None = None):
-        return await self._wait(self.executor.submit(fn, *args), claim)
+    async def _in_thread(self, fn, *args, claim: Claim | None = None, stoppable: bool = False):
+        return await self.work.wait(self.work.submit(fn, *args, stoppable=stoppable), claim)
 
     def _max_new(self, requested: int) -> int:
         return min(requested or self.config.max_new_tokens, self.config.max_new_tokens)
@@ -390,6 +362,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         epoch = 0  # the session's resync count when this stream opened or attached it
         messages = aiter(request_iterator)
         watch = IdleWatch(self.config.stream_idle_s)  # one timer per stream, not per message
+        unanswered: Session | None = None  # opened here, its Opened not yet handed to gRPC
         try:
             while True:
                 try:
@@ -411,7 +384,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                         if session is not None:
                             raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
                         session, replies = await self._open(message.open, caller)
-                        epoch = session.resyncs
+                        epoch, unanswered = session.resyncs, session
                     elif kind == "attach":
                         if session is not None:
                             raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
@@ -432,8 +405,11 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                                       round_no)]  # fmt: skip
                 for reply in replies:
                     yield reply
+                unanswered = None
         finally:
             watch.close()
+            if unanswered is not None:  # the call ended inside the yield: its client never learnt the session's id
+                self.table.abandon(unanswered)
 
     async def _open(self, req: pb.OpenSession, caller: str) -> tuple[Session, list[pb.ServerMessage]]:
         c = self.config
@@ -451,7 +427,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         session, claim = await self.table.create(caller, req.sampling, codec, capacity)
         async with claim:
             try:
-                first, delta = await self._in_thread(session.verifier.open, prompt, claim=claim)
+                first, delta = await self._in_thread(session.verifier.open, prompt, claim=claim, stoppable=True)
                 parts = await self._in_thread(self._delta_parts, delta, codec)
             except (ValueError, PoolExhausted) as e:
                 raise RequestError(Reason.REASON_CAPACITY, f"no KV memory for the prompt: {e}",
@@ -513,7 +489,7 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
                     # The reply is encoded on the batcher's thread, straight after the step.
                     finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents))
                     work, here = self.batcher.submit_here(s.verifier, tree, finish)
-                    verdict, message = await self._wait(work, claim, here)
+                    verdict, message = await self.work.wait(work, claim, here)
             except ValueError as e:
                 raise invalid(str(e)) from None
             except PoolExhausted:
@@ -538,96 +514,3 @@ class TetherService(PlainDecoding, tether_pb2_grpc.TetherServicer):
         v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload,
                        path=verdict.path[1:] if tree_round else ())  # fmt: skip
         return verdict, pb.ServerMessage(verdict=v)
-
-    # ---- Resync -------------------------------------------------------------------------------------------
-
-    async def Resync(self, request: pb.ResyncRequest, context) -> pb.ResyncReply:
-        try:
-            reply = await self._resync(request, CALLER.get())
-        except RequestError as e:
-            await self._abort(context, e, "resync", request.session_id if is_session_id(request.session_id) else "")
-        self.metrics.resyncs.labels(outcome="rebuilt" if reply.rebuilt else "extended").inc()
-        log.info("session resynced", extra={"event": "resync", "session": reply.session_id, "rebuilt": reply.rebuilt,
-                                            "offline_tokens": len(request.offline_tokens),
-                                            "first_disagreement": reply.first_disagreement,
-                                            "verified_length": reply.verified_length})  # fmt: skip
-        return reply
-
-    async def _resync(self, req: pb.ResyncRequest, caller: str) -> pb.ResyncReply:
-        c = self.config
-        self._need_drafter()
-        self.check.fingerprint(req.model_fingerprint)
-        check_sampling(req.sampling)
-        codec = check_codec(req.delta_codec)
-        offline = self.check.tokens(req.offline_tokens, "offline tokens", c.max_new_tokens + 1)
-        if not offline:
-            raise invalid("resync needs at least the root token")
-        if req.session_id:
-            check_id(req.session_id, "session_id")
-        if req.resume_token:
-            check_id(req.resume_token, "resume_token")
-        V = req.verified_length
-        held = self.table.lookup(req.session_id, caller) if req.session_id else None
-        if held is not None:
-            self._check_token(held, req.resume_token)
-            try:
-                claim = await self.table.claim(held)
-            except RequestError:  # evicted since the lookup: rebuild below, as if never held
-                held = None
-            else:
-                return await self._extend(held, claim, V, offline, req.rewind)
-        history = self.check.tokens(req.history, "history", c.max_prompt_tokens + c.max_new_tokens)
-        if not history or len(history) != V:
-            raise RequestError(Reason.REASON_HISTORY_REQUIRED,
-                               "session not held here: resend with the full verified history")  # fmt: skip
-        self.check.fits_pool(V + len(offline), "history")
-        capacity = self._capacity(V + len(offline), c.max_new_tokens)
-        if V + len(offline) >= capacity:
-            raise RequestError(Reason.REASON_TOO_LONG, f"{V + len(offline)} positions do not fit a session")
-        session, claim = await self.table.create(caller, req.sampling, codec, capacity)
-        async with claim:
-            try:
-                await self._in_thread(session.verifier.open, history, claim=claim)
-            except (ValueError, PoolExhausted) as e:
-                raise RequestError(Reason.REASON_CAPACITY, f"no KV memory to rebuild the session: {e}",
-                                   retry_after_s=POOL_RETRY_S) from None  # fmt: skip
-            self.metrics.opened.inc()
-            reply = await self._absorb(session, claim, V, offline, req.rewind, rebuilt=True)
-            claim.keep()
-            return reply
-
-    async def _extend(self, session: Session, claim: Claim, V: int, offline: list[int], rewind: bool):
-        """Resync a held session: back to the client's verified length, then absorb its offline tokens."""
-        async with claim:
-            ver = session.verifier
-            if V > ver.length:
-                raise RequestError(Reason.REASON_OUT_OF_ORDER,
-                                   f"client claims {V} verified positions, the server holds {ver.length}")  # fmt: skip
-            if len(offline) > ver.cache.capacity - V:
-                raise RequestError(Reason.REASON_SESSION_FULL, "too many offline tokens for this session")
-            return await self._absorb(session, claim, V, offline, rewind, rebuilt=False)
-
-    async def _absorb(self, session: Session, claim: Claim, V: int, offline: list[int], rewind: bool, *,
-                      rebuilt: bool) -> pb.ResyncReply:  # fmt: skip
-        try:
-            disagreement, next_token, delta = await self._in_thread(
-                functools.partial(session.verifier.absorb, V, offline, rewind=rewind), claim=claim
-            )
-        except PoolExhausted:
-            raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly",
-                               retry_after_s=POOL_RETRY_S) from None  # fmt: skip
-        payload = await self._in_thread(self._delta, delta, session.codec)
-        session.root = next_token
-        session.last_round, session.last_reply = 0, None  # round numbering restarts after a resync
-        session.resyncs += 1
-        reply = pb.ResyncReply(session_id=session.id, resume_token=session.resume_token, rebuilt=rebuilt,
-                               first_disagreement=disagreement, target_token=next_token,
-                               verified_length=session.verifier.length, delta=payload)  # fmt: skip
-        # Refused here rather than failing in gRPC's send: a client that retries from its verified length with
-        # fewer tokens gets the same state (the cache is truncated to that length first).
-        if reply.ByteSize() > self.config.max_message_bytes - 1024:
-            limit = self.config.max_message_bytes
-            raise RequestError(Reason.REASON_REPLY_TOO_LARGE,
-                               f"the reply for {len(offline)} offline tokens would take {reply.ByteSize()} bytes, over "
-                               f"the {limit}-byte message limit: resync fewer tokens per call")  # fmt: skip
-        return reply

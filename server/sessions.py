@@ -10,6 +10,8 @@ Contract:
   idle session is evicted, and when every session is busy the caller is refused (REASON_CAPACITY, retryable).
 - Leases: a session idle for `lease_s` expires (`expire`, run periodically and before every `create`): its
   quota and KV go back, its next round answers REASON_SESSION_EVICTED and its client rebuilds it by a resync.
+  A session whose opening call ended before its answer was sent is retired at once (`abandon`), and so is a fresh
+  one whose opening or rebuilding call was cancelled (its claim is released as soon as no thread uses it).
 - Claims: handlers use a session through `claim` (an async context manager), which serialises them per
   session and marks the session busy, so eviction (which the KV pool triggers from worker threads when it runs
   short, `reclaim`) never takes the KV of a session whose round or resync is running. A claim whose work was
@@ -192,6 +194,12 @@ class SessionTable:
             dropped = self._drop(session)
         if dropped:
             self._release(session, reason)
+
+    def abandon(self, session: Session) -> None:
+        """Retire a session whose opening call ended before its answer went out, unless a claim holds it (its id
+        reached someone after all). Its client can only rebuild it by a resync, as after an eviction."""
+        if not session.lock.locked():
+            self.retire(session, "abandoned")
 
     def expire(self) -> int:
         """Retire every idle session whose lease has ended; returns how many."""

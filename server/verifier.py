@@ -15,6 +15,8 @@ drafter None no delta is produced. With `pool` the sequence's KV lives in the se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tether.server.kv_pool import KVPool, PagedCache
@@ -25,6 +27,10 @@ from tether.shared.sampling import sample_token
 from tether.shared.speculative import DraftTree, Verdict
 
 DECODE_CHUNK = 16  # tokens plain decoding hands back at a time to stream them (one replay of chained steps on a GPU)
+
+
+class Stopped(Exception):
+    """`open` was told to stop between prefill chunks: the sequence holds a partial prompt and is of no use."""
 
 
 def target_states(out: ForwardOutput) -> TargetStates:
@@ -88,7 +94,8 @@ class SequenceVerifier:
                             generator=self.generator)  # fmt: skip
 
     @torch.inference_mode()
-    def open(self, prompt_ids: list[int]) -> tuple[int, DraftDelta | None]:
+    def open(self, prompt_ids: list[int], stop: Callable[[], bool] | None = None) -> tuple[int, DraftDelta | None]:
+        """Prefill; `stop` (its caller has gone) is asked before each chunk, and Stopped raised when it says so."""
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         if len(prompt_ids) >= self.cache.capacity:
@@ -97,16 +104,12 @@ class SequenceVerifier:
         want = self.drafter is not None
         # In chunks, each against the cache so far: attention memory grows with chunk x prompt, not prompt^2
         # (the reference path on a long resync history), and only the last position's logits are computed.
-        outs = [
-            self.target.prefill(
-                prompt[:, i : i + self.prefill_chunk],
-                self.cache,
-                last_only=True,
-                hidden_layers=(self.target.cfg.n_layers,),
-                return_kv=want,
-            )  # fmt: skip
-            for i in range(0, prompt.shape[1], self.prefill_chunk)
-        ]
+        outs = []
+        for i in range(0, prompt.shape[1], self.prefill_chunk):
+            if stop is not None and stop():
+                raise Stopped(f"prefill stopped after {i} of {prompt.shape[1]} positions")
+            outs.append(self.target.prefill(prompt[:, i : i + self.prefill_chunk], self.cache, last_only=True,
+                                            hidden_layers=(self.target.cfg.n_layers,), return_kv=want))  # fmt: skip
         out = outs[0] if len(outs) == 1 else ForwardOutput(
             logits=outs[-1].logits,
             k=torch.cat([o.k for o in outs], 2) if want else None,
