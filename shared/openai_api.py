@@ -76,6 +76,7 @@ class ErrorKind(enum.Enum):
     INTERNAL = (500, "server_error", "internal_error")
     UPSTREAM = (502, "server_error", "upstream_error")  # a gateway's upstream (the edge's tether server) refused
     OVERLOADED = (503, "server_error", "overloaded")
+    UNREACHABLE = (503, "server_error", "server_unreachable")  # a gateway's upstream (the edge's server) is down
 
     @property
     def status(self) -> int:
