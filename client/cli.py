@@ -11,7 +11,10 @@ tether-client <command> --help           # every flag with its default and allow
 tether-client --version
 
 generate prints the text as it comes (a live view on a terminal, plain text in a pipe, or one JSON object with
---json) and ends with a summary: tokens verified and drafted offline, time to first token, tokens/s. chat keeps
+--json) and ends with a summary: tokens verified and drafted offline, time to first token (from the command's
+start, and after pairing: --json's ttft_from_start_s and ttft_s), tokens/s. While the server cannot be reached,
+generate and chat say each change of the link's state in one line ("offline: server unreachable", "resyncing",
+"online: 40 offline tokens verified"); --log-level debug adds gRPC's own text of each failure on stderr. chat keeps
 the conversation as messages rendered with the model's chat template (the server sends it), sends only each
 turn's new tokens into one server session, and drafts alone while the server is unreachable; it has line editing
 and history on a terminal (--history-file) and reads one message a line from a pipe. Ctrl-C while a reply
@@ -39,18 +42,23 @@ closed).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import sys
-from collections.abc import Sequence
-from pathlib import Path
+import time
+
+STARTED_AT = time.monotonic()  # the command's start, as early as this module can take it: time to first token
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 # Only the standard library and light modules at the top: the session (grpc, numpy, the drafter's runtime) is
 # imported inside the commands, and a subcommand's flags are built only when it is parsed (LazyParser), so a bare
 # `--help` or `--version` stays fast on an edge box (tests/test_client_install.py checks they import no torch).
-from tether.client import env
-from tether.shared.cli_support import (
+from tether.client import env  # noqa: E402
+from tether.client.logs import LogConfig, add_log_args, configure  # noqa: E402
+from tether.shared.cli_support import (  # noqa: E402
     LazyParser,
     add_dataclass_args,
     add_version_flag,
@@ -138,8 +146,9 @@ def _connect(args: argparse.Namespace, quiet: bool):
     from tether.client.server_only import ServerOnlySession, server_tokenizer
     from tether.client.session import EdgeSession
 
+    configure(build_config(LogConfig, args))
     cfg = _config(args)
-    session = EdgeSession(cfg)
+    session = EdgeSession(cfg, started_at=STARTED_AT)
     console = Console(stderr=True, highlight=False, quiet=quiet)
     bar = console.is_terminal if args.progress is None else args.progress
     notes = Connecting(console, bar=bar)
@@ -151,7 +160,8 @@ def _connect(args: argparse.Namespace, quiet: bool):
             session.pair()
             return session, session, session.models.tokenizer
         tokenizer = server_tokenizer(session, args.tokenizer)
-        return session, ServerOnlySession(session.stub, session.metadata, cfg, info, tokenizer), tokenizer
+        engine = ServerOnlySession(session.stub, session.metadata, cfg, info, tokenizer, started_at=STARTED_AT)
+        return session, engine, tokenizer
     except BaseException:
         session.close()
         raise
@@ -263,6 +273,7 @@ def _session_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> 
     parser.add_argument("--tokenizer", default="", metavar="PATH",
                         help="the model's tokenizer.json (or its directory), for a server without a drafter "
                              "(default: the server's own, fetched once and cached)")  # fmt: skip
+    add_log_args(parser)
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar on stderr while the client part downloads (default: on a "
                              "terminal)")  # fmt: skip

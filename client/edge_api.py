@@ -17,19 +17,26 @@ Contract:
   state over the shared weights, the request's temperature, top_p, top_k and seed, `max_tokens` as its
   max_new_tokens, and the chat format's stop ids as its own (nothing is drafted past an end of turn). top_k is the
   server's to apply when it verifies: drafts proposed without it stay lossless, but tokens drafted offline are
-  sampled without it. The session is opened in one try: a server that is full answers 503 with its Retry-After, one
-  that cannot be reached 503 too (nothing can be drafted before the server has verified the prompt), a prompt it
-  finds too long 400; any other refusal, and anything invalid it sends, 502. Once open, the session survives
-  outages on its own (drafting alone, resyncing) and yields `Tokens` as it emits them:
+  sampled without it. The session is opened in one try: a server that is full answers 503 `overloaded` with its
+  Retry-After, one that cannot be reached 503 `server_unreachable` with a Retry-After too and the reason in a few
+  words ("server unreachable", "link stalled, no reply in 30.0 s": nothing can be drafted before the server has
+  verified the prompt), a prompt it finds too long 400; any other refusal, and anything invalid it sends, 502.
+  Once open, the session survives outages on its own (drafting alone, resyncing) and yields `Tokens` as it emits
+  them:
   - policy keep: offline tokens are yielded at once, marked offline (they stay in the text, unverified);
   - policy rewind: only verified text is yielded. Offline tokens are held back until the resync that follows:
-    those the target keeps are yielded then, as verified; those it retracts were never sent. Only when the
-    generation ends offline and the link stays down past `final_resync_s` are the held tokens yielded, marked
-    offline: they stand. So the stream never has to take text back (`Release` decides this, event by event).
+    those the target keeps (the session tags them verified: Event "verify") are yielded then, as verified;
+    those it retracts were never sent. Only when the generation ends offline and the link stays down past
+    `final_resync_s` are the held tokens yielded, marked offline: they stand. So the stream never has to take
+    text back (`Release` decides this, event by event).
   Closing the generator (the client went away, a stop string or the token limit reached) stops the session: it
   finishes the round in flight and closes its server session. `outstanding` counts sessions still running;
   `wait_released(timeout)` waits until none is (tests, shutdown); `stop_all()` stops every one.
 - `observe(session, event)`, when given, sees every session's events on its worker thread (logs, tests).
+- The log ("tether.edge", INFO): one line per change of a session's link state (tether.client.outage.LinkNotes:
+  "offline: server unreachable", "resyncing", "online: ..."), and one when it ends, each naming the server's
+  session id (its first 8 digits; the first one the server gave, kept after the session is closed or rebuilt).
+  gRPC's own text of each failure is logged at DEBUG only.
 
 Tests: tests/client/test_edge_api.py (the held-back text under rewind, error mapping, the command line),
 tests/e2e/test_edge_api_e2e.py (a real server, the openai package and raw SSE, outages through tether.netsim).
@@ -48,8 +55,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from tether.client.errors import Problem, ServerDataError
+from tether.client.outage import LinkNotes, reason
 from tether.client.pairing_checks import check_model_info
-from tether.client.session import ClientConfig, EdgeSession, Event, Paired, State
+from tether.client.session import ClientConfig, EdgeSession, Event, Paired
 from tether.client.transport import LinkDown, ServerBusy, ServerError, SessionLost
 from tether.shared.chat_template import ChatFormat, ChatTemplateError
 from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
@@ -71,8 +79,8 @@ def api_error(e: Exception, server: str) -> ApiError | None:
     if isinstance(e, ServerDataError):
         return ApiError(ErrorKind.UPSTREAM, f"the tether server at {server}: {e}")
     if isinstance(e, LinkDown | SessionLost):
-        return ApiError(ErrorKind.OVERLOADED, f"the tether server at {server} cannot be reached ({e}); try again "
-                        "shortly", retry_after_s=UNREACHABLE_RETRY_S)  # fmt: skip
+        log.debug("the tether server at %s cannot be reached: %s", server, e)
+        return ApiError(ErrorKind.UNREACHABLE, reason(e), retry_after_s=UNREACHABLE_RETRY_S)
     if isinstance(e, ServerError):
         return ApiError(REQUEST_KINDS.get(e.reason, ErrorKind.UPSTREAM), f"the tether server at {server} refused: {e}")
     return None
@@ -187,10 +195,10 @@ class Release:
             else:
                 self.send(Tokens(list(e.tokens), offline=True))
         elif e.kind == "tokens":
-            if self.held:  # a verified token after them: the resync kept these, the target agreeing
-                self.send(Tokens(self.held))
-                self.held = []
             self.send(Tokens(list(e.tokens)))
+        elif e.kind == "verify" and self.held:  # a resync kept these (the oldest held first): verified now
+            kept, self.held = self.held[: e.count], self.held[e.count :]
+            self.send(Tokens(kept))
         elif e.kind == "retract":  # always the tail, and only offline tokens
             del self.held[max(0, len(self.held) - e.count) :]
 
@@ -207,6 +215,8 @@ class _Request:
     def __init__(self, backend: EdgeBackend, prompt: list[int], sampling: Sampling, max_tokens: int,
                  deliver: Callable[[object], None]):  # fmt: skip
         self.backend, self.prompt, self.deliver = backend, prompt, deliver
+        self.notes = LinkNotes()
+        self.sid = "-"  # the server's session id for the log (its first 8 digits), once it has given one
         cfg = dataclasses.replace(backend.cfg, temperature=sampling.temperature, top_p=sampling.top_p,
                                   seed=sampling.seed, max_new_tokens=max_tokens, session_file="")  # fmt: skip
         self.release = Release(cfg.policy == "rewind", deliver)
@@ -220,10 +230,10 @@ class _Request:
         if self.backend.observe is not None:
             self.backend.observe(self.session, e)
         self.release.event(e)
-        if e.kind == "state" and e.state == State.OFFLINE:
-            log.info("session %s: the link is down (%s): drafting alone", self.session.session_id[:8], e.detail)
-        elif e.kind == "state" and e.state == State.ONLINE and self.session.stats.resyncs:
-            log.info("session %s: resynced, verified again", self.session.session_id[:8])
+        if self.sid == "-" and self.session.session_id:
+            self.sid = self.session.session_id[:8]
+        for line in self.notes.lines(e):
+            log.info("session %s: %s", self.sid, line)
 
     def _work(self) -> None:
         server = self.session.cfg.server
@@ -232,9 +242,9 @@ class _Request:
             self.release.end()
             self.deliver(_END)
             s = self.session.stats
-            log.info("session %s: %d tokens, %d offline, %d retracted, tau %.2f, %d resyncs",
-                     self.session.session_id[:8], len(self.session.tokens), s.offline_tokens, s.retracted, s.tau,
-                     s.resyncs)  # fmt: skip
+            log.info("session %s: %d tokens, %d drafted offline, %d of them unverified, %d retracted, tau %.2f, "
+                     "%d resyncs", self.sid, len(self.session.tokens), s.offline_tokens,
+                     self.session.tags.count("offline"), s.retracted, s.tau, s.resyncs)  # fmt: skip
         except Exception as e:
             error = api_error(e, server)
             if error is None:

@@ -21,7 +21,10 @@ made and stays. With `--policy rewind` the endpoint sends verified text only: wh
 for the resync, which keeps what the target agrees with (then sent, as verified) and retracts the rest, which was
 never sent. Only when a generation ends offline and the link does not come back within `--final-resync-s` is the
 held text sent, marked offline. A request that arrives while the server cannot be reached gets 503 with
-Retry-After: nothing can be drafted before the server has verified the prompt.
+Retry-After and the code `server_unreachable` (`overloaded` is a server that refuses for load): nothing can be
+drafted before the server has verified the prompt. The log on stderr (`--log-level`, info by default) has one line
+per change of a session's link state ("session 1f2e3d4c: offline: server unreachable", "... resyncing", "...
+online: 40 offline tokens verified") and one when it ends; `--log-level debug` adds gRPC's own text of each failure.
 
 A client that goes away, a stop string or max_tokens ends its generation and closes its server session. The
 session flags are those of `tether-client generate` (--backend, --precision, --codec, --k, the timeouts ...);
@@ -42,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import re
 import signal
 import sys
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tether.client import env
+from tether.client.logs import LogConfig, add_log_args, configure
 from tether.shared.cli_support import add_dataclass_args, build_config, field_comments
 
 # The session flags a request decides for itself (its sampling), or that mean nothing for an endpoint.
@@ -115,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, choices in CHOICES.items():
         parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name), help=comments[name])
     parser.add_argument("--api-key-file", default="", help="a file holding the tether server's bearer key")
+    add_log_args(parser, default="info")  # info: one line per change of a session's link state, and its end
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -135,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = read_keys(cfg.http_api_keys, cfg.http_api_key_file)
     if cfg.max_streams < 1:
         raise ValueError("--max-streams must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure(build_config(LogConfig, args))
     print(f"connecting to {client.server}", file=sys.stderr, flush=True)
     try:
         backend = EdgeBackend.connect(client, model_id=cfg.served_model_name)

@@ -4,8 +4,11 @@ colours, the link state, tau and bytes; and a summary table at the end.
 Contract: `LiveView(tokenizer, prompt_text, netsim=None)` is an event sink for tether.client.session
 (`view.on_event`); use it as a context manager around the generation (rich.live.Live underneath), then
 `view.summary(result)` prints the closing table. `PlainStream` is the sink for a pipe or a log: it writes text
-as it is produced and notes state changes and retractions on stderr; `summary(result)` ends with one line there.
-Both summaries give time to first token and tokens/s, and say when the server decoded alone (server-only).
+as it is produced and notes the link's state changes and retractions on stderr; `summary(result)` ends with one
+line there. Both say the link's state changes alike, one line each (tether.client.outage.LinkNotes: "offline:
+server unreachable", "resyncing", "online ..."), and re-colour nothing already printed but the live view's text,
+whose offline tokens turn verified when a resync keeps them (Event "verify"). Both summaries give time to first
+token from the command's start and after pairing, tokens/s, and say when the server decoded alone (server-only).
 `ChatStream` is a chat's: each reply as it comes (offline text in yellow on a terminal), without the tokens a
 template hides (end of turn, special tokens), notes on stderr. `Connecting` is the sink while pairing: what the
 connect loop reports, and a rich progress bar on stderr for the client part's first download (bytes, rate), shown
@@ -31,6 +34,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 from rich.text import Text
 
+from tether.client.outage import LinkNotes
 from tether.client.session import Event, Result, State
 from tether.shared.tokenizer import Tokenizer
 
@@ -40,11 +44,13 @@ STATE_STYLE = {State.CONNECTING: "cyan", State.ONLINE: "green", State.OFFLINE: "
 
 
 def summary_line(result: Result) -> str:
-    """One line: tokens (verified / offline), time to first token, tokens/s, tau, wall."""
+    """One line: tokens (verified / offline), time to first token (from the start, and after pairing), tokens/s, tau,
+    wall."""
     s = result.stats
     n, off = len(result.token_ids), result.tags.count("offline")
     parts = [f"{n} tokens" + (f" ({n - off} verified, {off} offline)" if off else ""),
-             f"first token {1000 * s.ttft_s:.0f} ms", f"{s.tokens_per_s:.1f} tokens/s"]  # fmt: skip
+             f"first token {1000 * s.ttft_from_start_s:.0f} ms ({1000 * s.ttft_s:.0f} ms after pairing)",
+             f"{s.tokens_per_s:.1f} tokens/s"]  # fmt: skip
     parts.append("server-only (nothing drafted)" if s.server_only else f"tau {s.tau:.2f}")
     if s.retracted:
         parts.append(f"{s.retracted} retracted")
@@ -68,6 +74,7 @@ class LiveView:
         self.state = State.CONNECTING
         self.log: list[str] = []
         self.retracted = 0
+        self.notes = LinkNotes()
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
         self.live = Live(self._render(), console=self.console, refresh_per_second=12, transient=False)
@@ -83,19 +90,21 @@ class LiveView:
     def on_event(self, e: Event) -> None:
         with self.lock:
             t = time.monotonic() - self.t0
+            lines = self.notes.lines(e)
             if e.kind == "tokens":
                 self.tokens += e.tokens
                 self.tags += [e.tag] * len(e.tokens)
+            elif e.kind == "verify":
+                self.tags[e.start : e.start + e.count] = ["verified"] * e.count
             elif e.kind == "retract":
                 del self.tokens[len(self.tokens) - e.count :]
                 del self.tags[len(self.tags) - e.count :]
                 self.retracted += e.count
-                self.log.append(f"{t:6.2f}s  rewind: {e.count} offline tokens retracted")
             elif e.kind == "state":
                 self.state = e.state
-                self.log.append(f"{t:6.2f}s  {e.state.value}" + (f" ({e.detail})" if e.detail else ""))
-            elif e.detail:
-                self.log.append(f"{t:6.2f}s  {e.detail}")
+            elif e.kind == "info" and e.detail and not (self.log and self.log[-1].endswith("  " + e.detail)):
+                lines = [e.detail]  # a note the connect loop repeats at each try: once
+            self.log += [f"{t:6.2f}s  {line}" for line in lines]
             self.live.update(self._render())
 
     def _render(self):
@@ -127,7 +136,8 @@ class LiveView:
                 ("offline (kept)", n_off), ("offline drafted", s.offline_tokens), ("retracted", s.retracted),
                 ("rounds", s.rounds), ("tau", f"{s.tau:.2f}"), ("outages", s.outages), ("resyncs", s.resyncs),
                 ("rebuilt sessions", s.rebuilt), ("payload up / down", f"{s.bytes_up:,} / {s.bytes_down:,} B"),
-                ("time to first token", f"{1000 * s.ttft_s:.0f} ms"), ("tokens/s", f"{s.tokens_per_s:.1f}"),
+                ("time to first token", f"{1000 * s.ttft_from_start_s:.0f} ms"),
+                ("... after pairing", f"{1000 * s.ttft_s:.0f} ms"), ("tokens/s", f"{s.tokens_per_s:.1f}"),
                 ("wall", f"{s.wall_s:.2f} s")]  # fmt: skip
         if s.server_only:
             rows[3:10] = [("decoded by", "the server alone (server-only: no drafter)")]
@@ -143,23 +153,23 @@ class LiveView:
 
 
 class PlainStream:
-    """Text to stdout as it is produced; state changes and retractions as notes on stderr."""
+    """Text to stdout as it is produced; the link's state changes (one line each) and retractions as notes on
+    stderr."""
 
     def __init__(self, tokenizer: Tokenizer, *, out=None, err=None):
         self.tok = tokenizer
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.notes = LinkNotes()
 
     def on_event(self, e: Event) -> None:
+        for line in self.notes.lines(e):
+            self.err.write(f"\n[tether: {line}]\n")
         if e.kind == "tokens":
             self.out.write(self.dec.decode(self.tok.decode_bytes(e.tokens)))
             self.out.flush()
         elif e.kind == "retract":
             self.err.write(f"\n[tether: rewound {e.count} offline tokens; the text goes on from there]\n")
-        elif e.kind == "state" and e.state in (State.OFFLINE, State.RESYNCING):
-            self.err.write(f"\n[tether: {e.state.value}{': ' + e.detail if e.detail else ''}]\n")
-        elif e.kind == "state" and e.state == State.ONLINE and e.detail:
-            self.err.write(f"\n[tether: online ({e.detail})]\n")
 
     def summary(self, result: Result) -> None:
         self.err.write(f"[tether: {summary_line(result)}]\n")

@@ -6,8 +6,10 @@ behind its delta gate, the stub and the stream); docs/ARCHITECTURE.md, section 7
   the drafter has not seen yet (a new turn's, or those after a resync the link broke halfway) are fed to it first.
 - RESYNCING (`_resync`): Resync from the verified length: the root (the target's last token) and the tokens
   produced since, in pieces; policy `keep` absorbs them, `rewind` keeps those before the first disagreement and
-  retracts the rest. A server that lost the session rebuilds it from the full history (REASON_HISTORY_REQUIRED),
-  and so does one whose session is full (REASON_SESSION_FULL: the client forgets it and sends the history).
+  retracts the rest. Each piece's kept tokens are tagged verified as its reply is committed (EdgeSession._verify:
+  Event "verify"), so no kept token stays tagged offline, whichever way the resync ends. A server that lost the
+  session rebuilds it from the full history (REASON_HISTORY_REQUIRED), and so does one whose session is full
+  (REASON_SESSION_FULL: the client forgets it and sends the history).
   Then a new stream attaches and rounds go on.
 - A turn (`extend(prompt)`, for a chat): the whole conversation, rendered and encoded, becomes the next run()'s
   prompt. When the session's text up to its verified length is a prefix of it, and it fits the drafter's caches,
@@ -63,7 +65,7 @@ class Resync:
             self._forget_session()
             self.verified = self.round = 0
         self._set_state(State.CONNECTING)
-        self._t_prompt = time.monotonic()
+        self._t_prompt = self.started_at = time.monotonic()  # this turn's time to first token
         return kept
 
     def _forget_session(self) -> None:
@@ -146,7 +148,7 @@ class Resync:
         self.round = 0
         if not turn:
             self.stats.resync_s.append(time.monotonic() - t0)
-        self._set_state(State.ONLINE, "rebuilt" if rebuilt else "")
+        self._set_state(State.ONLINE, "session rebuilt" if rebuilt else "")
 
     def _in_prompt(self) -> bool:
         """Whether the next position to resync holds a prompt token (a turn's, not yet absorbed)."""
@@ -183,6 +185,7 @@ class Resync:
         self.session_id, self.resume_token = reply.session_id, reply.resume_token  # a rebuilt session has a new id
         self.drafter.commit(wire_delta(reply.delta))
         self.verified = reply.verified_length
+        self._verify(V, self.verified)  # the offline tokens it kept are verified now: tagged so, and told
         self._feed_from = self.verified  # the drafter now holds exactly the verified positions: offline, it reads on
         return reply
 

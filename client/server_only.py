@@ -8,10 +8,11 @@ stream comes from the server (FetchWeights of CLIENT_PART_TOKENIZER, which every
 ModelInfo.client_part_formats, drafter or not) and is cached by its hash; `--tokenizer PATH` overrides it.
 
 Contract:
-- `ServerOnlySession(stub, metadata, cfg, info, tokenizer, on_event=None, stop_ids=None)`: `run(prompt_ids)` ->
-  Result, one Generate call. Its events are EdgeSession's: state CONNECTING -> ONLINE -> DONE, and "tokens" tagged
-  verified as they arrive. It ends at `cfg.max_new_tokens`, at the first of `stop_ids` (the tokenizer's
-  end-of-text by default; the stream is cancelled there) or at `stop()` (thread-safe; it ends at the next chunk).
+- `ServerOnlySession(stub, metadata, cfg, info, tokenizer, on_event=None, stop_ids=None, started_at=None)`:
+  `run(prompt_ids)` -> Result, one Generate call (`started_at`: the command's start, for ttft_from_start_s). Its
+  events are EdgeSession's: state CONNECTING -> ONLINE -> DONE, and "tokens" tagged verified as they arrive. It
+  ends at `cfg.max_new_tokens`, at the first of `stop_ids` (the tokenizer's end-of-text by default; the stream is
+  cancelled there) or at `stop()` (thread-safe; it ends at the next chunk).
   Stats say server_only, with time to first token and tokens/s. A token outside the vocabulary or past the length
   is a ServerDataError; a refusal or a broken link raises ServerError or LinkDown (tether.client.transport). `run`
   may be called again (a chat's next turn: a new Generate over the whole conversation, as no session is held).
@@ -166,7 +167,8 @@ class ServerOnlySession:
 
     def __init__(self, stub, metadata: tuple, cfg: ClientConfig, info: pb.ModelInfo, tokenizer: Tokenizer,
                  on_event: Callable[[Event], None] | None = None,
-                 stop_ids: Collection[int] | None = None):  # fmt: skip
+                 stop_ids: Collection[int] | None = None, started_at: float | None = None):  # fmt: skip
+        self.started_at = started_at  # when the command began (Stats.ttft_from_start_s); None: at the request
         self.stub, self.metadata, self.cfg, self.info, self.tokenizer = stub, metadata, cfg, info, tokenizer
         self.on_event = on_event or (lambda e: None)
         eos = tokenizer.eos_id
@@ -209,7 +211,7 @@ class ServerOnlySession:
                 end = next((i + 1 for i, t in enumerate(chunk) if t in self.stop_ids), None)
                 chunk = chunk[:end]
                 tokens += chunk
-                stats.token_emitted(len(chunk), t0, time.monotonic())
+                stats.token_emitted(len(chunk), t0, time.monotonic(), self.started_at)
                 self.on_event(Event("tokens", tokens=chunk, tag="verified"))
                 if end is not None or len(tokens) >= cfg.max_new_tokens or self._stop_asked:
                     stats.stopped = self._stop_asked and end is None and len(tokens) < cfg.max_new_tokens

@@ -12,13 +12,15 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
   goes out at once when the verdict went as guessed (tether.client.rounds). A round unanswered within
   `round_timeout_s` of being sent, or a broken stream, means OFFLINE.
 - OFFLINE: the drafter goes on alone from what it holds (SA over its own tokens, CA over the last verified
-  LSA vectors, TLI layers with their own KV cache); each token is emitted tagged "offline". Reconnection is
-  tried with exponential backoff and jitter (tether.client.transport.Backoff, which also paces the connect loop
-  and the weight download's retries), failing over along `--server`'s replicas.
+  LSA vectors, TLI layers with their own KV cache); each token is emitted tagged "offline". The state's detail is
+  the reason in a few words (tether.client.outage); gRPC's own text goes to the "tether.client" log at debug.
+  Reconnection is tried with exponential backoff and jitter (tether.client.transport.Backoff, which also paces the
+  connect loop and the weight download's retries), failing over along `--server`'s replicas.
 - RESYNCING: Resync sends the verified length and the tokens produced since (the root first). Policy `keep`:
   the target absorbs them all. Policy `rewind`: it keeps those before the first one it disagrees with, the
-  rest are retracted, and the text then equals what the target alone would have produced (greedy). A server
-  that lost the session (restart, eviction, another replica) gets the full verified history and rebuilds it.
+  rest are retracted, and the text then equals what the target alone would have produced (greedy). Either way the
+  tokens it kept are tagged verified (Event "verify"), here, so every surface agrees. A server that lost the
+  session (restart, eviction, another replica) gets the full verified history and rebuilds it.
   Then a new stream attaches to the session and rounds go on (tether.client.resync, with OFFLINE).
 - Turns (a chat): `extend(prompt)` makes the whole conversation the next run()'s prompt; the server session held
   is extended with the new tokens (Resync, which absorbs them) when the text up to the verified length is a prefix
@@ -43,6 +45,7 @@ test_chat_e2e, ...), tests/client/test_session_file.py, tests/client/test_round_
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import secrets
 import threading
@@ -55,6 +58,7 @@ import numpy as np
 from tether.client.delta_gate import DeltaGate, DeltaLayout, wire_delta
 from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
+from tether.client.outage import reason
 from tether.client.pairing_checks import check_model_info
 from tether.client.resync import Resync
 from tether.client.rounds import Drafted, Measured, Rounds, lookahead_rows
@@ -85,6 +89,7 @@ from tether.shared.ids import is_session_id
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
+log = logging.getLogger("tether.client")
 AFFINITY_HEADER = "x-tether-affinity"  # per-generation key for load balancers' session affinity
 DOWNLOAD_ATTEMPTS = 20  # a download a flaky link breaks resumes where the cache stops, this many times in a row
 
@@ -104,11 +109,14 @@ class EdgeSession(Resync, Rounds):
     """One generation: owns the channel, the drafter and the text. See the module docstring."""
 
     def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
-                 paired: Paired | None = None, top_k: int = 0, connect_attempts: int = 0):  # fmt: skip
+                 paired: Paired | None = None, top_k: int = 0, connect_attempts: int = 0,
+                 started_at: float | None = None):  # fmt: skip
         """paired: a pairing made before (one per edge endpoint, tether.client.edge_api), used instead of pairing
         again; its drafter must be this session's own. top_k: the sampling rule's top-k (0: off). connect_attempts:
-        tries at opening the session before run() raises what failed (0: until the server refuses for good)."""
+        tries at opening the session before run() raises what failed (0: until the server refuses for good).
+        started_at: when the command began (time.monotonic(); default: now), for Stats.ttft_from_start_s."""
         cfg.check()
+        self.started_at = time.monotonic() if started_at is None else started_at
         self.reuse, self.top_k, self.connect_attempts = paired, top_k, connect_attempts
         self._stopping = threading.Event()  # stop(): end the generation soon, from any thread
         self.cfg = cfg
@@ -176,9 +184,24 @@ class EdgeSession(Resync, Rounds):
     def _append(self, tokens: list[int], tag: str) -> None:
         self.tokens += tokens
         self.tags += [tag] * len(tokens)
-        self.stats.token_emitted(len(tokens), self._t_prompt, time.monotonic())
+        self.stats.token_emitted(len(tokens), self._t_prompt, time.monotonic(), self.started_at)
         self._save()
         self.on_event(Event("tokens", tokens=tokens, tag=tag))
+
+    def _verify(self, start: int, end: int) -> None:
+        """Positions start..end of the sequence are verified now (a resync kept them): the offline tokens among
+        them are tagged verified here, the one place tags change, and each run of them is told as an Event
+        "verify" (`start`: its index among the generated tokens, `count`), so every surface agrees."""
+        i, end = max(start - len(self.prompt), 0), min(max(end - len(self.prompt), 0), len(self.tags))
+        while i < end:
+            j = i
+            while j < end and self.tags[j] == "offline":
+                j += 1
+            if j > i:
+                self.tags[i:j] = ["verified"] * (j - i)
+                self.on_event(Event("verify", start=i, count=j - i))
+            i = j + 1
+        self._save()
 
     # ---- the session file: what a restarted client needs to go on (tether.client.session_file) ------------------
 
@@ -402,7 +425,7 @@ class EdgeSession(Resync, Rounds):
         finished = not self._turn and self.backoff.retry(
             lambda: self._connect(prompt_text),
             transient=(LinkDown, SessionLost),
-            on_retry=lambda e: self.on_event(Event("info", detail=f"connecting: {e}")),
+            on_retry=self._retrying,
             attempts=self.connect_attempts,
         )
         self._turn = False
@@ -448,18 +471,27 @@ class EdgeSession(Resync, Rounds):
                     if self.stream is not None:
                         self.stream.close()
                         self.stream = None
-                    self._set_state(State.OFFLINE, str(e))
+                    self._offline(e)
                     # A lost session answers at once: resync now. A dead link or a full server: draft alone, try
                     # again soon (a full server says when).
                     next_try = time.monotonic() + (0.0 if lost else self.backoff.wait(e))
                 else:
-                    self._set_state(State.OFFLINE, str(e))
+                    self._offline(e)
                     if len(self.replicas.addresses) > 1 and not lost:
                         self._next_endpoint()  # its replica is unreachable or full: fail over (a full-history resync)
                     next_try = time.monotonic() + self.backoff.failed(e)
         self._finish()
         self._save(done=True)
         return self._result(t0)
+
+    def _offline(self, error: Exception) -> None:
+        """OFFLINE for `error`: its reason in a few words for people (tether.client.outage), gRPC's text at debug."""
+        log.debug("session %s: offline: %s", self.session_id[:8] or "-", error)
+        self._set_state(State.OFFLINE, reason(error))
+
+    def _retrying(self, error: Exception) -> None:
+        log.debug("connecting to %s: %s", self.replicas.address, error)
+        self.on_event(Event("info", detail=f"connecting: {reason(error)}"))
 
     def _result(self, t0: float) -> Result:
         self.stats.wall_s = time.monotonic() - t0

@@ -6,11 +6,14 @@ Contract:
   --help). CHOICES names the values its string fields of a fixed set take (the CLI offers them as choices);
   `cfg.check()` raises ValueError for another, and EdgeSession checks its config so.
 - `State`: CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE (docs/ARCHITECTURE.md, section 7).
-- `Event`: what the session reports as it goes ("state", "tokens" tagged verified or offline, "retract", "info",
-  "download": `count` of `total` bytes of the client part fetched so far, only while a download runs).
+- `Event`: what the session reports as it goes ("state", with a short human reason for OFFLINE; "tokens" tagged
+  verified or offline; "verify": `count` offline tokens from index `start` of the generated ones, which a resync
+  kept, are tagged verified now; "retract"; "info"; "download": `count` of `total` bytes of the client part
+  fetched so far, only while a download runs).
 - `Stats` and `Result`: a generation's counters and its text; `Result.to_json()` is `tether-client --json`'s line.
-  Time to first token runs from sending the prompt (pairing done) to its first token; tokens/s is the rate after
-  it: (tokens - 1) / (last token's time - first token's).
+  Time to first token runs from sending the prompt (pairing done) to its first token (`ttft_s`), and from the
+  command's start (`ttft_from_start_s`: imports, pairing and downloads included, what a user waits); tokens/s is
+  the rate after it: (tokens - 1) / (last token's time - first token's).
 - `Paired`: what pairing gave the session, whichever the backend: model info, tokenizer, drafter, bytes.
 Importing this module imports no torch and no onnxruntime.
 
@@ -97,11 +100,12 @@ class ClientConfig:
 
 @dataclass
 class Event:
-    kind: str  # "state", "tokens", "retract", "info", "download"
+    kind: str  # "state", "tokens", "verify", "retract", "info", "download"
     state: State | None = None
     tokens: list[int] = field(default_factory=list)
     tag: str = ""  # "verified" or "offline" for "tokens"
-    count: int = 0  # tokens retracted; bytes fetched ("download")
+    count: int = 0  # tokens retracted or verified; bytes fetched ("download")
+    start: int = 0  # "verify": the index among the generated tokens of the first one verified
     total: int = 0  # bytes to fetch ("download")
     detail: str = ""
 
@@ -133,6 +137,7 @@ class Stats:
     # the critical path (a round drafted ahead goes out at once; otherwise the delta is adopted and a round drafted)
     wall_s: float = 0.0
     ttft_s: float = 0.0  # time to first token: from sending the prompt (pairing done) to its first token
+    ttft_from_start_s: float = 0.0  # time to first token from the command's start (pairing and downloads included)
     decode_s: float = 0.0  # from the first token to the last
     emitted: int = 0  # tokens emitted (retracted ones included)
     server_only: bool = False  # the server runs no drafter: it decoded alone (Generate) and nothing was drafted
@@ -151,10 +156,12 @@ class Stats:
         """Tokens a second after the first (0 before a second token)."""
         return (self.emitted - 1) / self.decode_s if self.emitted > 1 and self.decode_s > 0 else 0.0
 
-    def token_emitted(self, n: int, start: float, now: float) -> None:
-        """Count `n` tokens emitted at `now` for a prompt sent at `start` (time.monotonic())."""
+    def token_emitted(self, n: int, start: float, now: float, began: float | None = None) -> None:
+        """Count `n` tokens emitted at `now` for a prompt sent at `start` by a command that began at `began`
+        (time.monotonic(); None: at `start`)."""
         if not self.emitted:
             self.ttft_s = now - start
+            self.ttft_from_start_s = now - (start if began is None else began)
             self._first = now
         self.emitted += n
         self.decode_s = now - self._first

@@ -5,7 +5,8 @@ Contract:
 - `SplitView(tokenizer, prompt, *, netsim=None, console=None)` holds two panes, `view.hybrid` and `view.server`
   (`Pane`), each an event sink for tether.client.session's events (`pane.on_event`, from any thread): the tail of
   its text that fits (the prompt dim, verified tokens green, offline ones yellow; a retraction removes its tokens,
-  counts them and notes it in the log line, as tether.client.live_view.LiveView does), its state, tokens so far
+  counts them and notes it in the log line, as tether.client.live_view.LiveView does; offline ones a resync kept
+  turn green; each change of its link's state is one note, tether.client.outage.LinkNotes), its state, tokens so far
   and payload bytes (`pane.stats`: the session's Stats, read as it changes; the hybrid pane adds tau).
 - The link is what the caller makes it: `view.link_change(state, act)` records "up", "cut" or "stalled" around
   `act()` (netsim's restore, cut or stall): going down, `act` runs first; coming back, the state changes first, so
@@ -44,6 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tether.client.live_view import STATE_STYLE, STYLE, token_texts
+from tether.client.outage import LinkNotes
 from tether.client.session_types import Event, Result, State, Stats
 from tether.shared.tokenizer import Tokenizer
 
@@ -75,14 +77,19 @@ class Pane:
         self.retracted = 0
         self.in_outages = 0  # see the module docstring: written alone (hybrid), came over a down link (server)
         self.stats: Stats | None = None  # the stream's own counters, set by the caller
+        self.notes = LinkNotes()  # one note per change of the link's state, as every client surface says it
 
     def on_event(self, e: Event) -> None:
         with self.view.lock:
+            for line in self.notes.lines(e):
+                self.view.note(f"{self.name}: {line}")
             if e.kind == "tokens":
                 self.tokens += e.tokens
                 self.tags += [e.tag] * len(e.tokens)
                 if e.tag == "offline" and self.view.link != "up":
                     self.in_outages += len(e.tokens)
+            elif e.kind == "verify":
+                self.tags[e.start : e.start + e.count] = ["verified"] * e.count
             elif e.kind == "retract":
                 del self.tokens[len(self.tokens) - e.count :]
                 del self.tags[len(self.tags) - e.count :]
@@ -90,7 +97,6 @@ class Pane:
                 self.view.note(f"{self.name}: rewind: {e.count} offline tokens retracted")
             elif e.kind == "state":
                 self.state = e.state
-                self.view.note(f"{self.name}: {e.state.value}" + (f" ({e.detail})" if e.detail else ""))
             elif e.detail:
                 self.view.note(f"{self.name}: {e.detail}")
 

@@ -15,7 +15,8 @@ Contract:
   SessionLost (resync with the full history; SessionFull: the session has no room left, so forget it first),
   LinkDown (an outage), BadMessage (a message the client refused: a lost round), ServerError (a refusal retrying
   will not fix; FormatNotOffered: the server does not stream the client part in the form this client drafts with).
-  `typed(e)` maps any failed call to one of them.
+  `typed(e)` maps any failed call to one of them. Those of an outage carry a `cause` (tether.client.outage.Cause,
+  from the status and reason too): what a user reads, gRPC's own text staying in the message for the debug log.
 - `first_contact(call, backoff, address=, tls=, deadline=)`: a command's first call (GetModelInfo), retried until
   `deadline` while a server may still be starting. On its first UNAVAILABLE the address is looked at (`diagnose`:
   the socket's errno and the first bytes that answer, never gRPC's message text): something that is not a gRPC
@@ -54,6 +55,7 @@ from typing import TypeVar
 import grpc
 
 from tether.client.errors import ServerDataError
+from tether.client.outage import Cause
 from tether.client.refusals import LOST, Refusal
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -62,12 +64,24 @@ T = TypeVar("T")
 
 
 class LinkDown(Exception):
-    """The server did not answer in time, or the connection broke."""
+    """The server did not answer in time, or the connection broke; `cause` says which, for people
+    (tether.client.outage), and `waited_s` how long a stalled reply was waited for."""
+
+    cause = Cause.FAILED
+    waited_s = 0.0
+
+    def __init__(self, *args: object, cause: Cause | None = None, waited_s: float = 0.0):
+        super().__init__(*args)
+        if cause is not None:
+            self.cause = cause
+        self.waited_s = waited_s
 
 
 class ServerBusy(LinkDown):
     """The server is full right now (sessions, KV memory, streams, this key's quota): like an outage, the client
     drafts alone and tries again, after at least `retry_after_s` (the server's advice)."""
+
+    cause = Cause.BUSY
 
     def __init__(self, refusal: Refusal):
         super().__init__(f"server busy ({refusal.reason_name}): {refusal.message}")
@@ -77,15 +91,21 @@ class ServerBusy(LinkDown):
 class SessionLost(Exception):
     """The server no longer holds the session (restart, eviction, lease): resync with the full history."""
 
+    cause = Cause.SESSION_LOST
+
 
 class SessionFull(SessionLost):
     """The server's session has no room left (REASON_SESSION_FULL: a chat past the server's max_new_tokens): the
     client forgets it and resyncs, which rebuilds a session from the full history."""
 
+    cause = Cause.SESSION_FULL
+
 
 class BadMessage(ServerDataError, LinkDown):
     """A message from the server the client refused (a KV delta or verdict the session does not allow): the round
     or resync is lost as if the link had dropped, so the client drafts alone and resyncs later."""
+
+    cause = Cause.INVALID
 
 
 class ServerError(RuntimeError):
@@ -151,6 +171,7 @@ def _code_name(value: int) -> str:
 
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
+_CAUSES = {grpc.StatusCode.UNAVAILABLE: Cause.UNREACHABLE, grpc.StatusCode.DEADLINE_EXCEEDED: Cause.STALLED}
 
 
 def refused(r: Refusal) -> Exception:
@@ -162,7 +183,7 @@ def refused(r: Refusal) -> Exception:
     if r.reason in LOST or r.code == grpc.StatusCode.NOT_FOUND:
         return SessionLost(r.message)
     if r.code in _TRANSIENT:
-        return LinkDown(f"{r.code.name}: {r.message}")
+        return LinkDown(f"{r.code.name}: {r.message}", cause=_CAUSES.get(r.code, Cause.FAILED))
     return ServerError(r.code, r.message, r.reason)
 
 
@@ -176,7 +197,7 @@ def typed(e: Exception) -> Exception:
     if isinstance(e, grpc.RpcError):
         return rpc_error(e)
     if isinstance(e, ConnectionError):
-        return LinkDown(str(e))
+        return LinkDown(str(e), cause=Cause.BROKEN)
     return e
 
 
@@ -334,7 +355,7 @@ class SessionStream:
         try:
             for msg in self.call:
                 self.inbox.put((time.monotonic(), msg))
-            self.inbox.put((time.monotonic(), LinkDown("the server closed the stream")))
+            self.inbox.put((time.monotonic(), LinkDown("the server closed the stream", cause=Cause.CLOSED)))
         except grpc.RpcError as e:
             self.inbox.put((time.monotonic(), rpc_error(e)))
 
@@ -361,7 +382,7 @@ class SessionStream:
             try:
                 self.arrived_at, reply = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise LinkDown(f"no answer within {timeout:.1f} s") from None
+                raise LinkDown(f"no answer within {timeout:.1f} s", cause=Cause.STALLED, waited_s=timeout) from None
             if isinstance(reply, Exception):
                 raise reply
             if reply.WhichOneof("body") != "error":

@@ -56,10 +56,11 @@ def test_keep_sends_offline_tokens_at_once_marked():
 
 
 def test_rewind_sends_only_what_a_resync_kept_and_never_what_it_retracted():
-    # Offline 4 5 6 7; the resync keeps 4 5 (the target agrees), retracts 6 7, and the target's token 9 follows.
+    # Offline 4 5 6 7; the resync keeps 4 5 (the target agrees: the session tags them verified), retracts 6 7, and
+    # the target's token 9 follows.
     events = [tokens([1, 2], "verified"), tokens([4], "offline"), tokens([5], "offline"), tokens([6], "offline"),
-              tokens([7], "offline"), Event("retract", count=2), tokens([9], "verified"),
-              tokens([10], "verified")]  # fmt: skip
+              tokens([7], "offline"), Event("verify", start=2, count=2), Event("retract", count=2),
+              tokens([9], "verified"), tokens([10], "verified")]  # fmt: skip
     sent = released(True, events)
     assert sent == [Tokens([1, 2]), Tokens([4, 5]), Tokens([9]), Tokens([10])]
     assert not any(t.offline for t in sent)
@@ -82,8 +83,8 @@ def test_rewind_with_everything_retracted_and_an_outage_that_never_ends():
          1.0),
         (ServerBusy(Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, pb.REASON_KEY_QUOTA, "quota", 7.0)),
          ErrorKind.OVERLOADED, 7.0),
-        (LinkDown("no answer within 2.0 s"), ErrorKind.OVERLOADED, 2.0),
-        (SessionLost("gone"), ErrorKind.OVERLOADED, 2.0),
+        (LinkDown("no answer within 2.0 s"), ErrorKind.UNREACHABLE, 2.0),
+        (SessionLost("gone"), ErrorKind.UNREACHABLE, 2.0),
         (ServerError(grpc.StatusCode.INVALID_ARGUMENT, "too long", pb.REASON_TOO_LONG), ErrorKind.CONTEXT_LENGTH, 0),
         (ServerError(grpc.StatusCode.INVALID_ARGUMENT, "bad", pb.REASON_INVALID_REQUEST), ErrorKind.INVALID_REQUEST,
          0),
@@ -95,9 +96,9 @@ def test_rewind_with_everything_retracted_and_an_outage_that_never_ends():
 def test_upstream_refusals_map_to_openai_errors(error, kind, retry_after):
     e = api_error(error, "10.0.0.1:50051")
     assert e.kind is kind and e.retry_after_s == retry_after
-    assert "10.0.0.1:50051" in e.message
+    assert ("10.0.0.1:50051" in e.message) == (kind is not ErrorKind.UNREACHABLE)  # that one: the reason alone
     assert e.body()["error"]["type"] == ("server_error" if kind.status >= 500 else "invalid_request_error")
-    assert (e.headers() != {}) == (kind is ErrorKind.OVERLOADED)
+    assert (e.headers() != {}) == (kind in (ErrorKind.OVERLOADED, ErrorKind.UNREACHABLE))
     assert api_error(RuntimeError("a bug"), "x") is None  # the endpoint answers 500 and logs it
 
 

@@ -281,7 +281,7 @@ def test_the_servers_limits_and_refusals_as_openai_errors(keep, upstream):
     finally:
         keep.sim.restore()
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-    assert r.json()["error"]["code"] == "overloaded" and keep.sim.address in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "server_unreachable" and r.json()["error"]["message"] == "server unreachable"
     assert httpx.post(url, json=body, timeout=BOUND_S).status_code == 200
 
 
@@ -384,7 +384,8 @@ def test_keep_answers_through_an_outage_with_the_offline_tokens_marked(keep, str
         offline = done.choices[0].model_extra["tether"]["offline_tokens"]
     assert cut.struck and cut.restored and cut.written >= 8
     session = cut.sessions[0]
-    assert offline == cut.written == session.tags.count("offline") and session.stats.resyncs >= 1
+    assert offline == cut.written and session.stats.resyncs >= 1
+    assert session.tags.count("offline") == 0  # the resync kept them: the session tags them verified now
     assert session.tags[-1] == "verified", session.tags  # the answer went on, verified again once the link was back
 
 
