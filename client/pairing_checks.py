@@ -254,12 +254,13 @@ def served_eos(info: pb.ModelInfo) -> int | None:
 
 
 def check_tokenizer(data: bytes, info: pb.ModelInfo) -> Tokenizer:
-    """The tokenizer entry's JSON as a Tokenizer (its eos the server's), refused unless it parses, has info's
-    tokenizer hash and the eos is in its vocabulary."""
+    """The tokenizer entry's JSON as a Tokenizer (its eos the server's), refused unless it passes
+    tether.shared.tokenizer_trust (no regex that may backtrack for ever), parses, has info's tokenizer hash and the
+    eos is in its vocabulary."""
     try:
         tokenizer = Tokenizer.from_json(data.decode(), eos_id=served_eos(info))
     except Exception as e:  # the tokenizers library raises its own types on text it cannot read
-        raise PairingError(Problem.TOKENIZER, f"the tokenizer does not parse: {str(e)[:200]}") from None
+        raise PairingError(Problem.TOKENIZER, f"the tokenizer is refused: {str(e)[:200]}") from None
     if tokenizer.sha256 != info.tokenizer_sha256:
         raise PairingError(Problem.TOKENIZER, "the tokenizer received does not match the server's tokenizer hash")
     return tokenizer

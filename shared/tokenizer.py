@@ -7,6 +7,9 @@ Contract:
 - Every one of the 256 byte values has its own token, so `decode_bytes(encode_bytes(data)) == data` for
   arbitrary bytes, invalid UTF-8 included. `decode_bytes` is what a streaming printer wants: one token may
   hold part of a multi-byte character, and only the concatenated bytes decode cleanly.
+- Text from the other end (`from_json`, how the client receives the server's) is checked before the library loads
+  it (tether.shared.tokenizer_trust: size, nesting, regexes that may backtrack for ever), a ValueError in one
+  line; a failure inside the library while encoding or decoding (a Rust panic) is TokenizerFailed, a ValueError.
 - `sha256` identifies the tokenizer (vocabulary, merges, special tokens, pre-tokenizer, decoder); the client
   and the server compare it before they agree to share token ids.
 - Tokenizers trained here have `<|endoftext|>` as id 0 (eos, also the document separator in corpora) and
@@ -35,6 +38,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tether.shared.tokenizer_trust import check_tokenizer_json
 from tether.shared.weights import canonical_tokenizer_json
 
 EOS_TOKEN = "<|endoftext|>"
@@ -98,6 +102,22 @@ def _model_eos_id(directory: Path, backend: tokenizers.Tokenizer) -> int | None:
     if isinstance(eos_token, dict):
         eos_token = eos_token.get("content")
     return backend.token_to_id(eos_token) if isinstance(eos_token, str) else None
+
+
+class TokenizerFailed(ValueError):
+    """The library failed inside encoding or decoding (a Rust panic: a regex past its retry limit, ...)."""
+
+
+def _guarded(call, *args, **kwargs):
+    """`call(...)` with the library's Rust panics, which pyo3 raises as PanicException (a BaseException, so past
+    `except Exception`), turned into TokenizerFailed: one line, the process goes on."""
+    try:
+        return call(*args, **kwargs)
+    except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
+        detail = " ".join(str(e).split())[:200]
+        raise TokenizerFailed(f"the tokenizer failed on this text: {detail}") from None
 
 
 class Tokenizer:
@@ -204,8 +224,10 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text: str, *, eos_id: int | None = None, pad_id: int | None = None) -> Tokenizer:
-        """A tokenizer from tokenizer.json text (how the client receives it from the server)."""
-        return cls.from_tokenizers(tokenizers.Tokenizer.from_str(text), eos_id=eos_id, pad_id=pad_id)
+        """A tokenizer from tokenizer.json text (how the client receives it from the server), checked first
+        (tether.shared.tokenizer_trust: a pattern that may backtrack for ever is a ValueError, one line)."""
+        check_tokenizer_json(text)
+        return cls.from_tokenizers(_guarded(tokenizers.Tokenizer.from_str, text), eos_id=eos_id, pad_id=pad_id)
 
     def to_json(self) -> str:
         """tokenizer.json text (Hugging Face format)."""
@@ -252,7 +274,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no special tokens are added and none are recognised inside it."""
         try:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return _guarded(self._backend.encode, text, add_special_tokens=False).ids
         except TypeError as err:
             # The library's message for a lone surrogate ("TextInputSequence must be str") hides the cause.
             if isinstance(text, str):
@@ -261,11 +283,11 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` over many texts at once, in parallel inside the library."""
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        return [e.ids for e in _guarded(self._backend.encode_batch, list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens appear as their literal text, stray partial characters as U+FFFD."""
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+        return _guarded(self._backend.decode, [int(i) for i in ids], skip_special_tokens=False)
 
     # ---- bytes ----------------------------------------------------------------------------------------------
 
