@@ -133,7 +133,7 @@ class LiveView:
         t.add_column(justify="right")
         n_off = result.tags.count("offline")
         rows = [("tokens", len(result.token_ids)), ("verified", len(result.token_ids) - n_off),
-                ("offline (kept)", n_off), ("offline drafted", s.offline_tokens), ("retracted", s.retracted),
+                ("offline, unverified", n_off), ("offline drafted", s.offline_tokens), ("retracted", s.retracted),
                 ("rounds", s.rounds), ("tau", f"{s.tau:.2f}"), ("outages", s.outages), ("resyncs", s.resyncs),
                 ("rebuilt sessions", s.rebuilt), ("payload up / down", f"{s.bytes_up:,} / {s.bytes_down:,} B"),
                 ("time to first token", f"{1000 * s.ttft_from_start_s:.0f} ms"),
