@@ -7,7 +7,7 @@ over them), and says HELLO with the port it bound. From then on each tether.v1.T
 counted here (tether.server.auth, with this front end's share of the call limits) and carried to the engine as
 frames (tether.server.frontend_wire): the request messages as the client sent them, the replies as the engine
 made them, an abort with its status, details and trailing metadata (the typed reason) as the engine raised it.
-grpc.health.v1 and reflection are answered here.
+grpc.health.v1 (what it says of the engines: tether.server.engine_health) and reflection are answered here.
 
 With several engines (`serve --engines E`) it links to each engine's socket (`--engine` once per engine, the
 serving process's first) and routes every call (class Router): a Session stream that attaches, a Resync and a Close
@@ -15,7 +15,8 @@ to the engine whose index the session id carries (tether.shared.ids.engine_of); 
 a Generate stream, to the live engine with the fewest calls from this front end; GetModelInfo and FetchWeights to
 the first. Only those first messages are parsed here, and only to route; with one engine nothing is. An engine
 process that goes away ends its calls UNAVAILABLE (its sessions are lost: clients rebuild them by Resync with their
-history, which goes to a live engine); the front end goes on with the others.
+history, which goes to a live engine); the front end goes on with the others, and one started after an engine died
+(a replacement) takes that engine's refused socket for a dead link and routes to the live ones alone.
 
 It stops when the (first) engine says STOP (the calls in flight get the grace the engine passes on) or when its
 socket closes (the engine is gone: no grace). SIGINT and SIGTERM are ignored: a terminal's Ctrl-C and a service
@@ -32,14 +33,16 @@ import itertools
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from tether.server.auth import CALLER, AuthInterceptor
+from tether.server.auth import CALLER, PEER, AuthInterceptor
+from tether.server.engine_health import EngineHealth
 from tether.server.frontend_wire import (
     METHODS,
     Consumed,
@@ -132,6 +135,7 @@ class EngineLink(asyncio.Protocol):
         self.outbox: Outbox | None = None
         self.transport: asyncio.Transport | None = None
         self.alive = True  # False once the engine's socket closed: nothing more is routed here
+        self.on_lost: Callable[[], None] | None = None  # told when the socket closes (tether.server.engine_health)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -158,6 +162,8 @@ class EngineLink(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
+        if self.on_lost is not None:
+            self.on_lost()
         for call in list(self.calls.values()):
             call.replies.put_nowait(_LOST)
         if not self.stop.done():
@@ -165,10 +171,10 @@ class EngineLink(asyncio.Protocol):
         if not self.config.done():
             self.config.set_exception(ConnectionError("the engine closed its socket before sending CONFIG"))
 
-    def open(self, method: str, caller: str) -> Call:
+    def open(self, method: str, caller: str, peer: str = "") -> Call:
         call_id = next(self.ids) % 0xFFFFFFFF + 1  # 0 is the link's; ids wrap after 2**32 - 1 calls
         call = self.calls[call_id] = Call(self, call_id)
-        self.outbox.send(call_id, Kind.CALL, dump({"method": method, "caller": caller}))
+        self.outbox.send(call_id, Kind.CALL, dump({"method": method, "caller": caller, "peer": peer}))
         return call
 
 
@@ -227,7 +233,7 @@ def forwarding_handlers(router: Router) -> dict[str, grpc.RpcMethodHandler]:
                 yield reply
 
         async def unary_unary(request: bytes, context) -> bytes:
-            call = router.route(name, request).open(name, CALLER.get())
+            call = router.route(name, request).open(name, CALLER.get(), PEER.get())
             try:
                 await call.send(request)
                 call.half_close()
@@ -239,7 +245,7 @@ def forwarding_handlers(router: Router) -> dict[str, grpc.RpcMethodHandler]:
                 call.finish()
 
         async def unary_stream(request: bytes, context):
-            call = router.route(name, request).open(name, CALLER.get())
+            call = router.route(name, request).open(name, CALLER.get(), PEER.get())
             try:
                 await call.send(request)
                 call.half_close()
@@ -256,7 +262,7 @@ def forwarding_handlers(router: Router) -> dict[str, grpc.RpcMethodHandler]:
                     first = await anext(requests)
                 except StopAsyncIteration:
                     pass
-            call = router.route(name, first).open(name, CALLER.get())
+            call = router.route(name, first).open(name, CALLER.get(), PEER.get())
             sending = asyncio.ensure_future(pump(call, requests, first))
             try:
                 async for reply in replies(call, context):
@@ -284,11 +290,24 @@ class Forwarding(grpc.GenericRpcHandler):
         return self.handlers.get(handler_call_details.method)
 
 
+async def link_engine(loop: asyncio.AbstractEventLoop, path: str, first: bool) -> EngineLink:
+    """The link to the engine at `path`. An engine after the first whose socket refuses died before this front end
+    started (engines are not restarted): its link is dead from the start, and calls go to the others."""
+    try:
+        return (await loop.create_unix_connection(lambda: EngineLink(loop), path))[1]
+    except OSError as e:
+        if first:
+            raise
+        log.warning("engine %s is gone (%s); serving with the others", path, e)
+        dead = EngineLink(loop)
+        dead.alive = False
+        return dead
+
+
 async def run(engine_sockets: list[str]) -> int:
     """Link to each engine (the first sends CONFIG), listen, say HELLO to each, serve until the first says STOP."""
     loop = asyncio.get_running_loop()
-    linked = [await loop.create_unix_connection(lambda: EngineLink(loop), path) for path in engine_sockets]
-    links = [link for _, link in linked]
+    links = [await link_engine(loop, path, k == 0) for k, path in enumerate(engine_sockets)]
     link = links[0]
     cfg = await link.config
     for each in links:
@@ -315,19 +334,24 @@ async def run(engine_sockets: list[str]) -> int:
         error = f"cannot listen on {cfg['address']}"
         link.outbox.send(0, Kind.HELLO, dump({"pid": os.getpid(), "port": 0, "error": error}))
         await asyncio.sleep(0)
-        for transport, _ in linked:
-            transport.close()
+        for each in links:
+            if each.transport is not None:
+                each.transport.close()
         return 3
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    capacity = EngineHealth(health, links)
     for each in links:
-        each.outbox.send(0, Kind.HELLO, dump({"pid": os.getpid(), "port": port}))
+        each.on_lost = capacity.changed
+    await capacity.publish()
+    for each in links:
+        if each.outbox is not None:
+            each.outbox.send(0, Kind.HELLO, dump({"pid": os.getpid(), "port": port}))
     grace = await link.stop
     await health.enter_graceful_shutdown()
     await server.stop(grace)
-    for transport, _ in linked:
-        transport.close()
+    for each in links:
+        if each.transport is not None:
+            each.transport.close()
     return 0
 
 

@@ -12,7 +12,7 @@ A frame is a 9-byte header, `call` (u32), `kind` (u8), `size` (u32), then `size`
 | CONFIG | engine -> front end, call 0 | JSON: the address to bind, TLS files, limits, API keys |
 | HELLO | front end -> engine, call 0 | JSON: the front end's pid and the port it bound |
 | STOP | engine -> front end, call 0 | JSON: `grace` seconds for the calls in flight (null: none) |
-| CALL | front end -> engine | JSON: the method's name and the caller's identity (tether.server.auth) |
+| CALL | front end -> engine | JSON: the method's name, the caller's identity and its host (tether.server.auth) |
 | REQUEST | front end -> engine | one request message |
 | HALF_CLOSE | front end -> engine | empty: the client sent its last request |
 | CANCEL | front end -> engine | empty: the client went away; the engine cancels the handler |

@@ -56,11 +56,11 @@ def serve(models):
     """A service with one model thread on loopback, made with the test's config; stopped after."""
     made = []
 
-    def make(**config):
+    def make(frontends: int = 0, **config):
         target, drafter, tok = models
         config = {"max_prompt_tokens": 64, "max_sessions": 8, "model_threads": 1} | config
         service = TetherService(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP)
-        server, port = make_server(service, "127.0.0.1:0")
+        server, port = make_server(service, "127.0.0.1:0", frontends=frontends)
         server.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         made.append((server, channel))
@@ -171,8 +171,10 @@ def test_a_session_whose_open_answer_never_went_out_is_retired_and_one_answered_
     assert held in service.sessions and service.pool.used_blocks > 0
 
 
-def test_a_caller_over_its_queued_model_calls_is_refused_with_retry_advice(serve, monkeypatch):
-    service, stub = serve(max_model_calls_per_caller=2)
+@pytest.mark.parametrize("frontends", [0, 1])
+def test_a_caller_over_its_queued_model_calls_is_refused_with_retry_advice(serve, monkeypatch, frontends):
+    """Counted per host (no API keys here), in the engine, whether a front end carried the calls or not."""
+    service, stub = serve(frontends, max_model_calls_per_caller=2)
     target = service.target
     gate = Gate(target.prefill, hold=1, record=lambda ids, *a, **kw: ids.shape[1])
     monkeypatch.setattr(target, "prefill", gate)
@@ -180,6 +182,7 @@ def test_a_caller_over_its_queued_model_calls_is_refused_with_retry_advice(serve
     waiting = [stub.Resync.future(rebuild(history)) for _ in range(2)]  # one in the model thread, one queued
     assert gate.holding.wait(FAIL_S)
     until(lambda: len(service.sessions) == 2, "both rebuilds handed to the model thread's queue", FAIL_S)
+    assert service.work.queued("host ipv4:127.0.0.1") == 2
     with pytest.raises(grpc.RpcError) as e:
         stub.Resync(rebuild(history), timeout=FAIL_S)
     refusal = Refusal.of_rpc_error(e.value)
