@@ -16,7 +16,9 @@ Contract:
   first caller's `limits.memory_bytes`, and covers all drafter sessions together), and keeps onnxruntime's own
   error log quiet (the failure reaches the caller as DraftingStopped).
 - `BoundedSession(session, name, limits)`: the session's run / get_inputs / get_outputs, each run under both bounds.
-- `RunLimits(memory_bytes=DEFAULT_MEMORY_BYTES, run_timeout_s=DEFAULT_RUN_TIMEOUT_S)`: frozen.
+- `RunLimits(memory_bytes=DEFAULT_MEMORY_BYTES, run_timeout_s=DEFAULT_RUN_TIMEOUT_S)`: frozen;
+  `RunLimits.implied(description)` scales the memory bound to what a drafter's description implies (what
+  tether.client.onnx_drafter uses unless told otherwise; 1 GiB for the shipped drafters).
 
     opts = ort.SessionOptions(); bound_session_options(opts, RunLimits())
     step = BoundedSession(ort.InferenceSession(graph, opts), "step", RunLimits())
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -62,8 +66,17 @@ class RunLimits:
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S
 
+    @classmethod
+    def implied(cls, description: Mapping) -> RunLimits:
+        """Limits for a drafter's description (onnx_drafter.json, checked): at least DEFAULT_MEMORY_BYTES, and room
+        for the largest call its shapes allow, a full context's attention scores over itself (heads x max_seq_len^2
+        fp32) a few times over, beside its matrices widened to fp32 and pre-packed once."""
+        shapes, heads = description["shapes"], description["drafter_config"]["n_heads"]
+        scores = heads * shapes["max_seq_len"] ** 2 * 4
+        weights = sum(math.prod(shape) for g in description["graphs"].values()
+                      for shape in g.get("weights", {}).get("tensors", {}).values())  # fmt: skip
+        return cls(memory_bytes=max(DEFAULT_MEMORY_BYTES, 4 * scores + 8 * weights))
 
-DEFAULT_LIMITS = RunLimits()
 
 _arena_lock = threading.Lock()
 _arena_bytes: list[int] = []  # the cap registered in this process, once

@@ -17,8 +17,8 @@ Contract (as DrafterBase; the differences are marked *):
   to onnxruntime by name; an int8 part's Linear products are rewritten to read its int8 rows instead
   (tether.client.onnx_int8). Every session reads external data from an empty folder, so a graph that names a file we
   did not supply fails to load instead of reading one from the working directory. Every session allocates from
-  the capped arena and every call runs under the time bound of `limits` (tether.client.onnx_bounds.RunLimits): a
-  call past either raises DraftingStopped, one line.
+  the capped arena and every call runs under the time bound of `limits` (tether.client.onnx_bounds.RunLimits; by
+  default what the description implies): a call past either raises DraftingStopped, one line.
 - `begin(delta, capacity=None)` starts from the prompt's delta (start 0); `commit(delta)` adopts the verified
   states of the round's root and accepted drafts and drops the drafted rows after them.
   * `commit(delta, keep_drafts=True)` keeps them instead, when the caller vouches that the rows held at the
@@ -68,7 +68,7 @@ import numpy as np
 import onnxruntime as ort
 from safetensors import safe_open
 
-from tether.client.onnx_bounds import DEFAULT_LIMITS, BoundedSession, RunLimits, bound_session_options
+from tether.client.onnx_bounds import BoundedSession, RunLimits, bound_session_options
 from tether.client.onnx_derived import SessionOptions, derived_graphs
 from tether.client.onnx_int8 import int8_matmuls
 from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
@@ -183,7 +183,7 @@ class OnnxDrafter:
 
     @classmethod
     def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True, tree_width: int = 0,
-             limits: RunLimits = DEFAULT_LIMITS) -> OnnxDrafter:  # fmt: skip
+             limits: RunLimits | None = None) -> OnnxDrafter:  # fmt: skip
         path = Path(path)
         f = path / MANIFEST
         if not f.exists():
@@ -203,7 +203,7 @@ class OnnxDrafter:
         threads: int = 1,
         check_hashes: bool = True,
         tree_width: int = 0,
-        limits: RunLimits = DEFAULT_LIMITS,
+        limits: RunLimits | None = None,
     ) -> OnnxDrafter:
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"format version {manifest.get('format_version')}, this build reads {FORMAT_VERSION}")
@@ -211,6 +211,7 @@ class OnnxDrafter:
         if manifest["kind"] not in kinds:
             raise ValueError(f"unknown drafter kind {manifest['kind']!r}")
         sessions, keep, derived = {}, [], {}
+        limits = limits or RunLimits.implied(manifest)
         for name, g in manifest["graphs"].items():
             graph = files[g["file"]].read_bytes()
             if check_hashes:

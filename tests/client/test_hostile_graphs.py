@@ -19,7 +19,7 @@ from tiny_models import tiny_pair
 
 from tether.client import onnx_drafter
 from tether.client.errors import Problem, ServerDataError
-from tether.client.onnx_bounds import Bound, DraftingStopped, RunLimits
+from tether.client.onnx_bounds import DEFAULT_MEMORY_BYTES, Bound, DraftingStopped, RunLimits
 from tether.client.onnx_graph_policy import GraphLimits, GraphRefused, check_graph
 from tether.client.onnx_pairing import fetch_onnx_part
 from tether.server.onnx_export import export_client_onnx
@@ -238,6 +238,14 @@ def test_a_call_past_the_time_bound_is_terminated():
     with pytest.raises(DraftingStopped) as e:
         session.run(None, {"x0": np.array(0.0, np.float32)})
     assert e.value.bound == Bound.TIME and "\n" not in str(e.value)
+
+
+def test_the_memory_bound_is_what_the_description_implies():
+    shipped = {"shapes": {"max_seq_len": 2048}, "drafter_config": {"n_heads": 6}, "graphs": {}}
+    assert RunLimits.implied(shipped).memory_bytes == DEFAULT_MEMORY_BYTES
+    larger = {"shapes": {"max_seq_len": 8192}, "drafter_config": {"n_heads": 32},
+              "graphs": {"step": {"weights": {"tensors": {"w": [4096, 4096]}}}}}  # fmt: skip
+    assert RunLimits.implied(larger).memory_bytes == 4 * (32 * 8192**2 * 4) + 8 * 4096 * 4096
 
 
 def test_a_part_with_a_hostile_graph_is_refused_before_onnxruntime_sees_it(servers, tmp_path, monkeypatch):  # noqa: F811
