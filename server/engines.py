@@ -18,7 +18,9 @@ Contract:
   directory. A worker also ends when the serving process's end of its stdin closes, so none outlives a crash.
 - An engine that dies alone is not restarted: its calls end UNAVAILABLE and its sessions are lost, which clients
   recover from as from any eviction (Resync with the history builds the session on a live engine); the others
-  serve on, and the serving process logs the death as an error (event `engine_exit`).
+  serve on, and the serving process logs the death as an error (event `engine_exit`). The front ends' health
+  says so (tether.server.engine_health: still SERVING, `tether.v1.Tether.capacity` NOT_SERVING), and a front end
+  started after the death links to the live engines alone (its dead socket refuses: tether.server.frontend).
 
     tether-server serve --engines 3 --frontends 2 --kv-pool-mb 6144    # 2 GiB of KV per engine
 """

@@ -14,8 +14,9 @@ stop, wait_for_termination), so `serve` treats both alike; front ends take calls
 - The call limits are split: each front end takes ceil(max_streams / n) streams and ceil(max_calls_per_key / n)
   calls per key (a client's connection stays on one front end). Sessions per key are the engine's and are not split.
 - A front end that dies is started again on the same port; its calls end UNAVAILABLE for their clients and their
-  sessions stay held, as after any dropped connection. The front ends end when the engine's socket closes, so
-  none outlives an engine that crashed.
+  sessions stay held, as after any dropped connection. With `serve --engines E`, one started after another engine
+  died routes to the live engines alone (it is given every engine's socket; a dead one's refuses). The front ends
+  end when the engine's socket closes, so none outlives an engine that crashed.
 - The socket lives in a private directory (mode 0700) that is removed at stop.
 
     handle, port = start_frontends(service, "0.0.0.0:50051", 4)
