@@ -10,7 +10,9 @@ ones through the same check).
 import hashlib
 import json
 import resource
+from concurrent import futures
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -18,12 +20,14 @@ from test_onnx_pairing import Tamper, servers  # noqa: F401  (the module's serve
 from tiny_models import tiny_pair
 
 from tether.client import onnx_drafter
+from tether.client.cli import main
 from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_bounds import DEFAULT_MEMORY_BYTES, Bound, DraftingStopped, RunLimits
 from tether.client.onnx_graph_policy import GraphLimits, GraphRefused, check_graph
 from tether.client.onnx_pairing import fetch_onnx_part
 from tether.server.onnx_export import export_client_onnx
 from tether.shared.onnx_subset import ONNX_BOOL, ONNX_EXTERNAL, ONNX_FLOAT, ONNX_INT64, onnx_inspect_class
+from tether.v1 import tether_pb2_grpc
 
 LIMITS = GraphLimits(max_dim=4096, max_elements=4096 * 192)  # the default drafter's
 DTYPES = {np.dtype("float32"): ONNX_FLOAT, np.dtype("int64"): ONNX_INT64, np.dtype("bool"): ONNX_BOOL}
@@ -248,17 +252,51 @@ def test_the_memory_bound_is_what_the_description_implies():
     assert RunLimits.implied(larger).memory_bytes == 4 * (32 * 8192**2 * 4) + 8 * 4096 * 4096
 
 
-def test_a_part_with_a_hostile_graph_is_refused_before_onnxruntime_sees_it(servers, tmp_path, monkeypatch):  # noqa: F811
-    s = servers()
-    part = s.service.exporter.part("fp32")
+def loop_in_step(part) -> dict[str, bytes]:
+    """The files of a server that lies consistently: step.onnx is the endless Loop, the description names its sha256."""
     hostile = endless_loop()
     description = json.loads(bytes(part.files["onnx_drafter.json"]))
     description["graphs"]["step"]["sha256"] = hashlib.sha256(hostile).hexdigest()
-    files = {"step.onnx": hostile, "onnx_drafter.json": json.dumps(description).encode()}
+    return {"step.onnx": hostile, "onnx_drafter.json": json.dumps(description).encode()}
+
+
+def test_a_part_with_a_hostile_graph_is_refused_before_onnxruntime_sees_it(servers, tmp_path, monkeypatch):  # noqa: F811
+    s = servers()
     created = []
     real = ort.InferenceSession
     monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: created.append(1) or real(*a, **k))
     with pytest.raises(ServerDataError) as e:
-        fetch_onnx_part(Tamper(s.stub, files=files), s.info, tmp_path / "cache")
+        fetch_onnx_part(Tamper(s.stub, files=loop_in_step(s.service.exporter.part("fp32"))), s.info, tmp_path / "c")
     assert e.value.problem == Problem.MANIFEST and "step.onnx" in str(e.value) and "\n" not in str(e.value)
     assert created == []
+
+
+class LyingServer(tether_pb2_grpc.TetherServicer):
+    """The real server's model info, and its client part with `files` replaced (Tamper)."""
+
+    def __init__(self, stub, files: dict[str, bytes]):
+        self.stub, self.files = stub, files
+
+    def GetModelInfo(self, request, context):
+        return self.stub.GetModelInfo(request)
+
+    def FetchWeights(self, request, context):
+        yield from Tamper(self.stub, files=self.files).FetchWeights(request)
+
+
+def test_tether_client_ends_in_one_line_with_status_2(servers, tmp_path, capsys):  # noqa: F811
+    s = servers()
+    liar = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    tether_pb2_grpc.add_TetherServicer_to_server(
+        LyingServer(s.stub, loop_in_step(s.service.exporter.part("fp32"))), liar
+    )
+    port = liar.add_insecure_port("127.0.0.1:0")
+    liar.start()
+    try:
+        status = main(["generate", "--server", f"127.0.0.1:{port}", "--prompt", "def f(x):", "--json", "--cache-dir",
+                       str(tmp_path / "cache"), "--connect-timeout-s", "5"])  # fmt: skip
+    finally:
+        liar.stop(None)
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the server sent an invalid weight manifest: step.onnx is not a graph this client runs" in err
