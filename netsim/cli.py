@@ -26,6 +26,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from tether.netsim import timers
 from tether.netsim.proxy import LinkConfig, NetSim, NetSimEvent, NetSimStats
@@ -131,7 +132,10 @@ def _shown(value: object) -> str:
 class EnvParser(argparse.ArgumentParser):
     """An ArgumentParser whose flags also come from their TETHER_* variables: a variable set (and not empty) stands
     in for its flag's default, the command line wins over it, and one that does not parse as its flag's value ends
-    the command in one line naming it (exit status 2)."""
+    the command in one line naming it (exit status 2), as does a flag that does not parse."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")  # argparse's adds the usage
 
     def parse_known_args(self, args=None, namespace=None):
         namespace = argparse.Namespace() if namespace is None else namespace

@@ -17,27 +17,38 @@ Every flag can also come from a TETHER_* environment variable, --foo-bar from TE
 flag name: TETHER_DEVICE is the --device of every command that has one); the command line wins. A variable is read
 as the flag's value (a switch: 1/0, true/false, yes/no; a list: values separated by spaces); an empty one counts
 as unset. Each command's --help lists its flags' defaults, choices and variables. An invalid flag or variable, or
-an error a user can act on (a missing file, a bad value), ends the command with one line on stderr and status 2.
+an error a user can act on (a missing file, a bad value, a port in use, --device cuda on a machine without CUDA),
+ends the command with one line on stderr and status 2. A bad model directory (--model, --drafter, train-drafter's
+--target: missing, empty, incomplete, or a hub id that was never downloaded) is reported before torch is imported.
+`generate` reports time to first token from this process's start and from the models being ready.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import time
+
+STARTED = time.perf_counter()  # the command's start, before the imports: what a user waits from (time to first token)
+
+import argparse  # noqa: E402  (after STARTED, on purpose)
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 # Only light modules here: each subcommand's flags are built when it is parsed (LazyParser), so `--help` and
 # `--version` import no torch.
-from tether.shared.cli_support import (
+from tether.shared.cli_support import (  # noqa: E402
+    DRAFTER_FILES,
+    TARGET_FILES,
+    CommandError,
     EnvParser,
     HelpFormatter,
     LazyParser,
     add_dataclass_args,
     add_version_flag,
     build_config,
+    check_model_dir,
     parse_overrides,
     run_cli,
 )
@@ -148,18 +159,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     cfg = build_config(GenerateConfig, args)
     if args.json:
-        print(json.dumps(generate_text(cfg)))
+        print(json.dumps(generate_text(cfg, started=STARTED)))
         return 0
-    sys.stdout.write(cfg.prompt)
-    sys.stdout.flush()
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate_text(cfg, show)
+    result = generate_text(cfg, show, on_start=lambda: show(cfg.prompt), started=STARTED)  # the prompt echoed
     how = f"{result['drafter']} drafter, tau {result['tau']}" if result["drafter"] else "plain decoding"
-    print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s, {how}]", file=sys.stderr)
+    first = ""
+    if result["ttft_s"] is not None:
+        first = (f", first token {1000 * result['ttft_s']:.0f} ms after the models were ready, "
+                 f"{result['ttft_from_start_s']:.2f} s from the start")  # fmt: skip
+    print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s{first}, {how}]", file=sys.stderr)
     return 0
 
 
@@ -255,7 +268,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The flags of each command that name a model directory, and the files it must hold. train-drafter's --target is
+# checked for being there at all: train-drafter looks at its tokenizer before it loads the rest.
+MODEL_DIRS = {"serve": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+              "warm": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+              "generate": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+              "train-drafter": {"--target": ()}}  # fmt: skip
+
+
+def check_model_dirs(argv: Sequence[str]) -> None:
+    """The model directories a command line (or its TETHER_* variables) names, checked before the command's
+    flags are built: building them imports torch, seconds on a small machine before a typo would be reported.
+    A flag left at its default is checked when it loads (the same words, later); so is an abbreviated one."""
+    if not argv or argv[0] not in MODEL_DIRS or {"-h", "--help"} & set(argv):
+        return
+    dirs = MODEL_DIRS[argv[0]]
+    parser = EnvParser(prog=f"tether-server {argv[0]}", add_help=False, allow_abbrev=False)
+    for flag in dirs:
+        parser.add_argument(flag)
+    args, _ = parser.parse_known_args(argv[1:])
+    for flag, needs in dirs.items():
+        path = getattr(args, flag[2:])
+        if path is not None and not (flag == "--drafter" and path == "none"):
+            check_model_dir(flag, path, needs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        check_model_dirs(argv)
+    except CommandError as e:
+        print(f"tether-server {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
     return run_cli(build_parser(), argv)
 
 

@@ -28,6 +28,7 @@ before the first `serve` (a Kubernetes initContainer, a provisioning step; an im
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -61,7 +62,7 @@ from tether.server.warm_cache import (
 )
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
-from tether.shared.cli_support import host
+from tether.shared.cli_support import CommandError, Refusal, address_in_use, host, port, port_or_off
 from tether.shared.drafter import load_drafter
 from tether.shared.ids import MAX_ENGINES
 from tether.shared.model import Transformer
@@ -113,11 +114,39 @@ class ServeConfig:
 # The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
 CHOICES = {"dtype": ("", *DTYPES), "attention": ("auto", "triton", "reference", "sdpa"), "log_format": ("text", "json"),
            "log_level": ("debug", "info", "warning", "error")}  # fmt: skip
-TYPES = {"host": host("--port"), "http_host": host("--http-port")}
+TYPES = {
+    "host": host("--port"),
+    "http_host": host("--http-port"),
+    "port": port,
+    "metrics_port": port,
+    "http_port": port_or_off,
+}
 
 # The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
 WARM_FIELDS = ("model", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_block_size", "prefill_chunk",
                "cache_dir", "round_graph_tokens", "log_format", "log_level")  # fmt: skip
+
+
+def check_ports(cfg: ServeConfig) -> None:
+    """Refuse a port out of range or taken before the models load (seconds); the binds check again (a race)."""
+    for flag, number in (("--port", cfg.port), ("--metrics-port", cfg.metrics_port)):
+        if not 0 <= number <= 65535:
+            raise ValueError(f"{flag} is a port from 0 to 65535, got {number}")
+        if address_in_use(cfg.host, number):
+            raise CommandError(Refusal.ADDRESS_IN_USE, f"{flag} {number}: {cfg.host}:{number} is in use by another "
+                               "process (a tether-server already running?): stop it, or pick another port")  # fmt: skip
+    if cfg.metrics_port and cfg.metrics_port == cfg.port:
+        raise ValueError(f"--metrics-port and --port are both {cfg.port}: give each its own port")
+
+
+def start_metrics(service: TetherService, host_name: str, number: int) -> None:
+    """Prometheus metrics over HTTP on host_name:number, or one CommandError when it cannot listen there."""
+    try:
+        serve_metrics(service.metrics, host_name, number)
+    except OSError as e:
+        reason = Refusal.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else Refusal.CANNOT_LISTEN
+        raise CommandError(reason, f"--metrics-port {number}: cannot listen on {host_name}:{number}: "
+                           f"{e.strerror or e}") from None  # fmt: skip
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -268,8 +297,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
     if precisions and cfg.drafter == "none":
         raise ValueError("--onnx-precisions exports the drafter's client part: it needs a drafter, not --drafter none")
-    if cfg.http_port < -1 or cfg.http_max_streams < 1:
+    if not -1 <= cfg.http_port <= 65535 or cfg.http_max_streams < 1:
         raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams at least 1")
+    check_ports(cfg)
     kernel_dir = use_cache(cfg)
     workers = EngineWorkers(whole) if whole.engines > 1 else None  # they load and warm up while this one does
     try:
@@ -315,10 +345,24 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
     log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     engines = workers.wait_ready() if workers is not None else []
-    server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends, engines=engines,
-                               log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
-    if cfg.metrics_port:
-        serve_metrics(service.metrics, cfg.host, cfg.metrics_port)
+    try:
+        server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
+                                   engines=engines, log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
+        if cfg.metrics_port:
+            try:
+                start_metrics(service, cfg.host, cfg.metrics_port)
+            except CommandError:
+                server.stop(None)  # the front ends, if any, already took calls
+                raise
+    except CommandError:  # a port taken since serve checked it: give back what start-up took
+        pauses.remove()
+        heap.release()
+        service.close()
+        if tp_target is not None:
+            tp_target.stop()
+            for p in followers:
+                p.terminate()
+        raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -3,8 +3,13 @@
 Contract: `generate_text(GenerateConfig, on_text)` loads a model directory (config.json, model.safetensors,
 tokenizer.json) and, unless `drafter` is "none", a drafter directory trained for that exact target (checked by
 fingerprint). It decodes through tether.server.engine and calls `on_text` with each newly completed piece of
-text as it is produced (UTF-8 safe: a character split across tokens is emitted once whole). Returns a summary
-dict: text, token_ids, rounds, tau, new_tokens, wall_s, tokens_per_s.
+text as it is produced (UTF-8 safe: a character split across tokens is emitted once whole), and `on_start` once,
+when the models are loaded and the prompt accepted, just before decoding (the CLI echoes the prompt there, so a
+failure never follows it). Returns a summary dict: text, token_ids, rounds, tau, new_tokens, wall_s, tokens_per_s,
+and time to first token two ways: `ttft_s` from the start of decoding (the models ready) and `ttft_from_start_s`
+from `started` (a time.perf_counter() reading: the CLI passes its process's start; default: the call), with
+`ready_s`, `started` to the models ready. A cuda `device` that this machine lacks, and a model directory that is
+missing, empty or incomplete, are a CommandError (tether.shared.cli_support) before anything loads.
 
     tether-server generate --prompt "def fib(n):" --max-new-tokens 64            # default target + drafter
     tether-server generate --drafter none --prompt "def fib(n):"                 # plain decoding
@@ -23,6 +28,7 @@ import torch
 from tether.server.engine import SpeculativeEngine
 from tether.shared.attention import register_backend
 from tether.shared.checkpoint import fingerprint
+from tether.shared.cli_support import TARGET_FILES, check_model_dir, require_device
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
@@ -49,7 +55,9 @@ class GenerateConfig:
 
 
 def pick_device(requested: str) -> str:
+    """`requested` when this machine has it (a CommandError otherwise); "" is cuda when present, else cpu."""
     if requested:
+        require_device(requested)
         return requested
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,7 +75,8 @@ def attention_backend(device: str, requested: str = "auto") -> str:
         from tether.kernels.moda_prefill import interpreting
 
         if not device.startswith("cuda") and not interpreting():
-            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1, for tests)")
+            raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1, for tests): use "
+                             "--attention auto or reference")  # fmt: skip
 
         register_backend("triton", moda_backend)
     return name
@@ -78,9 +87,8 @@ def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "
     """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere; attention as in
     `attention_backend`; `fused` (default: on the "triton" backend) applies tether.server.fuse's transform (not
     for a tensor-parallel shard, which re-slices each projection itself)."""
+    check_model_dir("model", str(model_dir), TARGET_FILES)
     model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").exists():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
     if dtype and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     dtype = DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -93,7 +101,9 @@ def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "
     return model, Tokenizer.from_pretrained(model_dir)
 
 
-def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None) -> dict:
+def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None, *,
+                  on_start: Callable[[], None] | None = None, started: float | None = None) -> dict:  # fmt: skip
+    started = time.perf_counter() if started is None else started
     device = pick_device(cfg.device)
     model, tok = load(cfg.model, device)
     drafter = None
@@ -119,12 +129,17 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
             if on_text:
                 on_text(piece)
 
+    if on_start:
+        on_start()
     t0 = time.perf_counter()
+    first = None  # when the first token came
     chunks = engine.generate(
         prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         eos_id=tok.eos_id, generator=generator,
     )  # fmt: skip
     for chunk in chunks:
+        if first is None and chunk:
+            first = time.perf_counter()
         new += chunk
         text_ids = [t for t in chunk if t != tok.eos_id]
         emit(decoder.decode(tok.decode_bytes(text_ids)))
@@ -140,4 +155,7 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         "drafter": None if drafter is None else f"{drafter.dcfg.kind} (TLI {drafter.dcfg.tli})",
         "wall_s": round(wall, 4),
         "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else None,
+        "ready_s": round(t0 - started, 4),
+        "ttft_s": None if first is None else round(first - t0, 4),
+        "ttft_from_start_s": None if first is None else round(first - started, 4),
     }

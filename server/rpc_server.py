@@ -1,9 +1,12 @@
 """The process's gRPC server: grpc.aio on one event-loop thread, no thread per stream.
 
 Contract: `make_server(service, "host:port", tls=None, interceptors=())` binds the port ("host:0" picks a free
-one) and returns `(handle, port)`; `handle.start()` serves, `handle.stop(grace)` stops taking calls, gives those
-in flight `grace` seconds (None: none) and returns a `threading.Event` set once everything has stopped (the model
-threads' work done, KV given back). Every server of the process runs on one event loop (`event_loop()`).
+one) and returns `(handle, port)`, or raises a CommandError (tether.shared.cli_support) whose reason says the port
+is in use (by anyone, even a process sharing its port through SO_REUSEPORT: this server binds without that option,
+and front ends, which bind with it to share the port among themselves, find it free first) or cannot be bound.
+`handle.start()` serves, `handle.stop(grace)` stops taking calls, gives those in flight `grace` seconds (None:
+none) and returns a `threading.Event` set once everything has stopped (the model threads' work done, KV given
+back). Every server of the process runs on one event loop (`event_loop()`).
 Beside tether.v1.Tether it serves grpc.health.v1 (SERVING while up) and reflection.
 The service's handlers are coroutines on that loop; model work runs on the service's own threads, so a thousand
 idle streams cost a few kilobytes each and health checks answer at once however many streams are open.
@@ -29,6 +32,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tether.server.auth import AuthInterceptor
+from tether.shared.cli_support import CommandError, Refusal, address_in_use
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -107,8 +111,9 @@ class ServerHandle:
     async def _build(self) -> grpc.aio.Server:
         c = self.service.config
         self.auth = AuthInterceptor(c.api_keys, max_calls_per_key=c.max_calls_per_key, max_streams=c.max_streams)
-        server = grpc.aio.server(interceptors=[self.auth, *self._interceptors],
-                                 options=channel_options(c.max_message_bytes))  # fmt: skip
+        # No SO_REUSEPORT (gRPC's default is on): a second server on a taken port must fail, not split its clients.
+        options = [*channel_options(c.max_message_bytes), ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(interceptors=[self.auth, *self._interceptors], options=options)
         tether_pb2_grpc.add_TetherServicer_to_server(self.service, server)
         # grpc.health.v1 (load balancers and Kubernetes probes ask it) and reflection (grpcurl, grpcui).
         self.health = HealthServicer()
@@ -117,10 +122,14 @@ class ServerHandle:
         return server
 
     def bind(self, address: str, tls: TLSFiles | None) -> int:
+        check_free(address)  # gRPC's own failure would come with a line of C-core log
         creds = tls.credentials() if tls else None
-        port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
+        try:
+            port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
+        except RuntimeError:  # what grpc raises when no address could be bound
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise CommandError(Refusal.CANNOT_LISTEN, f"cannot listen on {address}")
         return port
 
     def start(self) -> None:
@@ -160,6 +169,14 @@ class ServerHandle:
         self._call(self.server.wait_for_termination())
 
 
+def check_free(address: str) -> None:
+    """A CommandError when something already listens on `address` ("host:port", "[v6]:port")."""
+    host, _, port = address.rpartition(":")
+    if port.isdigit() and address_in_use(host, int(port)):
+        raise CommandError(Refusal.ADDRESS_IN_USE, f"{address} is in use by another process: stop it, or listen on "
+                           "another port (0: any free one)")  # fmt: skip
+
+
 def make_server(
     service: Servable,
     address: str,
@@ -184,8 +201,12 @@ def make_server(
 
         if interceptors:
             raise ValueError("interceptors run inside the gRPC server: not with front-end processes")
-        return start_frontends(service, address, frontends, tls=tls, engines=engines, log_format=log_format,
-                               log_level=log_level)  # fmt: skip
+        check_free(address)  # the front ends bind with SO_REUSEPORT, which would join a listener that has it too
+        try:
+            return start_frontends(service, address, frontends, tls=tls, engines=engines, log_format=log_format,
+                                   log_level=log_level)  # fmt: skip
+        except OSError as e:  # a front end could not bind, or died before it said so
+            raise CommandError(Refusal.CANNOT_LISTEN, str(e)) from None
     handle = ServerHandle(service, interceptors)
     try:
         port = handle.bind(address, tls)

@@ -45,6 +45,7 @@ from tether.server.corpus import CorpusManifest
 from tether.server.engine import SpeculativeEngine
 from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
+from tether.shared.cli_support import require_device
 from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter_config, load_drafter_weights, save_drafter
 from tether.shared.model import Transformer
 from tether.shared.tli_depth import depth_regression
@@ -224,6 +225,7 @@ def check_corpus_tokenizer(target: str | Path, data: str | Path) -> None:
 
 
 def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> dict:
+    require_device(cfg.device)
     check_corpus_tokenizer(cfg.target, cfg.data)
     console = console or Console(stderr=True, quiet=cfg.quiet)
     out = Path(cfg.out)

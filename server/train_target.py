@@ -38,6 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tether.server.corpus import CorpusManifest, build_corpus, load_tokens
 from tether.server.train_attention import BACKEND as FLEX
 from tether.shared.attention import get_backend
+from tether.shared.cli_support import require_device
 from tether.shared.config import ModelConfig, preset
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
@@ -221,6 +222,7 @@ def save_plot(history: dict, path: Path, title: str) -> None:
 
 def train_target(cfg: TrainConfig, console: Console | None = None) -> dict:
     """Train (or resume) and return a summary: steps, tokens, held-out loss, throughput, wall time."""
+    require_device(cfg.device)  # before the corpus is built: minutes on a small machine
     console = console or Console(stderr=True, quiet=cfg.quiet)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,17 @@ Contract:
   frozen instance. `parse_overrides(["field=JSON", ...])` reads `--set` overrides into (field, value) pairs.
 - `host_port` / `host(port_flag)`: argparse types of a flag that takes HOST:PORT, or a host whose port is another
   flag; each refuses the other form when parsing, before anything dials or binds.
+- `port` / `port_or_off`: argparse types of a port flag, 0 to 65535 (0: any free port; `port_or_off` also takes -1,
+  off), refused when parsing: the kernel would take 99999 modulo 65536.
+- `address_in_use(host, port)`: whether something listens on that port already (even a process that shares its
+  port with SO_REUSEPORT, which a server's own bind with that option would join without a word).
+- `check_model_dir(flag, path, needs)`: a model directory named on the command line, checked without torch: missing,
+  a Hugging Face hub id rather than a directory, empty, or lacking `needs` (TARGET_FILES, DRAFTER_FILES) is one
+  `CommandError` saying which and what to do. `require_device(device, flag)`: a CUDA device that this machine has
+  (torch imported only for a cuda one), else a CommandError that says to use cpu.
 - `run_cli(parser, argv)` parses, runs the chosen subcommand and turns the errors a user can act on (a missing
-  file, a bad value) into one line on stderr and exit status 2, without a traceback.
+  file, a bad value, a `CommandError` with its typed `Refusal`) into one line on stderr and exit status 2, without
+  a traceback. A flag that does not parse is one line too: `EnvParser.error` leaves argparse's usage out.
 - `add_version_flag(parser, distribution)`: `--version` that reads the installed version only when it is asked.
 
     parser = EnvParser(prog="tether-thing")
@@ -34,13 +43,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import inspect
 import itertools
 import json
 import re
 import shlex
+import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
+from pathlib import Path
+from typing import NoReturn
 
 from tether.shared import env
 
@@ -99,13 +113,85 @@ def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
+class Refusal(StrEnum):
+    """Why a command stopped before its work: what code and tests branch on (the message is for people)."""
+
+    ADDRESS_IN_USE = "address in use"  # another process listens on the port
+    CANNOT_LISTEN = "cannot listen"  # the bind failed otherwise (a privileged port, an address not of this host)
+    NO_CUDA = "no CUDA device"  # a cuda device asked of a machine (or a PyTorch build) without one
+    NO_SUCH_DIR = "no such directory"
+    HUB_ID = "a hub id, not a directory"  # a missing path shaped like owner/name
+    NOT_A_DIR = "not a directory"
+    EMPTY_DIR = "empty directory"
+    INCOMPLETE_DIR = "files missing"
+
+
+class CommandError(Exception):
+    """An error a user can act on: `run_cli` prints its message as one line, with exit status 2."""
+
+    def __init__(self, reason: Refusal, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, CommandError) as e:
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+# ---- model directories and devices -----------------------------------------------------------------------------
+
+# The files a directory must hold, each entry one of its names: a target (ours or a Hugging Face Llama / Qwen2
+# one; sharded weights come with their index) and a drafter (tether-server train-drafter's --out).
+TARGET_FILES = (("tokenizer.json",), ("config.json",), ("model.safetensors", "model.safetensors.index.json"))
+DRAFTER_FILES = (("drafter_config.json",), ("drafter.safetensors",))
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+", re.ASCII)
+
+
+def _files(needs: Sequence[Sequence[str]]) -> str:
+    return ", ".join(names[0] + "".join(f" (or {name})" for name in names[1:]) for names in needs)
+
+
+def check_model_dir(flag: str, path: str, needs: Sequence[Sequence[str]] = ()) -> None:
+    """`path` (given as `flag`) is a directory holding one of each entry of `needs`, or a CommandError that says
+    what it is instead and what to do. Reads the directory only: no torch, no weights."""
+    where = Path(path).expanduser()
+    if not where.exists():
+        if _HUB_ID.fullmatch(path):
+            raise CommandError(Refusal.HUB_ID, f"{flag} {path}: no such directory; tether loads local directories "
+                               f"only: if it is a Hugging Face hub id, download it with `hf download {path} "
+                               f"--local-dir DIR` and pass {flag} DIR")  # fmt: skip
+        raise CommandError(Refusal.NO_SUCH_DIR, f"{flag} {path}: no such directory")
+    if not where.is_dir():
+        raise CommandError(Refusal.NOT_A_DIR, f"{flag} {path}: a file, not a directory")
+    if next(where.iterdir(), None) is None:
+        wanted = f": no {_files(needs)}" if needs else ""
+        raise CommandError(Refusal.EMPTY_DIR, f"{flag} {path}: the directory is empty{wanted}")
+    missing = [names for names in needs if not any((where / name).is_file() for name in names)]
+    if missing:
+        raise CommandError(Refusal.INCOMPLETE_DIR, f"{flag} {path}: no {_files(missing)} in it (it needs "
+                           f"{_files(needs)})")  # fmt: skip
+
+
+def require_device(device: str, flag: str = "--device") -> None:
+    """A CommandError unless `device` is one this machine has; torch is imported for a cuda device only."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = device.partition(":")[2]
+    if count and (not index.isdigit() or int(index) < count):
+        return  # a malformed index is torch's to refuse
+    if torch.version.cuda is None:
+        why = f"this PyTorch ({torch.__version__}) was built without CUDA"
+    else:
+        why = "no CUDA device is visible" if not count else f"this machine has {count} (cuda:0 to cuda:{count - 1})"
+    raise CommandError(Refusal.NO_CUDA, f"{flag} {device}: {why}; use {flag} cpu")
 
 
 # ---- addresses -------------------------------------------------------------------------------------------------
@@ -121,6 +207,49 @@ def host_port(text: str) -> str:
     if m is None or int(m.group(1)) > 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r} (such as 127.0.0.1:50051 or [::1]:50051)")
     return text
+
+
+def port(text: str) -> int:
+    """The argparse type of a port flag: 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535 (0: any free port), got {text!r}")
+    return value
+
+
+def port_or_off(text: str) -> int:
+    """The argparse type of a port flag that -1 turns off."""
+    if text.strip() == "-1":
+        return -1
+    try:
+        return port(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected -1 (off) or a port from 0 to 65535 (0: any free port), got "
+                                         f"{text!r}") from None  # fmt: skip
+
+
+def address_in_use(host: str, port: int) -> bool:
+    """Whether something listens on `port` at any address `host` resolves to ("" or "::": all of them). The probe
+    binds without SO_REUSEPORT, so a listener that shares its port with that option counts too; port 0 never
+    does. A host that does not resolve is the bind's own error to report, not this one's."""
+    if port == 0:
+        return False
+    try:
+        found = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is not in use
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
 
 
 def host(port_flag: str) -> Callable[[str], str]:
@@ -205,6 +334,10 @@ class EnvParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, like every other error a user can act on (argparse's own prints the whole usage first)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
         found = self._environment()
