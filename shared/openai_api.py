@@ -9,9 +9,16 @@ Contract:
   so nothing is silently ignored. Supported: model, prompt (a string, a token-id list, or a list of one of
   either) / messages, max_tokens (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (0 or -1: off),
   seed, stop (a string or up to 16), stream, stream_options.include_usage, n = 1, user, and vLLM's ignore_eos
-  (generate through end-of-text: benchmarks).
+  (generate through end-of-text: benchmarks). Every string used must be valid Unicode (a lone surrogate, which
+  JSON's \\ud800 escapes can carry, is refused: no tokenizer or encoder downstream takes one); top_k is at most
+  MAX_TOP_K (the wire's field is 32 bits).
+- `decode_body(data)`: a request body's bytes as JSON, or ApiError (400) for anything else: not JSON, NaN or
+  Infinity, numbers with too many digits, nesting past Python's recursion limit. CPU-bound on large bodies: callers
+  on an event loop run it on a worker thread.
 - `ApiError(kind, message, param, retry_after_s)`: `ErrorKind` fixes the HTTP status, OpenAI's error type and
-  code; `body()` is {"error": {"message", "type", "param", "code"}}; `headers()` carries Retry-After.
+  code; `body()` is {"error": {"message", "type", "param", "code"}}; `headers()` carries Retry-After (and
+  `Connection: close` for a 408: the rest of that request's body is never read). The message and param are kept
+  encodable whatever a caller sent (a lone surrogate in an unknown field's name becomes U+FFFD).
 - `TextStream(tokenizer, stop, stop_ids, hidden_ids)`: `push(token)` returns the text that may be shown now (a
   character split across tokens waits until whole; text that could be the start of a stop string waits until it
   is known not to be). A stop id (end of text) or a stop string ends it with finish_reason "stop"; the text
@@ -52,6 +59,7 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_MESSAGES = 4096  # chat messages per request
 SEED_RANGE = (-(1 << 63), 1 << 64)  # accepted seeds; negative ones are taken modulo 2^64
+MAX_TOP_K = (1 << 31) - 1  # past any vocabulary; the wire's SamplingParams.top_k is a uint32
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
@@ -71,6 +79,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = (404, "invalid_request_error", "not_found")
     MODEL_NOT_FOUND = (404, "invalid_request_error", "model_not_found")
     METHOD_NOT_ALLOWED = (405, "invalid_request_error", "method_not_allowed")
+    REQUEST_TIMEOUT = (408, "invalid_request_error", "request_timeout")  # the body did not arrive in time
     TOO_LARGE = (413, "invalid_request_error", "request_too_large")
     RATE_LIMITED = (429, "rate_limit_error", "rate_limit_exceeded")
     INTERNAL = (500, "server_error", "internal_error")
@@ -85,6 +94,7 @@ class ErrorKind(enum.Enum):
 
 class ApiError(Exception):
     def __init__(self, kind: ErrorKind, message: str, param: str | None = None, retry_after_s: float = 0.0):
+        message, param = _encodable(message), None if param is None else _encodable(param)
         super().__init__(message)
         self.kind, self.message, self.param, self.retry_after_s = kind, message, param, retry_after_s
 
@@ -93,7 +103,24 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.retry_after_s > 0 else {}
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.retry_after_s > 0 else {}
+        return headers | ({"Connection": "close"} if self.kind is ErrorKind.REQUEST_TIMEOUT else {})
+
+
+def _encodable(text: str) -> str:
+    """`text` as UTF-8 can carry it: lone surrogates (from JSON escapes) as U+FFFD."""
+    if _is_unicode(text):
+        return text
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate (no UTF-8 encoder or tokenizer takes one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:
@@ -145,6 +172,8 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise invalid("one prompt per request: a string or a list of token ids", "prompt")
     elif not isinstance(prompt, str):
         raise invalid("prompt is required: a string or a list of token ids", "prompt")
+    else:
+        _unicode(prompt, "prompt")
     return _request(f, chat=False, prompt=prompt, messages=None, max_tokens=f.integer("max_tokens", 1))
 
 
@@ -178,11 +207,14 @@ def _message(m: Any, i: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise invalid(f"{param}.content must be a string or a list of text parts", f"{param}.content")
+    _unicode(content, f"{param}.content")
     extra = set(m) - {"role", "content", "name"}
     if extra:
         raise invalid(f"{param}: unsupported field {sorted(extra)[0]!r} (tool calls are not supported)", param)
     if "name" in m and not isinstance(m["name"], str):
         raise invalid(f"{param}.name must be a string", f"{param}.name")
+    if "name" in m:
+        _unicode(m["name"], f"{param}.name")
     return {"role": m["role"], "content": content} | ({"name": m["name"]} if "name" in m else {})
 
 
@@ -197,7 +229,7 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
     top_p = f.number("top_p", 0.0, 1.0)
     if top_p == 0:
         raise invalid("top_p must be in (0, 1]", "top_p")
-    top_k = f.integer("top_k", -1)
+    top_k = f.integer("top_k", -1, MAX_TOP_K)
     seed = f.integer("seed", SEED_RANGE[0], SEED_RANGE[1] - 1)
     stream = bool(f.typed("stream", bool))
     options = f.get("stream_options")
@@ -216,6 +248,8 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
         or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
     ):
         raise invalid(f"stop must be a string or a list of up to {MAX_STOP} non-empty strings", "stop")
+    for s in stop:
+        _unicode(s, "stop")
     sampling = Sampling(
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
@@ -225,6 +259,25 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
     ignore_eos = bool(f.typed("ignore_eos", bool))
     return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage,
                              ignore_eos)  # fmt: skip
+
+
+def _unicode(text: str, param: str) -> None:
+    if not _is_unicode(text):
+        raise invalid(f"{param} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape): not valid Unicode", param)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_body(data: bytes | bytearray) -> Any:
+    """A request body as JSON; ApiError (400) when it is not (see the module docstring)."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity, an integer of too many digits
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid("the request body is not valid JSON: nested too deeply") from None
 
 
 def _is_int(x: Any) -> bool:
@@ -249,6 +302,8 @@ class _Fields:
         value = self.body.get(name)
         if value is not None and not isinstance(value, kind):
             raise invalid(f"{name} must be a {kind.__name__}", name)
+        if isinstance(value, str):
+            _unicode(value, name)
         return value
 
     def number(self, name: str, low: float, high: float) -> float | None:
@@ -289,8 +344,9 @@ class TextStream:
             tokenizer.decode_bytes([])
             self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self._ids: list[int] | None = None
-        except ValueError:  # not byte-level (a SentencePiece tokenizer): decode the whole text each time
-            self._decoder, self._ids, self._shown = None, [], ""
+        except ValueError:  # not byte-level (a SentencePiece tokenizer): decode a window of the last tokens
+            self._decoder, self._ids = None, []
+            self._prefix = self._read = 0  # ids[prefix:read] decoded as context; ids[read:] not shown yet
 
     def push(self, token: int) -> str:
         if self.finish_reason is not None:
@@ -319,11 +375,14 @@ class TextStream:
         return self._decode_all(final=False)
 
     def _decode_all(self, *, final: bool) -> str:
-        text = self.tokenizer.decode(self._ids)
-        if not final and text.endswith("\ufffd"):  # a character still incomplete
+        """The text the ids since `read` add, decoded after the tokens before them (a SentencePiece decoder drops a
+        sequence's leading space): cost per token bounded by the window, not the whole text (vLLM's way)."""
+        context = self.tokenizer.decode(self._ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self._ids[self._prefix :])
+        if not final and (text.endswith("\ufffd") or len(text) <= len(context)):  # a character still incomplete
             return ""
-        new, self._shown = text[len(self._shown) :], text
-        return new
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(context) :]
 
     def _cut(self, piece: str) -> str:
         """Add `piece` to the held text; return what is known not to be, or to precede, a stop string."""
