@@ -22,6 +22,11 @@ Contract:
   Jinja environment with trim_blocks and lstrip_blocks, loop controls, `{% generation %}` blocks, a `tojson` filter
   that does not escape HTML, `raise_exception(message)` and `strftime_now(format)`, and the special tokens as
   variables. A template's own refusal (raise_exception, a malformed conversation) raises `ChatTemplateError`.
+  Any template but BUILTIN_TEMPLATE is untrusted code (a model's files, or at the edge the server's word): it is
+  rendered in a worker process under bounds of time, memory and output (tether.shared.template_sandbox, which
+  says why a thread cannot bound it), and past them raises ChatTemplateError (LIMIT). Blocking for up to
+  RenderLimits.timeout_s: callers on an event loop run it on a worker thread. BUILTIN_TEMPLATE, whose cost is
+  linear in the messages, renders in this process.
 - `encode(text)` tokenizes a rendered prompt as transformers does for a chat: the text of every added token
   (`<|im_start|>` ...) becomes that token's id, everything between is encoded as plain text, no BOS is added (a
   template that wants one writes `{{ bos_token }}`).
@@ -33,7 +38,8 @@ Contract:
   network: anything but such an object (not JSON, not an object, fields of the wrong type or size) is refused.
 - Every refusal is a `ChatTemplateError` (a ValueError) whose `problem` (TemplateProblem) says which: FORMAT (a
   chat format's JSON that is malformed), SYNTAX (a template that does not compile), REFUSED (the template refused
-  the conversation). Callers branch on it, never on the message, which is one line.
+  the conversation), LIMIT (rendering it ran past a bound). Callers branch on it, never on the message, which is
+  one line.
 
 Torch- and gRPC-free: the server's HTTP API and the edge client's both use it.
 
@@ -43,16 +49,22 @@ Torch- and gRPC-free: the server's HTTP API and the edge client's both use it.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from tether.shared.template_sandbox import (
+    ChatTemplateError,
+    TemplateProblem,
+    compile_template,
+    default_sandbox,
+    environment,
+    render_compiled,
+)
 from tether.shared.tokenizer import EOS_TOKEN, Tokenizer
 
 BUILTIN_TEMPLATE = (
@@ -62,24 +74,7 @@ BUILTIN_TEMPLATE = (
 )
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 MAX_TEMPLATE_CHARS = 1 << 20  # a chat template longer than this is not one (they run to a few KB)
-MAX_MESSAGE_CHARS = 500  # of a ChatTemplateError's message (a template's own raise_exception text is untrusted)
-
-
-class TemplateProblem(StrEnum):
-    """What a ChatTemplateError is about: programs branch on it, never on the message."""
-
-    FORMAT = "format"  # from_json: the text is not a chat format's JSON object (or a field is wrong)
-    SYNTAX = "syntax"  # the template does not compile
-    REFUSED = "refused"  # the template refused the conversation (raise_exception, template code that fails)
-
-
-class ChatTemplateError(ValueError):
-    """A chat format or template that cannot be used, or a conversation the template refuses; `problem` says
-    which (REFUSED is the caller's request, FORMAT and SYNTAX the model's or the server's side)."""
-
-    def __init__(self, problem: TemplateProblem, message: str):
-        super().__init__(" ".join(message.split())[:MAX_MESSAGE_CHARS])  # one line: printed and sent back as is
-        self.problem = problem
+__all__ = ["BUILTIN_TEMPLATE", "ChatFormat", "ChatTemplateError", "TemplateProblem"]
 
 
 def _token_text(value: Any) -> str | None:
@@ -178,32 +173,15 @@ class ChatFormat:
     # ---- rendering and encoding -------------------------------------------------------------------------
 
     @functools.cached_property
-    def _compiled(self):
-        import jinja2
-
-        try:
-            return _environment().from_string(self.template)
-        except jinja2.TemplateSyntaxError as e:
-            raise ChatTemplateError(TemplateProblem.SYNTAX, f"the chat template does not compile: {e}") from None
-
-    @functools.cached_property
     def _added(self) -> tuple[dict[int, str], dict[int, str]]:
         return _read_added(self.tokenizer)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        import jinja2
-
-        compiled = self._compiled
-        try:
-            return compiled.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                   tools=None, documents=None, **self.specials)  # fmt: skip
-        except jinja2.TemplateError as e:
-            message = f"the chat template refused the conversation: {e.message or e}"
-            raise ChatTemplateError(TemplateProblem.REFUSED, message) from None
-        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
-            # Template code that fails on these messages (say `content | trim` on a list) refuses them just the same.
-            raise ChatTemplateError(TemplateProblem.REFUSED, "the chat template failed on the conversation: "
-                                    f"{type(e).__name__}: {e}") from None  # fmt: skip
+        context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
+                   "tools": None, "documents": None, **self.specials}  # fmt: skip
+        if self.template == BUILTIN_TEMPLATE:  # tether's own: trusted, and linear in the messages
+            return render_compiled(_builtin_compiled(), context)
+        return default_sandbox().render(self.template, context)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt: added tokens' text as their ids, the rest as plain text."""
@@ -241,31 +219,6 @@ def _read_added(tokenizer: Tokenizer) -> tuple[dict[int, str], dict[int, str]]:
     return every, {int(e["id"]): str(e["content"]) for e in entries if e.get("special")}
 
 
-def _environment():
-    """The Jinja environment transformers renders chat templates in (sandboxed: templates are untrusted code)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks: rendered as is."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-    def raise_exception(message: str):
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])  # fmt: skip
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
+@functools.cache
+def _builtin_compiled():
+    return compile_template(environment(), BUILTIN_TEMPLATE)
