@@ -10,11 +10,14 @@ Contract:
   `wait_released(timeout)` waits until there are none (tests, shutdown).
 - `start_http(service, model_id, config)` serves the API on the gRPC server's event loop
   (tether.server.rpc_server.event_loop: uvicorn runs there as a task, so one loop routes both protocols and the
-  model work stays on the service's threads) and returns the running server and its port.
+  model work stays on the service's threads) and returns the running server and its port; OSError, its message
+  one line naming the address, when it cannot listen (a port in use). Each request is observed in the service's
+  metrics (ServiceMetrics.http: tether_http_* on the metrics port) and logged in one line on "tether.http".
 
 Why the same loop: handlers on both sides only route (decode() awaits futures of the service's model threads and
 batcher); one loop means the service's state (its generation count, the session table's claims) is touched from
-one thread, as tether.server.service assumes.
+one thread, as tether.server.service assumes. What is CPU-bound in a request (JSON, the chat template, the
+tokenizer) runs on the app's worker threads (tether.shared.openai_app), never on that loop.
 
     server, port = start_http(service, "tether-default", HttpConfig(port=8000))
     ...
@@ -94,6 +97,6 @@ def start_http(service: TetherService, model_id: str, config):
     a tether.shared.openai_app.HttpConfig."""
     from tether.shared.openai_app import HttpServer, OpenAIApp
 
-    app = OpenAIApp(ServiceBackend(service, model_id), config)
+    app = OpenAIApp(ServiceBackend(service, model_id), config, observer=service.metrics.http)
     server = HttpServer(app, config)
     return server, server.start(event_loop())

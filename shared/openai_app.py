@@ -10,15 +10,25 @@ Contract:
   401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404 an unknown
   model or route, 413 a body over the limit, 429 past `max_streams` generations at once, 503 when the backend has
   no room, 500 only for a server bug (a chat template that does not compile is one; one that refuses the
-  conversation is the caller's 400). A client that goes away, streaming or not, closes its generation at once.
+  conversation, or runs past its bounds, is the caller's 400), logged in one line (tether.shared.http_observe).
+  A client that goes away, streaming or not, closes its generation at once.
+- Nothing CPU-bound runs on the event loop (which the gRPC server shares): decoding the body's JSON, checking it,
+  rendering the chat template and tokenizing run on `config.prepare_threads` worker threads; at most
+  `max_streams` requests are past their headers and not yet generating (more get 429), so the bodies held are
+  bounded too. A body must arrive within `body_timeout_s` (else 408 and the connection closes).
+- Every request is one log line and one observation (`observer`, tether.shared.http_observe: method, path,
+  status, prompt and completion tokens, time to first token, duration, the response id as the session).
 - `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
   (closing it ends the generation); `ApiError` from it becomes the response's status, or an error event
   mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it, tether.client.edge_api
   the edge's sessions. A backend with `drafts_offline` may yield tokens marked offline; every choice it answers
   then carries tether's extension field, `"tether": {"offline_tokens": n}` (tether.shared.openai_api).
 - `HttpServer(app, config).start(loop)` runs uvicorn as a task on an existing asyncio loop (the gRPC server's: one
-  event loop for both) and returns the bound port (config.port 0 picks a free one); `stop()` stops taking requests
-  and gives those in flight `grace_s` seconds.
+  event loop for both) and returns the bound port (config.port 0 picks a free one), or raises OSError (one line:
+  the address and the reason) when it cannot listen; `stop()` stops taking requests and gives those in flight
+  `grace_s` seconds. Connections are guarded by tether.shared.http_guard: at most `max_connections` open (and
+  at most half the file handles left to the process), a request head within `header_timeout_s`, idle keep-alive
+  connections closed after `keep_alive_s`, the loop's repeated errors logged once per kind and window.
 
     app = OpenAIApp(backend, HttpConfig(port=8000))
     port = HttpServer(app, app.config).start(loop)
@@ -31,13 +41,13 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +59,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tether.shared.chat_template import ChatFormat, ChatTemplateError, TemplateProblem
+from tether.shared.http_guard import (
+    ConnectionGuard,
+    connection_cap,
+    guarded_protocol,
+    install_loop_error_log,
+    limit_logger,
+)
+from tether.shared.http_observe import HttpObserver, Observed, RequestRecord, record_of
 from tether.shared.openai_api import (
     SSE_DONE,
     ApiError,
@@ -61,6 +79,7 @@ from tether.shared.openai_api import (
     chat_chunk,
     completion_body,
     completion_chunk,
+    decode_body,
     invalid,
     parse_chat,
     parse_completion,
@@ -85,6 +104,11 @@ class HttpConfig:
     tls_cert: str = ""  # PEM certificate: serve HTTPS (with tls_key)
     tls_key: str = ""  # PEM private key of tls_cert
     tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mutual TLS)
+    max_connections: int = 1024  # connections open at once (also at most half the file handles left); past it 503
+    header_timeout_s: float = 10.0  # a request's head (line and headers) must arrive within this; else 408, closed
+    body_timeout_s: float = 30.0  # a request's body must arrive within this once its head has; else 408, closed
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    prepare_threads: int = 2  # threads decoding, rendering and tokenizing requests (off the event loop)
 
 
 class Backend(Protocol):
@@ -99,10 +123,12 @@ class Backend(Protocol):
 
 
 class OpenAIApp:
-    def __init__(self, backend: Backend, config: HttpConfig | None = None):
+    def __init__(self, backend: Backend, config: HttpConfig | None = None, observer: HttpObserver | None = None):
         self.backend, self.config = backend, config or HttpConfig()
         self.created = int(time.time())
         self.live = 0  # generations running (event loop only)
+        self.preparing = 0  # requests past their head and not yet generating (event loop only)
+        self._threads = ThreadPoolExecutor(self.config.prepare_threads, thread_name_prefix="tether-http-prepare")
         self._keys = [hashlib.sha256(k.encode()).digest() for k in self.config.api_keys]
         routes = [
             Route("/health", self.health, methods=["GET"]),
@@ -111,7 +137,14 @@ class OpenAIApp:
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"]),
         ]
-        self.asgi = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        # Starlette answers an exception a route lets out with the Exception handler, then raises it on to Observed,
+        # which logs it in one line.
+        handlers = {HTTPException: self._http_error, Exception: self._internal_error}
+        self.asgi = Observed(Starlette(routes=routes, exception_handlers=handlers), observer, log)
+
+    def close(self) -> None:
+        """Stop the worker threads (requests still preparing get no answer from them)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     # ---- routes ---------------------------------------------------------------------------------------------
 
@@ -134,7 +167,8 @@ class OpenAIApp:
     # ---- checks -----------------------------------------------------------------------------------------------
 
     def _guard(self, endpoint: Callable) -> Callable:
-        """Authentication, then the endpoint; every refusal as OpenAI's error JSON with its status."""
+        """Authentication, then the endpoint; every refusal as OpenAI's error JSON with its status (a bug is
+        Observed's: a 500 and one log line)."""
 
         async def guarded(request: Request) -> Response:
             try:
@@ -142,15 +176,15 @@ class OpenAIApp:
                 return await endpoint(request)
             except ApiError as e:
                 return error_response(e)
-            except Exception:  # a bug: the caller gets a 500 in the usual shape, the log gets the traceback
-                log.exception("internal error in %s", request.url.path)
-                return error_response(ApiError(ErrorKind.INTERNAL, "internal server error"))
 
         return guarded
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         kind = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED}.get(exc.status_code, ErrorKind.INTERNAL)
         return error_response(ApiError(kind, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(ErrorKind.INTERNAL, "internal server error"))
 
     def _authorize(self, request: Request) -> None:
         if not self._keys:
@@ -170,19 +204,33 @@ class OpenAIApp:
         return {"id": self.backend.model_id, "object": "model", "created": self.created, "owned_by": "tether",
                 "max_model_len": self.backend.max_context}  # fmt: skip
 
-    async def _body(self, request: Request) -> object:
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
-            raise ApiError(ErrorKind.TOO_LARGE, f"the request body is over {self.config.max_body_bytes} bytes")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(ErrorKind.TOO_LARGE, f"the request body is over {limit} bytes")
         data = bytearray()
-        async for part in request.stream():
-            data += part
-            if len(data) > self.config.max_body_bytes:
-                raise ApiError(ErrorKind.TOO_LARGE, f"the request body is over {self.config.max_body_bytes} bytes")
         try:
-            return json.loads(data, parse_constant=_no_constant)
-        except ValueError as e:
-            raise invalid(f"the request body is not valid JSON: {e}") from None
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for part in request.stream():
+                    data += part
+                    if len(data) > limit:
+                        raise ApiError(ErrorKind.TOO_LARGE, f"the request body is over {limit} bytes")
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.config.body_timeout_s:g} s"
+            raise ApiError(ErrorKind.REQUEST_TIMEOUT, message) from None
+        return bytes(data)
+
+    async def _off_loop(self, fn: Callable, *args):
+        """`fn(*args)` on one of the app's worker threads: CPU-bound work never holds the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    def _prepare(self, data: bytes, parse: Callable[[object], GenerationRequest]):
+        """On a worker thread: the body checked into a request, its model, prompt ids and token budget."""
+        req = parse(decode_body(data))
+        model = self._model(req.model)
+        prompt = self._prompt(req)
+        return req, model, prompt, self._max_tokens(req, len(prompt))
 
     def _prompt(self, req: GenerationRequest) -> list[int]:
         chat, b = self.backend.chat, self.backend
@@ -190,7 +238,7 @@ class OpenAIApp:
             try:
                 ids = chat.encode(chat.render(req.messages))
             except ChatTemplateError as e:
-                if e.problem is TemplateProblem.REFUSED:  # the conversation: the caller's to fix
+                if e.problem in (TemplateProblem.REFUSED, TemplateProblem.LIMIT):  # this conversation: the caller's
                     raise invalid(str(e), "messages") from None
                 log.error("the model's chat template cannot render any conversation: %s", e)  # the operator's to fix
                 raise ApiError(ErrorKind.INTERNAL, "the model's chat template is broken (the server log says how); "
@@ -227,14 +275,21 @@ class OpenAIApp:
     # ---- generation -------------------------------------------------------------------------------------------
 
     async def _generation(self, request: Request, parse: Callable[[object], GenerationRequest]) -> Response:
-        req = parse(await self._body(request))
-        model = self._model(req.model)
-        prompt = self._prompt(req)
-        max_tokens = self._max_tokens(req, len(prompt))
+        if self.preparing >= self.config.max_streams:
+            message = f"{self.preparing} requests are being read, the limit is {self.config.max_streams}; try again"
+            raise ApiError(ErrorKind.RATE_LIMITED, message, retry_after_s=self.config.retry_after_s)
+        self.preparing += 1
+        try:
+            data = await self._body(request)
+            req, model, prompt, max_tokens = await self._off_loop(self._prepare, data, parse)
+        finally:
+            self.preparing -= 1
+        record = record_of(request.scope) or RequestRecord(request.method, request.url.path)
+        record.prompt_tokens = len(prompt)
         if self.live >= self.config.max_streams:
             message = f"{self.live} generations are running, the limit is {self.config.max_streams}; try again shortly"
             raise ApiError(ErrorKind.RATE_LIMITED, message, retry_after_s=self.config.retry_after_s)
-        gen = _Generation(self, req, model, prompt, max_tokens)
+        gen = _Generation(self, req, model, prompt, max_tokens, record)
         await gen.start()
         if req.stream:
             return _EventStream(gen.events(), media_type="text/event-stream",
@@ -245,10 +300,13 @@ class OpenAIApp:
 class _Generation:
     """One request's generation: holds one of the app's slots from construction until `close`."""
 
-    def __init__(self, app: OpenAIApp, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int):
+    def __init__(self, app: OpenAIApp, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int,
+                 record: RequestRecord):  # fmt: skip
         chat = app.backend.chat
         self.app, self.req, self.model, self.prompt, self.max_tokens = app, req, model, prompt, max_tokens
         self.rid = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
+        self.record = record
+        record.session = self.rid
         self.created = int(time.time())
         stop_ids = frozenset() if req.ignore_eos else chat.stop_ids
         self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids)
@@ -269,11 +327,13 @@ class _Generation:
         except BaseException:
             await self.close()
             raise
+        self.record.first_token()
 
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
             self.app.live -= 1
+            self.record.completion_tokens = self.text.tokens
             await self.chunks.aclose()
 
     async def pieces(self) -> AsyncIterator[str]:
@@ -375,10 +435,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.kind.status, headers=e.headers())
 
@@ -391,24 +447,35 @@ class HttpServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._server = None
+        self.guard: ConnectionGuard | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> int:
-        """Bind, start serving on `loop` and return the port once requests are taken."""
+        """Bind, start serving on `loop` and return the port once requests are taken; OSError (its message one
+        line, with the address) when it cannot listen there."""
         c = self.config
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((c.host, c.port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((c.host, c.port))
+        except OSError as e:
+            sock.close()
+            where = f"[{c.host}]:{c.port}" if ":" in c.host else f"{c.host}:{c.port}"
+            raise OSError(e.errno, f"cannot listen on {where}: {e.strerror or e}") from None
         tls = dict(ssl_certfile=c.tls_cert, ssl_keyfile=c.tls_key) if c.tls_cert else {}
         if c.tls_client_ca:
             tls |= dict(ssl_ca_certs=c.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self.guard = ConnectionGuard(connection_cap(c.max_connections), c.header_timeout_s, log)
         config = uvicorn.Config(self.app.asgi, lifespan="off", log_config=None, access_log=False,
+                                http=guarded_protocol(self.guard), timeout_keep_alive=c.keep_alive_s,
                                 timeout_graceful_shutdown=max(c.grace_s, 0.1), **tls)  # fmt: skip
+        limit_logger("uvicorn.error")  # a warning per malformed request otherwise
         self._loop = loop
         self._server = server = _Server(config)
         port = sock.getsockname()[1]
 
         async def begin() -> None:
+            install_loop_error_log(loop, log)
             self._task = asyncio.create_task(server.serve(sockets=[sock]))
             ready = asyncio.ensure_future(server.ready.wait())
             await asyncio.wait({self._task, ready}, return_when=asyncio.FIRST_COMPLETED)
@@ -417,7 +484,12 @@ class HttpServer:
                 await self._task  # raises what failed
                 raise OSError(f"the HTTP server on {c.host}:{port} did not start")
 
-        asyncio.run_coroutine_threadsafe(begin(), loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(begin(), loop).result()
+        except BaseException:
+            sock.close()
+            self.app.close()
+            raise
         return port
 
     def stop(self) -> None:
@@ -431,6 +503,7 @@ class HttpServer:
 
         asyncio.run_coroutine_threadsafe(end(), self._loop).result()
         self._task = None
+        self.app.close()
 
 
 class _Server(uvicorn.Server):
