@@ -137,6 +137,9 @@ def check_ports(cfg: ServeConfig) -> None:
                                "process (a tether-server already running?): stop it, or pick another port")  # fmt: skip
     if cfg.metrics_port and cfg.metrics_port == cfg.port:
         raise ValueError(f"--metrics-port and --port are both {cfg.port}: give each its own port")
+    if cfg.http_port > 0 and address_in_use(cfg.http_host, cfg.http_port):
+        raise CommandError(Refusal.ADDRESS_IN_USE, f"--http-port {cfg.http_port}: {cfg.http_host}:{cfg.http_port} is "
+                           "in use by another process: stop it, or pick another port")  # fmt: skip
 
 
 def start_metrics(service: TetherService, host_name: str, number: int) -> None:

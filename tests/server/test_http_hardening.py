@@ -326,3 +326,17 @@ def test_the_metrics_port_serves_metrics_only_with_the_http_series(tok):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_serve_refuses_a_busy_http_port_in_one_line_before_loading_models():
+    from tether.server.daemon import ServeConfig, check_ports
+    from tether.shared.cli_support import CommandError, Refusal
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(CommandError) as e:
+            check_ports(ServeConfig(port=0, http_port=port))
+    assert e.value.reason is Refusal.ADDRESS_IN_USE and f"--http-port {port}" in str(e.value)
+    assert "\n" not in str(e.value)
