@@ -8,6 +8,11 @@ line `http listening on HOST:PORT`; it takes the same API keys and TLS files as 
 without a drafter: server-only decoding over Generate and HTTP (ModelInfo.server_only; Session, Resync and
 FetchWeights are refused with REASON_NO_DRAFTER).
 
+A port that another process listens on (--port, --metrics-port, --http-port), even one that shares its port with
+SO_REUSEPORT, is refused in one line (CommandError, exit status 2) before the models load, and again at the bind
+should it be taken meanwhile (what start-up took is given back); gRPC binds without SO_REUSEPORT unless --frontends
+share the port among themselves (tether.server.rpc_server). --device cuda on a machine without it is one line too.
+
 Start-up is logged by phase at INFO: the kernel cache in use, models loaded in X s, the kernel warm-up in X s and
 how many files it added to the cache, then one line `ready in X s (warm cache|cold cache|no kernel warm-up)`,
 counted from the call of `serve` (after Python's imports) to the port taking calls. A warm-up that adds nothing
