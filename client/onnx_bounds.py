@@ -15,7 +15,8 @@ Contract:
   registered in the process's onnxruntime environment on first use (the arena is the process's: its cap is the
   first caller's `limits.memory_bytes`, and covers all drafter sessions together), and keeps onnxruntime's own
   error log quiet (the failure reaches the caller as DraftingStopped).
-- `BoundedSession(session, name, limits)`: the session's run / get_inputs / get_outputs, each run under both bounds.
+- `BoundedSession(session, name, limits)`: the session's run / get_inputs / get_outputs / get_session_options, each
+  run under both bounds.
 - `RunLimits(memory_bytes=DEFAULT_MEMORY_BYTES, run_timeout_s=DEFAULT_RUN_TIMEOUT_S)`: frozen;
   `RunLimits.implied(description)` scales the memory bound to what a drafter's description implies (what
   tether.client.onnx_drafter uses unless told otherwise; 1 GiB for the shipped drafters).
@@ -162,6 +163,9 @@ class BoundedSession:
 
     def get_outputs(self) -> list:
         return self.session.get_outputs()
+
+    def get_session_options(self) -> ort.SessionOptions:
+        return self.session.get_session_options()
 
     def run(self, output_names, feeds: dict) -> list:
         options = ort.RunOptions()
