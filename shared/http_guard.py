@@ -11,7 +11,9 @@ accept or dial, and asyncio logs a traceback for every failed accept. So:
   back at once. A connection must complete each request's head (request line and headers, at most h11's 16 KiB)
   within `head_timeout_s` of starting to wait for it (when it opened, or when its last response ended): otherwise
   it gets 408 and is closed. Bodies are the app's to time (tether.shared.openai_app reads them under a deadline);
-  an idle keep-alive connection is uvicorn's to close (timeout_keep_alive).
+  an idle keep-alive connection is uvicorn's to close (timeout_keep_alive). A connection closed with data still
+  unsent (a client that stopped reading) is aborted `close_grace_s` later: asyncio's close() would wait for the
+  client to read it, holding the handle for as long as the client likes.
 - `RateLimitedLog(logger, window_s)`: the first record of each kind per window, then one line saying how many
   were left out. `install_loop_error_log(loop, logger)` routes an event loop's unhandled errors (failed accepts
   among them) through one, as one line each without the traceback, unless the loop has a handler already;
@@ -139,8 +141,8 @@ def limit_logger(name: str, window_s: float = 10.0) -> None:
 class ConnectionGuard:
     """The open connections of one HTTP server, their cap and the head deadline (event loop only)."""
 
-    def __init__(self, cap: int, head_timeout_s: float, log: logging.Logger | None = None):
-        self.cap, self.head_timeout_s = cap, head_timeout_s
+    def __init__(self, cap: int, head_timeout_s: float, log: logging.Logger | None = None, close_grace_s: float = 10):
+        self.cap, self.head_timeout_s, self.close_grace_s = cap, head_timeout_s, close_grace_s
         self.open = 0  # connections held now
         self.refused = 0  # connections closed at once for being past the cap
         self.timed_out = 0  # connections closed for a head that did not arrive in time
@@ -156,6 +158,23 @@ class ConnectionGuard:
                       self.head_timeout_s)  # fmt: skip
 
 
+class _ClosingTransport:
+    """A transport as uvicorn sees it, whose close() becomes an abort if the connection has not ended
+    `guard.close_grace_s` later (data the client does not read keeps it open otherwise)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, guard: ConnectionGuard):
+        self._transport, self._loop, self._guard = transport, loop, guard
+        self._abort: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._abort is None:  # abort() of a transport already gone does nothing
+            self._abort = self._loop.call_later(self._guard.close_grace_s, self._transport.abort)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
 def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
     """uvicorn's h11 protocol under `guard` (see the module docstring)."""
 
@@ -169,7 +188,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
                 transport.close()
                 return
             guard.open += 1
-            super().connection_made(transport)
+            super().connection_made(_ClosingTransport(transport, self.loop, guard))  # type: ignore[arg-type]
             self._await_head()
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -15,7 +15,8 @@ Contract:
 - Nothing CPU-bound runs on the event loop (which the gRPC server shares): decoding the body's JSON, checking it,
   rendering the chat template and tokenizing run on `config.prepare_threads` worker threads; at most
   `max_streams` requests are past their headers and not yet generating (more get 429), so the bodies held are
-  bounded too. A body must arrive within `body_timeout_s` (else 408 and the connection closes).
+  bounded too. A body must arrive within `body_timeout_s` (else 408 and the connection closes); a stream its
+  client stops reading for `send_timeout_s` ends, its generation closed.
 - Every request is one log line and one observation (`observer`, tether.shared.http_observe: method, path,
   status, prompt and completion tokens, time to first token, duration, the response id as the session).
 - `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
@@ -108,6 +109,7 @@ class HttpConfig:
     header_timeout_s: float = 10.0  # a request's head (line and headers) must arrive within this; else 408, closed
     body_timeout_s: float = 30.0  # a request's body must arrive within this once its head has; else 408, closed
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    send_timeout_s: float = 60.0  # a stream the client does not read for this long is ended (its generation freed)
     prepare_threads: int = 2  # threads decoding, rendering and tokenizing requests (off the event loop)
 
 
@@ -292,7 +294,7 @@ class OpenAIApp:
         gen = _Generation(self, req, model, prompt, max_tokens, record)
         await gen.start()
         if req.stream:
-            return _EventStream(gen.events(), media_type="text/event-stream",
+            return _EventStream(gen.events(), self.config.send_timeout_s, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         return await gen.respond(request)
 
@@ -418,13 +420,33 @@ class _Generation:
         return JSONResponse(with_offline(body, self.offline_tokens) if self.app.backend.drafts_offline else body)
 
 
+class _StalledReader(Exception):
+    """The client stopped reading a stream: a send waited past send_timeout_s."""
+
+
 class _EventStream(StreamingResponse):
     """An SSE response whose generator is closed however the response ends (a disconnect cancels the sending
-    task while the generator waits at a yield, where nothing else would close it until garbage collection)."""
+    task while the generator waits at a yield, where nothing else would close it until garbage collection), and
+    ends when the client stops reading: a connection that is open but not read would hold its generation (and its
+    KV and a max_streams slot) for as long as the client likes."""
+
+    def __init__(self, content, send_timeout_s: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.send_timeout_s = send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        async def sending(message) -> None:
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise _StalledReader from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
+        except _StalledReader:
+            log.info("%s: the client stopped reading its stream for %g s: generation closed", scope["path"],
+                     self.send_timeout_s)  # fmt: skip
         finally:
             await self.body_iterator.aclose()
 

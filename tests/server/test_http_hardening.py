@@ -18,6 +18,8 @@ import asyncio
 import json
 import logging
 import socket
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -205,6 +207,59 @@ def test_past_the_connection_cap_a_connection_is_answered_503_and_closed_at_once
         sock.sendall(b"Host: x\r\n\r\n")  # the held ones still work
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
         sock.close()
+
+
+class Endless:
+    """A backend generating 1,000 tokens a chunk until it is closed (then `closed` is set)."""
+
+    drafts_offline = False
+    model_id = "endless"
+    max_context = max_new_tokens = 10**9
+    max_prompt_tokens = 256
+
+    def __init__(self, chat, token: int):
+        self.chat, self.token, self.closed = chat, token, threading.Event()
+
+    async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int):
+        try:
+            while True:
+                yield Tokens([self.token] * 1000)
+        finally:
+            self.closed.set()
+
+
+def test_a_client_that_stops_reading_its_stream_frees_the_generation_and_the_connection(tok, serve):
+    backend = Endless(ChatFormat.builtin_for(tok), tok.encode(" hello")[0])
+    url, server = serve(backend, send_timeout_s=0.2)
+    server.guard.close_grace_s = 0.2
+    sock = connect(url)
+    body = json.dumps({"prompt": "x", "max_tokens": 10**8, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    try:  # read nothing: the socket buffers fill, then the server's sends wait
+        assert backend.closed.wait(BOUND_S)
+        assert wait_until(lambda: server.guard.open == 0)  # aborted, its unsent data dropped, while still unread
+    finally:
+        sock.close()
+
+
+def wait_until(condition) -> bool:
+    """Whether `condition` holds within BOUND_S (checked every 10 ms: a state of the server's loop, not an event)."""
+    tick = threading.Event()
+    for _ in range(BOUND_S * 100):
+        if condition():
+            return True
+        tick.wait(0.01)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file-handle limits as Linux sets them")
+def test_the_connection_cap_keeps_half_the_free_file_handles_for_the_rest():
+    code = ("import resource; _, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (200, hard)); "
+            "from tether.shared.http_guard import connection_cap; print(connection_cap(1024))")  # fmt: skip
+    cap = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1 <= cap <= 100
 
 
 def test_a_busy_port_is_one_oserror_line(serve, tok):
