@@ -12,7 +12,9 @@ Contract (`EngineHealth(health, links)`, on the front end's event loop; a link i
   with less than its configured capacity (a signal to alert on, or to weight traffic away from it; the serving
   process has also logged `engine_exit`). Engines are not restarted, so it stays NOT_SERVING until `serve` is.
 - "tether.v1.Tether.engine.K": SERVING while engine K (its index in session ids) is alive.
-- When the front end stops, every name is NOT_SERVING (grpc's graceful shutdown; later changes are ignored).
+- When the front end stops, every name is NOT_SERVING (grpc's graceful shutdown; later changes are ignored). The
+  front ends stop with the first engine (the serving process), so its death shows as no answer at all, which a
+  load balancer takes for unhealthy too.
 A front end started after an engine died starts with that engine lost. Without front ends (one process, one
 engine) tether.server.rpc_server answers "" and "tether.v1.Tether" alone.
 
