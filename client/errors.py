@@ -23,6 +23,7 @@ class Problem(StrEnum):
     MODEL_INFO = "model info"  # GetModelInfo fields malformed or out of range
     FINGERPRINT = "fingerprint"  # identities that contradict each other
     MANIFEST = "weight manifest"  # tensors, dtypes, shapes or sizes the model's config does not imply
+    GRAPH = "ONNX graph"  # a graph our exporter would not emit, or a graph call past its run-time bounds
     WEIGHT_SIZE = "weight size"  # a client part larger than the client accepts (ClientConfig.max_weights_mb)
     CACHE_KEY = "cache key"  # a sha256 field that is not 64 lowercase hex digits (it names files)
     CHUNK = "weight chunk"  # a chunk of an unknown tensor, past its end, leaving a gap, or one too many

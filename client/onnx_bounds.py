@@ -58,7 +58,7 @@ class DraftingStopped(ServerDataError):
     """A graph call the client's bounds stopped, or one that failed inside onnxruntime; `bound` says which."""
 
     def __init__(self, bound: Bound, message: str):
-        super().__init__(Problem.MANIFEST, message)
+        super().__init__(Problem.GRAPH, message)
         self.bound = bound
 
 

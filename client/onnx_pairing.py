@@ -190,7 +190,7 @@ def check_graphs(description: dict, files: dict[str, Path], limits: GraphLimits)
         try:
             check_graph(files[g["file"]].read_bytes(), limits, g["weights"]["tensors"])
         except GraphRefused as e:
-            raise PairingError(Problem.MANIFEST, f"{g['file']} is not a graph this client runs: {e}") from None
+            raise PairingError(Problem.GRAPH, f"{g['file']} is not a graph this client runs: {e}") from None
 
 
 def _stored_bytes(tensors: Any, precision: str, need: Callable[[bool, str], None]) -> int:

@@ -231,7 +231,7 @@ def test_a_run_time_allocation_past_the_arena_cap_stops_the_call_not_the_process
     for n in (1 << 30, 1 << 34):
         with pytest.raises(DraftingStopped) as e:
             session.run(None, {"shape": np.array([n], np.int64)})
-        assert e.value.bound == Bound.FAILED and e.value.problem == Problem.MANIFEST and "\n" not in str(e.value)
+        assert e.value.bound == Bound.FAILED and e.value.problem == Problem.GRAPH and "\n" not in str(e.value)
     assert peak_rss_bytes() - before < 256 << 20
     assert session.run(None, {"shape": np.array([1000], np.int64)})[0] == 1000
 
@@ -267,7 +267,7 @@ def test_a_part_with_a_hostile_graph_is_refused_before_onnxruntime_sees_it(serve
     monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: created.append(1) or real(*a, **k))
     with pytest.raises(ServerDataError) as e:
         fetch_onnx_part(Tamper(s.stub, files=loop_in_step(s.service.exporter.part("fp32"))), s.info, tmp_path / "c")
-    assert e.value.problem == Problem.MANIFEST and "step.onnx" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.problem == Problem.GRAPH and "step.onnx" in str(e.value) and "\n" not in str(e.value)
     assert created == []
 
 
@@ -299,4 +299,4 @@ def test_tether_client_ends_in_one_line_with_status_2(servers, tmp_path, capsys)
         liar.stop(None)
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert "the server sent an invalid weight manifest: step.onnx is not a graph this client runs" in err
+    assert "the server sent an invalid ONNX graph: step.onnx is not a graph this client runs" in err

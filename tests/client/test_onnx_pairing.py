@@ -317,7 +317,7 @@ def test_a_graph_that_names_a_file_we_did_not_supply_does_not_load(servers, tmp_
     (tmp_path / "step.safetensors").write_bytes(bytes(16 << 20))
     with pytest.raises(ServerDataError) as e:
         fetch_onnx_part(Tamper(s.stub, files=files), s.info, tmp_path / "cache")
-    assert e.value.problem == Problem.MANIFEST
+    assert e.value.problem == Problem.GRAPH
 
 
 CHILD = textwrap.dedent(
