@@ -30,6 +30,9 @@ Contract:
 - `encode(text)` tokenizes a rendered prompt as transformers does for a chat: the text of every added token
   (`<|im_start|>` ...) becomes that token's id, everything between is encoded as plain text, no BOS is added (a
   template that wants one writes `{{ bos_token }}`).
+- `surely_over(text, max_tokens)`: True when the text is too long to encode to max_tokens tokens whatever it
+  holds (its byte length against `max_token_bytes`, the longest vocabulary entry): a prompt far over the limit is
+  refused without tokenizing it.
 - `stop_ids`: the ids that end a generation: the tokenizer's end-of-text, the template's eos_token and the
   eos_token_id of generation_config.json (an int or a list). `hidden_ids`: the special tokens, left out of the text
   a server returns (as vLLM's skip_special_tokens does).
@@ -184,19 +187,40 @@ class ChatFormat:
         return default_sandbox().render(self.template, context)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt: added tokens' text as their ids, the rest as plain text."""
+        """Token ids of a rendered prompt: added tokens' text as their ids, the rest as plain text. Encoded as a
+        batch: the tokenizers library lets other threads run during a batch (a single encode holds the GIL, and a
+        megabyte prompt on a worker thread would stall the event loop for seconds)."""
         added = self._added[0]
         if not added:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode_batch([text])[0]
         by_text = {t: i for i, t in added.items() if t}
         pattern = "|".join(re.escape(t) for t in sorted(by_text, key=len, reverse=True))
+        pieces = re.split(f"({pattern})", text)
+        plain = iter(self.tokenizer.encode_batch([p for p in pieces[0::2] if p]))
         ids: list[int] = []
-        for n, piece in enumerate(re.split(f"({pattern})", text)):
+        for n, piece in enumerate(pieces):
             if n % 2:
                 ids.append(by_text[piece])
             elif piece:
-                ids += self.tokenizer.encode(piece)
+                ids += next(plain)
         return ids
+
+    def surely_over(self, text: str, max_tokens: int) -> bool:
+        """True when `text` cannot encode to `max_tokens` tokens or fewer, told from its length alone: a token stands
+        for at most `max_token_bytes` bytes, and a normalizer may shrink the text (NFC, say) by a factor of 4 at
+        most. Lets a server refuse a megabyte prompt without spending seconds tokenizing it."""
+        bound = max_tokens * self.max_token_bytes * 4
+        return len(text) > bound or len(text.encode("utf-8", "surrogatepass")) > bound  # bytes >= characters
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for: the UTF-8 length of the longest vocabulary entry (byte-level
+        and SentencePiece entries spell at least the bytes they stand for; byte-fallback ones more)."""
+        data = json.loads(self.tokenizer.to_json())
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        entries = vocab.keys() if isinstance(vocab, dict) else [v[0] for v in vocab if isinstance(v, list) and v]
+        added = [str(e.get("content", "")) for e in data.get("added_tokens") or []]
+        return max([len(str(t).encode("utf-8", "replace")) for t in [*entries, *added]] or [1], default=1)
 
     @property
     def stop_ids(self) -> frozenset[int]:

@@ -238,7 +238,7 @@ class OpenAIApp:
         chat, b = self.backend.chat, self.backend
         if req.messages is not None:
             try:
-                ids = chat.encode(chat.render(req.messages))
+                ids = self._encode(chat.render(req.messages), "messages")
             except ChatTemplateError as e:
                 if e.problem in (TemplateProblem.REFUSED, TemplateProblem.LIMIT):  # this conversation: the caller's
                     raise invalid(str(e), "messages") from None
@@ -246,7 +246,7 @@ class OpenAIApp:
                 raise ApiError(ErrorKind.INTERNAL, "the model's chat template is broken (the server log says how); "
                                "/v1/completions still works") from None  # fmt: skip
         elif isinstance(req.prompt, str):
-            ids = chat.encode(req.prompt)
+            ids = self._encode(req.prompt, "prompt")
         else:
             ids = list(req.prompt)
             if any(t >= chat.tokenizer.vocab_size for t in ids):
@@ -258,6 +258,13 @@ class OpenAIApp:
             message = f"the prompt has {len(ids)} tokens; this server takes at most {b.max_prompt_tokens}"
             raise ApiError(ErrorKind.CONTEXT_LENGTH, message, "messages" if req.chat else "prompt")
         return ids
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        limit = self.backend.max_prompt_tokens
+        if self.backend.chat.surely_over(text, limit):  # refused without the seconds tokenizing it would take
+            raise ApiError(ErrorKind.CONTEXT_LENGTH, f"the prompt has more than {limit} tokens, the most this server "
+                           "takes", param)  # fmt: skip
+        return self.backend.chat.encode(text)
 
     def _max_tokens(self, req: GenerationRequest, prompt: int) -> int:
         b = self.backend

@@ -154,6 +154,17 @@ def test_health_answers_while_a_prompt_is_tokenized_or_rendered(tok, serve, hold
     assert answer["r"].status_code == 200
 
 
+def test_a_prompt_far_over_the_limit_is_refused_without_tokenizing_it(tok, serve):
+    chat = HeldChat(ChatFormat.builtin_for(tok), "encode")  # tokenizing would wait at the event, never set here
+    url, _ = serve(Scripted(chat, [tok.encode(" hi")]))
+    size = Scripted.max_prompt_tokens * chat.max_token_bytes * 4 + 1
+    for path, body in (("/v1/completions", {"prompt": "x" * size}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * size}]})):  # fmt: skip
+        r = httpx.post(url + path, json=body, timeout=BOUND_S)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+    assert not chat.entered.is_set()
+
+
 # ---- connections ------------------------------------------------------------------------------------------------
 
 
