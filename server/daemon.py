@@ -90,6 +90,7 @@ class ServeConfig:
     session_lease_s: float = 300.0  # a session idle this long expires: its quota and KV memory go back
     stream_idle_s: float = 120.0  # a Session stream that sends nothing this long is closed (its session stays)
     max_streams: int = 4096  # Session and Generate streams open at once, over all callers
+    max_model_calls_per_caller: int = 128  # calls of one key (without keys, one host) waiting for the model threads
     api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
     metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
     tls_cert: str = ""  # PEM certificate: serve over TLS (with tls_key)
@@ -176,12 +177,20 @@ def use_cache(cfg: ServeConfig) -> Path:
 
 
 def service_config(cfg: ServeConfig) -> ServiceConfig:
-    for name in ("max_sessions", "max_sessions_per_key", "max_streams", "session_lease_s", "stream_idle_s"):
+    for name in (
+        "max_sessions",
+        "max_sessions_per_key",
+        "max_streams",
+        "max_model_calls_per_caller",
+        "session_lease_s",
+        "stream_idle_s",
+    ):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys), model_id=model_name(cfg),
                          max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
                          stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
+                         max_model_calls_per_caller=cfg.max_model_calls_per_caller,
                          kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
                          prefill_chunk=cfg.prefill_chunk)  # fmt: skip
 

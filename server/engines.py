@@ -61,6 +61,7 @@ def engine_share(cfg, index: int):
         kv_pool_mb=cfg.kv_pool_mb // n,
         max_sessions=math.ceil(cfg.max_sessions / n),
         max_sessions_per_key=math.ceil(cfg.max_sessions_per_key / n),
+        max_model_calls_per_caller=math.ceil(cfg.max_model_calls_per_caller / n),
         metrics_port=cfg.metrics_port + index if cfg.metrics_port else 0,
         http_port=cfg.http_port if index == 0 else -1,
         onnx_precisions=cfg.onnx_precisions if index == 0 else "",

@@ -87,6 +87,7 @@ def test_each_engine_gets_an_even_share_of_the_pool_and_the_limits_and_only_the_
                       http_port=8000, onnx_precisions="fp32")  # fmt: skip
     first, third = engine_share(cfg, 0), engine_share(cfg, 2)
     assert (first.kv_pool_mb, first.max_sessions, first.max_sessions_per_key) == (333, 86, 22)
+    assert first.max_model_calls_per_caller == third.max_model_calls_per_caller == 43  # of 128
     assert (first.metrics_port, first.http_port, first.onnx_precisions) == (9100, 8000, "fp32")
     assert (third.metrics_port, third.http_port, third.onnx_precisions) == (9102, -1, "")
     assert engine_share(ServeConfig(), 0) == ServeConfig()

@@ -95,6 +95,16 @@ def test_variables_reach_the_config_and_the_command_line_wins(clean_env):
     assert (generate.prompt, generate.drafter) == ("def f():", "none")
 
 
+def test_the_bound_on_a_callers_queued_model_calls_reaches_the_service(clean_env):
+    from tether.server.daemon import service_config
+
+    cfg = build_config(ServeConfig, build_parser().parse_args(["serve", "--max-model-calls-per-caller", "3"]))
+    assert service_config(cfg).max_model_calls_per_caller == 3
+    cfg = build_config(ServeConfig, build_parser().parse_args(["serve", "--max-model-calls-per-caller", "0"]))
+    with pytest.raises(ValueError, match="--max-model-calls-per-caller must be positive"):
+        service_config(cfg)
+
+
 def test_an_invalid_variable_is_one_line_and_status_2(clean_env, capsys):
     clean_env.setenv("TETHER_MAX_SESSIONS", "many")
     with pytest.raises(SystemExit) as exit_:
