@@ -1,16 +1,18 @@
 """An OpenAI-compatible HTTP API (Starlette, served by uvicorn) in front of anything that decodes token ids.
 
 Contract:
-- `OpenAIApp(backend, HttpConfig)`: GET /health, GET /v1/models (and /v1/models/{id}), POST /v1/completions and
-  POST /v1/chat/completions, streamed as server-sent events (`data: {...}` chunks, then `data: [DONE]`) or not.
-  Requests are checked by tether.shared.openai_api before anything is allocated; the prompt is built here (the
-  chat template and tokenizer of `backend.chat`, tether.shared.chat_template) and checked against the backend's
-  limits; the first token is awaited before the response starts, so a full server answers with a status (503 and
-  Retry-After) rather than a broken stream. Every error has OpenAI's shape and its status: 400 malformed or too long,
-  401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404 an unknown
-  model or route, 413 a body over the limit, 429 past `max_streams` generations at once, 503 when the backend has
-  no room, 500 only for a server bug (a chat template that does not compile is one; one that refuses the
-  conversation, or runs past its bounds, is the caller's 400), logged in one line (tether.shared.http_observe).
+- `OpenAIApp(backend, HttpConfig, observer=None)`: GET /health, GET /v1/models (and /v1/models/{id}), POST
+  /v1/completions and POST /v1/chat/completions, streamed as server-sent events (`data: {...}` chunks, then
+  `data: [DONE]`) or not. Requests are checked by tether.shared.openai_api before anything is allocated; the prompt
+  is built here (the chat template and tokenizer of `backend.chat`, tether.shared.chat_template) and checked
+  against the backend's limits; the first token is awaited before the response starts, so a full server answers
+  with a status (503 and Retry-After) rather than a broken stream. Every error has OpenAI's shape and its status:
+  400 malformed or too long (a prompt whose byte length alone shows it cannot fit is refused before it is
+  tokenized), 401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404
+  an unknown model or route, 408 a body that does not arrive in time, 413 a body over the limit, 429 past
+  `max_streams` generations at once, 503 when the backend has no room, 500 only for a server bug (a chat template
+  that does not compile is one; one that refuses the conversation, or runs past its bounds, is the caller's 400),
+  logged in one line (tether.shared.http_observe).
   A client that goes away, streaming or not, closes its generation at once.
 - Nothing CPU-bound runs on the event loop (which the gRPC server shares): decoding the body's JSON, checking it,
   rendering the chat template and tokenizing run on `config.prepare_threads` worker threads; at most
