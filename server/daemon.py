@@ -158,6 +158,16 @@ def start_metrics(service: TetherService, host_name: str, number: int) -> None:
                            f"{e.strerror or e}") from None  # fmt: skip
 
 
+def start_http_api(service: TetherService, model_id: str, config) -> tuple[object, int]:
+    """The OpenAI-compatible HTTP API (tether.server.http_api), or one CommandError when it cannot listen."""
+    try:
+        return start_http(service, model_id, config)
+    except OSError as e:
+        reason = Refusal.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else Refusal.CANNOT_LISTEN
+        raise CommandError(reason, f"--http-port {config.port}: cannot listen on {config.host}:{config.port}: "
+                           f"{e.strerror or e}") from None  # fmt: skip
+
+
 def read_api_keys(path: str) -> frozenset[str]:
     if not path:
         return frozenset()
@@ -362,16 +372,9 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
     log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     engines = workers.wait_ready() if workers is not None else []
-    try:
-        server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
-                                   engines=engines, log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
-        if cfg.metrics_port:
-            try:
-                start_metrics(service, cfg.host, cfg.metrics_port)
-            except CommandError:
-                server.stop(None)  # the front ends, if any, already took calls
-                raise
-    except CommandError:  # a port taken since serve checked it: give back what start-up took
+
+    def give_back() -> None:
+        """What start-up took, when a port was taken since serve checked it."""
         pauses.remove()
         heap.release()
         service.close()
@@ -379,6 +382,17 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
             tp_target.stop()
             for p in followers:
                 p.terminate()
+
+    server = None
+    try:
+        server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
+                                   engines=engines, log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
+        if cfg.metrics_port:
+            start_metrics(service, cfg.host, cfg.metrics_port)
+    except CommandError:
+        if server is not None:
+            server.stop(None)  # the front ends, if any, already took calls
+        give_back()
         raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -390,7 +404,12 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
     print(f"listening on {cfg.host}:{port}" + (f" ({', '.join(notes)})" if notes else ""), flush=True)
     http = None
     if cfg.http_port >= 0:
-        http, http_port = start_http(service, config.model_id, _http_config(cfg, config))
+        try:
+            http, http_port = start_http_api(service, config.model_id, _http_config(cfg, config))
+        except CommandError:
+            server.stop(None).wait(10)
+            give_back()
+            raise
         print(f"http listening on {cfg.http_host}:{http_port}", flush=True)
     ready_s = time.perf_counter() - t_start
     log.info("ready in %.1f s (%s)", ready_s, cache_state,

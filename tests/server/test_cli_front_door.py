@@ -69,6 +69,19 @@ def test_a_metrics_port_in_use_is_one_line(held_port):
     assert run.stderr.count("\n") == 1 and f"--metrics-port {held_port}" in run.stderr
 
 
+def test_an_http_port_taken_after_the_check_is_one_line_after_the_models_load(held_port):
+    """The check before the models load and the bind after them are two steps: a port taken in between is refused at
+    the bind, in one line, with what start-up took given back (no traceback, no leak warnings at exit)."""
+    skip_check = (
+        "import sys, tether.server.daemon as d; d.check_ports = lambda cfg: None; "
+        "from tether.server.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    args = ["serve", "--port", "0", "--http-port", str(held_port), "--device", "cpu", "--log-level", "warning"]
+    run = subprocess.run([sys.executable, "-c", skip_check, *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run
+    assert run.stderr.count("\n") == 1 and f"--http-port {held_port}: cannot listen on 127.0.0.1" in run.stderr, run
+
+
 class Idle(tether_pb2_grpc.TetherServicer):
     """A service that answers nothing: enough for make_server to bind and stop."""
 
