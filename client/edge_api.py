@@ -196,9 +196,12 @@ class Release:
                 self.send(Tokens(list(e.tokens), offline=True))
         elif e.kind == "tokens":
             self.send(Tokens(list(e.tokens)))
-        elif e.kind == "verify" and self.held:  # a resync kept these (the oldest held first): verified now
+        elif e.kind == "verify" and self.rewind:  # a resync kept these (the oldest held first): verified now
             kept, self.held = self.held[: e.count], self.held[e.count :]
-            self.send(Tokens(kept))
+            if kept:
+                self.send(Tokens(kept))
+        elif e.kind == "verify":  # keep: sent marked offline already; a resync kept them, so they count verified
+            self.send(Tokens([], verified=e.count))
         elif e.kind == "retract":  # always the tail, and only offline tokens
             del self.held[max(0, len(self.held) - e.count) :]
 

@@ -25,7 +25,8 @@ Contract:
   returned ends before the stop string; hidden ids (special tokens) add no text. `flush()` gives what was held.
 - `completion_body`, `chat_body`, `completion_chunk`, `chat_chunk`, `usage` build the JSON bodies; `sse(obj)` and
   `SSE_DONE` frame a stream.
-- `Tokens(ids, offline)`: a chunk of token ids as a backend yields them; `offline` marks ids the edge drafted alone
+- `Tokens(ids, offline, verified)`: a chunk of token ids as a backend yields them; `offline` marks ids the edge drafted
+  alone, `verified` says how many offline ids sent before a resync has since kept
   while its link was down. A backend that can do that (the edge's) gets tether's one extension of OpenAI's schema,
   `with_offline(body, n)`: every choice (of a body or a chunk) carries `"tether": {"offline_tokens": n}`, the
   number of completion tokens behind that choice's text that were made offline and not verified (in a stream:
@@ -133,6 +134,7 @@ class Tokens:
 
     ids: list[int]  # in order, after those of the chunks before
     offline: bool = False  # drafted at the edge while the link was down, and not verified by the target
+    verified: int = 0  # of the offline tokens chunks before this one carried, how many a resync has since kept
 
 
 @dataclass(frozen=True)

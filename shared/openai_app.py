@@ -351,6 +351,7 @@ class _Generation:
         """The completion's text as it is decided; `finish` is "stop" or "length" once it ends."""
         chunk = self.first
         while True:
+            self._count_verified(chunk)
             for token in chunk.ids:
                 piece = self.text.push(token)
                 if chunk.offline:
@@ -373,6 +374,20 @@ class _Generation:
         self.finish = "stop" if self.text.finish_reason is not None else "length"
         if tail:
             yield tail
+
+    def _count_verified(self, chunk: Tokens) -> None:
+        """Offline tokens a resync kept are verified now: counted offline no longer (a streamed chunk that already
+        counted them stands, as it was true when sent)."""
+        if chunk.verified:
+            self.offline_tokens -= min(chunk.verified, self.offline_tokens)
+            self._offline_unsent -= min(chunk.verified, self._offline_unsent)
+
+    async def _settle(self) -> None:
+        """After the last token: the chunks the backend still yields (its final resync's verdict) for the counts."""
+        if self.app.backend.drafts_offline and self.offline_tokens and self.text.finish_reason is None:
+            with contextlib.suppress(ApiError):
+                async for chunk in self.chunks:
+                    self._count_verified(chunk)
 
     def _usage(self) -> dict:
         return usage(len(self.prompt), self.text.tokens)
@@ -409,7 +424,9 @@ class _Generation:
         """The whole completion as one JSON body; the generation is closed at once if the client goes away."""
 
         async def whole() -> str:
-            return "".join([piece async for piece in self.pieces()])
+            text = "".join([piece async for piece in self.pieces()])
+            await self._settle()
+            return text
 
         text_task = asyncio.ensure_future(whole())
         gone_task = asyncio.ensure_future(_disconnected(request))
