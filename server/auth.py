@@ -9,6 +9,9 @@ Contract:
   Identities, never keys, are what sessions are bound to and what logs may show (a prefix). `work_owner()` is
   whose queued model work a call counts against (tether.server.model_work): the identity, or without
   authentication the host of the caller's peer (`PEER`, set here or by the front end that carried the call).
+  `http_callers(asgi, keys)` sets the same two for each HTTP request of the OpenAI-compatible API (its bearer key's
+  identity, its client's host), so an HTTP client's queued work is bounded like a gRPC caller's, not pooled with
+  every other HTTP client's.
 - Calls in flight per caller are bounded (`max_calls_per_key`, with authentication), and Session and Generate
   streams over all callers (`max_streams`): past either, a call ends RESOURCE_EXHAUSTED (REASON_CAPACITY, with
   retry advice) at once. Idle streams are the stream handlers' business (tether.server.service).
@@ -54,6 +57,23 @@ def peer_host(peer: str) -> str:
 def work_owner() -> str:
     """Whose queued model work this call counts against: its key's identity, else its host ("host " + PEER)."""
     return CALLER.get() or "host " + PEER.get()
+
+
+def http_callers(asgi: Callable, api_keys: frozenset[str]) -> Callable:
+    """ASGI middleware: each HTTP request runs with CALLER (the identity of a valid bearer key, else "") and PEER
+    ("http:" + the client's host) set, as a gRPC call does. Whether the key is valid is the app's to answer (401)."""
+    keys = [(k.encode(), identity(k)) for k in api_keys]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            client = scope.get("client")
+            PEER.set("http:" + (client[0] if client else "unknown"))
+            auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            key = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            CALLER.set(next((ident for k, ident in keys if key and hmac.compare_digest(k, key)), ""))
+        await asgi(scope, receive, send)
+
+    return app
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

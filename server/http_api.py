@@ -30,6 +30,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 
+from tether.server.auth import http_callers
 from tether.server.errors import Reason, RequestError
 from tether.server.rpc_server import event_loop
 from tether.server.service import TetherService
@@ -98,5 +99,6 @@ def start_http(service: TetherService, model_id: str, config):
     from tether.shared.openai_app import HttpServer, OpenAIApp
 
     app = OpenAIApp(ServiceBackend(service, model_id), config, observer=service.metrics.http)
+    app.asgi = http_callers(app.asgi, service.config.api_keys)  # each client's model work counted as its own
     server = HttpServer(app, config)
     return server, server.start(event_loop())

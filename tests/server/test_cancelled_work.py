@@ -198,3 +198,32 @@ def test_queued_work_counts_per_host_not_per_connection():
     assert peer_host("ipv4:127.0.0.1:41234") == "ipv4:127.0.0.1"
     assert peer_host("ipv6:[::1]:5000") == "ipv6:[::1]"
     assert peer_host("unix:/tmp/x.sock") == "unix:/tmp/x.sock"
+
+
+@pytest.mark.parametrize("keys", [frozenset(), frozenset({"k1", "k2"})], ids=["no keys", "keys"])
+def test_each_http_client_counts_its_own_queued_work_like_a_grpc_caller(keys):
+    """The HTTP API's requests run with the caller set as gRPC calls do: its key's identity, else its host; never
+    one pool shared by every HTTP client."""
+    from tether.server.auth import CALLER, PEER, http_callers, identity, work_owner
+
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append(work_owner())
+
+    app = http_callers(inner, keys)
+
+    async def request(host: str, key: str | None) -> None:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        await app({"type": "http", "client": (host, 5000), "headers": headers}, None, None)
+
+    async def requests() -> None:  # each in a task of its own, as uvicorn runs them
+        for host, key in [("10.0.0.7", None), ("10.0.0.8", None), ("10.0.0.7", "k2"), ("10.0.0.7", "wrong")]:
+            await asyncio.create_task(request(host, key))
+
+    asyncio.run(requests())
+    if keys:
+        assert seen == ["host http:10.0.0.7", "host http:10.0.0.8", identity("k2"), "host http:10.0.0.7"]
+    else:
+        assert seen == ["host http:10.0.0.7", "host http:10.0.0.8", "host http:10.0.0.7", "host http:10.0.0.7"]
+    assert (CALLER.get(), PEER.get()) == ("", "")  # set for the request alone
