@@ -39,7 +39,7 @@ TINY_TRAIN = "--batch-size 1 --seq-len 32 --warmup 1 --eval-every 2 --eval-windo
 TINY_DRAFTER_EVAL = "--eval-prompts 1 --eval-prompt-len 8 --eval-new-tokens 4".split()
 TINY_DRAFTER = "--set n_heads=2 --set head_dim=16 --set ffn_dim=64 --set lsa_ffn_dim=32".split()
 SERVE_LINES = ("listening on ",)
-SERVE_HTTP_LINES = ("listening on ", "http listening on ")
+SERVE_HTTP_LINES = ("listening on ", "http listening on ")  # what serve prints as it listens: gRPC, then HTTP
 EXEMPT = {
     "make demo": "tests/e2e/test_demo.py runs the demo (python -m tether.server.demo) end to end",
     "make test": "CI runs it (.ci/run); running the whole suite from inside the suite would recurse",
@@ -83,7 +83,10 @@ def server_for(lab: Lab, b: Block) -> dict[str, str]:
     as the README's fixed ones ("127.0.0.1:50051" gRPC, "127.0.0.1:8000" HTTP) map to them."""
     above = [s for s in BLOCKS[: BLOCKS.index(b)] if s.lang == "" and re.search(r"\btether-server serve ", s.text)]
     assert above, f"no serve command above {b}"
-    run_block(lab, above[-1])
+    if above[-1].text in lab.done:  # it ran: (re)start that server alone, without the runner's other checks
+        start_server(lab, above[-1])
+    else:
+        run_block(lab, above[-1])
     job = lab.servers[above[-1].text]
     addresses = {"127.0.0.1:50051": job.found["listening on "]}
     if "http listening on " in job.found:
@@ -147,30 +150,58 @@ def run_train_drafter(lab: Lab, b: Block) -> None:
     assert summary["steps"] == 2 and (lab.root / "runs" / "moa3" / "drafter.safetensors").is_file()
 
 
-def run_serve(lab: Lab, b: Block) -> None:
-    """The server the client lines below use; then once more with a subset of its optional flags (API keys, metrics,
-    a cache directory), answering its metrics endpoint and refusing a client without the key."""
+def start_server(lab: Lab, b: Block) -> list[str]:
+    """The serve command on free ports (`--port 0`, `--http-port 0`: it prints the ones it bound), in the background,
+    unless it is running; returns its argv."""
+    argv = replace_flag(lab.argv(b.words), "--port", "0")
     http = "--http-port" in b.words
-    argv = replace_flag(replace_flag(lab.argv(b.words), "--port", "0"), "--http-port", "0") if http else None
-    argv = argv or replace_flag(lab.argv(b.words), "--port", "0")
-    lab.serve(b.text, argv, *(SERVE_HTTP_LINES if http else SERVE_LINES))
+    lab.serve(b.text, replace_flag(argv, "--http-port", "0") if http else argv, *SERVE_HTTP_LINES[: 1 + http])
+    return argv
+
+
+def run_serve(lab: Lab, b: Block) -> None:
+    """The server the client lines below use; then once more with a subset of its optional flags (API keys, TLS where
+    openssl is installed, metrics, a cache directory): it answers on its metrics port, refuses a client without the
+    key, and serves the client line's `--api-key K --tls-ca ca.pem`."""
+    argv = start_server(lab, b)
     if "--api-keys" not in b.text:
         return
-    keys, metrics = lab.root / "keys.txt", free_port()
+    keys, metrics, tls = lab.root / "keys.txt", free_port(), lab.root / "pki"
     keys.write_text("# the README's --api-keys FILE\nreadme-key\n")
     subset = pick(b.text, "--api-keys", "--metrics-port", "--cache-dir", api_keys=str(keys), metrics_port=str(metrics))
+    client_line = block(r'^\.venv/bin/tether-client generate --server 127\.0\.0\.1:50051 --prompt "def main').text
+    client_flags = pick(client_line, "--api-key", api_key="readme-key")
+    if shutil.which("openssl"):
+        write_pki(tls)
+        subset += pick(
+            b.text, "--tls-cert", "--tls-key", tls_cert=str(tls / "server.pem"), tls_key=str(tls / "server.key")
+        )
+        client_flags += pick(client_line, "--tls-ca", tls_ca=str(tls / "ca.pem"))
     keyed = lab.start([*argv, *lab.argv(subset)], *SERVE_LINES)
     try:
         import httpx
 
         assert "tether" in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=60).text
         client = [str(BIN / "tether-client"), "generate", "--server", keyed.found["listening on "], "--prompt", "x"]
-        refused = lab.run([*client, *FEW_TOKENS], status=1)  # the server's refusal, in one line
+        without_key = [w for w in client_flags if w != "--api-key" and w != "readme-key"]
+        refused = lab.run([*client, *FEW_TOKENS, *without_key], status=1)  # the server's refusal, in one line
         assert refused.stderr.strip().splitlines()[-1].startswith("tether-client generate: UNAUTHENTICATED")
-        assert lab.run([*client, *FEW_TOKENS, "--api-key", "readme-key"]).stdout.strip()
+        assert lab.run([*client, *FEW_TOKENS, *client_flags]).stdout.strip()
     finally:
         lab.stop(keyed)
     assert (lab.home / ".cache" / "tether").is_dir()
+
+
+def write_pki(d: Path) -> None:
+    """A CA and a server certificate for 127.0.0.1 signed by it (openssl)."""
+    d.mkdir(exist_ok=True)
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for args in (
+        "req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=readme-ca",
+        "req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=server",
+        "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile san.ext",
+    ):
+        subprocess.run(["openssl", *args.split()], cwd=d, check=True, capture_output=True, timeout=60)
 
 
 def run_warm(lab: Lab, b: Block) -> None:
