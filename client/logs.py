@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import dataclass
+
+from tether.shared.cli_support import StderrHandler
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -30,24 +31,12 @@ def add_log_args(parser: argparse.ArgumentParser, default: str = LogConfig.log_l
                              "failure (default: %(default)s)")  # fmt: skip
 
 
-class _Stderr(logging.StreamHandler):
-    """A handler writing to whatever sys.stderr is when a record comes (a command run inside a test captures it)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass
-
-
 def configure(cfg: LogConfig) -> None:
     """The "tether" loggers at `cfg.log_level`, to stderr (replacing the handler an earlier call set)."""
     if cfg.log_level not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, not {cfg.log_level!r}")
-    handler = _Stderr()
+    handler = StderrHandler()
     handler.setFormatter(logging.Formatter(FORMAT))
     tether = logging.getLogger("tether")
-    tether.handlers[:] = [h for h in tether.handlers if not isinstance(h, _Stderr)] + [handler]
+    tether.handlers[:] = [h for h in tether.handlers if not isinstance(h, StderrHandler)] + [handler]
     tether.setLevel(cfg.log_level.upper())

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
+
+from tether.shared.cli_support import StderrHandler
 
 # Attributes every LogRecord has; anything else on a record came from `extra` and is a structured field.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
@@ -67,7 +68,7 @@ class TextFormatter(logging.Formatter):
 def configure_logging(fmt: str = "text", level: str = "info") -> None:
     if fmt not in ("json", "text"):
         raise ValueError(f"log format must be json or text, not {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger("tether")
     root.handlers[:] = [handler]

@@ -47,6 +47,7 @@ import errno
 import inspect
 import itertools
 import json
+import logging
 import re
 import shlex
 import socket
@@ -57,6 +58,19 @@ from pathlib import Path
 from typing import NoReturn
 
 from tether.shared import env
+
+
+class StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever sys.stderr is when a record comes: a command run inside a test (or anything that
+    swaps stderr) must not leave a handler bound to a stream that has since been closed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def field_comments(cls) -> dict[str, str]:

@@ -236,3 +236,26 @@ def test_every_flag_of_every_program_shows_its_default_and_variable_and_has_a_va
             if action.choices is not None and not action.required and not isinstance(action.default, list):
                 assert action.default in action.choices, f"{top.prog} {name} {action.option_strings[0]}"
     assert seen == {"tether-server", "tether-client", "tether-netsim"}
+
+
+def test_log_handlers_write_to_the_stderr_of_the_moment(monkeypatch):
+    """A command run inside a test configures logging while stderr is captured; once that capture is closed, later
+    records must reach the new stderr, not raise "--- Logging error ---" on a closed stream."""
+    import io
+    import logging
+    import sys
+
+    from tether.client.logs import LogConfig, configure
+    from tether.server.logs import configure_logging
+
+    for setup, name in [(lambda: configure_logging("text", "info"), "tether.server"),
+                        (lambda: configure(LogConfig(log_level="info")), "tether.edge")]:  # fmt: skip
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        setup()
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        logging.getLogger(name).warning("after the capture closed")
+        assert "after the capture closed" in second.getvalue() and "Logging error" not in second.getvalue()
+    logging.getLogger("tether").handlers.clear()
