@@ -10,7 +10,8 @@ Contract:
   groups with their values, as the README writes them, so that a runner takes its subset from the README itself.
 - `Lab(root, home)`: where the commands run. `root` stands for the clone's root (the README's commands run there):
   its `deploy` links to the repository's (read only), runs/, data/ and models/ are written there. The environment
-  has an empty HOME, no TETHER_* variable and one torch thread (the machine has two cores, shared).
+  has an empty HOME, no TETHER_* variable, one torch thread (the machine has two cores, shared) and the Hugging Face
+  hub offline.
   `run(argv)` runs a command to its end and asserts status 0; `start(argv, prefixes)` starts one in the background
   and waits (bounded) for the lines it prints as it listens; `serve(key, argv)` keeps one such server per key, one
   at a time (starting one stops the others); `stop_all()` sends SIGTERM to whatever is left and checks its status.
@@ -218,7 +219,7 @@ class Lab:
         home.mkdir(parents=True, exist_ok=True)
         (root / "deploy").symlink_to(ROOT / "deploy")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-        self.env.update(HOME=str(home), OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+        self.env.update(HOME=str(home), OMP_NUM_THREADS="1", PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
         self.servers: dict[str, Background] = {}
         self.background: list[Background] = []
         self.cleanup: list = []  # callables run by stop_all (listeners the runners opened)
@@ -228,11 +229,11 @@ class Lab:
     def argv(self, words: list[str]) -> list[str]:
         return expand(words, self.home)
 
-    def run(self, argv: list[str], stdin: str | None = None, cwd: Path | None = None, env: dict | None = None,
+    def run(self, argv: list[str], stdin: str | None = None, cwd: Path | None = None,
             status: int = 0) -> subprocess.CompletedProcess:  # fmt: skip
         quiet = {} if stdin is not None else {"stdin": subprocess.DEVNULL}
         done = subprocess.run(argv, input=stdin, capture_output=True, text=True, cwd=cwd or self.root,
-                              env=env or self.env, timeout=WAIT_S, **quiet)  # fmt: skip
+                              env=self.env, timeout=WAIT_S, **quiet)  # fmt: skip
         assert done.returncode == status, (
             f"{shlex.join(argv)} ended with {done.returncode}, not {status}:\n{done.stderr[-4000:]}"
         )

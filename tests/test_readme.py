@@ -95,6 +95,7 @@ def server_for(lab: Lab, b: Block) -> dict[str, str]:
 
 
 def at(addresses: dict[str, str], words: list[str]) -> list[str]:
+    """The words with the README's fixed addresses replaced by the live ones."""
     out = []
     for word in words:
         for fixed, live in addresses.items():
@@ -104,6 +105,7 @@ def at(addresses: dict[str, str], words: list[str]) -> list[str]:
 
 
 def last_json(stdout: str) -> dict:
+    """The JSON object a command printed last (its --json result)."""
     return json.loads(stdout.strip().splitlines()[-1])
 
 
@@ -293,7 +295,13 @@ def run_netsim(lab: Lab, b: Block) -> None:
 def echo_listener(lab: Lab) -> str:
     """A TCP listener on 127.0.0.1 that echoes what each connection sends, closed with the lab."""
     server = socket.create_server(("127.0.0.1", 0))
-    lab.cleanup.append(server.close)
+
+    def close():
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept() below on Linux
+        server.close()
+
+    lab.cleanup.append(close)
 
     def serve_one(conn):
         with conn, contextlib.suppress(OSError):  # the proxy resets its connections on a cut
