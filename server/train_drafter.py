@@ -43,6 +43,7 @@ from rich.console import Console
 
 from tether.server.corpus import CorpusManifest
 from tether.server.engine import SpeculativeEngine
+from tether.server.generate import default_model_dir
 from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import require_device
@@ -54,7 +55,7 @@ from tether.shared.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
-    target: str = "deploy/models/target"  # target model directory (frozen during training)
+    target: str = str(default_model_dir())  # target model directory (frozen during training)
     kind: str = "moa"  # "moa" or "eagle"
     tli: int = 1  # MoA's TLI N (ignored for eagle)
     out: str = "runs/drafter"  # output directory: drafter files, checkpoint.pt, history.json, loss.png

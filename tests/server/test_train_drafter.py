@@ -102,3 +102,14 @@ def test_depth_predictor_trains_from_an_initial_drafter(setup, tmp_path):
     assert drafter.dcfg.tli_depth == 16 and drafter.depth_predictor is not None
     with pytest.raises(ValueError, match="is another drafter"):
         train_drafter(DrafterTrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "x"), "tli": 2}))
+
+
+def test_the_default_target_is_found_from_any_directory(tmp_path, monkeypatch):
+    """train-drafter without --target trains for the checkout's default model, as generate and serve use it, from
+    wherever the command runs (it was a path relative to the repository root)."""
+    from pathlib import Path
+
+    from tether.server.train_drafter import DrafterTrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    assert (Path(DrafterTrainConfig().target) / "config.json").is_file()
