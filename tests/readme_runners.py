@@ -15,8 +15,6 @@ Contract:
   `run(argv)` runs a command to its end and asserts status 0; `start(argv, prefixes)` starts one in the background
   and waits (bounded) for the lines it prints as it listens; `serve(key, argv)` keeps one such server per key, one
   at a time (starting one stops the others); `stop_all()` sends SIGTERM to whatever is left and checks its status.
-- `write_hf_checkpoint(directory, kind)`: a tiny random Llama- or Qwen2-shaped Hugging Face checkpoint
-  (transformers' save_pretrained and a byte-level BPE tokenizer.json), as tests/e2e/test_byo_checkpoint.py writes one.
 """
 
 from __future__ import annotations
@@ -276,36 +274,3 @@ class Lab:
             except AssertionError as e:
                 errors.append(str(e))
         assert not errors, "\n".join(errors)
-
-
-def write_hf_checkpoint(directory: Path, kind: str) -> Path:
-    """config.json, generation_config.json, model.safetensors and tokenizer.json of a tiny random `kind` ("llama" or
-    "qwen2") model, its weights drawn far from transformers' small init so that greedy decoding writes text."""
-    import tokenizers
-    import torch
-    import transformers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    specials = {"llama": ("<|begin_of_text|>", "<|end_of_text|>"), "qwen2": ("<|endoftext|>", "<|im_start|>")}[kind]
-    backend = tokenizers.Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(specials), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    backend.train_from_iterator([(Path(transformers.__file__).parent / "activations.py").read_text()], trainer=trainer)
-    directory.mkdir(parents=True)
-    backend.save(str(directory / "tokenizer.json"))
-    eos = backend.token_to_id(specials[1 if kind == "llama" else 0])
-    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]  # fmt: skip
-    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=512, vocab_size=backend.get_vocab_size(),
-                          bos_token_id=0, eos_token_id=eos)  # fmt: skip
-    torch.manual_seed(0)
-    model = model_class(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(directory)
-    return directory

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from readme_runners import BIN, ROOT, Block, Lab, free_port, pick, readme_blocks, replace_flag, write_hf_checkpoint
+from readme_runners import BIN, ROOT, Block, Lab, free_port, pick, readme_blocks, replace_flag
+from tiny_models import write_hf_checkpoint
 
 README = ROOT / "README.md"
 BLOCKS = readme_blocks(README)

@@ -1,6 +1,7 @@
 """Tiny random models the tests share: fast, awkwardly sized, and far from uniform so that bugs show."""
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -38,3 +39,44 @@ def tiny_pair(kind: str, vocab_size: int, tli: int = 1):
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     return target, drafter
+
+
+HF_SPECIALS = {
+    "llama": ("<|begin_of_text|>", "<|end_of_text|>"),
+    "qwen2": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+}
+
+
+def write_hf_checkpoint(directory: Path, kind: str, layers: int = 3) -> Path:
+    """A Hugging Face model directory (config.json, generation_config.json, model.safetensors, tokenizer.json) of a
+    tiny random `kind` ("llama" or "qwen2") model, written by transformers' save_pretrained with a byte-level BPE
+    tokenizer trained by `tokenizers`; its weights are drawn far from transformers' small init so that greedy
+    decoding has clear winners and writes text."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(HF_SPECIALS[kind]), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    library = Path(transformers.__file__).parent
+    backend.train_from_iterator([(library / name).read_text() for name in ("__init__.py", "activations.py")],
+                                trainer=trainer)  # fmt: skip
+    directory.mkdir(parents=True)
+    backend.save(str(directory / "tokenizer.json"))
+    eos = backend.token_to_id(HF_SPECIALS[kind][1 if kind == "llama" else 0])
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]  # fmt: skip
+    config = config_class(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=512, vocab_size=backend.get_vocab_size(),
+                          bos_token_id=0, eos_token_id=eos)  # fmt: skip
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(directory)
+    return directory

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
+from tiny_models import HF_SPECIALS, write_hf_checkpoint
 
 from tether.client.cli import main as client_main
 from tether.server.cli import main as server_main
@@ -37,46 +37,15 @@ openai = pytest.importorskip("openai")
 
 PROMPT = "def main(argv):\n    "
 NEW_TOKENS = 24
-SPECIALS = {"llama": ("<|begin_of_text|>", "<|end_of_text|>"), "qwen2": ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512)  # fmt: skip
 TINY_DRAFTER = "--set n_heads=2 --set head_dim=16 --set ffn_dim=64 --set lsa_ffn_dim=32".split()
 TINY_BUDGET = ("--steps 6 --batch-size 4 --seq-len 64 --warmup 2 --eval-every 6 --eval-windows 2 --eval-prompts 1 "
                "--eval-prompt-len 16 --eval-new-tokens 8").split()  # fmt: skip
 WAIT_S = 120  # the longest any one step may take on a busy machine before the test gives up on it
 
 
-def write_checkpoint(directory: Path, kind: str) -> Path:
-    """A Hugging Face model directory: config.json, generation_config.json, model.safetensors, tokenizer.json."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    backend = tokenizers.Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=list(SPECIALS[kind]), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    library = Path(transformers.__file__).parent
-    texts = [(library / name).read_text() for name in ("__init__.py", "activations.py")]
-    backend.train_from_iterator(texts, trainer=trainer)
-    directory.mkdir(parents=True)
-    backend.save(str(directory / "tokenizer.json"))
-    eos = backend.token_to_id(SPECIALS[kind][1 if kind == "llama" else 0])
-    size = dict(SHAPE, vocab_size=backend.get_vocab_size(), bos_token_id=0, eos_token_id=eos)
-    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]  # fmt: skip
-    torch.manual_seed(0)
-    model = model_class(config_class(**size)).eval()
-    with torch.no_grad():  # far from transformers' small init, so greedy decoding has clear winners
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def checkpoint(request, tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("byo") / f"tiny-{request.param}", request.param)
+    return write_hf_checkpoint(tmp_path_factory.mktemp("byo") / f"tiny-{request.param}", request.param)
 
 
 @pytest.fixture
@@ -131,7 +100,7 @@ def test_bring_your_own_checkpoint(checkpoint, tmp_path, capsys, no_tether_env):
     plain = ["generate", "--model", model, "--drafter", "none", "--device", "cpu", "--prompt", PROMPT, "--json"]
     reference = run(server_main, [*plain, "--max-new-tokens", str(NEW_TOKENS)], capsys)
     specials = {tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json")).token_to_id(s)
-                for s in SPECIALS[checkpoint.name.removeprefix("tiny-")]}  # fmt: skip
+                for s in HF_SPECIALS[checkpoint.name.removeprefix("tiny-")]}  # fmt: skip
     # The reference is all text (end-of-text would end it early, and the HTTP API leaves specials out of its text).
     assert len(reference["token_ids"]) == NEW_TOKENS and not specials & set(reference["token_ids"])
 
