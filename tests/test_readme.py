@@ -376,7 +376,7 @@ def run_openai(lab: Lab, b: Block) -> None:
     assert "http://127.0.0.1:8000/v1" in b.text
     printed = run_python(lab, b.text.replace("127.0.0.1:8000", address)).stdout
     # The completion is greedy: the same request gives the same text, which the snippet prints first.
-    (request,) = re.findall(r"completions\.create\((.*?)\)\n", b.text)
+    (request,) = re.findall(r"client\.completions\.create\((.*?)\)\n", b.text)
     body = eval(f"dict({request})")
     completion = httpx.post(f"http://{address}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     assert completion.strip() and printed.startswith(completion + "\n"), (completion, printed)
