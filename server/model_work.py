@@ -111,6 +111,11 @@ class ModelWork:
         if gone is not None:
             gone.set()
 
+    def told_to_stop(self) -> int:
+        """How many running stoppable jobs have been told that their caller has gone (each stops at its next check)."""
+        with self._lock:
+            return sum(gone.is_set() for gone in self._gone.values())
+
     def _track(self, work: concurrent.futures.Future) -> None:
         with self._lock:
             self._inflight.add(work)

@@ -28,7 +28,7 @@ def exposed() -> dict[str, set[str]]:
     """Every series name the server exposes -> its labels."""
     metrics = ServiceMetrics()
     out = {}
-    for attr in vars(metrics).values():
+    for attr in [*vars(metrics).values(), *vars(metrics.http).values()]:  # the HTTP API's series are grouped apart
         if hasattr(attr, "_type") and hasattr(attr, "_name"):
             labels = set(getattr(attr, "_labelnames", ()))
             for suffix in SUFFIXES[attr._type]:

@@ -134,6 +134,8 @@ def test_a_long_rebuild_stops_between_prefill_chunks_once_its_caller_has_gone(se
     call = stub.Resync.future(rebuild([(3 * i + 1) % VOCAB for i in range(32)]))  # 8 chunks of 4
     assert gate.holding.wait(FAIL_S)  # in its second chunk
     call.cancel()
+    # The cancel reaches the server over the wire: release the chunk only once the server has seen the caller go.
+    until(lambda: service.work.told_to_stop() == 1, "the server told the rebuild its caller has gone", FAIL_S)
     gate.release.set()
     until(lambda: not service.sessions and service.pool.used_blocks == 0, "the rebuild's session retired", FAIL_S)
     assert gate.calls == [4, 4]  # the chunk in flight finished; none after it started
