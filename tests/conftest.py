@@ -8,6 +8,10 @@ Every gRPC server a test module leaves serving is stopped, and every TetherServi
 module's own fixtures are done (`_servers_released`): a service's batcher threads keep it alive to the
 end of the run otherwise, its KV pool (256 MB by default) among it, and each of `make test`'s worker processes
 runs many test files.
+
+Torch computes on one thread in the tests and in every process they start (OMP_NUM_THREADS, unless set already):
+`make test` runs a worker per core, and a second OpenMP thread per worker only spins waiting for a core the other
+worker holds (a sample of the suite's heaviest files took 199 s with two threads, 119 s with one, both cores busy).
 """
 
 import functools
@@ -19,9 +23,12 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != _ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # for a plugin that imported torch before this file
 
 
 @pytest.fixture(autouse=True)
