@@ -14,6 +14,7 @@ Torch computes on one thread in the tests and in every process they start (OMP_N
 worker holds (a sample of the suite's heaviest files took 199 s with two threads, 119 s with one, both cores busy).
 """
 
+import faulthandler
 import functools
 import os
 import sys
@@ -74,3 +75,13 @@ def _servers_released():
         service.close()
     _made["servers"] = weakref.WeakSet()
     _made["services"] = weakref.WeakSet()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """A crash dumps the crashing thread alone: CI shows the tail of the output, and with every thread dumped that
+    tail is the main thread's (the oldest), not the one that crashed."""
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    if fault_handler_stderr_fd_key in config.stash:
+        faulthandler.enable(file=config.stash[fault_handler_stderr_fd_key], all_threads=False)
