@@ -41,11 +41,12 @@ lint: $(VENV)/.test
 # The suite runs in WORKERS processes (pytest-xdist), each test file whole in one of them (module fixtures are built
 # once). Two workers on CI's two cores: the serial run took 27 min on a slower 2-core VM, near CI's 30-minute limit,
 # and every test must pass with both cores busy anyway. A worker that crashes ends the run at once: xdist replacing it
-# under loadfile once left the run waiting for ever on tests that no worker held.
+# under loadfile once left the run waiting for ever on tests that no worker held. Files are taken in collection
+# order, heavy ones first (tests/conftest.py), not xdist's most-tests-first, which left the longest single tests last.
 WORKERS ?= 2
 
 test: $(VENV)/.test lint
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --max-worker-restart 0
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0
 
 demo: $(VENV)/.demo
 	@echo "demo: the server, tether-netsim and two clients on this machine's CPU (torch loads in a few seconds)"

@@ -12,6 +12,10 @@ runs many test files.
 Torch computes on one thread in the tests and in every process they start (OMP_NUM_THREADS, unless set already):
 `make test` runs a worker per core, and a second OpenMP thread per worker only spins waiting for a core the other
 worker holds (a sample of the suite's heaviest files took 199 s with two threads, 119 s with one, both cores busy).
+
+Files marked `heavy` (pytestmark) are collected first, the rest in their usual order; `make test` passes
+--no-loadscope-reorder so the workers take files in that order. xdist's own order (most tests first) left files of
+one long test to the end, where one worker ran them alone for a minute and a half while the other sat idle.
 """
 
 import faulthandler
@@ -75,6 +79,12 @@ def _servers_released():
         service.close()
     _made["servers"] = weakref.WeakSet()
     _made["services"] = weakref.WeakSet()
+
+
+def pytest_collection_modifyitems(items):
+    """Heavy files first (module docstring); the sort is stable, so each file's tests stay together and in order."""
+    heavy = {item.path for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 @pytest.hookimpl(trylast=True)

@@ -33,6 +33,8 @@ import pytest
 from readme_runners import BIN, ROOT, Block, Lab, free_port, pick, readme_blocks, replace_flag
 from tiny_models import write_hf_checkpoint
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 README = ROOT / "README.md"
 BLOCKS = readme_blocks(README)
 FEW_TOKENS = ["--max-new-tokens", "8"]

@@ -31,6 +31,8 @@ from tether.server.cli import main as server_main
 from tether.shared import env
 from tether.shared.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 openai = pytest.importorskip("openai")

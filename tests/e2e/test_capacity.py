@@ -21,6 +21,8 @@ from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 CLIENTS = 16
 N_NEW = 32
 PROMPTS = [f"def task_{i}(items):\n    return [x for x in items if x" for i in range(CLIENTS)]

@@ -30,6 +30,8 @@ from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 PROMPT = "def read_config(path):\n    with open(path"
 N_NEW = 120
 K = 5  # draft tokens per round

@@ -39,6 +39,8 @@ from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.weights import TOKENIZER_TENSOR
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 NEW = 24  # tokens a reply may have
 BOUND_S = 60  # a safety net for waits that end on events
 PROMPT = "def read_config(path):\n    with open(path"

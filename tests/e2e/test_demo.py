@@ -21,6 +21,8 @@ from tether.client.split_view import STATUS_ROWS, SplitView
 from tether.server.generate import default_model_dir
 from tether.shared.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 CSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # what a terminal takes as a command, not as text
 FRAME_START = re.compile(r"\r\x1b\[2K(?:\x1b\[1A\x1b\[2K)*")  # rich.live moving up to redraw its screen
 

@@ -7,6 +7,7 @@ replica rather than finish alone, so the failover lands mid-generation on a mach
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from tether.client.session import ClientConfig, EdgeSession, generate
@@ -15,6 +16,8 @@ from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
+
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
 PROMPT = "def parse_args(argv):\n    "
 

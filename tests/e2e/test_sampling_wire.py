@@ -15,6 +15,8 @@ from tether.client.session import ClientConfig, EdgeSession
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 PROMPT = "    def __init__(self, "  # at T=1 its next tokens spread over several likely ones
 SAMPLES = 160  # generations per side
 POSITIONS = (1, 2, 3)  # token 0 is the server's first sample either way; these pass through drafts and verdicts

@@ -29,6 +29,8 @@ from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
 from tether.shared.speculative import target_probs
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 PROMPT = "def write_lines(path, lines):\n    "
 N_NEW = 64
 PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}

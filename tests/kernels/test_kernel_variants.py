@@ -20,6 +20,8 @@ from tether.server.verifier import SequenceVerifier
 from tether.shared import attention
 from tether.shared.speculative import DraftTree
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 
 def _int_class(v: int, specialised: bool) -> object:
     if not specialised:

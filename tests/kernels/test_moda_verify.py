@@ -17,10 +17,13 @@ from tether.server.kv_pool import KVPool
 from tether.server.rounds import PagedBatchView
 from tether.shared.speculative import DraftTree
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
-)
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+    ),
+]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -1,7 +1,10 @@
 """Smoke test of bench/capacity.py: a tiny search in both modes against the in-process server on draft traces it
 records first, checking the JSON record's fields and counts (never whether a count was sustained: that is timing)."""
 
+import pytest
 from bench_modules import load_bench
+
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
 
 def test_capacity_record(tmp_path):

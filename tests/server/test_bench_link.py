@@ -8,6 +8,8 @@ import json
 import pytest
 from bench_modules import load_bench
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 NEW_TOKENS = 16
 HYBRID_FIELDS = ("tau", "rounds", "round_ms", "server_round_ms", "bound_tok_s", "bound_ratio", "bound_rtt0_tok_s",
                  "bound_rtt0_ratio")  # fmt: skip

@@ -7,6 +7,8 @@ import grpc
 import pytest
 from bench_modules import load_bench
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def bench():

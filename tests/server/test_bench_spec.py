@@ -11,6 +11,8 @@ from tiny_models import tiny_pair
 from tether.shared.drafter import save_drafter
 from tether.shared.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 SHAPES = ("3,2,6", "5,2,6", "4,3,10")
 
 

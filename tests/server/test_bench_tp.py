@@ -11,6 +11,8 @@ import pytest
 
 from tether.kernels.moda_prefill import interpreting
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "tp.py"
 
 

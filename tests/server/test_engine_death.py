@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_engines import drain
 from test_frontends import Stream, until
@@ -25,6 +26,8 @@ from tether.server.rpc_server import SERVICE_NAME
 from tether.shared.ids import engine_of
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
+
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

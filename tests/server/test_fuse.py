@@ -15,7 +15,10 @@ from tether.server.engine import SpeculativeEngine
 from tether.server.fuse import FusedAttention, fuse, is_fused
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET")
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET"),
+]
 
 
 @pytest.mark.parametrize("norm_position", ["pre", "post"])

@@ -30,6 +30,8 @@ from tether.shared.openai_app import HttpConfig
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 MODEL = "tether-default"
 MAX_STREAMS = 6
 PROMPT = "class Parser:\n    def __init__(self"

@@ -24,7 +24,10 @@ from tether.shared.speculative import DraftTree, verify
 from tether.shared.wire import bf16_to_f32
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET")
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET"),
+]
 
 
 @pytest.fixture

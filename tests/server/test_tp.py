@@ -16,6 +16,8 @@ from tether.server.engine import SpeculativeEngine
 from tether.server.fuse import fuse
 from tether.server.tp import NO_MULTICAST, GatherKV, apply_tp, gather_heads, spawn
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 WORLD = 2
 TIMEOUT = 120  # seconds; a hung collective must fail the test, not the suite
 

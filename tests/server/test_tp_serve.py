@@ -19,6 +19,8 @@ from tether.shared.weights import client_part_tensors
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 
 def to_delta(kv: pb.KVDelta) -> DraftDelta:
     return DraftDelta(start=kv.start, tokens=list(kv.tokens), tensors=decode_many(kv.payload))

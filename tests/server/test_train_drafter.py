@@ -14,6 +14,8 @@ from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 SMALL_DRAFTER = (("n_heads", 4), ("n_kv_heads", 2), ("head_dim", 12), ("ffn_dim", 64), ("lsa_ffn_dim", 32))
 
 

@@ -34,6 +34,8 @@ from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
+pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
+
 FP = "f" * 64
 VOCAB = 7  # small, so drafts are often right and every acceptance path runs
 LIMIT = 8  # the server's max_draft_tokens: the most nodes of a tree round
