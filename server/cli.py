@@ -34,7 +34,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
+from typing import TYPE_CHECKING, Protocol, TypeVar  # noqa: E402
 
 # Only light modules here: each subcommand's flags are built when it is parsed (LazyParser), so `--help` and
 # `--version` import no torch.
@@ -52,6 +52,7 @@ from tether.shared.cli_support import (  # noqa: E402
     parse_overrides,
     run_cli,
 )
+from tether.shared.model_source import resolve_model_dir  # noqa: E402
 
 if TYPE_CHECKING:
     from tether.server.corpus import CorpusManifest
@@ -142,22 +143,47 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+class ModelFlags(Protocol):
+    """What serve's, warm's and generate's configs share: the flags that name the models."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def revision(self) -> str: ...
+
+    @property
+    def drafter(self) -> str: ...
+
+
+ConfigWithModels = TypeVar("ConfigWithModels", bound=ModelFlags)
+
+
+def local_models(cfg: ConfigWithModels) -> tuple[ConfigWithModels, str | None]:
+    """`cfg` with --model (at --revision) and --drafter as local folders, a hub id replaced by its cached snapshot
+    (tether.shared.model_source), and the hub id --model was given as (None for a folder)."""
+    model = resolve_model_dir("--model", cfg.model, TARGET_FILES, cfg.revision)
+    drafter = cfg.drafter if cfg.drafter == "none" else resolve_model_dir("--drafter", cfg.drafter, DRAFTER_FILES).path
+    return dataclasses.replace(cfg, model=str(model.path), drafter=str(drafter)), model.hub_id
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tether.server.daemon import ServeConfig, serve
 
-    return serve(build_config(ServeConfig, args))
+    cfg, hub_id = local_models(build_config(ServeConfig, args))
+    return serve(dataclasses.replace(cfg, served_model_name=cfg.served_model_name or hub_id or ""))
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
     from tether.server.daemon import ServeConfig, warm
 
-    return warm(build_config(ServeConfig, args))  # the flags warm does not take keep serve's defaults
+    return warm(local_models(build_config(ServeConfig, args))[0])  # the flags warm does not take keep serve's defaults
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.server.generate import GenerateConfig, generate_text
 
-    cfg = build_config(GenerateConfig, args)
+    cfg, _ = local_models(build_config(GenerateConfig, args))
     if args.json:
         print(json.dumps(generate_text(cfg, started=STARTED)))
         return 0
@@ -284,13 +310,17 @@ def check_model_dirs(argv: Sequence[str]) -> None:
         return
     dirs = MODEL_DIRS[argv[0]]
     parser = EnvParser(prog=f"tether-server {argv[0]}", add_help=False, allow_abbrev=False)
-    for flag in dirs:
+    for flag in (*dirs, "--revision"):
         parser.add_argument(flag)
     args, _ = parser.parse_known_args(argv[1:])
     for flag, needs in dirs.items():
         path = getattr(args, flag[2:])
-        if path is not None and not (flag == "--drafter" and path == "none"):
+        if path is None or (flag == "--drafter" and path == "none"):
+            continue
+        if argv[0] == "train-drafter":  # it reads --target as a folder
             check_model_dir(flag, path, needs)
+        else:
+            resolve_model_dir(flag, path, needs, (args.revision or "") if flag == "--model" else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,7 +78,8 @@ log = logging.getLogger("tether.server")
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: str = str(default_model_dir())  # target model directory
+    model: str = str(default_model_dir())  # target model directory, or a hub id in the local Hugging Face cache
+    revision: str = ""  # the hub revision (branch, tag or commit) when --model is a hub id; empty: main
     drafter: str = str(default_model_dir("drafter"))  # drafter directory trained for that target; "none": no drafter
     host: str = "127.0.0.1"  # address to listen on
     port: int = 50051  # port to listen on (0 = any free port)
@@ -206,7 +207,8 @@ def service_config(cfg: ServeConfig) -> ServiceConfig:
 
 
 def model_name(cfg: ServeConfig) -> str:
-    """--served-model-name, else "tether-default" for the default models, else the model directory's name."""
+    """--served-model-name (serve sets it to the hub id of a --model given as one), else "tether-default" for the
+    default models, else the model directory's name."""
     if cfg.served_model_name:
         return cfg.served_model_name
     model = Path(cfg.model).resolve()

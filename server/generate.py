@@ -42,7 +42,8 @@ def default_model_dir(name: str = "target") -> Path:
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    model: str = str(default_model_dir())  # model directory (ours or a Hugging Face Llama/Qwen2 one)
+    model: str = str(default_model_dir())  # model directory (ours, a Hugging Face Llama/Qwen2 one) or a cached hub id
+    revision: str = ""  # the hub revision (branch, tag or commit) when --model is a hub id; empty: main
     drafter: str = str(default_model_dir("drafter"))  # drafter directory, or "none" for plain decoding
     k: int = 5  # draft tokens per verification round
     prompt: str = ""  # text to continue

@@ -134,7 +134,10 @@ class Refusal(StrEnum):
     CANNOT_LISTEN = "cannot listen"  # the bind failed otherwise (a privileged port, an address not of this host)
     NO_CUDA = "no CUDA device"  # a cuda device asked of a machine (or a PyTorch build) without one
     NO_SUCH_DIR = "no such directory"
-    HUB_ID = "a hub id, not a directory"  # a missing path shaped like owner/name
+    HUB_ID = "a hub id, not a directory"  # a missing path shaped like owner/name, where hub ids are not read
+    NOT_CACHED = (
+        "hub id not cached"  # a hub id that is not in the local Hugging Face cache (tether.shared.model_source)
+    )
     NOT_A_DIR = "not a directory"
     EMPTY_DIR = "empty directory"
     INCOMPLETE_DIR = "files missing"
@@ -163,7 +166,7 @@ def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) 
 # one; sharded weights come with their index) and a drafter (tether-server train-drafter's --out).
 TARGET_FILES = (("tokenizer.json",), ("config.json",), ("model.safetensors", "model.safetensors.index.json"))
 DRAFTER_FILES = (("drafter_config.json",), ("drafter.safetensors",))
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+", re.ASCII)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+", re.ASCII)
 
 
 def _files(needs: Sequence[Sequence[str]]) -> str:
@@ -175,7 +178,7 @@ def check_model_dir(flag: str, path: str, needs: Sequence[Sequence[str]] = ()) -
     what it is instead and what to do. Reads the directory only: no torch, no weights."""
     where = Path(path).expanduser()
     if not where.exists():
-        if _HUB_ID.fullmatch(path):
+        if HUB_ID.fullmatch(path):
             raise CommandError(Refusal.HUB_ID, f"{flag} {path}: no such directory; tether loads local directories "
                                f"only: if it is a Hugging Face hub id, download it with `hf download {path} "
                                f"--local-dir DIR` and pass {flag} DIR")  # fmt: skip

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hub_cache import cache_hub_model
 from readme_runners import BIN, ROOT, Block, Lab, free_port, pick, readme_blocks, replace_flag
 from tiny_models import write_hf_checkpoint
 
@@ -403,6 +404,17 @@ def run_byo_generate(lab: Lab, b: Block) -> None:
     assert len(result["token_ids"]) == 8
 
 
+def run_byo_hub_generate(lab: Lab, b: Block) -> None:
+    """A hub id, offline: the tiny Qwen2 checkpoint is written into a hub cache of the lab's, as `hf download` leaves
+    it, and the command finds it there."""
+    cache = Path(lab.env.setdefault("HF_HUB_CACHE", str(lab.root / "hf-cache")))
+    repo_id = b.words[b.words.index("--model") + 1]
+    if not (cache / f"models--{repo_id.replace('/', '--')}").exists():
+        cache_hub_model(cache, repo_id)
+    result = last_json(lab.run([*lab.argv(b.words), *FEW_TOKENS]).stdout)
+    assert len(result["token_ids"]) == 8
+
+
 def run_byo_corpus(lab: Lab, b: Block) -> None:
     ensure(lab, r"^hf download ")
     argv = [*lab.argv(b.words), "--max-files", "30"]
@@ -467,6 +479,7 @@ RUNNERS: list[tuple[str, str, Callable[[Lab, Block], None]]] = [
     ("python", r"from openai import OpenAI", run_openai),
     ("", r"^hf download ", run_hf_download),
     ("", r"^\.venv/bin/tether-server generate --model models/", run_byo_generate),
+    ("", r"^\.venv/bin/tether-server generate --model Qwen/", run_byo_hub_generate),
     ("", r"^\.venv/bin/tether-server serve --model models/", run_serve_byo),
     ("", r"^\.venv/bin/tether-server build-corpus --tokenizer models/", run_byo_corpus),
     ("", r"^\.venv/bin/tether-server train-drafter --target models/", run_byo_train),

@@ -183,13 +183,15 @@ def test_a_bad_model_directory_is_reported_before_torch_is_imported(tmp_path):
         assert "torch" not in sys.modules, "torch was imported"
         print(json.dumps(out))
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    cache = tmp_path / "hub"  # an empty Hugging Face cache: the hub id is not in it
+    env = {**os.environ, "HF_HUB_CACHE": str(cache)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     results = json.loads(run.stdout)  # [status, stderr] of each command line
     assert all(rc == 2 and err.count("\n") == 1 for rc, err in results), results
     missing, hub, empty, half, drafter, target = (err for _, err in results)
     assert "tether-server serve: error: --model" in missing and "nope: no such directory" in missing
-    assert "hf download meta-llama/Llama-3.2-1B --local-dir DIR" in hub and "--model DIR" in hub
+    assert f"nor a model in the Hugging Face cache ({cache})" in hub and "hf download meta-llama/Llama-3.2-1B`" in hub
     assert "the directory is empty: no tokenizer.json, config.json, model.safetensors" in empty
     assert "half: no tokenizer.json, model.safetensors (or model.safetensors.index.json) in it" in half
     assert "--drafter" in drafter and "no drafter_config.json, drafter.safetensors" in drafter
