@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from hub_cache import cache_hub_model
 
 from tether.server.cli import main
 from tether.server.rpc_server import event_loop, make_server
@@ -196,6 +197,24 @@ def test_a_bad_model_directory_is_reported_before_torch_is_imported(tmp_path):
     assert "half: no tokenizer.json, model.safetensors (or model.safetensors.index.json) in it" in half
     assert "--drafter" in drafter and "no drafter_config.json, drafter.safetensors" in drafter
     assert "--target" in target and "no such directory" in target
+
+
+def test_serve_and_generate_take_a_cached_hub_id_and_serve_names_the_model_after_it(clean_env, tmp_path):
+    import huggingface_hub.constants
+
+    from tether.server import daemon, generate
+
+    clean_env.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = cache_hub_model(tmp_path, "tether-test/tiny-llama", "llama", revision="v1")
+    seen = []
+    clean_env.setattr(daemon, "serve", lambda cfg: seen.append(cfg) or 0)
+    clean_env.setattr(generate, "generate_text", lambda cfg, *a, **k: seen.append(cfg) or {"text": ""})
+    hub = ["--model", "tether-test/tiny-llama", "--revision", "v1", "--drafter", "none"]
+    assert main(["serve", *hub]) == 0 and main(["generate", *hub, "--prompt", "x", "--json"]) == 0
+    assert main(["serve", *hub, "--served-model-name", "mine"]) == 0
+    served, generated, named = seen
+    assert served.model == generated.model == str(snapshot) and served.drafter == "none"
+    assert daemon.model_name(served) == "tether-test/tiny-llama" and daemon.model_name(named) == "mine"
 
 
 def test_a_model_directory_from_a_variable_is_checked_too(clean_env, tmp_path, capsys):
