@@ -21,7 +21,6 @@ on a terminal or when asked, and nothing at all when the weights are cached (no 
 
 from __future__ import annotations
 
-import codecs
 import sys
 import threading
 import time
@@ -60,9 +59,13 @@ def summary_line(result: Result) -> str:
 
 
 def token_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    """The characters each token completes (a multi-byte character split across tokens shows at its last)."""
-    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    return [dec.decode(tokenizer.decode_bytes([t])) for t in ids]
+    """The text each token releases (a character split across tokens shows once whole, at the token that completes
+    it or, with byte fallback, at the token after its bytes); joined, exactly `tokenizer.decode(ids)`."""
+    stream = tokenizer.detokenizer()
+    pieces = [stream.push([t]) for t in ids]
+    if pieces:
+        pieces[-1] += stream.flush()
+    return pieces
 
 
 class LiveView:
@@ -159,14 +162,15 @@ class PlainStream:
     def __init__(self, tokenizer: Tokenizer, *, out=None, err=None):
         self.tok = tokenizer
         self.out, self.err = out or sys.stdout, err or sys.stderr
-        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = tokenizer.detokenizer()
         self.notes = LinkNotes()
 
     def on_event(self, e: Event) -> None:
         for line in self.notes.lines(e):
             self.err.write(f"\n[tether: {line}]\n")
-        if e.kind == "tokens":
-            self.out.write(self.dec.decode(self.tok.decode_bytes(e.tokens)))
+        if e.kind == "tokens" or (e.kind == "state" and e.state == State.DONE):
+            # The end (DONE) releases what the detokenizer held back: a last character still waiting for more.
+            self.out.write(self.text.push(e.tokens) if e.kind == "tokens" else self.text.flush())
             self.out.flush()
         elif e.kind == "retract":
             self.err.write(f"\n[tether: rewound {e.count} offline tokens; the text goes on from there]\n")
@@ -182,13 +186,17 @@ class ChatStream:
     def __init__(self, tokenizer: Tokenizer, hidden: Collection[int], *, console: Console, err=None):
         self.tok, self.hidden, self.console = tokenizer, frozenset(hidden), console
         self.notes = PlainStream(tokenizer, out=console.file, err=err)
-        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = tokenizer.detokenizer()
 
     def on_event(self, e: Event) -> None:
         if e.kind != "tokens":
             self.notes.on_event(e)
+        if e.kind == "tokens":
+            text = self.text.push(t for t in e.tokens if t not in self.hidden)
+        elif e.kind == "state" and e.state == State.DONE:
+            text = self.text.flush()  # the end releases what the detokenizer held back
+        else:
             return
-        text = self.dec.decode(self.tok.decode_bytes([t for t in e.tokens if t not in self.hidden]))
         if text:
             self.console.print(Text(text, style=STYLE["offline"] if e.tag == "offline" else ""), end="")
             self.console.file.flush()

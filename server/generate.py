@@ -17,7 +17,6 @@ missing, empty or incomplete, are a CommandError (tether.shared.cli_support) bef
 
 from __future__ import annotations
 
-import codecs
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,7 +118,7 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
             f"max_seq_len {model.cfg.max_seq_len}"
         )
     generator = torch.Generator().manual_seed(cfg.seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text_stream = tok.detokenizer()
     engine = SpeculativeEngine(model, drafter, k=cfg.k)
     new: list[int] = []
     pieces: list[str] = []
@@ -142,9 +141,8 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         if first is None and chunk:
             first = time.perf_counter()
         new += chunk
-        text_ids = [t for t in chunk if t != tok.eos_id]
-        emit(decoder.decode(tok.decode_bytes(text_ids)))
-    emit(decoder.decode(b"", final=True))
+        emit(text_stream.push(t for t in chunk if t != tok.eos_id))
+    emit(text_stream.flush())
     wall = time.perf_counter() - t0
     return {
         "text": "".join(pieces),

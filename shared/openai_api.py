@@ -45,7 +45,6 @@ Torch- and gRPC-free: the server's HTTP API (tether.server.http_api) and an edge
 
 from __future__ import annotations
 
-import codecs
 import enum
 import json
 import math
@@ -342,49 +341,27 @@ class TextStream:
         self.tokens = 0  # tokens consumed, the one that stopped it included
         self.finish_reason: str | None = None  # "stop" once a stop id or string was met
         self._held = ""  # decoded text that may be the start of a stop string
-        try:
-            tokenizer.decode_bytes([])
-            self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            self._ids: list[int] | None = None
-        except ValueError:  # not byte-level (a SentencePiece tokenizer): decode a window of the last tokens
-            self._decoder, self._ids = None, []
-            self._prefix = self._read = 0  # ids[prefix:read] decoded as context; ids[read:] not shown yet
+        self._detokenizer = tokenizer.detokenizer()
 
     def push(self, token: int) -> str:
         if self.finish_reason is not None:
             raise ValueError("the stream has finished")
         self.tokens += 1
         if token in self.stop_ids:
+            text = self._cut(self._detokenizer.flush())  # what the detokenizer held back is final now
             self.finish_reason = "stop"
-            return self._release(self._held)
-        return "" if token in self.hidden_ids else self._cut(self._decode(token))
+            return self._release(text + self._held)
+        return "" if token in self.hidden_ids else self._cut(self._detokenizer.push([token]))
 
     def flush(self) -> str:
         """The text held back, once no more tokens come (the generation reached its length)."""
         if self.finish_reason is not None:
             return ""
-        tail = self._decoder.decode(b"", final=True) if self._decoder is not None else self._decode_all(final=True)
-        return self._release(self._cut(tail) + self._held)
+        return self._release(self._cut(self._detokenizer.flush()) + self._held)
 
     def _release(self, text: str) -> str:
         self._held = ""
         return text
-
-    def _decode(self, token: int) -> str:
-        if self._decoder is not None:
-            return self._decoder.decode(self.tokenizer.decode_bytes([token]))
-        self._ids.append(token)
-        return self._decode_all(final=False)
-
-    def _decode_all(self, *, final: bool) -> str:
-        """The text the ids since `read` add, decoded after the tokens before them (a SentencePiece decoder drops a
-        sequence's leading space): cost per token bounded by the window, not the whole text (vLLM's way)."""
-        context = self.tokenizer.decode(self._ids[self._prefix : self._read])
-        text = self.tokenizer.decode(self._ids[self._prefix :])
-        if not final and (text.endswith("\ufffd") or len(text) <= len(context)):  # a character still incomplete
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(context) :]
 
     def _cut(self, piece: str) -> str:
         """Add `piece` to the held text; return what is known not to be, or to precede, a stop string."""

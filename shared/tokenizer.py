@@ -1,12 +1,27 @@
-"""Byte-level BPE tokenizer: a thin, lossless wrapper around the Hugging Face `tokenizers` library.
+"""Tokenizer: a thin, exact wrapper around the Hugging Face `tokenizers` library, for every family it loads.
+
+Families: byte-level BPE (GPT-2 / Qwen2 / Llama-3; what `train` makes), SentencePiece-style BPE with a Metaspace
+pre-tokenizer and byte fallback (Llama-2 / Mistral: `<0x0A>` tokens), Unigram (T5 / ALBERT) and WordPiece (BERT).
 
 Contract:
-- `encode(text)` never adds special tokens and never turns special-token text that occurs inside `text`
-  (say a source file containing "<|endoftext|>") into a special id; `decode(encode(text)) == text` for every
-  str that UTF-8 can encode. There is no normalizer, so whitespace, "\\r\\n" and any Unicode survive as-is.
-- Every one of the 256 byte values has its own token, so `decode_bytes(encode_bytes(data)) == data` for
-  arbitrary bytes, invalid UTF-8 included. `decode_bytes` is what a streaming printer wants: one token may
-  hold part of a multi-byte character, and only the concatenated bytes decode cleanly.
+- `encode(text)` and `decode(ids)` give what `tokenizers` gives for the same tokenizer.json, and what transformers'
+  tokenizer built from the same model folder gives (`encode(text, add_special_tokens=False,
+  split_special_tokens=True)`, `decode(ids)`), with this wrapper's stricter rules: no special tokens are added, none
+  are recognised inside `text` (a source file containing "<|endoftext|>" stays text), no truncation, no padding.
+  transformers' clean_up_tokenization_spaces is honoured where tokenizer_config.json asks for it (and transformers
+  applies it: not for BPE).
+- Byte-level BPE has no normalizer and a token for every byte: `decode(encode(text)) == text` for every str that
+  UTF-8 can encode, and `decode_bytes(encode_bytes(data)) == data` for arbitrary bytes, invalid UTF-8 included
+  (`encode_bytes` / `decode_bytes` exist for this family only; every family streams through `detokenizer()`).
+  Byte-fallback BPE (the Llama-2 layout) round-trips text too, but for one leading space (its Metaspace
+  pre-tokenizer prepends "▁" only to text that does not start with one, its decoder strips one) and a literal "▁"
+  (Metaspace's spelling of a space, so it comes back as " "). WordPiece (lower-casing, accent stripping, unknown
+  characters as [UNK]) and Unigram with a normalizer cannot round-trip by nature: decode(encode(x)) != x there,
+  and it equals the library's and transformers'.
+- Streaming: `detokenizer()` gives a tether.shared.detokenizer.Detokenizer, which turns ids pushed as they come
+  into exactly the text `decode` gives for all of them, in pieces that never split a character.
+- End of text: `eos_id` is one id (the first); `eos_ids` all of them (a tuple): a Llama-3 instruct model's
+  generation_config.json lists `<|end_of_text|>` and `<|eot_id|>`.
 - Text from the other end (`from_json`, how the client receives the server's) is checked before the library loads
   it (tether.shared.tokenizer_trust: size, nesting, regexes that may backtrack for ever), a ValueError in one
   line; a failure inside the library while encoding or decoding (a Rust panic) is TokenizerFailed, a ValueError.
@@ -22,8 +37,11 @@ Contract:
     tok.save_pretrained("runs/tok")                      # writes runs/tok/tokenizer.json
     tok = Tokenizer.from_pretrained("runs/tok")
     assert tok.decode(tok.encode("def f(x):\\n\\treturn x")) == "def f(x):\\n\\treturn x"
+    stream = tok.detokenizer()
+    text = "".join(stream.push([i]) for i in tok.encode("数据 😀")) + stream.flush()
 
-Tested by tests/shared/test_tokenizer.py (`python -m pytest tests/shared/test_tokenizer.py -q`).
+Tested by tests/shared/test_tokenizer.py and tests/shared/test_tokenizer_families.py
+(`python -m pytest tests/shared/test_tokenizer.py tests/shared/test_tokenizer_families.py -q`).
 """
 
 from __future__ import annotations
@@ -38,6 +56,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tether.shared.detokenizer import Detokenizer, clean_up_tokenization_spaces
 from tether.shared.tokenizer_trust import check_tokenizer_json
 from tether.shared.weights import canonical_tokenizer_json
 
@@ -76,11 +95,23 @@ def _read_utf8(path: str | Path) -> str:
     return Path(path).read_bytes().decode("utf-8")
 
 
-def _is_byte_level(backend: tokenizers.Tokenizer) -> bool:
-    """True when the backend's decoder is ByteLevel, i.e. its vocabulary is spelled in the byte alphabet."""
+def _decoder_types(backend: tokenizers.Tokenizer) -> set[str]:
+    """The types of the backend's decoder and, for a Sequence, of its parts ("ByteLevel", "ByteFallback", ...)."""
     decoder = json.loads(backend.to_str()).get("decoder") or {}
     parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-    return any(part.get("type") == "ByteLevel" for part in parts)
+    return {part.get("type") for part in parts if isinstance(part, dict)}
+
+
+def _is_byte_level(backend: tokenizers.Tokenizer) -> bool:
+    """True when the backend's decoder is ByteLevel, i.e. its vocabulary is spelled in the byte alphabet."""
+    return "ByteLevel" in _decoder_types(backend)
+
+
+_NOT_BYTE_LEVEL = "byte paths need a tokenizer whose decoder is ByteLevel; stream other families with detokenizer()"
+
+# What the ByteFallback decoder reads as one byte: six characters, "<0x", what Rust's u8::from_str_radix(_, 16)
+# accepts (an optional "+", hex digits), ">".
+_BYTE_TOKEN = re.compile(r"<0x(?:\+[0-9A-Fa-f]|[0-9A-Fa-f]{2})>")
 
 
 def _read_json(path: Path) -> dict:
@@ -90,18 +121,31 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _model_eos_id(directory: Path, backend: tokenizers.Tokenizer) -> int | None:
-    """The end-of-text id a model folder's configs name (Tokenizer.from_pretrained), or None."""
+def _model_eos_ids(directory: Path, backend: tokenizers.Tokenizer) -> tuple[int, ...]:
+    """Every end-of-text id a model folder's configs name (Tokenizer.from_pretrained), in order, once each:
+    config.json's eos_token_id (an int or a list), generation_config.json's, tokenizer_config.json's eos_token.
+    Ids outside the vocabulary are left out."""
     size = backend.get_vocab_size(with_added_tokens=True)
+    found: list[int] = []
     for name in ("config.json", "generation_config.json"):
         eos = _read_json(directory / name).get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < size:
-            return eos
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size:
+                found.append(i)
     eos_token = _read_json(directory / "tokenizer_config.json").get("eos_token")
     if isinstance(eos_token, dict):
         eos_token = eos_token.get("content")
-    return backend.token_to_id(eos_token) if isinstance(eos_token, str) else None
+    if isinstance(eos_token, str) and (i := backend.token_to_id(eos_token)) is not None:
+        found.append(i)
+    return tuple(dict.fromkeys(found))
+
+
+def _model_cleans_up_spaces(directory: Path, backend: tokenizers.Tokenizer) -> bool:
+    """Whether transformers cleans up spaces when it decodes for this model folder: tokenizer_config.json asks
+    (clean_up_tokenization_spaces; off by default) and the model is not BPE, for which transformers skips it."""
+    if _read_json(directory / "tokenizer_config.json").get("clean_up_tokenization_spaces") is not True:
+        return False
+    return (json.loads(backend.to_str()).get("model") or {}).get("type") != "BPE"
 
 
 class TokenizerFailed(ValueError):
@@ -121,18 +165,30 @@ def _guarded(call, *args, **kwargs):
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer; build one with `train`, `from_file`, `from_pretrained` or `from_tokenizers`."""
+    """A tokenizer of any family `tokenizers` loads (`train` makes byte-level BPE); build one with `train`,
+    `from_file`, `from_pretrained`, `from_json` or `from_tokenizers`."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, eos_id: int | None, pad_id: int | None) -> None:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        eos_id: int | None,
+        pad_id: int | None,
+        eos_ids: Sequence[int] = (),
+        clean_up_spaces: bool = False,
+    ) -> None:
         # Takes ownership of `backend`; callers outside this module should use `from_tokenizers`, which copies
         # it and switches off the behaviours (special-token parsing, truncation, padding) that lose text.
+        # `eos_ids` are further end-of-text ids, after `eos_id` (which is their first when not given).
         size = backend.get_vocab_size(with_added_tokens=True)
-        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+        eos_ids = tuple(dict.fromkeys([*([] if eos_id is None else [eos_id]), *(int(i) for i in eos_ids)]))
+        for name, value in (*(("eos_id", i) for i in eos_ids), ("pad_id", pad_id)):
             if value is not None and not 0 <= value < size:
                 raise ValueError(f"{name}={value} is outside the vocabulary (size {size})")
         self._backend = backend
-        self._eos_id = eos_id
+        self._eos_ids = eos_ids
         self._pad_id = pad_id
+        self._clean_up_spaces = clean_up_spaces
 
     # ---- construction ---------------------------------------------------------------------------------------
 
@@ -185,9 +241,15 @@ class Tokenizer:
 
     @classmethod
     def from_tokenizers(
-        cls, backend: tokenizers.Tokenizer, *, eos_id: int | None = None, pad_id: int | None = None
+        cls,
+        backend: tokenizers.Tokenizer,
+        *,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        eos_ids: Sequence[int] = (),
     ) -> Tokenizer:
-        """Wrap a copy of `backend`; eos/pad default to its `<|endoftext|>`/`<|pad|>` special tokens, if any."""
+        """Wrap a copy of `backend`; eos/pad default to its `<|endoftext|>`/`<|pad|>` special tokens, if any;
+        `eos_ids` adds further end-of-text ids (the first is eos when there is no other)."""
         # A copy, because the switches below would otherwise change the caller's object behind its back.
         backend = tokenizers.Tokenizer.from_str(backend.to_str())
         # `tokenizers` matches added special tokens in raw input even with add_special_tokens=False; this
@@ -201,33 +263,47 @@ class Tokenizer:
             backend,
             eos_id=specials.get(EOS_TOKEN) if eos_id is None else eos_id,
             pad_id=specials.get(PAD_TOKEN) if pad_id is None else pad_id,
+            eos_ids=eos_ids,
         )
 
     @classmethod
-    def from_file(cls, path: str | Path, *, eos_id: int | None = None, pad_id: int | None = None) -> Tokenizer:
+    def from_file(
+        cls, path: str | Path, *, eos_id: int | None = None, pad_id: int | None = None, eos_ids: Sequence[int] = ()
+    ) -> Tokenizer:
         """Load a tokenizer.json written by `save` (or by any Hugging Face tokenizer)."""
-        return cls.from_tokenizers(tokenizers.Tokenizer.from_file(str(path)), eos_id=eos_id, pad_id=pad_id)
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        return cls.from_tokenizers(backend, eos_id=eos_id, pad_id=pad_id, eos_ids=eos_ids)
 
     @classmethod
     def from_pretrained(
         cls, directory: str | Path, *, eos_id: int | None = None, pad_id: int | None = None
     ) -> Tokenizer:
-        """Load `directory`/tokenizer.json (a local folder; nothing is downloaded). A model folder's tokenizer
-        without `<|endoftext|>` (and no `eos_id=`) takes the model's end-of-text where transformers keeps it:
-        config.json's eos_token_id (the first of a list; Llama 3's `<|end_of_text|>`), else
-        generation_config.json's, else tokenizer_config.json's eos_token; else there is none."""
+        """Load `directory`/tokenizer.json (a local folder; nothing is downloaded). `eos_ids` are the end-of-text
+        ids `eos_id=` or the tokenizer's `<|endoftext|>` names, then every one the model's configs name:
+        config.json's eos_token_id (an int or a list), generation_config.json's (Llama 3 instruct lists
+        `<|end_of_text|>` and `<|eot_id|>`), tokenizer_config.json's eos_token. `eos_id` is the first of them, or
+        None. Decoding cleans up spaces as transformers does when tokenizer_config.json asks for it."""
         directory = Path(directory)
-        tok = cls.from_file(directory / "tokenizer.json", eos_id=eos_id, pad_id=pad_id)
-        if tok.eos_id is None and (eos := _model_eos_id(directory, tok._backend)) is not None:
-            tok._eos_id = eos
-        return tok
+        tok = cls.from_file(directory / "tokenizer.json", pad_id=pad_id)
+        backend = tok._backend
+        first = tok.eos_id if eos_id is None else eos_id  # the tokenizer's own <|endoftext|> unless told
+        return cls(
+            backend,
+            eos_id=first,
+            pad_id=tok.pad_id,
+            eos_ids=_model_eos_ids(directory, backend),
+            clean_up_spaces=_model_cleans_up_spaces(directory, backend),
+        )
 
     @classmethod
-    def from_json(cls, text: str, *, eos_id: int | None = None, pad_id: int | None = None) -> Tokenizer:
+    def from_json(
+        cls, text: str, *, eos_id: int | None = None, pad_id: int | None = None, eos_ids: Sequence[int] = ()
+    ) -> Tokenizer:
         """A tokenizer from tokenizer.json text (how the client receives it from the server), checked first
         (tether.shared.tokenizer_trust: a pattern that may backtrack for ever is a ValueError, one line)."""
         check_tokenizer_json(text)
-        return cls.from_tokenizers(_guarded(tokenizers.Tokenizer.from_str, text), eos_id=eos_id, pad_id=pad_id)
+        backend = _guarded(tokenizers.Tokenizer.from_str, text)
+        return cls.from_tokenizers(backend, eos_id=eos_id, pad_id=pad_id, eos_ids=eos_ids)
 
     def to_json(self) -> str:
         """tokenizer.json text (Hugging Face format)."""
@@ -251,7 +327,13 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int | None:
-        return self._eos_id
+        """The first end-of-text id (what a single-id stop check uses), or None."""
+        return self._eos_ids[0] if self._eos_ids else None
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every end-of-text id, `eos_id` first; empty when there is none."""
+        return self._eos_ids
 
     @property
     def pad_id(self) -> int | None:
@@ -287,7 +369,23 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens appear as their literal text, stray partial characters as U+FFFD."""
-        return _guarded(self._backend.decode, [int(i) for i in ids], skip_special_tokens=False)
+        text = self._decode_raw([int(i) for i in ids])
+        return clean_up_tokenization_spaces(text) if self._clean_up_spaces else text
+
+    def _decode_raw(self, ids: list[int]) -> str:
+        return _guarded(self._backend.decode, ids, skip_special_tokens=False)
+
+    def detokenizer(self) -> Detokenizer:
+        """A streaming decoder for one generation: push ids as they come, get exactly `decode`'s text in pieces."""
+        return Detokenizer(self._decode_raw, byte_token_ids=self._byte_token_ids, clean_up_spaces=self._clean_up_spaces)
+
+    @functools.cached_property
+    def _byte_token_ids(self) -> frozenset[int]:
+        # Only a ByteFallback decoder reads `<0xNN>` tokens as bytes; elsewhere they are ordinary text.
+        if "ByteFallback" not in _decoder_types(self._backend):
+            return frozenset()
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
 
     # ---- bytes ----------------------------------------------------------------------------------------------
 
@@ -295,7 +393,7 @@ class Tokenizer:
     def _bytes_of_id(self) -> dict[int, bytes]:
         # Built on first use: a 150k-entry foreign vocabulary takes a noticeable fraction of a second.
         if not _is_byte_level(self._backend):
-            raise ValueError("byte-level encoding needs a tokenizer whose decoder is ByteLevel")
+            raise ValueError(_NOT_BYTE_LEVEL)
         byte_of_char = {c: b for b, c in _byte_to_char().items()}
         table: dict[int, bytes] = {}
         for token, i in self._backend.get_vocab(with_added_tokens=False).items():
@@ -311,7 +409,7 @@ class Tokenizer:
     @functools.cached_property
     def _id_of_byte(self) -> list[int]:
         if not _is_byte_level(self._backend):
-            raise ValueError("byte-level encoding needs a tokenizer whose decoder is ByteLevel")
+            raise ValueError(_NOT_BYTE_LEVEL)
         ids = [self._backend.token_to_id(c) for _, c in sorted(_byte_to_char().items())]
         missing = [b for b, i in enumerate(ids) if i is None]
         if missing:

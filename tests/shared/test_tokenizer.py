@@ -114,6 +114,15 @@ def test_streaming_decode_of_characters_split_across_tokens(tok: Tokenizer) -> N
     assert "".join(decoder.decode(tok.decode_bytes([i])) for i in ids) + decoder.decode(b"", final=True) == text
 
 
+def test_detokenizer_streams_characters_split_across_tokens(tok: Tokenizer) -> None:
+    text = "数据 😀👍🏽 données"
+    stream = tok.detokenizer()
+    pieces = [stream.push([i]) for i in tok.encode(text)]
+    assert "".join(pieces) + stream.flush() == text
+    assert "\ufffd" not in "".join(pieces)
+    assert tok.eos_ids == (tok.eos_id,) == (0,)
+
+
 def test_encode_batch_matches_encode(tok: Tokenizer) -> None:
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
 
