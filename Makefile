@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 # The lock (`make lock` rewrites it): every install here takes exactly these versions, the ones CI last tested.
 LOCK := constraints.txt
-PIP := $(BIN)/python -m pip install --constraint $(LOCK)
+# --no-compile: Python compiles a module when it is first imported; pip's compiling of all 14,000 modules of torch,
+# transformers and the rest took ~40 s of CPU in every fresh install, most of them never imported.
+PIP := $(BIN)/python -m pip install --no-compile --constraint $(LOCK)
 # The repository root never goes first on sys.path (`python -m` and `python -c` put it there): its kernels/ would
 # shadow Hugging Face's `kernels` package, which transformers imports. Every recipe and its children inherit this.
 export PYTHONSAFEPATH := 1

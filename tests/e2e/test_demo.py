@@ -120,7 +120,7 @@ runpy.run_module("tether.server.demo", run_name="__main__", alter_sys=True)
 
 
 def run_demo(policy: str, env: dict[str, str]) -> str:
-    args = ["--policy", policy, "--max-new-tokens", "200", "--pace", "40"]
+    args = ["--policy", policy, "--max-new-tokens", "120", "--pace", "40"]
     cmd = [sys.executable, "-c", ONLY_THE_DEMO_EXTRA, *args]
     proc = subprocess.run(cmd, capture_output=True, timeout=300, env={"PATH": "", "PYTHONSAFEPATH": "1", **env})
     out = proc.stdout.decode()  # as written: text mode would turn the terminal's carriage returns into newlines
