@@ -10,9 +10,10 @@ Contract:
   are recognised inside `text` (a source file containing "<|endoftext|>" stays text), no truncation, no padding.
   transformers' clean_up_tokenization_spaces is honoured where tokenizer_config.json asks for it (and transformers
   applies it: not for BPE).
-- Byte-level BPE has no normalizer and a token for every byte: `decode(encode(text)) == text` for every str that
-  UTF-8 can encode, and `decode_bytes(encode_bytes(data)) == data` for arbitrary bytes, invalid UTF-8 included
-  (`encode_bytes` / `decode_bytes` exist for this family only; every family streams through `detokenizer()`).
+- Byte-level BPE without a normalizer (what `train` makes; Qwen2 ships NFC, which composes characters) has a token
+  for every byte: `decode(encode(text)) == text` for every str that UTF-8 can encode, and
+  `decode_bytes(encode_bytes(data)) == data` for arbitrary bytes, invalid UTF-8 included (`encode_bytes` /
+  `decode_bytes` exist for this family only; every family streams through `detokenizer()`).
   Byte-fallback BPE (the Llama-2 layout) round-trips text too, but for one leading space (its Metaspace
   pre-tokenizer prepends "▁" only to text that does not start with one, its decoder strips one) and a literal "▁"
   (Metaspace's spelling of a space, so it comes back as " "). WordPiece (lower-casing, accent stripping, unknown

@@ -1,12 +1,14 @@
 """Tokenizer families: our encode, decode and streaming equal `tokenizers` and transformers on awkward text.
 
-Builds four tiny tokenizers in-process with `tokenizers` (byte-level BPE as GPT-2 / Qwen2 / Llama-3, SentencePiece-style
-BPE with Metaspace and byte fallback as Llama-2 / Mistral, Unigram with a normalizer as T5, WordPiece as BERT), writes
-each as a model folder (tokenizer.json, tokenizer_config.json, config.json and generation_config.json with an
-end-of-text list) and compares, on a corpus of awkward strings and on random id sequences:
+Builds tiny tokenizers of the four families in-process with `tokenizers` (byte-level BPE as GPT-2 / Llama-3 and in
+Qwen2's layout, SentencePiece-style BPE with Metaspace and byte fallback as Llama-2 / Mistral, Unigram with a
+normalizer as T5, WordPiece as BERT), writes each as a model folder (tokenizer.json, tokenizer_config.json naming
+transformers' class for the family, config.json and generation_config.json with an end-of-text list) and compares, on
+a corpus of awkward strings and on random id sequences:
 - `Tokenizer.from_file(tokenizer.json)` against `tokenizers` itself (special-token text in input kept as text);
-- `Tokenizer.from_pretrained(folder)` against transformers' AutoTokenizer.from_pretrained(folder)
-  (`encode(text, add_special_tokens=False, split_special_tokens=True)`, `decode(ids)`);
+- `Tokenizer.from_pretrained(folder)` against transformers' PreTrainedTokenizerFast.from_pretrained(folder) and
+  AutoTokenizer.from_pretrained(folder) (the family's class: GPT2Tokenizer, Qwen2Tokenizer, LlamaTokenizer,
+  BertTokenizer), as `encode(text, add_special_tokens=False, split_special_tokens=True)` and `decode(ids)`;
 - `detokenizer()` pieces, pushed one id at a time and in random chunks, against the full decode.
 Run: `python -m pytest tests/shared/test_tokenizer_families.py -q` (a few seconds, most of it importing transformers).
 """
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import json
 import random
+import unicodedata
 from pathlib import Path
 
 import pytest
 import tokenizers
+import transformers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tether.shared.detokenizer import Detokenizer, clean_up_tokenization_spaces
 from tether.shared.tokenizer import Tokenizer
@@ -80,6 +84,33 @@ def _byte_level() -> tokenizers.Tokenizer:
     return tok
 
 
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer and Qwen2's tokenizer.json).
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _qwen2() -> tokenizers.Tokenizer:
+    """Byte-level BPE in Qwen2's layout: NFC, its split regex, then ByteLevel without a regex of its own."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAINING, trainer=trainer)
+    return tok
+
+
 def _byte_fallback() -> tokenizers.Tokenizer:
     """The Llama-2 / Mistral layout: `<unk> <s> </s>`, then the 256 byte tokens, then the merges' vocabulary."""
     metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
@@ -129,12 +160,14 @@ def _wordpiece() -> tokenizers.Tokenizer:
     return tok
 
 
-# family: (builder, eos token names for config.json, generation_config.json's list, tokenizer_config.json extras)
+# family: (builder, transformers' class for it, config.json's eos token, generation_config.json's list,
+# tokenizer_config.json extras). T5Tokenizer is not used for Unigram: it builds its own normalizer, not this one.
 FAMILIES = {
-    "byte_level": (_byte_level, "<|endoftext|>", ["<|endoftext|>", "<|eot_id|>"], {}),
-    "byte_fallback": (_byte_fallback, "</s>", ["</s>"], {}),
-    "unigram": (_unigram, "</s>", ["</s>", "<pad>"], {}),
-    "wordpiece": (_wordpiece, "[SEP]", ["[SEP]", "[PAD]"], {"clean_up_tokenization_spaces": True}),
+    "byte_level": (_byte_level, "GPT2Tokenizer", "<|endoftext|>", ["<|endoftext|>", "<|eot_id|>"], {}),
+    "byte_level_qwen2": (_qwen2, "Qwen2Tokenizer", "<|endoftext|>", ["<|im_end|>", "<|endoftext|>"], {}),
+    "byte_fallback": (_byte_fallback, "LlamaTokenizer", "</s>", ["</s>"], {}),
+    "unigram": (_unigram, "PreTrainedTokenizerFast", "</s>", ["</s>", "<pad>"], {}),
+    "wordpiece": (_wordpiece, "BertTokenizer", "[SEP]", ["[SEP]", "[PAD]"], {"clean_up_tokenization_spaces": True}),
 }
 
 
@@ -142,13 +175,13 @@ class Family:
     """One family's tokenizer as a model folder, loaded by the library, by us and by transformers."""
 
     def __init__(self, name: str, root: Path) -> None:
-        build, eos, eos_list, extra = FAMILIES[name]
+        build, hf_class, eos, eos_list, extra = FAMILIES[name]
         self.name, self.folder = name, root / name
         self.folder.mkdir()
         backend = build()
         backend.save(str(self.folder / "tokenizer.json"))
         eos_ids = [backend.token_to_id(t) for t in eos_list]
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, **extra}
+        config = {"tokenizer_class": hf_class, "eos_token": eos, **extra}
         (self.folder / "tokenizer_config.json").write_text(json.dumps(config))
         (self.folder / "config.json").write_text(json.dumps({"eos_token_id": backend.token_to_id(eos)}))
         (self.folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
@@ -157,10 +190,16 @@ class Family:
         self.library.encode_special_tokens = True  # our contract: special-token text in input is text
         self.plain = Tokenizer.from_file(self.folder / "tokenizer.json")
         self.ours = Tokenizer.from_pretrained(self.folder)
-        self.hf = AutoTokenizer.from_pretrained(str(self.folder))
+        # transformers as the tokenizer.json says, and as the family's own class (which rebuilds the pipeline)
+        self.hf = PreTrainedTokenizerFast.from_pretrained(str(self.folder))
+        self.hf_class = AutoTokenizer.from_pretrained(str(self.folder))
+        assert isinstance(self.hf_class, getattr(transformers, hf_class))
 
     def hf_encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def hf_class_encode(self, text: str) -> list[int]:
+        return self.hf_class.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def random_ids(self, seed: int, count: int = 150) -> list[list[int]]:
         rng = random.Random(seed)
@@ -177,7 +216,7 @@ def test_encode_equals_the_library_and_transformers(family: Family) -> None:
         ids = family.ours.encode(text)
         assert ids == family.library.encode(text, add_special_tokens=False).ids, text
         assert ids == family.plain.encode(text), text
-        assert ids == family.hf_encode(text), text
+        assert ids == family.hf_encode(text) == family.hf_class_encode(text), text
     assert family.ours.encode_batch(CORPUS) == [family.ours.encode(t) for t in CORPUS]
 
 
@@ -185,7 +224,7 @@ def test_decode_equals_the_library_and_transformers(family: Family) -> None:
     sequences = [family.ours.encode(t) for t in CORPUS] + family.random_ids(seed=1)
     for ids in sequences:
         assert family.plain.decode(ids) == family.library.decode(ids, skip_special_tokens=False), ids
-        assert family.ours.decode(ids) == family.hf.decode(ids), ids
+        assert family.ours.decode(ids) == family.hf.decode(ids) == family.hf_class.decode(ids), ids
 
 
 def test_round_trip_where_the_family_allows_it(family: Family) -> None:
@@ -193,6 +232,8 @@ def test_round_trip_where_the_family_allows_it(family: Family) -> None:
         again = family.ours.decode(family.ours.encode(text))
         if family.name == "byte_level":  # no normalizer, every byte expressible
             assert again == text
+        elif family.name == "byte_level_qwen2":  # NFC composes "e\u0301" to "\u00e9"
+            assert again == unicodedata.normalize("NFC", text)
         elif family.name == "byte_fallback":  # Metaspace spells spaces "▁" and prepends one unless there is one
             spaced = text.replace("▁", " ")
             assert again == (spaced[1:] if spaced.startswith(" ") else spaced)
@@ -242,7 +283,7 @@ def test_eos_ids_come_from_every_config(family: Family) -> None:
 
 
 def test_byte_paths_need_a_byte_level_tokenizer(family: Family) -> None:
-    if family.name == "byte_level":
+    if family.name.startswith("byte_level"):
         data = b"\xff\xfe" + "é😀".encode()
         assert family.ours.decode_bytes(family.ours.encode_bytes(data)) == data
         return

@@ -1,0 +1,62 @@
+"""The edge client's text surfaces with a SentencePiece-style tokenizer (Llama-2 layout: Metaspace, byte fallback):
+the plain stream, a chat's stream and the live view's per-token text show exactly the tokenizer's decode, the
+leading space dropped as transformers drops it, a character spelled in byte tokens whole, and nothing held back
+once the generation is done (State.DONE releases the last character). A tokenizer built in-process, no model.
+Run: `python -m pytest tests/client/test_live_view_text.py -q`."""
+
+import io
+
+import pytest
+import tokenizers
+from rich.console import Console
+from tokenizers import decoders, models, pre_tokenizers
+
+from tether.client.live_view import ChatStream, PlainStream, token_texts
+from tether.client.session_types import Event, State
+from tether.shared.tokenizer import Tokenizer
+
+TEXT = "hi 中 ih"  # "中" has no token of its own: three byte tokens (at the end of "hi 中")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    vocab = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+        "▁": 259,
+        "h": 260,
+        "i": 261,
+    }
+    backend = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return Tokenizer.from_tokenizers(backend, eos_id=2)
+
+
+@pytest.mark.parametrize("text", [TEXT, "hi 中"])
+def test_plain_and_chat_streams_show_the_decode_and_release_the_end(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and 3 + 0xE4 in ids  # byte fallback, and the leading "▁" dropped
+    out, err = io.StringIO(), io.StringIO()
+    plain = PlainStream(tok, out=out, err=err)
+    console = Console(file=io.StringIO(), width=100, force_terminal=False)
+    chat = ChatStream(tok, hidden={tok.eos_id}, console=console, err=err)
+    for sink in (plain, chat):
+        for i in [*ids, tok.eos_id]:
+            sink.on_event(Event("tokens", tokens=[i], tag="verified"))
+        sink.on_event(Event("state", state=State.DONE))
+    assert out.getvalue() == text + "</s>"  # the plain stream shows every id, end of text included
+    assert console.file.getvalue() == text
+    assert err.getvalue() == ""
+
+
+def test_token_texts_join_to_the_decode(tok: Tokenizer) -> None:
+    ids = tok.encode(TEXT)
+    pieces = token_texts(tok, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == TEXT
+    assert "\ufffd" not in "".join(pieces)
