@@ -418,7 +418,10 @@ class Tokenizer:
         return ids
 
     def encode_bytes(self, data: bytes) -> list[int]:
-        """Token ids of arbitrary bytes: valid UTF-8 runs encode as text, each other byte as its own token."""
+        """Token ids of arbitrary bytes: valid UTF-8 runs encode as text, each other byte as its own token.
+
+        A pre-tokenizer that adds a prefix space (ByteLevel's add_prefix_space) adds it to each valid UTF-8 run, so
+        `decode_bytes(encode_bytes(data)) == data` holds only for tokenizers that add none (those `train` makes)."""
         pieces = _ESCAPED_BYTES.split(bytes(data).decode("utf-8", errors="surrogateescape"))
         # split() with a capturing group alternates: text, escaped bytes, text, ..., text.
         texts = pieces[0::2]

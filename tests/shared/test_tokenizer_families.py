@@ -1,10 +1,10 @@
 """Tokenizer families: our encode, decode and streaming equal `tokenizers` and transformers on awkward text.
 
-Builds tiny tokenizers of the four families in-process with `tokenizers` (byte-level BPE as GPT-2 / Llama-3 and in
-Qwen2's layout, SentencePiece-style BPE with Metaspace and byte fallback as Llama-2 / Mistral, Unigram with a
-normalizer as T5, WordPiece as BERT), writes each as a model folder (tokenizer.json, tokenizer_config.json naming
-transformers' class for the family, config.json and generation_config.json with an end-of-text list) and compares, on
-a corpus of awkward strings and on random id sequences:
+Builds tiny tokenizers of the four families in-process with `tokenizers` (byte-level BPE as GPT-2 / Llama-3, with
+and without add_prefix_space, and in Qwen2's layout, SentencePiece-style BPE with Metaspace and byte fallback as
+Llama-2 / Mistral, Unigram with a normalizer as T5, WordPiece as BERT), writes each as a model folder (tokenizer.json,
+tokenizer_config.json naming transformers' class for the family, config.json and generation_config.json with an
+end-of-text list) and compares, on a corpus of awkward strings and on random id sequences:
 - `Tokenizer.from_file(tokenizer.json)` against `tokenizers` itself (special-token text in input kept as text);
 - `Tokenizer.from_pretrained(folder)` against transformers' PreTrainedTokenizerFast.from_pretrained(folder) and
   AutoTokenizer.from_pretrained(folder) (the family's class: GPT2Tokenizer, Qwen2Tokenizer, LlamaTokenizer,
@@ -68,9 +68,9 @@ CORPUS = [
 ]
 
 
-def _byte_level() -> tokenizers.Tokenizer:
+def _byte_level(add_prefix_space: bool = False) -> tokenizers.Tokenizer:
     tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -164,6 +164,13 @@ def _wordpiece() -> tokenizers.Tokenizer:
 # tokenizer_config.json extras). T5Tokenizer is not used for Unigram: it builds its own normalizer, not this one.
 FAMILIES = {
     "byte_level": (_byte_level, "GPT2Tokenizer", "<|endoftext|>", ["<|endoftext|>", "<|eot_id|>"], {}),
+    "byte_level_prefix_space": (
+        lambda: _byte_level(add_prefix_space=True),
+        "GPT2Tokenizer",
+        "<|endoftext|>",
+        ["<|endoftext|>"],
+        {"add_prefix_space": True},
+    ),
     "byte_level_qwen2": (_qwen2, "Qwen2Tokenizer", "<|endoftext|>", ["<|im_end|>", "<|endoftext|>"], {}),
     "byte_fallback": (_byte_fallback, "LlamaTokenizer", "</s>", ["</s>"], {}),
     "unigram": (_unigram, "PreTrainedTokenizerFast", "</s>", ["</s>", "<pad>"], {}),
@@ -283,6 +290,10 @@ def test_eos_ids_come_from_every_config(family: Family) -> None:
 
 
 def test_byte_paths_need_a_byte_level_tokenizer(family: Family) -> None:
+    if family.name == "byte_level_prefix_space":  # the prefix space is the tokenizer's, and spelled in bytes too
+        text = "é😀 x"
+        assert family.ours.decode_bytes(family.ours.encode_bytes(text.encode())) == (" " + text).encode()
+        return
     if family.name.startswith("byte_level"):
         data = b"\xff\xfe" + "é😀".encode()
         assert family.ours.decode_bytes(family.ours.encode_bytes(data)) == data
