@@ -8,11 +8,15 @@ which gRPC sessions will run too) verifies root + drafts in one target forward, 
 returns the drafter's delta for the newly verified positions, which the client side adopts (commit).
 With `drafter=None` it decodes plainly.
 Greedy output equals plain greedy decoding token for token; sampled output follows the target's distribution.
+`controls=SamplingControls(...)` instead of temperature / top_p / top_k adds min_p, the penalties and logit_bias
+(tether.shared.logits_processing): the verifier processes each position's logits with its own context, the
+drafter proposes from the same rule with the same counts, so both statements hold with them too.
 
     engine = SpeculativeEngine(target, drafter, k=5)                       # chain drafting
     engine = SpeculativeEngine(target, drafter, tree=(6, 8, 48))           # EAGLE-2 tree: depth, top_k, nodes
     for tokens in engine.generate(prompt_ids, 64, temperature=0.0):
         print(tokens)
+    engine.generate(prompt_ids, 64, controls=SamplingControls(presence_penalty=0.5, logit_bias={0: -100}))
     engine.stats.tau
 """
 
@@ -26,6 +30,7 @@ import torch
 from tether.server.kv_pool import KVPool
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier, target_states
 from tether.shared.drafter_runtime import DrafterBase
+from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree, Verdict
 
@@ -82,15 +87,18 @@ class SpeculativeEngine:
         top_k: int = 0,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        controls: SamplingControls | None = None,
     ) -> Iterator[list[int]]:
+        """The rule is temperature / top_p / top_k, or `controls` (all of it, those three included)."""
         self.stats = EngineStats()
         per_round = self.tree[2] if self.tree else self.k + 1
         capacity = min(len(prompt_ids) + max_new_tokens + per_round, self.target.cfg.max_seq_len)
         # top_k is the verifier's: drafts proposed without it stay lossless, the target's rule decides.
         server = SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, generator=generator, pool=self._pool_for(capacity))  # fmt: skip
+                                  top_k=top_k, generator=generator, pool=self._pool_for(capacity),
+                                  controls=controls)  # fmt: skip
         try:
-            yield from self._rounds(server, prompt_ids, max_new_tokens, temperature, top_p, eos_id, generator)
+            yield from self._rounds(server, prompt_ids, max_new_tokens, eos_id, generator)
         finally:
             server.release()
 
@@ -105,11 +113,13 @@ class SpeculativeEngine:
             self._pool = KVPool(self.target.cfg, blocks, BLOCK_SIZE, device=w.device, dtype=w.dtype)
         return self._pool
 
-    def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, temperature: float,
-                top_p: float, eos_id: int | None, generator: torch.Generator | None):  # fmt: skip
+    def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None,
+                generator: torch.Generator | None):  # fmt: skip
         capacity = server.cache.capacity
+        controls = server.controls
         root, delta = server.open(prompt_ids)
         produced = 1
+        context = [*prompt_ids, root]  # the drafting side's own count of the sequence, as an edge client keeps it
         yield [root]
         if self.drafter is not None:
             scratch = self.tree[0] * self.tree[1] if self.tree else 0  # rows a tree's candidates occupy
@@ -127,13 +137,16 @@ class SpeculativeEngine:
                 continue
             room = server.room - 1  # draft nodes that fit after the root
             k = min(self.k, max_new_tokens - produced - 1, room)
+            processing = controls.processing(context, len(prompt_ids), self.target.cfg.vocab_size)
             if self.drafter is not None and self.tree and room > 0:
                 depth, top_k, total = self.tree
-                tree = self.drafter.draft_tree(root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1))
+                tree = self.drafter.draft_tree(root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1),
+                                               processing=processing)  # fmt: skip
             elif self.drafter is not None and k > 0:
-                drafts, q_ids, q_probs = self.drafter.draft(
-                    root, k, temperature=temperature, top_p=top_p, support=self.support, generator=generator
-                )
+                drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=controls.temperature,
+                                                            top_p=controls.top_p, support=self.support,
+                                                            generator=generator, min_p=controls.min_p,
+                                                            processing=processing)  # fmt: skip
                 tree = DraftTree.chain(root, drafts, q_ids, q_probs)
             else:
                 tree = DraftTree.chain(root, [])
@@ -146,5 +159,6 @@ class SpeculativeEngine:
                 new = new[: new.index(eos_id) + 1]
             new = new[: max_new_tokens - produced]
             produced += len(new)
+            context += new
             root = new[-1]
             yield new

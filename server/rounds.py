@@ -379,15 +379,17 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
         # that fails (a malformed q) fails alone. A step already decided the greedy ones inside its graph.
         verdicts: list[Verdict | Exception]
         early = None
-        if greedy is not None and all(ver.temperature == 0 for ver, _ in items):
+        controls = [ver.controls for ver, _ in items]
+        if greedy is not None and all(c.temperature == 0 and not c.processes_logits for c in controls):
             if host and len(drafters) == 1:
                 runner = step_runner(target, caches[0].pool)
                 early = every_token_delta(out, next(iter(drafters.values())), len(items), runner)
             verdicts = unpack_verdicts(trees, greedy.cpu())  # the one wait: the deltas' copies came before it
         else:
-            verdicts = verify_rows(trees, out.logits[: len(items)], [ver.temperature for ver, _ in items],
-                                   [ver.top_p for ver, _ in items], [ver.generator for ver, _ in items],
-                                   [ver.top_k for ver, _ in items])  # fmt: skip
+            verdicts = verify_rows(trees, out.logits[: len(items)], [c.temperature for c in controls],
+                                   [c.top_p for c in controls], [ver.generator for ver, _ in items],
+                                   [c.top_k for c in controls], min_ps=[c.min_p for c in controls],
+                                   processing=[ver.processing_at(tree._tokens[0]) for ver, tree in items])  # fmt: skip
         deltas: dict[int, DraftDelta] = {}
         by_drafter: dict[int, list[int]] = {}
         for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):
@@ -402,6 +404,8 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
             deltas.update(zip(rows, found, strict=True))
     ok = [i for i, v in enumerate(verdicts) if not isinstance(v, Exception)]
     _commit([caches[i] for i in ok], [verdicts[i].path for i in ok])
+    for i in ok:  # what the sequence's later penalties count
+        items[i][0].record(lens[i], [trees[i]._tokens[j] for j in verdicts[i].path])
     return [v if isinstance(v, Exception) else (v, deltas.get(i)) for i, v in enumerate(verdicts)]
 
 

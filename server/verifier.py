@@ -1,6 +1,7 @@
 """The server half of speculative decoding for one sequence: prefill, then verify a draft tree per round.
 
-Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_p=..., top_k=..., generator=...)`.
+Contract: `SequenceVerifier(target, drafter, capacity=..., temperature=..., top_p=..., top_k=..., generator=...)`,
+or `controls=SamplingControls(...)` for the whole rule (min_p, penalties, logit_bias; tether.shared.logits_processing).
 `open(prompt)` prefills the target's KV cache (in chunks of `prefill_chunk` positions) and returns the target's
 first token and the drafter's delta for the prompt positions. `verify(tree)` runs root + drafts through the target
 in one forward (tree mask, tree positions), decides the verdict (greedy or lossless rejection sampling,
@@ -11,6 +12,10 @@ decoding (verify rounds with empty drafts, chained on the device when greedy). T
 who drafted: any DraftTree will do. It is what the in-process engine runs, and what each gRPC session runs; with
 drafter None no delta is produced. With `pool` the sequence's KV lives in the server's paged pool
 (tether.server.kv_pool) instead of a contiguous cache; `cache` hands it a pool sequence someone else owns.
+
+Penalties count the sequence's tokens, so the verifier keeps them by position (`tokens`: the prompt, then every
+committed token; whoever commits rows calls `record`). A round's root sits at position `length`, so the context
+of its tree is tokens[:length] + [root] (`processing_at(root)`), however the cache was truncated before.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from tether.server.kv_pool import KVPool, PagedCache
 from tether.server.rounds import decode_runner, forward_rows, gather_deltas, verify_batch
 from tether.shared.drafter import DraftDelta, TargetStates
+from tether.shared.logits_processing import LogitsProcessing, SamplingControls
 from tether.shared.model import ForwardOutput, Transformer
 from tether.shared.sampling import sample_token
 from tether.shared.speculative import DraftTree, Verdict
@@ -52,10 +58,18 @@ class SequenceVerifier:
         pool: KVPool | None = None,
         prefill_chunk: int = 2048,
         cache: PagedCache | None = None,
+        controls: SamplingControls | None = None,
     ):
         self.target = target
         self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
-        self.temperature, self.top_p, self.top_k, self.generator = temperature, top_p, top_k, generator
+        if controls is None:
+            controls = SamplingControls(temperature, top_p, top_k)
+        elif (temperature, top_p, top_k) != (0.0, 1.0, 0):
+            raise TypeError("give the sampling rule as controls or as temperature / top_p / top_k, not both")
+        controls.check_vocab(target.cfg.vocab_size)
+        self.controls, self.generator = controls, generator
+        self.tokens: list[int] = []  # the sequence by position: the prompt, then the committed tokens
+        self.prompt_len = 0
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk  # prompt positions per prefill forward
@@ -69,6 +83,18 @@ class SequenceVerifier:
     def length(self) -> int:
         """Verified positions held in the KV cache."""
         return self.cache.length
+
+    def record(self, start: int, tokens: list[int]) -> None:
+        """Rows from `start` on now hold `tokens` (committed to the cache): what later positions' penalties count."""
+        del self.tokens[start:]
+        self.tokens += tokens
+
+    def processing_at(self, root: int) -> LogitsProcessing | None:
+        """The logit_bias and penalties of the position after `root` (the round's root, at position `length`)."""
+        if not self.controls.processes_logits:
+            return None
+        context = self.tokens[: self.cache.length] + [root]
+        return self.controls.processing(context, self.prompt_len, self.target.cfg.vocab_size)
 
     def reserve(self, n: int) -> None:
         """Make sure the next forward can write n rows (ValueError when the sequence is full; a paged cache
@@ -88,9 +114,13 @@ class SequenceVerifier:
         """Tree nodes (root included) the cache can take in the next round."""
         return self.cache.capacity - self.cache.length
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """The target's next token from logits [V] under this sequence's sampling settings and generator."""
-        return sample_token(logits, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+    def sample(self, logits: torch.Tensor, processing: LogitsProcessing | None = None) -> int:
+        """The target's next token from logits [V] under this sequence's sampling settings and generator, the logits
+        processed with `processing` (the position's, from processing_at) when given."""
+        if processing is not None:
+            logits = torch.from_numpy(processing.apply_np(logits.float().cpu().numpy()))
+        c = self.controls
+        return sample_token(logits, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
                             generator=self.generator)  # fmt: skip
 
     @torch.inference_mode()
@@ -101,6 +131,8 @@ class SequenceVerifier:
         if len(prompt_ids) >= self.cache.capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a {self.cache.capacity} cache")
         prompt = torch.tensor([prompt_ids], device=self.target.device)
+        self.record(self.cache.length, list(prompt_ids))
+        self.prompt_len = len(self.tokens)
         want = self.drafter is not None
         # In chunks, each against the cache so far: attention memory grows with chunk x prompt, not prompt^2
         # (the reference path on a long resync history), and only the last position's logits are computed.
@@ -116,7 +148,10 @@ class SequenceVerifier:
             v=torch.cat([o.v for o in outs], 2) if want else None,
             hidden=(torch.cat([o.hidden[0] for o in outs], 1),),
         )  # fmt: skip
-        first = self.sample(out.logits[0, -1])
+        processing = None
+        if self.controls.processes_logits:
+            processing = self.controls.processing(self.tokens, self.prompt_len, self.target.cfg.vocab_size)
+        first = self.sample(out.logits[0, -1], processing)
         delta = self.drafter.server_delta(target_states(out), 0, prompt_ids) if want else None
         return first, delta
 
@@ -134,11 +169,15 @@ class SequenceVerifier:
         Greedy sequences on a step runner chain up to 16 steps per CUDA graph replay (tether.server.step)."""
         if n > self.room:
             raise ValueError(f"{n} tokens do not fit the {self.room} positions left")
-        runner = decode_runner(self.target, self.cache) if self.temperature == 0 else None
+        plain_greedy = self.controls.temperature == 0 and not self.controls.processes_logits
+        runner = decode_runner(self.target, self.cache) if plain_greedy else None
         out: list[int] = []
         while len(out) < n:
             if runner is not None:
-                out += runner.decode(self.cache, root, n - len(out))
+                start = self.cache.length
+                new = runner.decode(self.cache, root, n - len(out))
+                self.record(start, [root, *new[:-1]])  # the root and all but the last are committed
+                out += new
             else:
                 out.append(self.verify(DraftTree.chain(root, []))[0].bonus)
             root = out[-1]
@@ -156,13 +195,19 @@ class SequenceVerifier:
         self.reserve(len(offline))
         tree = DraftTree.chain(offline[0], offline[1:])
         want = self.drafter is not None
+        base = self.processing_at(offline[0])  # position i's: base after offline[1 : i + 1]
         with forward_rows(self.target, [self.cache], [tree], states=want) as (out, _):
             logits = out.logits[0, : len(offline)]  # [n, V]
-            greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after offline[i]
+            if base is None:
+                greedy = logits.argmax(-1).tolist()  # greedy[i]: the target's token after offline[i]
+            else:
+                rows = logits.float().cpu().numpy()
+                greedy = [int(base.after(offline[1 : i + 1]).apply_np(rows[i]).argmax()) for i in range(len(offline))]
             disagreement = next((i for i in range(1, len(offline)) if offline[i] != greedy[i - 1]), len(offline))
             kept = disagreement if rewind else len(offline)
-            next_token = self.sample(logits[kept - 1])
+            next_token = self.sample(logits[kept - 1], None if base is None else base.after(offline[1:kept]))
             path = list(range(kept))
             delta = gather_deltas(out, self.drafter, [(0, verified, path, offline[:kept])])[0] if want else None
         self.cache.accept(path)
+        self.record(verified, offline[:kept])
         return disagreement, next_token, delta

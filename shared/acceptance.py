@@ -10,7 +10,9 @@ Contract: exactly `verify`'s verdict, row by row, from the same logits and the s
 
 - Rows are padded to T nodes; nodes >= sizes[b] are padding and are never tested or accepted, whatever their
   tokens and parents (which need only be valid indices in [0, T)).
-- Greedy rows (temperature 0) and sampled rows mix freely in one batch.
+- Greedy rows (temperature 0) and sampled rows mix freely in one batch, and so do rows with and without min-p,
+  penalties or a logit_bias: each row's logits are processed per node with the counts of the node's own path
+  (`ProcessingRows`, `_path_counts`), a loop over node indices that runs only when some row processes logits.
 - Sampled rows use the uniform layout of `speculative.draw_uniforms`: uniforms[b, 0, j] tests node j,
   uniforms[b, 1, i] draws the bonus when the walk stops at node i. `verify_rows` draws them on the CPU from each
   row's generator, so a seeded generator gives the same verdict on any device and the same as `verify`.
@@ -27,12 +29,13 @@ Contract: exactly `verify`'s verdict, row by row, from the same logits and the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from tether.shared.logits_processing import LogitsProcessing, ProcessingRows
 from tether.shared.sampling import check_rule
 from tether.shared.speculative import _RESIDUAL_EPS, DraftTree, Verdict, draw_uniforms, target_probs
 
@@ -59,10 +62,14 @@ def accept(
     uniforms: Tensor | None = None,  # [B, 2, T] float64, the `draw_uniforms` layout; None = drawn on the device
     *,
     top_k: Tensor | None = None,  # [B] long; 0 = off; None = off for every row (keyword only: added last)
+    min_p: Tensor | None = None,  # [B] float in [0, 1]; 0 = off; None = off for every row
+    processing: ProcessingRows | None = None,  # each row's logit_bias and penalties at its root; None = none
     sampled: bool = True,
 ) -> Acceptance:
     """The verdicts of B padded draft trees; see the module docstring.
 
+    `processing` holds each row's logits stage at its root's position (tether.shared.logits_processing); node j
+    of a row is processed with it after the drafted tokens on j's path (`_path_counts`), greedy rows included.
     sampled=False is the caller's promise (a host-side fact, so no sync) that every row is greedy: it skips the
     sampled walk, whose cost does not depend on how many rows need it. Inputs may live on the CPU; they are moved
     to logits.device.
@@ -78,8 +85,17 @@ def accept(
     node = torch.arange(T, device=dev)  # [T]
     real = node < sizes[:, None]  # [B, T] the tree's own nodes
     greedy = temperature == 0  # [B]
+    logits_at = None  # node j's logits [B, V], processed with each row's context through j, when rows process them
+    if processing is not None:
+        processing = processing.to(dev, non_blocking=True)
+        on_path_of = _path_counts(parents, node)  # [B, T, T]
 
-    on_path, leaf, bonus = _greedy(logits, tokens, parents, real, node)
+        def logits_at(j: int) -> Tensor:
+            extra = torch.zeros(B, V, dtype=torch.float64, device=dev).scatter_add_(1, tokens, on_path_of[:, j])
+            return processing.after(extra).apply(logits[:, j])
+
+    best = None if logits_at is None else torch.stack([logits_at(j).argmax(-1) for j in range(T)], 1)  # [B, T]
+    on_path, leaf, bonus = _greedy(logits, tokens, parents, real, node, best)
     bad = torch.zeros(B, dtype=torch.bool, device=dev)
     if sampled:
         if uniforms is None:
@@ -95,6 +111,8 @@ def accept(
             q_ids,
             q_probs,
             uniforms,
+            min_p,
+            logits_at,
         )
         on_path = torch.where(greedy[:, None], on_path, s_on_path)
         leaf = torch.where(greedy, leaf, s_leaf)
@@ -103,13 +121,28 @@ def accept(
     return Acceptance(on_path, leaf, bonus, bad)
 
 
+def _path_counts(parents: Tensor, node: Tensor) -> Tensor:
+    """[B, T, T] float64: entry [b, j, a] is 1 where node a is j or one of its ancestors, the root excluded (its
+    token is in the context already): the drafted tokens node j's position is conditioned on. Padding rows are
+    whatever their parents give; nobody reads them."""
+    B, T = parents.shape
+    on_path = (node[:, None] == node[None, :]).expand(B, T, T).clone()  # [B, T, T] each node is on its own path
+    rows = torch.arange(B, device=parents.device)
+    for j in range(1, T):  # parents come first, so a parent's row is complete before its children's
+        on_path[:, j] |= on_path[rows, parents[:, j]]
+    on_path[:, :, 0] = False
+    return on_path.double()
+
+
 def _greedy(
-    logits: Tensor, tokens: Tensor, parents: Tensor, real: Tensor, node: Tensor
+    logits: Tensor, tokens: Tensor, parents: Tensor, real: Tensor, node: Tensor, best: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy verdicts without a walk: a node is on the path iff it and all its ancestors are each their parent's
-    first child (in index order) that matches the target's argmax, which is exactly where the walk goes."""
+    first child (in index order) that matches the target's argmax, which is exactly where the walk goes. `best`
+    [B, T]: the argmax of each node's processed logits, when rows process them."""
     B, T, _ = logits.shape
-    best = logits.argmax(-1)  # [B, T] the target's token after each node (first maximum on ties, as verify)
+    if best is None:
+        best = logits.argmax(-1)  # [B, T] the target's token after each node (first maximum on ties, as verify)
     match = (tokens == best.gather(1, parents)) & real & (node > 0)  # [B, T]
     # An earlier sibling that also matches wins (duplicate sibling tokens: the first one is taken).
     earlier_sibling = (parents[:, None, :] == parents[:, :, None]) & (node[None, :] < node[:, None])  # [B, j, i]
@@ -139,6 +172,8 @@ def _sampled(
     q_ids: Tensor | None,
     q_probs: Tensor | None,
     uniforms: Tensor,
+    min_p: Tensor | None = None,
+    logits_at: Callable[[int], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Recursive rejection sampling, vectorised over the batch: one pass over node indices 1..T-1.
 
@@ -154,6 +189,8 @@ def _sampled(
         top_p = top_p.to(dev, torch.float64, non_blocking=True)  # [B]
     if top_k is not None:
         top_k = top_k.to(dev, torch.long, non_blocking=True)  # [B]
+    if min_p is not None:
+        min_p = min_p.to(dev, torch.float64, non_blocking=True)  # [B]
     if q_ids is None:  # every node a deterministic pick: q = delta(token)
         q_ids, q_probs = tokens[..., None], torch.ones(B, T, 1, dtype=torch.float64, device=dev)
     q_ids = q_ids.to(dev, torch.long, non_blocking=True)  # [B, T, K]
@@ -165,7 +202,9 @@ def _sampled(
     rows = torch.arange(B, device=dev)
 
     def probs_at(j: int) -> Tensor:  # [B, V] node j's target distribution, every row's own settings
-        return target_probs(logits[:, j], temperature, 1.0 if top_p is None else top_p, 0 if top_k is None else top_k)
+        return target_probs(logits[:, j] if logits_at is None else logits_at(j), temperature,
+                            1.0 if top_p is None else top_p, 0 if top_k is None else top_k,
+                            0.0 if min_p is None else min_p)  # fmt: skip
 
     p = probs_at(0)  # [B, V] the current distribution, residual-adjusted after rejections
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] the current node
@@ -206,9 +245,13 @@ def verify_rows(
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
     top_ks: Sequence[int] | None = None,
+    *,
+    min_ps: Sequence[float] | None = None,
+    processing: Sequence[LogitsProcessing | None] | None = None,
 ) -> list[Verdict | ValueError]:
     """`verify` for every row at once: the same verdict, from the same logits rows and the same generators
-    (top_ks None: top-k off for every row).
+    (top_ks / min_ps None: top-k / min-p off for every row; processing[b]: row b's logit_bias and penalties at
+    its root, as `verify` takes them, None for none).
 
     Each sampled row draws `draw_uniforms(len(tree), generator)` on the CPU, in row order (rows may share one
     generator; it then advances exactly as B calls of `verify` in row order would). A row `verify` would raise
@@ -221,7 +264,7 @@ def verify_rows(
     if B == 0:
         return []
     T = logits.shape[1]
-    rows = _pad_rows(trees, T, temperatures, top_ps, generators, top_ks)
+    rows = _pad_rows(trees, T, temperatures, top_ps, generators, top_ks, min_ps, processing, logits.shape[2])
     dev = logits.device
     moved = {k: None if v is None else v.to(dev, non_blocking=True) for k, v in rows.tensors().items()}
     result = accept(logits, **moved, sampled=rows.sampled)
@@ -272,14 +315,17 @@ class _Rows:
     temperature: Tensor  # [B] float64; 0 for greedy rows and for rows already failed
     top_p: Tensor | None  # [B] float64; None when no sampled row truncates
     top_k: Tensor | None  # [B] long, 0 = off; None when no sampled row keeps only its top k
+    min_p: Tensor | None  # [B] float64, 0 = off; None when no sampled row uses min-p
+    processing: ProcessingRows | None  # None when no row has a logit_bias or penalties
     q_ids: Tensor | None  # [B, T, K] long; None when no row is sampled
     q_probs: Tensor | None  # [B, T, K] float64
     uniforms: Tensor | None  # [B, 2, T] float64
     sampled: bool  # some row is sampled
     errors: list[ValueError | None]  # per row, what `verify` raises before it draws anything
 
-    def tensors(self) -> dict[str, Tensor | None]:
-        names = ("tokens", "parents", "sizes", "temperature", "top_p", "top_k", "q_ids", "q_probs", "uniforms")
+    def tensors(self) -> dict[str, Tensor | ProcessingRows | None]:
+        names = ("tokens", "parents", "sizes", "temperature", "top_p", "top_k", "min_p", "processing", "q_ids",
+                 "q_probs", "uniforms")  # fmt: skip
         return {k: getattr(self, k) for k in names}
 
 
@@ -290,24 +336,34 @@ def _pad_rows(
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
     top_ks: Sequence[int] | None = None,
+    min_ps: Sequence[float] | None = None,
+    processing: Sequence[LogitsProcessing | None] | None = None,
+    vocab_size: int = 0,
 ) -> _Rows:
     """Pad trees to T nodes and draw each sampled row's uniforms, in row order, on the CPU."""
     B = len(trees)
     top_ks = [0] * B if top_ks is None else top_ks
-    if not (len(temperatures) == len(top_ps) == len(generators) == len(top_ks) == B):
-        raise ValueError(f"need one temperature, top_p, top_k and generator per tree ({B})")
+    min_ps = [0.0] * B if min_ps is None else min_ps
+    processing = [None] * B if processing is None else processing
+    if not (len(temperatures) == len(top_ps) == len(generators) == len(top_ks) == len(min_ps) == len(processing)
+            == B):  # fmt: skip
+        raise ValueError(f"need one temperature, top_p, top_k, min_p, processing and generator per tree ({B})")
     errors: list[ValueError | None] = [None] * B
     temps = [0.0] * B
-    for b, (t, tp, tk) in enumerate(zip(temperatures, top_ps, top_ks, strict=True)):
+    for b, (t, tp, tk, mp) in enumerate(zip(temperatures, top_ps, top_ks, min_ps, strict=True)):
         if t == 0:
             continue
         try:
-            check_rule(t, tp, tk)
+            check_rule(t, tp, tk, mp)
         except ValueError as e:
             errors[b] = e
         else:
             temps[b] = float(t)
     sampled = [b for b in range(B) if temps[b] > 0]
+    rows_processing = None
+    if any(r is not None for r in processing):
+        rows_processing = ProcessingRows.stack([None if errors[b] else r for b, r in enumerate(processing)],
+                                               vocab_size)  # fmt: skip
 
     sizes = torch.tensor([len(tree) for tree in trees], dtype=torch.long)  # [B]
     tokens = torch.zeros(B, T, dtype=torch.long)  # [B, T]
@@ -315,7 +371,7 @@ def _pad_rows(
     for b, tree in enumerate(trees):
         tokens[b, : len(tree)] = tree.tokens
         parents[b, : len(tree)] = tree.parents
-    q_ids = q_probs = uniforms = top_p = top_k = None
+    q_ids = q_probs = uniforms = top_p = top_k = min_p = None
     if sampled:
         K = max((trees[b].q_ids.shape[1] for b in sampled if trees[b].q_ids is not None), default=1)
         # Point masses by default (rows without q, padding nodes); zero-probability padding adds nothing.
@@ -335,5 +391,8 @@ def _pad_rows(
             top_p = torch.tensor([float(top_ps[b]) if temps[b] > 0 else 1.0 for b in range(B)], dtype=torch.float64)
         if any(top_ks[b] > 0 for b in sampled):
             top_k = torch.tensor([int(top_ks[b]) if temps[b] > 0 else 0 for b in range(B)], dtype=torch.long)
+        if any(min_ps[b] > 0 for b in sampled):
+            min_p = torch.tensor([float(min_ps[b]) if temps[b] > 0 else 0.0 for b in range(B)], dtype=torch.float64)
     temperature = torch.tensor(temps, dtype=torch.float64)
-    return _Rows(tokens, parents, sizes, temperature, top_p, top_k, q_ids, q_probs, uniforms, bool(sampled), errors)
+    return _Rows(tokens, parents, sizes, temperature, top_p, top_k, min_p, rows_processing, q_ids, q_probs, uniforms,
+                 bool(sampled), errors)  # fmt: skip

@@ -9,7 +9,10 @@ seeing the verified prefix and its ancestors' rows through `mask`; return logits
 those into chain drafts and EAGLE-2 dynamic draft trees. With temperature > 0 each chain draft token is sampled
 from the drafter's distribution truncated to its top-`support` tokens, and that exact truncated distribution is
 returned with it, so the verifier's rejection sampling stays lossless while the message that carries q stays
-small. Tree children are deterministic top-k picks, which the verifier handles as point-mass proposals.
+small. Tree children are deterministic top-k picks, which the verifier handles as point-mass proposals. With a
+`processing` (the logit_bias and penalties of the position after the root, tether.shared.logits_processing) each
+drafted position's logits are processed as the verifier will process the target's there: with the counts of the
+context plus the drafted tokens on its path, so greedy drafts are what penalised greedy decoding would pick.
 A tree grows after the rows the caches hold: the verified positions and any chain drafted after them (the edge
 client drafts a round ahead that way, tether.client.rounds), counted here since subclasses keep them in their own
 caches.
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 
 from tether.shared.drafter import DraftDelta, DrafterConfig
 from tether.shared.drafter_config import ArrayDelta
+from tether.shared.logits_processing import LogitsProcessing, ProcessingRows
 from tether.shared.model import Transformer
 from tether.shared.sampling import probabilities_np, proposal
 from tether.shared.speculative import DraftTree, GrowingTree, expand_dynamic_tree
@@ -95,6 +99,8 @@ class DrafterBase(nn.Module):
         support: int = 8,
         stop: Callable[[], bool] | None = None,
         generator: torch.Generator | None = None,
+        min_p: float = 0.0,
+        processing: LogitsProcessing | None = None,
     ) -> tuple[list[int], Tensor | None, Tensor | None]:
         """A chain of k draft tokens after `root` (the token at the first unverified position).
         Returns the tokens and, when sampling, q_ids/q_probs [k, min(support, V)]: the distributions they came
@@ -105,10 +111,13 @@ class DrafterBase(nn.Module):
         token = root
         for _ in range(k):
             logits = self._step(token)
+            if processing is not None:  # this position's context: the root's, then the tokens drafted so far
+                logits = processing.after(tokens).apply_np(logits.float().cpu().numpy())  # [V] float64
             if temperature == 0:
                 token = int(logits.argmax())
             else:
-                p = probabilities_np(logits.float().cpu().numpy(), temperature, top_p)
+                logits = logits if processing is not None else logits.float().cpu().numpy()
+                p = probabilities_np(logits, temperature, top_p, min_p=min_p)
                 ids, q = (torch.from_numpy(a) for a in proposal(p, support))
                 token = int(ids[torch.multinomial(q, 1, generator=generator)])
                 q_ids.append(ids)
@@ -149,10 +158,12 @@ class DrafterBase(nn.Module):
         self._drafted = 0
 
     @torch.inference_mode()
-    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int,
+                   processing: LogitsProcessing | None = None) -> DraftTree:  # fmt: skip
         """An EAGLE-2 dynamic draft tree after `root`, the token after the rows held (module docstring): each level
         feeds the frontier nodes as new cache rows (one drafter forward per level), then the most probable
-        `total_tokens` nodes are kept. The rows it fed are dropped again."""
+        `total_tokens` nodes are kept. The rows it fed are dropped again. With `processing` (the position after
+        the root's) each node's logits are processed after the tokens on its path before its children are picked."""
         base = self.verified_length() + self._drafted
         rows: dict[int, int] = {}  # GrowingTree id -> drafted row offset (position base + offset in the caches)
 
@@ -173,7 +184,12 @@ class DrafterBase(nn.Module):
             logits = self._tree_step(tokens, positions, mask, parent_rows)  # [F, V]
             for j, node in enumerate(frontier):
                 rows[node] = n_rows + j
-            top = logits.float().log_softmax(-1).topk(top_k, dim=-1)
+            if processing is None:
+                logits = logits.float()
+            else:
+                paths = [processing.after([tree.tokens[a] for a in tree.path_to(node)[1:]]) for node in frontier]
+                logits = ProcessingRows.stack(paths, logits.shape[-1]).to(logits.device).apply(logits)  # [F, V]
+            top = logits.log_softmax(-1).topk(top_k, dim=-1)
             return top.indices, top.values
 
         tree = expand_dynamic_tree(root, step, depth=depth, top_k=top_k, total_tokens=total_tokens)

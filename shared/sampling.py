@@ -1,18 +1,20 @@
-"""Token sampling: greedy, temperature, top-k and nucleus (top-p), the one place these are defined.
+"""Token sampling: greedy, temperature, top-k, nucleus (top-p) and min-p, the one place these are defined.
 
-Contract: `probabilities_np(logits, temperature, top_p, top_k)` is the distribution a sampler draws from, on numpy
-(the edge's onnxruntime drafter uses it as is); with temperature 0 it is the one-hot argmax. The rule, in order:
-divide by the temperature and softmax; keep the `top_k` most probable tokens (ties to the lower id; 0 or >= V keeps
-all) and renormalise; keep the smallest prefix of those, most probable first, whose mass reaches `top_p` (the first
-always survives) and renormalise. vLLM and transformers apply top-k before top-p in the same way (transformers
-keeps every token tied with the k-th; here exactly k survive). `proposal(p, width)` is a drafted token's proposal:
-the `width` most probable tokens of p, renormalised, which both drafters draw from and send as q; `top_k_ids(x, k)`
-the k largest ids of each row, as a stable sort orders them, without sorting the vocabulary. `probabilities`
-and `sample_token` are the same rule for torch tensors (torch drafters, the model's own `generate`, the server's
-plain decoding): they compute it through `probabilities_np`, so the two ends cannot drift apart, and return to the
-tensor's device. The speculative verifier applies the same rule to the target's logits in float64 on the device
-(tether.shared.speculative.target_probs), so lossless rejection sampling compares like with like. Importing this
-module does not import torch.
+Contract: `probabilities_np(logits, temperature, top_p, top_k, min_p)` is the distribution a sampler draws from, on
+numpy (the edge's onnxruntime drafter uses it as is); with temperature 0 it is the one-hot argmax. The rule, in
+order: divide by the temperature and softmax; keep the `top_k` most probable tokens (ties to the lower id; 0 or >= V
+keeps all) and renormalise; keep the smallest prefix of those, most probable first, whose mass reaches `top_p` (the
+first always survives) and renormalise; drop the tokens whose probability is below `min_p` times the largest (0
+keeps all) and renormalise. vLLM and transformers apply top-k before top-p in the same way (transformers keeps every
+token tied with the k-th; here exactly k survive); min-p comes last as in vLLM's sampler. The logits this rule takes
+are the processed ones when a sequence has penalties or a logit_bias (tether.shared.logits_processing).
+`proposal(p, width)` is a drafted token's proposal: the `width` most probable tokens of p, renormalised, which both
+drafters draw from and send as q; `top_k_ids(x, k)` the k largest ids of each row, as a stable sort orders them,
+without sorting the vocabulary. `probabilities` and `sample_token` are the same rule for torch tensors (torch
+drafters, the model's own `generate`, the server's plain decoding): they compute it through `probabilities_np`, so
+the two ends cannot drift apart, and return to the tensor's device. The speculative verifier applies the same rule
+to the target's logits in float64 on the device (tether.shared.speculative.target_probs), so lossless rejection
+sampling compares like with like. Importing this module does not import torch.
 
     p = probabilities_np(logits_np[-1], temperature=0.8, top_p=0.95, top_k=40)
     tok = sample_token(logits[-1], temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(0))
@@ -29,18 +31,23 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
-def check_rule(temperature: float, top_p: float, top_k: int = 0) -> None:
-    """ValueError unless temperature >= 0, 0 < top_p <= 1 and top_k >= 0 (what every caller of the rule needs)."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0, got {temperature}, {top_p}, {top_k}")
+def check_rule(temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> None:
+    """ValueError unless temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1 (what every caller of
+    the rule needs)."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, "
+                         f"got {temperature}, {top_p}, {top_k}, {min_p}")  # fmt: skip
 
 
-def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
-    """logits [..., V] -> probabilities [..., V] in fp32 after temperature, top-k and top-p truncation."""
-    check_rule(temperature, top_p, top_k)
-    x = np.asarray(logits, dtype=np.float32)
+def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                     min_p: float = 0.0) -> np.ndarray:  # fmt: skip
+    """logits [..., V] -> probabilities [..., V] in fp32 after temperature, top-k, top-p and min-p truncation.
+    Greedy takes the argmax in the logits' own precision (float64 processed logits keep their order)."""
+    check_rule(temperature, top_p, top_k, min_p)
     if temperature == 0:
-        return (np.arange(x.shape[-1]) == x.argmax(-1)[..., None]).astype(np.float32)
+        best = np.asarray(logits).argmax(-1)
+        return (np.arange(np.shape(logits)[-1]) == best[..., None]).astype(np.float32)
+    x = np.asarray(logits, dtype=np.float32)
     x = x / np.float32(temperature)
     p = np.exp(x - x.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -56,6 +63,9 @@ def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float 
             sorted_p[(np.cumsum(sorted_p, -1) - sorted_p) >= top_p] = 0
         p = np.zeros_like(p)
         np.put_along_axis(p, order, sorted_p, -1)
+        p /= p.sum(-1, keepdims=True)
+    if min_p > 0:
+        p = np.where(p < np.float32(min_p) * p.max(-1, keepdims=True), np.float32(0), p)
         p /= p.sum(-1, keepdims=True)
     return p
 
@@ -88,11 +98,12 @@ def proposal(p: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return top.astype(np.int64), q.astype(np.float32)
 
 
-def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> Tensor:
+def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                  min_p: float = 0.0) -> Tensor:  # fmt: skip
     """probabilities_np for a tensor: logits [..., V] -> fp32 [..., V] on the logits' device."""
     import torch
 
-    p = probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p, top_k)
+    p = probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p, top_k, min_p)
     return torch.from_numpy(p).to(logits.device)
 
 
@@ -102,13 +113,14 @@ def sample_token(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> int:
-    """One token id from logits [V]."""
+    """One token id from logits [V] (float64 processed logits keep their precision for greedy's argmax)."""
     import torch
 
     if temperature == 0:
         return int(logits.argmax(-1))
     # Drawn on the CPU so a seeded CPU generator gives the same tokens whatever device the model is on.
-    p = torch.from_numpy(probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p, top_k))
+    p = torch.from_numpy(probabilities_np(logits.detach().float().cpu().numpy(), temperature, top_p, top_k, min_p))
     return int(torch.multinomial(p, 1, generator=generator))

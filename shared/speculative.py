@@ -24,6 +24,10 @@ sampling, so the emitted tokens are distributed exactly as if the target had sam
   without replacement carry q renormalised over what their earlier siblings left.
 - a child without q is a deterministic pick, i.e. the point-mass proposal q = delta(token).
 
+Penalties and logit_bias (tether.shared.logits_processing) make a position's distribution depend on its context:
+node i's logits are processed with the counts of the sequence through the root plus the drafted tokens on the
+root-to-i path, so each position gets exactly the distribution plain decoding would have used there.
+
 Randomness. A sampled verdict on an n-node tree draws exactly `draw_uniforms(n, generator)`, a [2, n] float64
 tensor, once and up front: row 0 entry j is the acceptance uniform of node j (entry 0 unused; a node is tested
 at most once, when its parent is on the path), row 1 entry i draws the bonus token when the walk stops at node i.
@@ -53,6 +57,7 @@ from torch import Tensor
 
 from tether.shared.draft_trees import GrowingTree as GrowingTree  # re-exported: torch drafters' step callbacks take it
 from tether.shared.draft_trees import TreeDraft, expand_tree
+from tether.shared.logits_processing import LogitsProcessing
 from tether.shared.sampling import check_rule
 
 # Below this much residual mass, rejection was a rounding artefact (p <= q everywhere means p == q), so the
@@ -251,18 +256,33 @@ def draw_uniforms(n: int, generator: torch.Generator | None = None) -> Tensor:
 
 
 def target_probs(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor = 1.0,
-                 top_k: int | Tensor = 0) -> Tensor:  # fmt: skip
-    """logits [..., V] -> float64 probabilities [..., V] under temperature (> 0), top-k and top-p, row by row.
+                 top_k: int | Tensor = 0, min_p: float | Tensor = 0.0) -> Tensor:  # fmt: skip
+    """logits [..., V] -> float64 probabilities [..., V] under temperature (> 0), top-k, top-p and min-p, row by row.
 
     The rule is `sampling.probabilities`' (keep the top_k most probable tokens, 0 keeping all, and renormalise;
     then keep the smallest prefix of the sorted probabilities whose mass reaches top_p, the first always survives,
-    and renormalise; top_p 1 and top_k 0 keep everything untouched), in float64 instead of float32: the verifier
-    compares these against float64 uniforms, and float32 rounding (which differs between a CPU and a GPU) would
-    flip a comparison about once in 10^7. temperature, top_p and top_k are numbers, or tensors of shape
-    logits.shape[:-1] for a batch of rows with their own settings. Ties sort stably (lower token id first), so
-    every device truncates the same tokens.
+    and renormalise; then drop the tokens below min_p times the largest and renormalise; top_p 1, top_k 0 and
+    min_p 0 keep everything untouched), in float64 instead of float32: the verifier compares these against float64
+    uniforms, and float32 rounding (which differs between a CPU and a GPU) would flip a comparison about once in
+    10^7. temperature, top_p, top_k and min_p are numbers, or tensors of shape logits.shape[:-1] for a batch of
+    rows with their own settings. Ties sort stably (lower token id first), so every device truncates the same
+    tokens. The logits are the processed ones where a sequence has penalties or a logit_bias
+    (tether.shared.logits_processing).
     """
-    logits = logits.double()
+    probs = _truncated(logits.double(), temperature, top_p, top_k)
+    if isinstance(min_p, Tensor):
+        m = min_p.to(probs.device, torch.float64)[..., None]  # [..., 1]
+        kept = probs.masked_fill(probs < m * probs.amax(-1, keepdim=True), 0.0)
+        # A row with min_p 0 keeps its probabilities bit for bit, as the number path returns them.
+        return torch.where(m > 0, kept / kept.sum(-1, keepdim=True), probs)
+    if min_p > 0:
+        kept = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        return kept / kept.sum(-1, keepdim=True)
+    return probs
+
+
+def _truncated(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor, top_k: int | Tensor) -> Tensor:
+    """target_probs before min-p: temperature, top-k, top-p (float64 logits [..., V] -> probabilities [..., V])."""
     V, dev = logits.shape[-1], logits.device
     temperature = torch.as_tensor(temperature, dtype=torch.float64, device=dev)
     probs = (logits / temperature[..., None]).softmax(-1)  # [..., V]
@@ -304,36 +324,49 @@ def verify(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    processing: LogitsProcessing | None = None,
     generator: torch.Generator | None = None,
 ) -> Verdict:
     """Walk the tree from the root, accepting children the target agrees with; see the module docstring.
 
     This is the readable scalar reference; `tether.shared.acceptance` does the same for a batch of trees on the
-    device. Greedy ignores any q and draws nothing. Sampling draws `draw_uniforms(len(tree), generator)` (a CPU
-    generator; the vocab-sized arithmetic runs on the CPU in float64), so a seeded generator reproduces the
-    verdict on any device.
+    device. `processing`: the logit_bias and penalties of the root's position (its context: the sequence through
+    the root), or None; node i's logits are processed with it after the drafted tokens on its path, so every
+    position sees its own context. Greedy ignores any q and draws nothing. Sampling draws
+    `draw_uniforms(len(tree), generator)` (a CPU generator; the vocab-sized arithmetic runs on the CPU in float64),
+    so a seeded generator reproduces the verdict on any device.
     """
     if target_logits.dim() != 2 or target_logits.shape[0] != len(tree):
         raise ValueError(f"target_logits must be [{len(tree)}, V], got {tuple(target_logits.shape)}")
     tokens = tree._tokens
+
+    def logits_at(i: int) -> Tensor:  # [V] node i's logits, processed with its own context
+        if processing is None:
+            return target_logits[i].cpu()
+        after = processing.after([tokens[a] for a in tree.path_to(i)[1:]])
+        return torch.from_numpy(after.apply_np(target_logits[i].float().cpu().numpy()))
+
     path = [0]
     if temperature == 0:
-        best = target_logits.argmax(-1).tolist()  # one device sync for the whole tree
+        # One device sync for the whole tree; with processing, each node on the walk is processed on its own.
+        best = target_logits.argmax(-1).tolist() if processing is None else None
         while True:
             cur = path[-1]
-            nxt = next((c for c in tree.children(cur) if tokens[c] == best[cur]), None)
+            top = best[cur] if best is not None else int(logits_at(cur).argmax())
+            nxt = next((c for c in tree.children(cur) if tokens[c] == top), None)
             if nxt is None:
-                return Verdict(path, best[cur])
+                return Verdict(path, top)
             path.append(nxt)
 
-    check_rule(temperature, top_p, top_k)
+    check_rule(temperature, top_p, top_k, min_p)
     proposals = tree._proposals
     u_accept, u_bonus = draw_uniforms(len(tree), generator).tolist()  # [n] each
     while True:
         cur = path[-1]
         # Only rows on the walk are needed, so they are moved and truncated one at a time; numpy because these
         # vocab-sized steps are tiny and torch's per-op overhead would dominate them.
-        p = target_probs(target_logits[cur].cpu(), temperature, top_p, top_k).numpy()  # [V]
+        p = target_probs(logits_at(cur), temperature, top_p, top_k, min_p).numpy()  # [V]
         for child in tree.children(cur):
             x = tokens[child]
             q = {x: 1.0} if proposals is None else proposals[child]
