@@ -12,7 +12,9 @@ Two schemas of the same wire format:
   (tether.client.onnx_graph_policy) and the tests that build hostile ones. Fields whose content the check only
   needs to see present (model-local functions, subgraphs, sparse tensors, non-tensor types...) are read as bytes:
   the same wire type as a message, so they parse without their schema and the check refuses them.
-Field numbers are onnx.proto's.
+Field numbers are onnx.proto's. Each schema's classes, nested messages' included, are built once per process and
+held for good, so threads may parse and read messages of them at once (upb would otherwise build a nested class
+again on demand, racily: #42).
 
     model = onnx_model_class()()
     model.ParseFromString(graph_bytes)
@@ -20,12 +22,13 @@ Field numbers are onnx.proto's.
     model.SerializeToString()
 
 Tests: tests/server/test_client_export.py (split_weights), tests/client/test_onnx_int8.py (the int8 rewrite),
-tests/client/test_onnx_derived.py (pruning), tests/client/test_hostile_graphs.py (the inspection schema).
+tests/client/test_onnx_derived.py (pruning), tests/client/test_hostile_graphs.py (the inspection schema),
+tests/shared/test_onnx_subset.py (the classes under threads).
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
@@ -116,8 +119,25 @@ _INSPECTED = {
 }  # fmt: skip
 
 
-def _model_class(package: str, messages: dict) -> type:
-    """ModelProto with `messages`' fields (proto2, as onnx.proto), in a descriptor pool of its own."""
+_pools_lock = threading.Lock()
+_pools: dict[str, dict[str, type]] = {}  # package -> its pool's message classes, by name, held for good
+
+
+def _message_classes(package: str, messages: dict) -> dict[str, type]:
+    """A class for each of `messages` (proto2, as onnx.proto), in a descriptor pool of its own: built on the first
+    call for `package` and held from then on.
+
+    Why held: upb keeps a dynamic pool's message class only while something refers to it, so a nested message's
+    class (GraphProto, NodeProto...) died with its last instance at a garbage collection and was built again on the
+    next access. Two threads building the same one at once (a collection in one runs a finalizer that hands the GIL
+    to the other) leave upb's class cache pointing at a freed class, and a later access segfaults (#42)."""
+    with _pools_lock:
+        if package not in _pools:
+            _pools[package] = _build_classes(package, messages)
+        return _pools[package]
+
+
+def _build_classes(package: str, messages: dict) -> dict[str, type]:
     f = descriptor_pb2.FileDescriptorProto(name=f"{package}.proto", package=package)
     f.syntax = "proto2"
     for name, fields in messages.items():
@@ -128,16 +148,14 @@ def _model_class(package: str, messages: dict) -> type:
                 d.type_name = f".{package}.{type_name}"
     pool = descriptor_pool.DescriptorPool()
     pool.Add(f)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.ModelProto"))
+    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{name}")) for name in messages}
 
 
-@functools.cache
 def onnx_model_class() -> type:
     """ModelProto with the fields tether edits (module docstring)."""
-    return _model_class("tether_onnx_subset", _MESSAGES)
+    return _message_classes("tether_onnx_subset", _MESSAGES)["ModelProto"]
 
 
-@functools.cache
 def onnx_inspect_class() -> type:
     """ModelProto with every field of the messages a graph is made of (module docstring)."""
-    return _model_class("tether_onnx_inspect", _INSPECTED)
+    return _message_classes("tether_onnx_inspect", _INSPECTED)["ModelProto"]
