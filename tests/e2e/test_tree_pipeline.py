@@ -299,17 +299,10 @@ def test_sampled_rounds_drafted_ahead_and_trees_follow_the_targets_law(served, p
     address, service, _ = served
     target, prompt = service.target, service.tokenizer.encode(SPREAD)
     every, cooler, ahead = LogLikelihood(), LogLikelihood(), 0
-    # One pairing for all the generations, one after another, as the edge API keeps one per endpoint: what is
-    # tested is each generation's sampling, not loading the drafter 160 times.
-    pairing = EdgeSession(ClientConfig(server=address, cache_dir=paired_once, **PATIENT | shape))
-    try:
-        paired = pairing.pair()
-    finally:
-        pairing.close()
     for seed in range(SAMPLES):
         cfg = ClientConfig(server=address, max_new_tokens=EMITTED, temperature=1.0, seed=seed, pipeline=True,
                            cache_dir=paired_once, **PATIENT | shape)  # fmt: skip
-        session = EdgeSession(cfg, paired=paired)
+        session = EdgeSession(cfg)
         try:
             result = session.run(SPREAD)
         finally:
