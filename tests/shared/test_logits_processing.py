@@ -15,6 +15,9 @@ from test_speculative import N, assert_matches, total_variation
 from tiny_models import tiny_pair
 
 from tether.server.engine import SpeculativeEngine
+from tether.server.kv_pool import KVPool
+from tether.server.rounds import verify_batch
+from tether.server.verifier import SequenceVerifier
 from tether.shared.acceptance import verify_rows
 from tether.shared.logits_processing import ControlError, ProcessingRows, SamplingControls
 from tether.shared.sampling import probabilities_np
@@ -118,10 +121,15 @@ def random_controls(rng: random.Random, temperature: float, top_p: float, top_k:
                             logit_bias={rng.randrange(37): rng.uniform(-5, 5) for _ in range(3)})  # fmt: skip
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_verify_rows_equals_verify_with_penalties(kind):
+def test_verify_rows_equals_verify_with_penalties(kind, device):
     """The batched verifier's per-node path counts give the scalar walk's verdict, row by row, from the same
-    seeds; one row in three processes nothing, so rows with and without processing mix in the batch."""
+    seeds (on the CPU's logits, or on the GPU's); one row in three processes nothing, so rows with and without
+    processing mix in the batch."""
     rng = random.Random(kind)
     trees, logits, controls, procs = [], [], [], []
     for i in range(24):
@@ -137,7 +145,7 @@ def test_verify_rows_equals_verify_with_penalties(kind):
     want = [verify(t, rows, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p, processing=p,
                    generator=torch.Generator().manual_seed(b))
             for b, (t, rows, c, p) in enumerate(zip(trees, logits, controls, procs, strict=True))]  # fmt: skip
-    got = verify_rows(trees, padded, [c.temperature for c in controls], [c.top_p for c in controls],
+    got = verify_rows(trees, padded.to(device), [c.temperature for c in controls], [c.top_p for c in controls],
                       [torch.Generator().manual_seed(b) for b in range(len(trees))], [c.top_k for c in controls],
                       min_ps=[c.min_p for c in controls], processing=procs)  # fmt: skip
     assert got == want
@@ -256,3 +264,56 @@ def test_engine_refuses_controls_twice_and_a_bias_outside_the_vocabulary(pair):
         next(engine.generate([1, 2], 4, temperature=0.5, controls=SamplingControls()))
     with pytest.raises(ControlError, match="outside the vocabulary"):
         next(engine.generate([1, 2], 4, controls=SamplingControls(logit_bias={VOCAB: 1.0})))
+
+
+def branchy_tree(root: int, oracle: list[int], rng: random.Random) -> DraftTree:
+    """root -> {a random token, oracle[0] -> {oracle[1] -> oracle[2], a random token}}: long accepted paths beside
+    rejected siblings (oracle: the reference's next tokens, cut short at random)."""
+    cut = oracle[: rng.randint(0, len(oracle))] + [rng.randrange(VOCAB) for _ in range(3)]
+    tokens = [root, rng.randrange(VOCAB), cut[0], cut[1], rng.randrange(VOCAB), cut[2]]
+    return DraftTree(torch.tensor(tokens), torch.tensor([-1, 0, 0, 2, 2, 3]))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@torch.inference_mode()
+def test_one_batch_of_sequences_with_different_controls(pair, paged):
+    """verify_batch over sequences that each have their own controls (one plain among them), every round of all
+    of them in one target forward: each sequence's output equals plain greedy decoding with its own controls."""
+    target, _ = pair
+    rules = [CONTROLS["presence"], CONTROLS["all"], SamplingControls(), CONTROLS["logit_bias"], CONTROLS["repetition"]]
+    prompts = [PROMPTS[b % 2] for b in range(len(rules))]
+    n = 20
+    pool = KVPool(target.cfg, 48, 8, device=target.device, dtype=torch.float32) if paged else None
+    vers = [SequenceVerifier(target, None, capacity=len(p) + n + 8, controls=c, pool=pool)
+            for p, c in zip(prompts, rules, strict=True)]  # fmt: skip
+    want = [plain_greedy(target, p, n, c) for p, c in zip(prompts, rules, strict=True)]
+    outs = [[v.open(p)[0]] for v, p in zip(vers, prompts, strict=True)]
+    rng, longest = random.Random(0), 0
+    while True:
+        live = [b for b in range(len(vers)) if len(outs[b]) < n]
+        if not live:
+            break
+        items = [(vers[b], branchy_tree(outs[b][-1], want[b][len(outs[b]) :][:3], rng)) for b in live]
+        for b, (_, tree), result in zip(live, items, verify_batch(target, items), strict=True):
+            outs[b] += result[0].emitted_tokens(tree)
+            longest = max(longest, result[0].accepted)
+    assert [o[:n] for o in outs] == want
+    assert longest == 3  # whole paths of drafted tokens were accepted, each position with its path's counts
+    assert len({tuple(w) for w in want}) > 2  # the controls made the sequences differ
+
+
+@torch.inference_mode()
+def test_absorb_judges_offline_tokens_by_the_processed_rule(pair):
+    """A resync's absorb keeps the offline tokens the penalised target agrees with and answers its next token
+    from the counts through them; verification then goes on exactly."""
+    target, _ = pair
+    controls, prompt = CONTROLS["all"], PROMPTS[0]
+    want = plain_greedy(target, prompt, 12, controls)
+    assert want[:7] != plain_greedy(target, prompt, 7, SamplingControls())  # the controls decide these tokens
+    ver = SequenceVerifier(target, None, capacity=40, controls=controls)
+    assert ver.open(prompt)[0] == want[0]
+    wrong = next(t for t in range(VOCAB) if t != want[6])
+    disagreement, nxt, _ = ver.absorb(len(prompt), want[:6] + [wrong], rewind=True)
+    assert (disagreement, nxt) == (6, want[6])
+    tree = DraftTree.chain(nxt, want[7:10])
+    assert ver.verify(tree)[0].emitted_tokens(tree) == want[7:11]
