@@ -14,6 +14,9 @@ from test_acceptance import KINDS, random_case
 from test_speculative import N, assert_matches, total_variation
 from tiny_models import tiny_pair
 
+import tether.shared.attention as attention
+from tether.kernels.moda import moda_backend
+from tether.kernels.moda_prefill import interpreting
 from tether.server.engine import SpeculativeEngine
 from tether.server.kv_pool import KVPool
 from tether.server.rounds import verify_batch
@@ -155,7 +158,8 @@ def test_verify_rows_equals_verify_with_penalties(kind, device):
     assert plain != want  # the processing decided some verdicts
 
 
-def test_sampled_step_follows_the_processed_distribution():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_step_follows_the_processed_distribution(device):
     """Root -> d1 (a deterministic pick) -> d2 (sampled from q), every row of a context-independent target the same
     logits: the first emitted token follows p0, the root position's processed distribution, and the token after an
     accepted d1 follows p1, the same logits processed with d1 counted once more. p1 is far from p0, so a verifier
@@ -180,7 +184,7 @@ def test_sampled_step_follows_the_processed_distribution():
     g = torch.Generator().manual_seed(0)
     d2 = torch.multinomial(q_probs[1], N, replacement=True, generator=g)  # [N]
     trees = [DraftTree.chain(0, [d1, int(q_ids[1, d])], q_ids, q_probs) for d in d2.tolist()]
-    rows = logits[None, None].expand(N, 3, V)
+    rows = logits[None, None].expand(N, 3, V).to(device)
     verdicts = verify_rows(trees, rows, [controls.temperature] * N, [1.0] * N, [g] * N, min_ps=[controls.min_p] * N,
                            processing=[proc] * N)  # fmt: skip
     first, second = torch.zeros(V), torch.zeros(V)
@@ -213,13 +217,14 @@ def plain_greedy(target, prompt: list[int], n: int, controls: SamplingControls) 
     """The model's own step-by-step decoding through its KV cache, each token the argmax of the numpy rule's
     processed logits over the sequence so far."""
     cache = target.new_cache(1, len(prompt) + n)
-    logits = target.prefill(torch.tensor([prompt]), cache, last_only=True).logits[0, -1]
+    logits = target.prefill(torch.tensor([prompt], device=target.device), cache, last_only=True).logits[0, -1]
     out: list[int] = []
     for _ in range(n):
         proc = controls.processing(prompt + out, len(prompt), VOCAB)
-        x = logits.numpy() if proc is None else proc.apply_np(logits.numpy())
+        x = logits.float().cpu().numpy()
+        x = x if proc is None else proc.apply_np(x)
         out.append(int(probabilities_np(x, controls.temperature, min_p=controls.min_p).argmax()))
-        logits = target.prefill(torch.tensor([out[-1:]]), cache).logits[0, -1]
+        logits = target.prefill(torch.tensor([out[-1:]], device=target.device), cache).logits[0, -1]
     return out
 
 
@@ -244,6 +249,40 @@ def test_greedy_speculation_with_controls_equals_plain_greedy(pair, name, mode):
     assert changed  # the controls decided some tokens: the equality is not that of plain greedy
     if mode != "plain":
         assert accepted > 0  # accepted drafts: later positions were verified with counts of drafted tokens
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()), reason="the kernels need CUDA or TRITON_INTERPRET"
+)
+@pytest.mark.parametrize("mode", ["chain", "plain"])
+@torch.inference_mode()
+def test_greedy_with_controls_through_the_step_runner(monkeypatch, mode):
+    """On the "triton" backend the engine's sequence lives in a paged pool and every round is a fixed-shape step:
+    its in-step greedy verdict, made from raw logits, is set aside for the processed one, and plain decoding
+    leaves the chained one-token steps for verify rounds."""
+    monkeypatch.setitem(attention._BACKENDS, "triton", moda_backend)
+    target, drafter = tiny_pair("moa", VOCAB)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    target, drafter = target.to(dev), drafter.to(dev)
+    controls = CONTROLS["all"]
+    want = plain_greedy(target, PROMPTS[0], 16, controls)
+    target.backend = "triton"
+    engine = SpeculativeEngine(target, drafter if mode == "chain" else None, k=4)
+    assert [t for chunk in engine.generate(PROMPTS[0], 16, controls=controls) for t in chunk] == want
+    assert engine._pool is not None  # the paged pool and its step runner served the rounds
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@torch.inference_mode()
+def test_greedy_speculation_with_controls_on_cuda(mode):
+    target, drafter = tiny_pair("moa", VOCAB)
+    target, drafter = target.to("cuda"), drafter.to("cuda")
+    engine = SpeculativeEngine(target, drafter, k=4, tree=(3, 3, 8) if mode == "tree" else None)
+    for name, controls in CONTROLS.items():
+        for prompt in PROMPTS:
+            got = [t for chunk in engine.generate(prompt, 24, controls=controls) for t in chunk]
+            assert got == plain_greedy(target, prompt, 24, controls), name
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
