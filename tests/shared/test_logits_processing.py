@@ -6,6 +6,8 @@ speculative engine (chain, tree and plain) equals the model's own step-by-step g
 
 import math
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -59,6 +61,13 @@ def test_controls_edges_vocabulary_and_identity():
     assert not SamplingControls(logit_bias={1: 0.0}).processes_logits
     bias_only = SamplingControls(logit_bias={1: 0.5})
     assert bias_only.processes_logits and not bias_only.penalised
+
+
+def test_importing_the_controls_leaves_torch_out():
+    """The edge's torch-free drafter processes its logits with this module."""
+    code = "import sys, tether.shared.logits_processing; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------------------------------------- the rule
