@@ -124,15 +124,20 @@ class SequenceVerifier:
                             generator=self.generator)  # fmt: skip
 
     @torch.inference_mode()
-    def open(self, prompt_ids: list[int], stop: Callable[[], bool] | None = None) -> tuple[int, DraftDelta | None]:
-        """Prefill; `stop` (its caller has gone) is asked before each chunk, and Stopped raised when it says so."""
+    def open(self, prompt_ids: list[int], stop: Callable[[], bool] | None = None, *,
+             prompt_len: int | None = None) -> tuple[int, DraftDelta | None]:  # fmt: skip
+        """Prefill; `stop` (its caller has gone) is asked before each chunk, and Stopped raised when it says so.
+        `prompt_len`: of these tokens, how many are the prompt (the rest were generated, as in a resync's history;
+        the frequency and presence penalties count those); None: all of them."""
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
         if len(prompt_ids) >= self.cache.capacity:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a {self.cache.capacity} cache")
         prompt = torch.tensor([prompt_ids], device=self.target.device)
+        if prompt_len is not None and not 0 <= prompt_len <= len(prompt_ids):
+            raise ValueError(f"prompt_len must be in [0, {len(prompt_ids)}], got {prompt_len}")
+        self.prompt_len = self.cache.length + (len(prompt_ids) if prompt_len is None else prompt_len)
         self.record(self.cache.length, list(prompt_ids))
-        self.prompt_len = len(self.tokens)
         want = self.drafter is not None
         # In chunks, each against the cache so far: attention memory grows with chunk x prompt, not prompt^2
         # (the reference path on a long resync history), and only the last position's logits are computed.

@@ -365,3 +365,19 @@ def test_absorb_judges_offline_tokens_by_the_processed_rule(pair):
     assert (disagreement, nxt) == (6, want[6])
     tree = DraftTree.chain(nxt, want[7:10])
     assert ver.verify(tree)[0].emitted_tokens(tree) == want[7:11]
+
+
+@torch.inference_mode()
+def test_a_history_opened_with_its_prompt_length_counts_its_generated_tokens(pair):
+    """A sequence opened on prompt + generated tokens (a resync's history) with the prompt's length answers what
+    decoding on from the prompt answers; counted all as prompt, the presence penalty would miss its generated ones."""
+    target, _ = pair
+    controls, prompt = SamplingControls(presence_penalty=2.0), PROMPTS[1]
+    want = plain_greedy(target, prompt, 7, controls)
+    history = prompt + want[:6]
+    ver = SequenceVerifier(target, None, capacity=40, controls=controls)
+    assert ver.open(history, prompt_len=len(prompt))[0] == want[6]
+    as_prompt = SequenceVerifier(target, None, capacity=40, controls=controls).open(history)[0]
+    assert as_prompt != want[6]
+    with pytest.raises(ValueError, match="prompt_len"):
+        SequenceVerifier(target, None, capacity=40, controls=controls).open(history, prompt_len=len(history) + 1)
