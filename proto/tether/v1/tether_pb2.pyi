@@ -81,7 +81,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id", "overlapping_rounds")
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id", "overlapping_rounds", "eos_ids", "clean_up_tokenization_spaces", "sampling_controls")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,9 @@ class ModelInfo(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     EOS_ID_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EOS_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_UP_TOKENIZATION_SPACES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_CONTROLS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     model_config_json: str
@@ -118,7 +121,10 @@ class ModelInfo(_message.Message):
     max_tree_nodes: int
     eos_id: int
     overlapping_rounds: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ..., overlapping_rounds: _Optional[bool] = ...) -> None: ...
+    eos_ids: _containers.RepeatedScalarFieldContainer[int]
+    clean_up_tokenization_spaces: bool
+    sampling_controls: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ..., overlapping_rounds: _Optional[bool] = ..., eos_ids: _Optional[_Iterable[int]] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., sampling_controls: _Optional[bool] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
@@ -181,16 +187,35 @@ class TensorChunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "top_k")
+    __slots__ = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
     top_k: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
@@ -331,7 +356,7 @@ class ServerMessage(_message.Message):
     def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
-    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind")
+    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +366,7 @@ class ResyncRequest(_message.Message):
     DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     resume_token: str
     verified_length: int
@@ -350,7 +376,8 @@ class ResyncRequest(_message.Message):
     delta_codec: Codec
     model_fingerprint: str
     rewind: bool
-    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., rewind: _Optional[bool] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., rewind: _Optional[bool] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class ResyncReply(_message.Message):
     __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "verified_length", "delta")
