@@ -27,9 +27,10 @@ Contract (as DrafterBase; the differences are marked *):
   * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
   tensors are numpy arrays or torch tensors (converted through their own methods, so torch is not imported
   here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.shared.wire.decode_many.
-- `draft(root, k, temperature=0.0, top_p=1.0, support=8, generator=None)` -> (tokens, q_ids, q_probs): a chain
-  of k tokens after `root`; greedy returns (tokens, None, None). `discard_drafts()` drops the rows of a chain
-  whose round was lost.
+- `draft(root, k, temperature=0.0, top_p=1.0, support=8, generator=None, min_p=0.0, processing=None)` ->
+  (tokens, q_ids, q_probs): a chain of k tokens after `root`; greedy returns (tokens, None, None). `processing`
+  (tether.shared.logits_processing, of the position after `root`; draft_tree and feed take one too): each position
+  processed with the counts of its own context, as DrafterBase does. `discard_drafts()` drops a lost round's rows.
   * When sampling, q_ids / q_probs are numpy arrays, int64 / float32 [k, min(support, V)] (k = 0 included), and
   tokens are drawn with a numpy Generator (`generator`: np.random.Generator or an int seed): the same truncated
   distributions as the torch backend, not the same random stream. DraftTree.chain wants torch tensors:
@@ -73,6 +74,7 @@ from tether.client.onnx_derived import SessionOptions, derived_graphs
 from tether.client.onnx_int8 import int8_matmuls
 from tether.shared.draft_trees import GrowingTree, TreeDraft, expand_tree
 from tether.shared.drafter_config import ArrayDelta as ArrayDelta  # a delta of numpy arrays, decoded torch-free
+from tether.shared.logits_processing import LogitsProcessing
 from tether.shared.sampling import probabilities_np, proposal, top_k_ids
 from tether.shared.weights import SCALE_SUFFIX, decode_weight, stored_layout
 
@@ -91,7 +93,8 @@ def _f32(x: Any) -> np.ndarray:
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float32)
+    """In fp32, or fp64 for processed logits (as the torch drafters take them)."""
+    x = logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
@@ -271,6 +274,8 @@ class OnnxDrafter:
         support: int = 8,
         stop: Callable[[], bool] | None = None,
         generator: np.random.Generator | int | None = None,
+        min_p: float = 0.0,
+        processing: LogitsProcessing | None = None,
     ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
         """A chain of k draft tokens after `root`. Returns the tokens and, when sampling, q_ids (int64) and
         q_probs (fp32), both [k, support]: the truncated distributions the tokens were drawn from. Pass one
@@ -283,10 +288,12 @@ class OnnxDrafter:
         token = root
         for _ in range(k):
             logits = self._step(token)
+            if processing is not None:  # this position's context: the root's, then the tokens drafted so far
+                logits = processing.after(tokens).apply_np(logits)  # [V] float64
             if rng is None:
                 token = int(logits.argmax())
             else:
-                top, q = proposal(probabilities_np(logits, temperature, top_p), support)
+                top, q = proposal(probabilities_np(logits, temperature, top_p, min_p=min_p), support)
                 token = int(top[rng.choice(top.size, p=q.astype(np.float64) / q.sum(dtype=np.float64))])
                 q_ids.append(top)
                 q_probs.append(q)
@@ -298,10 +305,13 @@ class OnnxDrafter:
         n, width = len(tokens), min(support, self.vocab_size)
         return tokens, np.asarray(q_ids, np.int64).reshape(n, width), np.asarray(q_probs, np.float32).reshape(n, width)
 
-    def feed(self, tokens: list[int]) -> int | None:
+    def feed(self, tokens: list[int], processing: LogitsProcessing | None = None) -> int | None:
         """Step over `tokens`, already decided (a round sent, a prompt's tail), as drafted rows after those held;
-        the argmax after the last of them (None for none). Nothing is sampled."""
-        return int(self._feed(tokens).argmax()) if tokens else None
+        the argmax after the last of them (None for none), processed by `processing`. Nothing is sampled."""
+        if not tokens:
+            return None
+        logits = self._feed(tokens)
+        return int((logits if processing is None else processing.apply_np(logits)).argmax())
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
         """Logits [V] after the last of `tokens`: one step each unless a subclass feeds them in one call."""
@@ -313,10 +323,12 @@ class OnnxDrafter:
         """Drop the cache rows of drafts never answered (a lost round), as DrafterBase.discard_drafts."""
         self._drop_drafted(self.verified_length())
 
-    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int) -> TreeDraft:
+    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int,
+                   processing: LogitsProcessing | None = None) -> TreeDraft:  # fmt: skip
         """An EAGLE-2 dynamic draft tree after `root`, the token after the rows held (module docstring): each level
         feeds the frontier nodes as new cache rows (one graph call per level), then the most probable
-        `total_tokens` nodes are kept. The rows it fed are dropped again."""
+        `total_tokens` nodes are kept. The rows it fed are dropped again. With `processing` (the position after
+        the root's) each node's logits are processed after the tokens on its path before its children are picked."""
         base = self.held_rows()
         rows: dict[int, int] = {}  # grown id -> drafted row offset (position base + offset in the caches)
 
@@ -325,13 +337,16 @@ class OnnxDrafter:
             mask = np.zeros((F, base + n_rows + F), dtype=bool)
             mask[:, :base] = True  # every node sees the verified prefix
             for j, node in enumerate(frontier):
-                for a in grown.path_to(node)[:-1]:
-                    mask[j, base + rows[a]] = True
+                mask[j, [base + rows[a] for a in grown.path_to(node)[:-1]]] = True  # its ancestors' rows
                 mask[j, base + n_rows + j] = True
             tokens = [grown.tokens[i] for i in frontier]
             positions = [base + grown.depths[i] for i in frontier]
             parent_rows = [rows.get(grown.parents[i]) for i in frontier]
-            logp = _log_softmax(self._tree_step(tokens, positions, mask, parent_rows))  # [F, V]
+            logits = self._tree_step(tokens, positions, mask, parent_rows)  # [F, V]
+            if processing is not None:
+                paths = [processing.after([grown.tokens[a] for a in grown.path_to(node)[1:]]) for node in frontier]
+                logits = np.stack([p.apply_np(row) for p, row in zip(paths, logits, strict=True)])  # [F, V] float64
+            logp = _log_softmax(logits)
             for j, node in enumerate(frontier):
                 rows[node] = n_rows + j
             ids = top_k_ids(logp, top_k)

@@ -134,13 +134,16 @@ class DrafterBase(nn.Module):
         return tokens, torch.stack(q_ids), torch.stack(q_probs)
 
     @torch.inference_mode()
-    def feed(self, tokens: list[int]) -> int | None:
+    def feed(self, tokens: list[int], processing: LogitsProcessing | None = None) -> int | None:
         """Step over `tokens`, already decided (a round sent, a prompt's tail), as drafted rows after those held;
-        the argmax after the last of them (None for none). Nothing is sampled."""
+        the argmax after the last of them (None for none), processed by `processing` (the position after them).
+        Nothing is sampled."""
         if not tokens:
             return None
         logits = self._feed(tokens)
         self._drafted += len(tokens)
+        if processing is not None:
+            return int(processing.apply_np(logits.float().cpu().numpy()).argmax())
         return int(logits.argmax())
 
     def _feed(self, tokens: list[int]) -> Tensor:
