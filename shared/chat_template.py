@@ -33,8 +33,11 @@ Contract:
 - `surely_over(text, max_tokens)`: True when the text is too long to encode to max_tokens tokens whatever it
   holds (its byte length against `max_token_bytes`, the longest vocabulary entry): a prompt far over the limit is
   refused without tokenizing it.
-- `stop_ids`: the ids that end a generation: the tokenizer's end-of-text, the template's eos_token and the
-  eos_token_id of generation_config.json (an int or a list). `hidden_ids`: the special tokens, left out of the text
+- `stop_ids`: the ids that end a generation: every end-of-text id of the tokenizer (Tokenizer.eos_ids: a Llama-3
+  instruct model's `<|end_of_text|>` and `<|eot_id|>`), the template's eos_token and the eos_token_id of
+  generation_config.json (an int or a list). `from_model_dir` keeps the tokenizer's and generation_config.json's
+  in `extra_stop_ids`, so the format sent to an edge stops where the server's does whatever the edge's tokenizer
+  knows. `hidden_ids`: the special tokens, left out of the text
   a server returns (as vLLM's skip_special_tokens does).
 - `to_json()` / `from_json(text, tokenizer)`: the format as a small JSON object (template, special tokens), so a
   client that only has the tokenizer (the edge) renders exactly what the server would. The text comes over the
@@ -113,7 +116,7 @@ class ChatFormat:
     specials: dict[str, str]  # bos_token, eos_token, ... -> their text (the template's variables)
     tokenizer: Tokenizer = field(repr=False, compare=False)  # the model's tokenizer
     builtin: bool = False  # True: the model has no template of its own and BUILTIN_TEMPLATE is used
-    extra_stop_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id(s)
+    extra_stop_ids: tuple[int, ...] = ()  # end-of-text ids carried to an edge (from_model_dir: the tokenizer's too)
 
     # ---- loading ----------------------------------------------------------------------------------------
 
@@ -127,17 +130,22 @@ class ChatFormat:
             template = jinja_file.read_text(encoding="utf-8")
         specials = {k: t for k in SPECIAL_NAMES if (t := _token_text(config.get(k))) is not None}
         eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-        extra = tuple(i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int))
+        listed = [i for i in (eos if isinstance(eos, list) else [eos]) if type(i) is int]
+        # Every end-of-text id travels in the format: an edge's tokenizer comes without the model folder's configs.
+        # Ids outside the vocabulary are left out, as an edge would refuse the format for them (from_json).
+        extra = tuple(dict.fromkeys(i for i in [*tokenizer.eos_ids, *listed] if 0 <= i < tokenizer.vocab_size))
         if template is None:
             return cls.builtin_for(tokenizer, extra)
         return cls(template, specials, tokenizer, extra_stop_ids=extra)
 
     @classmethod
     def builtin_for(cls, tokenizer: Tokenizer, extra_stop_ids: tuple[int, ...] = ()) -> ChatFormat:
-        """BUILTIN_TEMPLATE, with the tokenizer's end-of-text as bos_token and eos_token."""
+        """BUILTIN_TEMPLATE, with the tokenizer's (first) end-of-text as bos_token and eos_token; every end-of-text
+        id of the tokenizer, then `extra_stop_ids`, stop a generation."""
         eos = _read_added(tokenizer)[0].get(tokenizer.eos_id, EOS_TOKEN) if tokenizer.eos_id is not None else ""
+        stops = tuple(dict.fromkeys([*tokenizer.eos_ids, *extra_stop_ids]))
         return cls(BUILTIN_TEMPLATE, {"bos_token": eos, "eos_token": eos}, tokenizer, builtin=True,
-                   extra_stop_ids=extra_stop_ids)  # fmt: skip
+                   extra_stop_ids=stops)  # fmt: skip
 
     def to_json(self) -> str:
         return json.dumps({"template": self.template, "specials": self.specials, "builtin": self.builtin,
@@ -224,9 +232,7 @@ class ChatFormat:
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        ids = set(self.extra_stop_ids)
-        if self.tokenizer.eos_id is not None:
-            ids.add(self.tokenizer.eos_id)
+        ids = set(self.extra_stop_ids) | set(self.tokenizer.eos_ids)
         eos_text = self.specials.get("eos_token")
         ids |= {i for i, t in self._added[0].items() if eos_text and t == eos_text}
         return frozenset(ids)

@@ -248,9 +248,11 @@ class Tokenizer:
         eos_id: int | None = None,
         pad_id: int | None = None,
         eos_ids: Sequence[int] = (),
+        clean_up_spaces: bool = False,
     ) -> Tokenizer:
         """Wrap a copy of `backend`; eos/pad default to its `<|endoftext|>`/`<|pad|>` special tokens, if any;
-        `eos_ids` adds further end-of-text ids (the first is eos when there is no other)."""
+        `eos_ids` adds further end-of-text ids (the first is eos when there is no other); `clean_up_spaces`: decode
+        with transformers' clean_up_tokenization_spaces (`from_pretrained` reads it from the model folder)."""
         # A copy, because the switches below would otherwise change the caller's object behind its back.
         backend = tokenizers.Tokenizer.from_str(backend.to_str())
         # `tokenizers` matches added special tokens in raw input even with add_special_tokens=False; this
@@ -265,6 +267,7 @@ class Tokenizer:
             eos_id=specials.get(EOS_TOKEN) if eos_id is None else eos_id,
             pad_id=specials.get(PAD_TOKEN) if pad_id is None else pad_id,
             eos_ids=eos_ids,
+            clean_up_spaces=clean_up_spaces,
         )
 
     @classmethod
@@ -298,13 +301,23 @@ class Tokenizer:
 
     @classmethod
     def from_json(
-        cls, text: str, *, eos_id: int | None = None, pad_id: int | None = None, eos_ids: Sequence[int] = ()
+        cls,
+        text: str,
+        *,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        eos_ids: Sequence[int] = (),
+        clean_up_spaces: bool = False,
     ) -> Tokenizer:
         """A tokenizer from tokenizer.json text (how the client receives it from the server), checked first
-        (tether.shared.tokenizer_trust: a pattern that may backtrack for ever is a ValueError, one line)."""
+        (tether.shared.tokenizer_trust: a pattern that may backtrack for ever is a ValueError, one line). The rest of
+        a model folder does not travel with it: an edge passes what the server says (ModelInfo.eos_ids and
+        clean_up_tokenization_spaces, from the server's `eos_ids` and `clean_up_spaces`) to decode as it does."""
         check_tokenizer_json(text)
         backend = _guarded(tokenizers.Tokenizer.from_str, text)
-        return cls.from_tokenizers(backend, eos_id=eos_id, pad_id=pad_id, eos_ids=eos_ids)
+        return cls.from_tokenizers(
+            backend, eos_id=eos_id, pad_id=pad_id, eos_ids=eos_ids, clean_up_spaces=clean_up_spaces
+        )
 
     def to_json(self) -> str:
         """tokenizer.json text (Hugging Face format)."""
@@ -339,6 +352,11 @@ class Tokenizer:
     @property
     def pad_id(self) -> int | None:
         return self._pad_id
+
+    @property
+    def clean_up_spaces(self) -> bool:
+        """Whether decoding applies transformers' clean_up_tokenization_spaces (the model folder asked, not BPE)."""
+        return self._clean_up_spaces
 
     @property
     def sha256(self) -> str:

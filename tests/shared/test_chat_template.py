@@ -140,6 +140,21 @@ def test_where_templates_and_stop_ids_come_from(tmp_path, tokenizer):
     assert fmt.stop_ids >= {5, 6, tokenizer.eos_id}
 
 
+def test_every_end_of_text_id_stops_and_travels_to_an_edge(tmp_path, tokenizer):
+    """A model whose configs name several end-of-text ids (Llama-3 instruct: `<|end_of_text|>` and `<|eot_id|>`):
+    each one stops, on the server (Tokenizer.from_pretrained knows them all) and at an edge, whose tokenizer comes
+    from tokenizer.json alone and knows none of the model folder's configs."""
+    eot, im_end = tokenizer.encode("x")[0], ChatFormat(CHATML, {}, tokenizer).encode("<|im_end|>")[0]
+    path = model_dir(tmp_path, tokenizer, {"chat_template": CHATML}, {"eos_token_id": [eot, 10**9]})
+    (path / "config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, im_end]}))
+    served = Tokenizer.from_pretrained(path)
+    assert served.eos_ids == (tokenizer.eos_id, im_end, eot)  # 10**9 is outside the vocabulary: left out
+    for fmt in (ChatFormat.from_model_dir(path, served), ChatFormat.builtin_for(served)):
+        assert fmt.stop_ids == {tokenizer.eos_id, im_end, eot}
+        edge = ChatFormat.from_json(fmt.to_json(), Tokenizer.from_json(served.to_json()))
+        assert edge.stop_ids == fmt.stop_ids
+
+
 def test_json_form_round_trips_and_is_checked(tmp_path, tokenizer):
     fmt = ChatFormat.from_model_dir(model_dir(tmp_path, tokenizer, {"chat_template": CHATML}), tokenizer)
     again = ChatFormat.from_json(fmt.to_json(), tokenizer)

@@ -289,6 +289,18 @@ def test_eos_ids_come_from_every_config(family: Family) -> None:
     assert family.ours.eos_id == family.expected_eos_ids[0]
 
 
+def test_an_edges_tokenizer_from_json_decodes_as_the_servers(family: Family) -> None:
+    """tokenizer.json travels alone to an edge; with the end-of-text ids and the clean-up flag the server names
+    (ModelInfo.eos_ids, clean_up_tokenization_spaces) it decodes and streams what the model folder's does."""
+    ours = family.ours
+    edge = Tokenizer.from_json(ours.to_json(), eos_ids=ours.eos_ids, clean_up_spaces=ours.clean_up_spaces)
+    assert ours.clean_up_spaces == (family.name == "wordpiece")  # the one family here whose folder asks for it
+    assert (edge.eos_ids, edge.sha256) == (ours.eos_ids, ours.sha256)
+    for ids in [ours.encode(t) for t in CORPUS] + family.random_ids(seed=4, count=40):
+        stream = edge.detokenizer()
+        assert edge.decode(ids) == ours.decode(ids) == "".join(stream.push([i]) for i in ids) + stream.flush()
+
+
 def test_byte_paths_need_a_byte_level_tokenizer(family: Family) -> None:
     if family.name == "byte_level_prefix_space":  # the prefix space is the tokenizer's, and spelled in bytes too
         text = "é😀 x"
