@@ -101,7 +101,7 @@ class ServerOnlyStream:
         return left if pace <= 0 else min(left, max(1, round(pace * SLICE_S)))
 
     def run(self, prompt: list[int]) -> Result:
-        cfg, eos = self.cfg, self.tok.eos_id
+        cfg = self.cfg
         self._t0 = time.monotonic()
         self._state(State.CONNECTING)
         writer = threading.Thread(target=self._write, name="server-only writer", daemon=True)
@@ -109,7 +109,8 @@ class ServerOnlyStream:
         try:
             stub, ask = self.replicas.stub, pb.GetModelInfoRequest()
             info = self.backoff.retry(lambda: stub.GetModelInfo(ask, timeout=cfg.connect_timeout_s))
-            while len(self.received) < cfg.max_new_tokens and not (self.received and self.received[-1] == eos):
+            ends = frozenset(info.eos_ids or self.tok.eos_ids)  # every end-of-text id: Generate stops after one
+            while len(self.received) < cfg.max_new_tokens and not (self.received and self.received[-1] in ends):
                 with self._ready:  # the next slice once the writer is into the last one
                     self._ready.wait_for(lambda: len(self._unread) < self._slice() or self._stopping.is_set())
                 if self._stopping.is_set():

@@ -11,18 +11,21 @@ Greedy output equals plain greedy decoding token for token; sampled output follo
 `controls=SamplingControls(...)` instead of temperature / top_p / top_k adds min_p, the penalties and logit_bias
 (tether.shared.logits_processing): the verifier processes each position's logits with its own context, the
 drafter proposes from the same rule with the same counts, so both statements hold with them too.
+A generation ends after the first token of `stop_ids` (every end-of-text id of the model, the request's stop
+tokens) or `eos_id`, that token included.
 
     engine = SpeculativeEngine(target, drafter, k=5)                       # chain drafting
     engine = SpeculativeEngine(target, drafter, tree=(6, 8, 48))           # EAGLE-2 tree: depth, top_k, nodes
     for tokens in engine.generate(prompt_ids, 64, temperature=0.0):
         print(tokens)
-    engine.generate(prompt_ids, 64, controls=SamplingControls(presence_penalty=0.5, logit_bias={0: -100}))
+    engine.generate(prompt_ids, 64, controls=SamplingControls(presence_penalty=0.5, logit_bias={0: -100}),
+                    stop_ids=tokenizer.eos_ids)
     engine.stats.tau
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +35,7 @@ from tether.server.verifier import DECODE_CHUNK, SequenceVerifier, target_states
 from tether.shared.drafter_runtime import DrafterBase
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
-from tether.shared.speculative import DraftTree, Verdict
+from tether.shared.speculative import DraftTree, Verdict, through_stop
 
 __all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
 
@@ -88,8 +91,11 @@ class SpeculativeEngine:
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
         controls: SamplingControls | None = None,
+        stop_ids: Collection[int] = (),
     ) -> Iterator[list[int]]:
-        """The rule is temperature / top_p / top_k, or `controls` (all of it, those three included)."""
+        """The rule is temperature / top_p / top_k, or `controls` (all of it, those three included). It ends after
+        a token of `stop_ids` or `eos_id`."""
+        stops = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.stats = EngineStats()
         per_round = self.tree[2] if self.tree else self.k + 1
         capacity = min(len(prompt_ids) + max_new_tokens + per_round, self.target.cfg.max_seq_len)
@@ -98,7 +104,7 @@ class SpeculativeEngine:
                                   top_k=top_k, generator=generator, pool=self._pool_for(capacity),
                                   controls=controls)  # fmt: skip
         try:
-            yield from self._rounds(server, prompt_ids, max_new_tokens, eos_id, generator)
+            yield from self._rounds(server, prompt_ids, max_new_tokens, stops, generator)
         finally:
             server.release()
 
@@ -113,7 +119,7 @@ class SpeculativeEngine:
             self._pool = KVPool(self.target.cfg, blocks, BLOCK_SIZE, device=w.device, dtype=w.dtype)
         return self._pool
 
-    def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None,
+    def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, stops: frozenset[int],
                 generator: torch.Generator | None):  # fmt: skip
         capacity = server.cache.capacity
         controls = server.controls
@@ -124,13 +130,12 @@ class SpeculativeEngine:
         if self.drafter is not None:
             scratch = self.tree[0] * self.tree[1] if self.tree else 0  # rows a tree's candidates occupy
             self.drafter.begin(delta, capacity + scratch)
-        while produced < max_new_tokens and root != eos_id and server.room > 0:
+        while produced < max_new_tokens and root not in stops and server.room > 0:
             if self.drafter is None:  # plain decoding: chained one-token steps, each a round of tau 1
                 new = server.decode(root, min(DECODE_CHUNK, max_new_tokens - produced, server.room))
                 for token in new:
                     self.stats.add(Verdict([0], token), 0)
-                if eos_id is not None and eos_id in new:
-                    new = new[: new.index(eos_id) + 1]
+                new = through_stop(new, stops)
                 produced += len(new)
                 root = new[-1]
                 yield new
@@ -155,9 +160,7 @@ class SpeculativeEngine:
                 self.drafter.commit(delta)
             self.stats.add(verdict, len(tree) - 1)
             new = verdict.emitted_tokens(tree)
-            if eos_id is not None and eos_id in new:
-                new = new[: new.index(eos_id) + 1]
-            new = new[: max_new_tokens - produced]
+            new = through_stop(new, stops)[: max_new_tokens - produced]
             produced += len(new)
             context += new
             root = new[-1]

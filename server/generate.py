@@ -135,13 +135,13 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
     first = None  # when the first token came
     chunks = engine.generate(
         prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        eos_id=tok.eos_id, generator=generator,
+        stop_ids=tok.eos_ids, generator=generator,
     )  # fmt: skip
     for chunk in chunks:
         if first is None and chunk:
             first = time.perf_counter()
         new += chunk
-        emit(text_stream.push(t for t in chunk if t != tok.eos_id))
+        emit(text_stream.push(t for t in chunk if t not in tok.eos_ids))
     emit(text_stream.flush())
     wall = time.perf_counter() - t0
     return {

@@ -3,10 +3,12 @@ API (tether.server.http_api), through one loop.
 
 Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
 - `check_generation(prompt, sampling)` checks a prompt (ids in the vocabulary, not empty, within
-  max_prompt_tokens and the KV pool) and sampling values before anything is allocated: RequestError otherwise.
-- `decode(prompt, sampling, max_new_tokens, released=None)` is an async generator of token chunks: the first token
-  alone right after the prefill, then the rest as they are decided, at most max_new_tokens (0: the server's limit)
-  and never past the model's context. It stops only at that length (EOS is the caller's business). A stream alone
+  max_prompt_tokens and the KV pool) and sampling values (tether.server.validation.Checks.sampling: the controls,
+  stop_token_ids) before anything is allocated: RequestError otherwise.
+- `decode(prompt, sampling, max_new_tokens, released=None, stop_ids=())` is an async generator of token chunks: the
+  first token alone right after the prefill, then the rest as they are decided under the request's whole sampling
+  rule (min_p, penalties, logit_bias: tether.shared.logits_processing), at most max_new_tokens (0: the server's
+  limit) and never past the model's context; a token of `stop_ids` is the last one sent. A stream alone
   decodes 16 chained steps per replay (tether.server.verifier.DECODE_CHUNK); while others decode, each stream's next
   token is a round of the batcher (tether.server.batcher), verified in one step with every other stream's and every
   Session's rounds. Its KV lives in the paged pool, lent by the session table (tether.server.sessions) and given
@@ -14,7 +16,8 @@ Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
   when the step in flight on a model thread ends (work not yet started is dropped: tether.server.model_work);
   `released` is called then. A full pool raises RequestError(REASON_CAPACITY) with retry advice, and so does a
   caller over its share of the model threads' queue.
-- `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens.
+- `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens, ending after any of the
+  model's end-of-text ids (ModelInfo.eos_ids) or the request's stop_token_ids.
 
 The mixin runs on the service's event loop and uses its table, threads, batcher, checks and metrics.
 
@@ -27,15 +30,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 import torch
 
 from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
-from tether.server.validation import check_sampling, invalid
+from tether.server.validation import invalid, sampling_controls
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
-from tether.shared.speculative import DraftTree
+from tether.shared.speculative import DraftTree, through_stop
 from tether.v1 import tether_pb2 as pb
 
 POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
@@ -45,6 +48,7 @@ class PlainDecoding:
     """Generate and the HTTP API's decoding, over TetherService's state (see the module docstring)."""
 
     _generating: int  # server-only generations decoding now (event loop only; TetherService starts it at 0)
+    eos_ids: tuple[int, ...]  # every end-of-text id of the model (TetherService)
 
     def check_generation(self, prompt: Sequence[int], sampling: pb.SamplingParams) -> list[int]:
         """A server-only generation's prompt and sampling, checked before anything is allocated (Generate and the
@@ -52,7 +56,7 @@ class PlainDecoding:
         ids = self.check.tokens(prompt, "prompt", self.config.max_prompt_tokens)
         if not ids:
             raise invalid("empty prompt")
-        check_sampling(sampling)
+        self.check.sampling(sampling)
         self.check.fits_pool(len(ids), "prompt")
         return ids
 
@@ -63,8 +67,10 @@ class PlainDecoding:
             prompt = self.check_generation(request.prompt, request.sampling)
         except RequestError as e:
             await self._abort(context, e, "generate")
+        stop_ids = frozenset(self.eos_ids) | frozenset(request.sampling.stop_token_ids)
+        chunks = self.decode(prompt, request.sampling, request.max_new_tokens, stop_ids=stop_ids)
         try:
-            async with contextlib.aclosing(self.decode(prompt, request.sampling, request.max_new_tokens)) as chunks:
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(chunk))
                     yield pb.GeneratedTokens(tokens=chunk)
@@ -72,19 +78,21 @@ class PlainDecoding:
             await self._abort(context, e, "generate")
 
     async def decode(self, prompt: list[int], sampling: pb.SamplingParams, max_new_tokens: int = 0, *,
-                     released: Callable[[], None] | None = None) -> AsyncIterator[list[int]]:  # fmt: skip
-        """Server-only decoding of a checked prompt (`check_generation`): the target's tokens in chunks as they are
-        decided, the first one alone right after the prefill; `max_new_tokens` (0: the server's limit) at most, EOS
-        included (the caller stops where it wants). RequestError(REASON_CAPACITY) when the KV pool is full.
+                     released: Callable[[], None] | None = None,
+                     stop_ids: Collection[int] = ()) -> AsyncIterator[list[int]]:  # fmt: skip
+        """Server-only decoding of a checked prompt and sampling (`check_generation`): the target's tokens in chunks
+        as they are decided, the first one alone right after the prefill; `max_new_tokens` (0: the server's limit) at
+        most, ending after the first token of `stop_ids` (the caller's end-of-text ids and stop tokens; empty: only
+        the length ends it). RequestError(REASON_CAPACITY) when the KV pool is full.
         Closing the generator ends the generation at once; its KV goes back when the step in flight (if any) has
         finished, and then `released` is called (on whichever thread that is)."""
         n = min(self._max_new(max_new_tokens), self.target.cfg.max_seq_len - len(prompt))
         generator = torch.Generator().manual_seed(sampling.seed)
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)
-        ver = SequenceVerifier(self.target, None, capacity=cache.capacity, temperature=sampling.temperature,
-                               top_p=sampling.top_p or 1.0, top_k=sampling.top_k, generator=generator,
-                               cache=cache)  # fmt: skip
+        ver = SequenceVerifier(self.target, None, capacity=cache.capacity, controls=sampling_controls(sampling),
+                               generator=generator, cache=cache)  # fmt: skip
+        stop = frozenset(stop_ids)
 
         def give_back(_=None) -> None:
             self.table.give_back(cache)
@@ -99,7 +107,7 @@ class PlainDecoding:
             work = self.work.submit(ver.open, prompt, stoppable=True)
             token, _ = await self.work.wait(work)
             yield [token]
-            left = n - 1
+            left = 0 if token in stop else n - 1
             while left > 0 and ver.room > 0:
                 if self._generating == 1:
                     work = self.work.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
@@ -107,7 +115,8 @@ class PlainDecoding:
                 else:
                     work, here = self.batcher.submit_here(ver, DraftTree.chain(token, []))
                     chunk = [(await self.work.wait(work, None, here))[0].bonus]
-                token, left = chunk[-1], left - len(chunk)
+                chunk = through_stop(chunk, stop)  # the tokens decided after a stop token are dropped
+                token, left = chunk[-1], 0 if chunk[-1] in stop else left - len(chunk)
                 yield chunk
         except PoolExhausted:
             raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S) from None

@@ -25,7 +25,7 @@ from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
 from tether.server.plain_decoding import POOL_RETRY_S
 from tether.server.sessions import Claim, Session
-from tether.server.validation import check_codec, check_id, check_sampling, invalid
+from tether.server.validation import check_codec, check_id, invalid
 from tether.shared.ids import is_session_id
 from tether.v1 import tether_pb2 as pb
 
@@ -51,7 +51,7 @@ class Resyncing:
         c = self.config
         self._need_drafter()
         self.check.fingerprint(req.model_fingerprint)
-        check_sampling(req.sampling)
+        self.check.sampling(req.sampling)
         codec = check_codec(req.delta_codec)
         offline = self.check.tokens(req.offline_tokens, "offline tokens", c.max_new_tokens + 1)
         if not offline:
@@ -74,6 +74,9 @@ class Resyncing:
         if not history or len(history) != V:
             raise RequestError(Reason.REASON_HISTORY_REQUIRED,
                                "session not held here: resend with the full verified history")  # fmt: skip
+        prompt_len = req.prompt_length if req.HasField("prompt_length") else V
+        if prompt_len > V:
+            raise invalid(f"prompt_length must be at most {V}, the history's length")
         self.check.fits_pool(V + len(offline), "history")
         capacity = self._capacity(V + len(offline), c.max_new_tokens)
         if V + len(offline) >= capacity:
@@ -81,7 +84,8 @@ class Resyncing:
         session, claim = await self.table.create(caller, req.sampling, codec, capacity)
         async with claim:
             try:
-                await self._in_thread(session.verifier.open, history, claim=claim, stoppable=True)
+                prefill = functools.partial(session.verifier.open, history, prompt_len=prompt_len)
+                await self._in_thread(prefill, claim=claim, stoppable=True)
             except (ValueError, PoolExhausted) as e:
                 raise RequestError(Reason.REASON_CAPACITY, f"no KV memory to rebuild the session: {e}",
                                    retry_after_s=POOL_RETRY_S) from None  # fmt: skip

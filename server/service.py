@@ -71,7 +71,7 @@ from tether.server.model_work import ModelWork
 from tether.server.plain_decoding import POOL_RETRY_S, PlainDecoding
 from tether.server.resync import Resyncing
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
-from tether.server.validation import Checks, check_codec, check_id, check_sampling, invalid
+from tether.server.validation import Checks, check_codec, check_id, invalid, sampling_controls
 from tether.server.verifier import SequenceVerifier
 from tether.shared import wire
 from tether.shared.chat_template import ChatFormat
@@ -163,6 +163,9 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
             self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint,
                                            export_dir)  # fmt: skip
         drafting = [pb.CLIENT_PART_TENSORS, *FORMATS] if drafter is not None else []
+        # Every id that ends a generation: the tokenizer's (config.json / generation_config.json lists, its own
+        # end-of-text) and the chat format's generation_config ids, first one first.
+        self.eos_ids = tuple(dict.fromkeys([*tokenizer.eos_ids, *self.chat_format.extra_stop_ids]))
         self.model_info = pb.ModelInfo(
             protocol_version=PROTOCOL_VERSION,
             model_id=c.model_id,
@@ -180,8 +183,13 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
             server_only=drafter is None,
             chat_format_json=self.chat_format.to_json(),
             max_tree_nodes=c.max_draft_tokens if drafter is not None else 0,  # a tree's nodes take a chain's room
-            eos_id=tokenizer.eos_id,  # None leaves it unset
+            eos_id=self.eos_ids[0] if self.eos_ids else None,  # None leaves it unset
             overlapping_rounds=drafter is not None,
+            eos_ids=self.eos_ids,
+            # The Tokenizer keeps transformers' clean_up_tokenization_spaces to itself (no public property): an edge
+            # decoding with the same tokenizer.json gets what the server's tokenizer.json-only load gives.
+            clean_up_tokenization_spaces=False,
+            sampling_controls=True,
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
@@ -243,10 +251,11 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
         return min(length + max_new + self.config.max_draft_tokens + 1, self.target.cfg.max_seq_len)
 
     def _verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
+        """A session's verifier; `sampling` was checked (Checks.sampling) before."""
         generator = torch.Generator().manual_seed(sampling.seed)
-        return SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=sampling.temperature,
-                                top_p=sampling.top_p or 1.0, top_k=sampling.top_k, generator=generator,
-                                pool=self.pool, prefill_chunk=self.config.prefill_chunk)  # fmt: skip
+        return SequenceVerifier(self.target, self.drafter, capacity=capacity, controls=sampling_controls(sampling),
+                                generator=generator, pool=self.pool,
+                                prefill_chunk=self.config.prefill_chunk)  # fmt: skip
 
     def _need_drafter(self) -> None:
         if self.drafter is None:
@@ -418,7 +427,7 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
         prompt = self.check.tokens(req.prompt, "prompt", c.max_prompt_tokens)
         if not prompt:
             raise invalid("empty prompt")
-        check_sampling(req.sampling)
+        self.check.sampling(req.sampling)
         codec = check_codec(req.delta_codec)
         if len(req.request_id) > 128:
             raise invalid("request_id is longer than 128 characters")

@@ -3,14 +3,15 @@ or log anything of a request.
 
 Contract: every check either returns the value in the form the service uses or raises a
 tether.server.errors.RequestError with its reason: REASON_INVALID_REQUEST for malformed values (ids not of the
-server's shape, token ids outside the vocabulary, NaN or out-of-range sampling values, unknown codecs, malformed
-draft distributions, a draft tree whose parents are not one earlier node per token or that has more nodes than the
-limit), REASON_TOO_LONG for lengths past the limits or past what the whole KV pool can hold (never
-retryable), REASON_MODEL_MISMATCH for another model's fingerprint. Messages never echo what the caller sent.
+server's shape, token ids outside the vocabulary, NaN or out-of-range sampling values, each named by its field,
+unknown codecs, malformed draft distributions, a draft tree whose parents are not one earlier node per token or
+that has more nodes than the limit), REASON_TOO_LONG for lengths past the limits or past what the whole KV pool
+can hold (never retryable), REASON_MODEL_MISMATCH for another model's fingerprint. Messages never echo what the
+caller sent, but for the number of a control out of its range.
 
     check = Checks(vocab_size, model_fingerprint, pool)
     prompt = check.tokens(req.prompt, "prompt", limit=1536)
-    check_sampling(req.sampling)
+    controls = check.sampling(req.sampling)  # a SamplingControls; check.stop_ids(req.sampling): a frozenset
     tree = check.draft_tree(round_msg, limit=64)  # a chain, or a tree when round_msg.parents is set
 """
 
@@ -26,22 +27,40 @@ from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import KVPool
 from tether.shared.codecs import Codec
 from tether.shared.ids import is_session_id
+from tether.shared.logits_processing import ControlError, SamplingControls
 from tether.shared.speculative import DraftTree
 from tether.v1 import tether_pb2 as pb
 
 Q_SUM_TOLERANCE = 1e-3  # how far a draft distribution's sum may be from 1 (float32 rows; DraftTree's own bound)
+MAX_STOP_TOKEN_IDS = 256  # SamplingParams.stop_token_ids per request
 
 
 def invalid(message: str) -> RequestError:
     return RequestError(Reason.REASON_INVALID_REQUEST, message)
 
 
-def check_sampling(s: pb.SamplingParams) -> None:
+def sampling_controls(s: pb.SamplingParams) -> SamplingControls:
+    """The request's sampling rule as tether.shared.logits_processing's SamplingControls (top_p 0 and an unset
+    repetition_penalty read as off), or REASON_INVALID_REQUEST naming the field that is out of range. The one place
+    the wire's SamplingParams becomes the verifier's rule (Session, Resync, Generate, the HTTP API)."""
     # NaN fails every comparison, so the chained range checks refuse it too.
     if not (math.isfinite(s.temperature) and 0 <= s.temperature <= 100):
         raise invalid("temperature must be a finite number in [0, 100]")
     if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
         raise invalid("top_p must be in [0, 1]")
+    try:
+        return SamplingControls(
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            logit_bias=s.logit_bias,
+        )
+    except ControlError as e:  # its message names the control: the proto field of the same name
+        raise invalid(str(e)) from None
 
 
 def check_codec(value: int) -> Codec:
@@ -69,6 +88,24 @@ class Checks:
         if any(t >= self.vocab for t in ids):
             raise invalid(f"{what}: a token id is outside [0, {self.vocab})")
         return ids
+
+    def sampling(self, s: pb.SamplingParams) -> SamplingControls:
+        """`sampling_controls`, its logit_bias ids and stop_token_ids within the vocabulary too."""
+        controls = sampling_controls(s)
+        try:
+            controls.check_vocab(self.vocab)
+        except ControlError as e:
+            raise invalid(str(e)) from None
+        self.stop_ids(s)
+        return controls
+
+    def stop_ids(self, s: pb.SamplingParams) -> frozenset[int]:
+        """The request's stop_token_ids: at most MAX_STOP_TOKEN_IDS, each in the vocabulary."""
+        if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(f"stop_token_ids holds {len(s.stop_token_ids)} ids, the limit is {MAX_STOP_TOKEN_IDS}")
+        if any(t >= self.vocab for t in s.stop_token_ids):
+            raise invalid(f"stop_token_ids: a token id is outside [0, {self.vocab})")
+        return frozenset(s.stop_token_ids)
 
     def fingerprint(self, fingerprint: str) -> None:
         if fingerprint and fingerprint != self.model_fingerprint:

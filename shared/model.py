@@ -20,7 +20,7 @@ Each returns a ForwardOutput: logits, the per-layer K/V of the new positions, an
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from tether.shared.attention import get_backend
 from tether.shared.config import ModelConfig
 from tether.shared.kv_cache import KVCache
+from tether.shared.logits_processing import SamplingControls
 
 
 class RMSNorm(nn.Module):
@@ -380,19 +381,38 @@ class Transformer(nn.Module):
         top_p: float = 1.0,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        controls: SamplingControls | None = None,
+        stop_ids: Collection[int] = (),
     ):
-        """Plain autoregressive decoding through the KV cache; yields one token id at a time (batch 1)."""
+        """Plain autoregressive decoding through the KV cache; yields one token id at a time (batch 1), the last one
+        a token of `stop_ids` or `eos_id` when one comes. `controls` (tether.shared.logits_processing) instead of
+        temperature / top_p is the whole rule: each step's logits processed with the sequence so far (the reference
+        the speculative paths equal)."""
         from tether.shared.sampling import sample_token
 
         if input_ids.shape[0] != 1:
             raise ValueError("generate decodes one sequence at a time")
+        if controls is None:
+            controls = SamplingControls(temperature, top_p)
+        elif (temperature, top_p) != (0.0, 1.0):
+            raise TypeError("give the sampling rule as controls or as temperature / top_p, not both")
+        controls.check_vocab(self.cfg.vocab_size)
+        stops = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
+        sequence = input_ids[0].tolist()  # what the penalties count: the prompt, then each token
+        prompt_len = len(sequence)
         total = input_ids.shape[1] + max_new_tokens
         cache = self.new_cache(1, min(total, self.cfg.max_seq_len))
         logits = self.prefill(input_ids, cache, last_only=True).logits[:, -1]
         for _ in range(max_new_tokens):
-            token = sample_token(logits[0], temperature=temperature, top_p=top_p, generator=generator)
+            row = logits[0]
+            processing = controls.processing(sequence, prompt_len, self.cfg.vocab_size)
+            if processing is not None:
+                row = torch.from_numpy(processing.apply_np(row.float().cpu().numpy()))
+            token = sample_token(row, temperature=controls.temperature, top_p=controls.top_p, top_k=controls.top_k,
+                                 min_p=controls.min_p, generator=generator)  # fmt: skip
             yield token
-            if token == eos_id or cache.length >= cache.capacity:
+            sequence.append(token)
+            if token in stops or cache.length >= cache.capacity:
                 return
             ids = torch.tensor([[token]], device=input_ids.device)
             logits = self.prefill(ids, cache).logits[:, -1]

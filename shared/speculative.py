@@ -47,7 +47,7 @@ what a float64 uniform resolves. Greedy draws nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -244,6 +244,12 @@ class Verdict:
     def emitted_tokens(self, tree: DraftTree) -> list[int]:
         """The tau tokens this round adds to the output: the accepted tokens, then the bonus token."""
         return self.accepted_tokens(tree) + [self.bonus]
+
+
+def through_stop(tokens: list[int], stops: Collection[int]) -> list[int]:
+    """The tokens up to and including the first of `stops` (end-of-text ids, stop tokens), or all of them: where a
+    generation that emitted them ends."""
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in stops), tokens)
 
 
 def draw_uniforms(n: int, generator: torch.Generator | None = None) -> Tensor:

@@ -1,0 +1,162 @@
+"""The sampling controls and every end-of-text id over a loopback gRPC server: Generate, Session rounds and a
+Resync's rebuild decode under min_p, the penalties and logit_bias exactly as the model's own step-by-step decoding
+with the same controls (Transformer.generate); a control out of its range is INVALID_ARGUMENT naming it; a stop
+token and the model's second end-of-text id end a Generate stream."""
+
+import grpc
+import pytest
+import torch
+from test_service import Client, open_msg, run_session
+from tiny_models import tiny_moa_drafter, tiny_target
+
+from tether.client.refusals import Refusal
+from tether.server.rpc_server import make_server
+from tether.server.service import ServiceConfig, TetherService
+from tether.shared.logits_processing import SamplingControls
+from tether.shared.tokenizer import Tokenizer
+from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
+
+FP = "f" * 64
+VOCAB = 24
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+GREEDY = SamplingControls()
+
+
+def plain(target, prompt, n, controls=GREEDY, stop_ids=()):
+    return list(target.generate(torch.tensor([prompt]), n, controls=controls, stop_ids=stop_ids))
+
+
+def second_eos(target) -> tuple[list[int], int]:
+    """A prompt and a token its greedy continuation writes third, before any end-of-text id 0: the model's second
+    end-of-text id, so that only the second one can end that stream."""
+    for first in range(2, VOCAB):
+        prompt = [first, *PROMPT]
+        out = plain(target, prompt, 3)
+        if 0 not in out and out[2] not in out[:2]:
+            return prompt, out[2]
+    raise AssertionError("no prompt's greedy continuation fits")
+
+
+@pytest.fixture(scope="module")
+def served():
+    target = tiny_target(vocab_size=VOCAB)
+    trained = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
+    eos_prompt, second = second_eos(target)
+    tok = Tokenizer.from_json(trained.to_json(), eos_ids=[second])
+    service = TetherService(target, tiny_moa_drafter(target), tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8),
+                            model_fingerprint=FP)  # fmt: skip
+    server, port = make_server(service, "127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield target, service, tether_pb2_grpc.TetherStub(channel), (eos_prompt, second)
+    channel.close()
+    server.stop(grace=None)
+
+
+def generate(stub, prompt, n, sampling=None) -> list[int]:
+    req = pb.OpenSession(prompt=prompt, max_new_tokens=n, model_fingerprint=FP, sampling=sampling)
+    return [t for msg in stub.Generate(req) for t in msg.tokens]
+
+
+def cases(target) -> dict[str, tuple[pb.SamplingParams, SamplingControls]]:
+    """Each control on the wire and in-process. min_p 1 keeps only the most probable token, so sampling with it is
+    greedy: the sampled path's rule, whatever the draws."""
+    banned = max(set(out := plain(target, PROMPT, 16)), key=out.count)  # the token greedy writes most
+    return {
+        "frequency": (pb.SamplingParams(frequency_penalty=1.5), SamplingControls(frequency_penalty=1.5)),
+        "presence+repetition": (pb.SamplingParams(presence_penalty=1.0, repetition_penalty=1.5),
+                                SamplingControls(presence_penalty=1.0, repetition_penalty=1.5)),
+        "logit_bias": (pb.SamplingParams(logit_bias={banned: -100.0, 7: 2.5}),
+                       SamplingControls(logit_bias={banned: -100.0, 7: 2.5})),
+        "min_p": (pb.SamplingParams(temperature=1.3, min_p=1.0, seed=3, frequency_penalty=0.75),
+                  SamplingControls(frequency_penalty=0.75)),
+    }  # fmt: skip
+
+
+def test_model_info_names_every_end_of_text_id_and_the_controls(served):
+    _, service, stub, (_, second) = served
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert list(info.eos_ids) == [0, second] and info.eos_id == 0
+    assert info.sampling_controls and not info.clean_up_tokenization_spaces
+
+
+def test_generate_with_controls_equals_plain_decoding_with_them(served):
+    target, service, stub, _ = served
+    ends = service.eos_ids  # Generate ends after any of them
+    for name, (wire, controls) in cases(target).items():
+        got = generate(stub, PROMPT, 16, wire)
+        assert got == plain(target, PROMPT, 16, controls, stop_ids=ends), name
+        assert got != plain(target, PROMPT, 16, stop_ids=ends), name  # the control decided some token
+
+
+def test_session_rounds_with_controls_equal_plain_decoding_with_them(served):
+    """Drafts proposed without the controls are judged by the processed rule, each position with the counts of its
+    own context (accepted drafts included), so the text is plain decoding's with the controls."""
+    target, service, stub, _ = served
+    for name, (wire, controls) in cases(target).items():
+        out, *_ = run_session(stub, service.drafter, PROMPT, 20, sampling=wire)
+        assert out == plain(target, PROMPT, len(out), controls), name
+
+
+def test_a_rebuilt_session_counts_the_history_after_its_prompt_length_as_generated(served):
+    target, service, stub, _ = served
+    wire, controls = pb.SamplingParams(frequency_penalty=2.0), SamplingControls(frequency_penalty=2.0)
+    out, *_, verified, root = run_session(stub, service.drafter, PROMPT, 20, sampling=wire)
+    history = (PROMPT + out)[:verified]
+    rebuild = pb.ResyncRequest(verified_length=verified, offline_tokens=[root], history=history, sampling=wire,
+                               prompt_length=len(PROMPT), model_fingerprint=FP)  # fmt: skip
+    reply = stub.Resync(rebuild)
+    assert reply.rebuilt and reply.target_token == plain(target, PROMPT, len(out) + 1, controls)[-1]
+    # Without prompt_length the whole history is the prompt, as older clients meant it: only the root (absorbed
+    # after it) counts as generated.
+    rebuild.ClearField("prompt_length")
+    context = history + [root]
+    cache = target.new_cache(1, len(context))
+    logits = target.prefill(torch.tensor([context]), cache, last_only=True).logits[0, -1].detach().float().numpy()
+    expected = int(controls.processing(context, len(history), VOCAB).apply_np(logits).argmax())
+    assert stub.Resync(rebuild).target_token == expected != reply.target_token
+
+
+def refusal(call) -> Refusal:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return Refusal.of_rpc_error(e.value)
+
+
+BAD = {
+    "min_p": pb.SamplingParams(min_p=1.5),
+    "presence_penalty": pb.SamplingParams(presence_penalty=-2.5),
+    "frequency_penalty": pb.SamplingParams(frequency_penalty=float("nan")),
+    "repetition_penalty": pb.SamplingParams(repetition_penalty=0.0),
+    "logit_bias": pb.SamplingParams(logit_bias={3: 101.0}),
+    "stop_token_ids": pb.SamplingParams(stop_token_ids=[VOCAB]),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD))
+def test_a_control_out_of_range_is_invalid_argument_naming_it(served, field):
+    _, _, stub, _ = served
+    r = refusal(lambda: generate(stub, PROMPT, 4, BAD[field]))
+    assert (r.code, r.reason) == (grpc.StatusCode.INVALID_ARGUMENT, pb.REASON_INVALID_REQUEST)
+    assert field in r.message
+    inline = Client(stub).send(open_msg(PROMPT, sampling=BAD[field])).error  # a Session's open: an inline error
+    assert inline.reason == pb.REASON_INVALID_REQUEST and field in inline.message
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(served):
+    _, _, stub, _ = served
+    r = refusal(lambda: generate(stub, PROMPT, 4, pb.SamplingParams(logit_bias={VOCAB: 1.0})))
+    assert r.reason == pb.REASON_INVALID_REQUEST and "logit_bias" in r.message
+
+
+def test_a_stop_token_and_the_second_end_of_text_id_end_the_stream(served):
+    target, service, stub, (eos_prompt, second) = served
+    full = plain(target, PROMPT, 16, stop_ids=service.eos_ids)
+    stop = full[3]
+    got = generate(stub, PROMPT, 16, pb.SamplingParams(stop_token_ids=[stop]))
+    assert got == full[: full.index(stop) + 1] and len(got) < len(full)
+    got = generate(stub, eos_prompt, 16)
+    assert got == plain(target, eos_prompt, 3) and got[-1] == second
