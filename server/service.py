@@ -186,9 +186,7 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
             eos_id=self.eos_ids[0] if self.eos_ids else None,  # None leaves it unset
             overlapping_rounds=drafter is not None,
             eos_ids=self.eos_ids,
-            # The Tokenizer keeps transformers' clean_up_tokenization_spaces to itself (no public property): an edge
-            # decoding with the same tokenizer.json gets what the server's tokenizer.json-only load gives.
-            clean_up_tokenization_spaces=False,
+            clean_up_tokenization_spaces=tokenizer.clean_up_spaces,  # an edge decodes as the model folder asks
             sampling_controls=True,
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()

@@ -77,10 +77,16 @@ def cases(target) -> dict[str, tuple[pb.SamplingParams, SamplingControls]]:
 
 
 def test_model_info_names_every_end_of_text_id_and_the_controls(served):
-    _, service, stub, (_, second) = served
+    target, service, stub, (_, second) = served
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert list(info.eos_ids) == [0, second] and info.eos_id == 0
     assert info.sampling_controls and not info.clean_up_tokenization_spaces
+    cleaning = Tokenizer.from_json(service.tokenizer.to_json(), clean_up_spaces=True)
+    alone = TetherService(target, None, cleaning, ServiceConfig(kv_pool_bytes=1 << 20), model_fingerprint=FP)
+    try:
+        assert alone.model_info.clean_up_tokenization_spaces and alone.model_info.sampling_controls
+    finally:
+        alone.close()
 
 
 def test_generate_with_controls_equals_plain_decoding_with_them(served):
