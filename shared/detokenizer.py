@@ -5,6 +5,12 @@ those ids add that no later id can change; `flush()` returns the rest once no mo
 in any chunks, `"".join(pieces) + flush() == tokenizer.decode(all ids)`: the same text the full decode gives,
 Metaspace's dropped leading space and a WordPiece or Unigram family's spacing included. A character whose bytes
 arrive over several tokens (byte-level BPE, byte fallback) comes out once, whole: never split, never as U+FFFD.
+`Tokenizer.detokenizer(context=prompt_ids)` streams a continuation: the text the ids add after the prompt, as the
+decode of prompt and continuation together reads (`Tokenizer.decode(ids, after=prompt_ids)`, what transformers'
+text-generation pipeline and vLLM return): a SentencePiece-style continuation's first word keeps its space ("The
+quick" + "▁brown" reads "The quick brown", where decoding "▁brown" alone drops it). Only the last CONTEXT_IDS ids
+of the prompt are decoded (vLLM's window; with byte fallback, from the start of the run of byte tokens it ends
+in), so a prompt ending inside a character (its bytes cut short) reads as the library decodes that window.
 
 How: the vLLM / `tokenizers.decoders.DecodeStream` window. Each push decodes ids[prefix:] and ids[prefix:read]
 (the context: ids already shown, decoded again so that a decoder's first-token rules, such as stripping the
@@ -23,7 +29,9 @@ Tested by tests/shared/test_tokenizer_families.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+CONTEXT_IDS = 5  # prompt ids decoded before a continuation: enough for any decoder's first-token rule
 
 # transformers' PreTrainedTokenizerBase.clean_up_tokenization, in its order (each replace sees the previous one's
 # output); decoding applies it when tokenizer_config.json asks (clean_up_tokenization_spaces) and the model is not BPE.
@@ -58,14 +66,19 @@ class Detokenizer:
         *,
         byte_token_ids: frozenset[int] = frozenset(),
         clean_up_spaces: bool = False,
+        context: Sequence[int] = (),
     ) -> None:
         # `decode` is the library's decode without clean-up; `byte_token_ids` the ids a ByteFallback decoder reads
-        # as bytes (empty when the decoder has none).
+        # as bytes (empty when the decoder has none); `context` the ids the stream continues (a prompt).
         self._decode = decode
         self._byte_token_ids = byte_token_ids
         self._clean_up_spaces = clean_up_spaces
-        self._ids: list[int] = []
-        self._prefix = self._read = 0  # ids[prefix:read] were shown and are decoded again as context
+        start = max(0, len(context) - CONTEXT_IDS)
+        # ByteFallback reads a run of byte tokens as one: a window starting inside a run would read it otherwise.
+        while 0 < start < len(context) and context[start] in byte_token_ids and context[start - 1] in byte_token_ids:
+            start -= 1
+        self._ids: list[int] = [int(i) for i in context[start:]]
+        self._prefix, self._read = 0, len(self._ids)  # ids[prefix:read] were shown and are decoded again as context
         self._unclean = ""  # shown-to-be text that a clean-up pattern may still span
 
     def push(self, ids: Iterable[int]) -> str:

@@ -21,6 +21,8 @@ Contract:
   and it equals the library's and transformers'.
 - Streaming: `detokenizer()` gives a tether.shared.detokenizer.Detokenizer, which turns ids pushed as they come
   into exactly the text `decode` gives for all of them, in pieces that never split a character.
+  `detokenizer(context=prompt_ids)` and `decode(ids, after=prompt_ids)` give a continuation's text as it reads after
+  its prompt: decoded alone, a SentencePiece-style continuation loses its first space ("▁brown" reads "brown").
 - End of text: `eos_id` is one id (the first); `eos_ids` all of them (a tuple): a Llama-3 instruct model's
   generation_config.json lists `<|end_of_text|>` and `<|eot_id|>`.
 - Text from the other end (`from_json`, how the client receives the server's) is checked before the library loads
@@ -386,17 +388,24 @@ class Tokenizer:
         """`encode` over many texts at once, in parallel inside the library."""
         return [e.ids for e in _guarded(self._backend.encode_batch, list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; special tokens appear as their literal text, stray partial characters as U+FFFD."""
+    def decode(self, ids: Iterable[int], *, after: Sequence[int] = ()) -> str:
+        """Text of `ids`; special tokens appear as their literal text, stray partial characters as U+FFFD. `after`:
+        the ids they continue (a prompt): the text they add to it, as decoding both together reads (a Metaspace
+        continuation's leading space kept; tether.shared.detokenizer says how)."""
+        if after:
+            stream = self.detokenizer(context=after)
+            return stream.push(ids) + stream.flush()
         text = self._decode_raw([int(i) for i in ids])
         return clean_up_tokenization_spaces(text) if self._clean_up_spaces else text
 
     def _decode_raw(self, ids: list[int]) -> str:
         return _guarded(self._backend.decode, ids, skip_special_tokens=False)
 
-    def detokenizer(self) -> Detokenizer:
-        """A streaming decoder for one generation: push ids as they come, get exactly `decode`'s text in pieces."""
-        return Detokenizer(self._decode_raw, byte_token_ids=self._byte_token_ids, clean_up_spaces=self._clean_up_spaces)
+    def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
+        """A streaming decoder for one generation: push ids as they come, get exactly `decode(ids, after=context)`'s
+        text in pieces; `context`: the prompt the generation continues (its text is not shown again)."""
+        return Detokenizer(self._decode_raw, byte_token_ids=self._byte_token_ids,
+                           clean_up_spaces=self._clean_up_spaces, context=context)  # fmt: skip
 
     @functools.cached_property
     def _byte_token_ids(self) -> frozenset[int]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 import transformers
+from tiny_models import byte_fallback_tokenizer, unigram_tokenizer
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -113,36 +114,12 @@ def _qwen2() -> tokenizers.Tokenizer:
 
 def _byte_fallback() -> tokenizers.Tokenizer:
     """The Llama-2 / Mistral layout: `<unk> <s> </s>`, then the 256 byte tokens, then the merges' vocabulary."""
-    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    trainer_tok = tokenizers.Tokenizer(models.BPE())
-    trainer_tok.pre_tokenizer = metaspace
-    trainer = trainers.BpeTrainer(vocab_size=350, limit_alphabet=60, show_progress=False)
-    trainer_tok.train_from_iterator(TRAINING, trainer=trainer)
-    trained = json.loads(trainer_tok.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for token in sorted(trained["vocab"], key=trained["vocab"].get):
-        vocab.setdefault(token, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
-    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.pre_tokenizer = metaspace
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    return tok
+    return byte_fallback_tokenizer(TRAINING)
 
 
 def _unigram() -> tokenizers.Tokenizer:
     """T5 / ALBERT style: Unigram, a normalizer (NFKC, space runs folded), Metaspace before every word."""
-    tok = tokenizers.Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(
-        vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
-    )
-    tok.train_from_iterator(TRAINING, trainer=trainer)
-    return tok
+    return unigram_tokenizer(TRAINING)
 
 
 def _wordpiece() -> tokenizers.Tokenizer:
@@ -282,6 +259,26 @@ def test_metaspace_leading_space_comes_out_as_transformers_decodes_it(family: Fa
     first = stream.push(ids[:1])
     assert first + "".join(stream.push([i]) for i in ids[1:]) + stream.flush() == family.hf.decode(ids)
     assert family.hf.decode(ids).startswith(first)
+
+
+def test_a_continuation_reads_as_it_does_after_its_prompt(family: Family) -> None:
+    """decode(ids, after=prompt) and detokenizer(context=prompt): the text a continuation adds to its prompt, as
+    the decode of both together reads it (transformers' text-generation pipeline: decode all, drop the prompt's
+    text), streamed one id at a time; a Metaspace continuation keeps its first space."""
+    for text in CORPUS:
+        ids = family.ours.encode(text)
+        for k in range(1, len(ids)):
+            whole, head = family.hf.decode(ids), family.hf.decode(ids[:k])
+            if not whole.startswith(head) or "\ufffd" in head:  # a prompt cut inside a character or a clean-up
+                continue
+            continuation = family.ours.decode(ids[k:], after=ids[:k])
+            assert continuation == whole[len(head) :], (text, k)
+            stream = family.ours.detokenizer(context=ids[:k])
+            assert "".join(stream.push([i]) for i in ids[k:]) + stream.flush() == continuation, (text, k)
+    if family.name in ("byte_fallback", "unigram"):
+        prompt, continuation = family.ours.encode("The quick"), family.ours.encode(" brown fox")
+        assert family.ours.decode(continuation) == "brown fox"  # alone: Metaspace's first space is dropped
+        assert family.ours.decode(continuation, after=prompt) == " brown fox"
 
 
 def test_eos_ids_come_from_every_config(family: Family) -> None:
