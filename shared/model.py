@@ -48,8 +48,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies [D/2], with Llama-3 style long-context scaling when the config asks for it."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    """Inverse frequencies [D/2] on the default device, with Llama-3 style long-context scaling when the config
+    asks for it. Computed on the CPU and then moved: arithmetic on the meta device (where loaders build models)
+    imports torch's decompositions and dynamo on first use, ~2 s a process."""
+    return _rope_frequencies(cfg).to(torch.get_default_device())
+
+
+def _rope_frequencies(cfg: ModelConfig) -> Tensor:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim))
     if not cfg.rope_scaling:
         return inv.float()
     sc = dict(cfg.rope_scaling)
@@ -241,7 +247,12 @@ class Transformer(nn.Module):
         self.backend = backend  # attention backend name (tether.shared.attention registry)
         self.tp = (0, 1)  # (rank, world size) of a tensor-parallel shard (tether.server.tp.apply_tp sets it)
         self.tp_group = None  # its process group (None: the default one)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # Built on the meta device (a loader assigns every tensor afterwards), nothing is initialised: the first
+        # normal_ on meta tensors costs ~2 s a process (torch imports its Python decompositions and dynamo on first
+        # use), and every server, client and command that loads a checkpoint builds on meta.
+        on_meta = torch.get_default_device().type == "meta"
+        empty = torch.empty(cfg.vocab_size, cfg.dim) if on_meta else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=empty)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         # Post-norm blocks feed their attention the raw residual stream, so the embeddings are normalised first
         # (as BERT's embedding LayerNorm does); raw 0.02-scale embeddings would leave block 0's attention scores
@@ -249,9 +260,9 @@ class Transformer(nn.Module):
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.norm_position == "post" else None
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        inv = rope_frequencies(cfg)
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.reset_parameters()
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)  # [D/2]
+        if not on_meta:
+            self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Pre-norm (GPT-2 style): every matrix N(0, 0.02), residual output projections shrunk with depth.
