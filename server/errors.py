@@ -48,11 +48,12 @@ assert set(CODES) == set(Reason.values()), "every ErrorReason needs its status c
 
 
 class RequestError(Exception):
-    """A refusal: the reason (and so the status code), a message for people, and when to try again."""
+    """A refusal: the reason (and so the status code), a message for people, and when to try again; `field`, the
+    request field at fault where one is (a sampling control: the HTTP API's `param`, gRPC's BadRequest detail)."""
 
-    def __init__(self, reason: int, message: str, retry_after_s: float = 0.0):
+    def __init__(self, reason: int, message: str, retry_after_s: float = 0.0, *, field: str | None = None):
         super().__init__(message)
-        self.reason, self.message, self.retry_after_s = reason, message, retry_after_s
+        self.reason, self.message, self.retry_after_s, self.field = reason, message, retry_after_s, field
 
     @property
     def code(self) -> grpc.StatusCode:
@@ -77,6 +78,9 @@ def status_metadata(error: RequestError) -> tuple[tuple[str, bytes], ...]:
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(error.retry_after_ms)
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+    if error.field:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     status = status_pb2.Status(code=error.code.value[0], message=error.message, details=details)
     return (("grpc-status-details-bin", status.SerializeToString()),)
 

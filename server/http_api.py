@@ -2,12 +2,13 @@
 
 Contract:
 - `ServiceBackend(service, model_id)` is tether.shared.openai_app's Backend over a TetherService: a request's
-  prompt and sampling go through the service's own checks and its server-only decoding
-  (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share the paged KV pool, the model
-  threads and the batcher with every gRPC Session and Generate stream, and are batched with them. The service's
-  refusals map onto HTTP: REASON_INVALID_REQUEST 400, REASON_TOO_LONG 400 (context_length_exceeded),
-  REASON_CAPACITY 503 with Retry-After. `outstanding` counts generations whose KV has not been given back yet;
-  `wait_released(timeout)` waits until there are none (tests, shutdown).
+  prompt and sampling (every control of tether.shared.openai_api.Sampling) go through the service's own checks
+  and its server-only decoding (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share
+  the paged KV pool, the model threads and the batcher with every gRPC Session and Generate stream, and are
+  batched with them. The service's refusals map onto HTTP: REASON_INVALID_REQUEST 400 (its param the field at
+  fault), REASON_TOO_LONG 400 (context_length_exceeded), REASON_CAPACITY 503 with Retry-After. `outstanding`
+  counts generations whose KV has not been given back yet; `wait_released(timeout)` waits until there are none
+  (tests, shutdown).
 - `start_http(service, model_id, config)` serves the API on the gRPC server's event loop
   (tether.server.rpc_server.event_loop: uvicorn runs there as a task, so one loop routes both protocols and the
   model work stays on the service's threads) and returns the running server and its port; OSError, its message
@@ -47,8 +48,17 @@ KINDS = {
 
 def api_error(e: RequestError) -> ApiError:
     kind = KINDS.get(e.reason, ErrorKind.INTERNAL)
-    return ApiError(kind, e.message if kind is not ErrorKind.INTERNAL else "internal server error",
+    return ApiError(kind, e.message if kind is not ErrorKind.INTERNAL else "internal server error", e.field,
                     retry_after_s=e.retry_after_s)  # fmt: skip
+
+
+def sampling_params(sampling: Sampling) -> pb.SamplingParams:
+    """The HTTP request's sampling on the wire (what server-only decoding takes), every control included."""
+    return pb.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                             seed=sampling.seed, min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
+                             frequency_penalty=sampling.frequency_penalty,
+                             repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias),
+                             stop_token_ids=sampling.stop_token_ids)  # fmt: skip
 
 
 class ServiceBackend:
@@ -66,15 +76,16 @@ class ServiceBackend:
         self._released = threading.Condition()
 
     async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]:
-        params = pb.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                   seed=sampling.seed)  # fmt: skip
+        params = sampling_params(sampling)
         try:
             ids = self.service.check_generation(prompt, params)
         except RequestError as e:
             raise api_error(e) from None
         with self._released:
             self.outstanding += 1
-        chunks = self.service.decode(ids, params, max_tokens, released=self._release)
+        # End-of-text is the app's to stop at (it honours ignore_eos); the request's stop tokens end decoding here.
+        chunks = self.service.decode(ids, params, max_tokens, released=self._release,
+                                     stop_ids=sampling.stop_token_ids)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

@@ -35,8 +35,8 @@ Q_SUM_TOLERANCE = 1e-3  # how far a draft distribution's sum may be from 1 (floa
 MAX_STOP_TOKEN_IDS = 256  # SamplingParams.stop_token_ids per request
 
 
-def invalid(message: str) -> RequestError:
-    return RequestError(Reason.REASON_INVALID_REQUEST, message)
+def invalid(message: str, field: str | None = None) -> RequestError:
+    return RequestError(Reason.REASON_INVALID_REQUEST, message, field=field)
 
 
 def sampling_controls(s: pb.SamplingParams) -> SamplingControls:
@@ -45,9 +45,9 @@ def sampling_controls(s: pb.SamplingParams) -> SamplingControls:
     the wire's SamplingParams becomes the verifier's rule (Session, Resync, Generate, the HTTP API)."""
     # NaN fails every comparison, so the chained range checks refuse it too.
     if not (math.isfinite(s.temperature) and 0 <= s.temperature <= 100):
-        raise invalid("temperature must be a finite number in [0, 100]")
+        raise invalid("temperature must be a finite number in [0, 100]", "temperature")
     if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
-        raise invalid("top_p must be in [0, 1]")
+        raise invalid("top_p must be in [0, 1]", "top_p")
     try:
         return SamplingControls(
             temperature=s.temperature,
@@ -60,7 +60,7 @@ def sampling_controls(s: pb.SamplingParams) -> SamplingControls:
             logit_bias=s.logit_bias,
         )
     except ControlError as e:  # its message names the control: the proto field of the same name
-        raise invalid(str(e)) from None
+        raise invalid(str(e), e.control) from None
 
 
 def check_codec(value: int) -> Codec:
@@ -95,16 +95,17 @@ class Checks:
         try:
             controls.check_vocab(self.vocab)
         except ControlError as e:
-            raise invalid(str(e)) from None
+            raise invalid(str(e), e.control) from None
         self.stop_ids(s)
         return controls
 
     def stop_ids(self, s: pb.SamplingParams) -> frozenset[int]:
         """The request's stop_token_ids: at most MAX_STOP_TOKEN_IDS, each in the vocabulary."""
         if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise invalid(f"stop_token_ids holds {len(s.stop_token_ids)} ids, the limit is {MAX_STOP_TOKEN_IDS}")
+            raise invalid(f"stop_token_ids holds {len(s.stop_token_ids)} ids, the limit is {MAX_STOP_TOKEN_IDS}",
+                          "stop_token_ids")  # fmt: skip
         if any(t >= self.vocab for t in s.stop_token_ids):
-            raise invalid(f"stop_token_ids: a token id is outside [0, {self.vocab})")
+            raise invalid(f"stop_token_ids: a token id is outside [0, {self.vocab})", "stop_token_ids")
         return frozenset(s.stop_token_ids)
 
     def fingerprint(self, fingerprint: str) -> None:

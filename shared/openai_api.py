@@ -5,11 +5,16 @@ Contract:
 - `parse_completion(body)` / `parse_chat(body)` take the decoded JSON body of POST /v1/completions and
   /v1/chat/completions and return a `GenerationRequest`, or raise `ApiError` (400, `param` naming the field) for
   anything malformed: a wrong type (a bool is not a number), a value out of range, a field OpenAI does not have,
-  or one tether does not implement at other than its neutral value (n > 1, logprobs, penalties, tools, echo ...),
-  so nothing is silently ignored. Supported: model, prompt (a string, a token-id list, or a list of one of
-  either) / messages, max_tokens (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (0 or -1: off),
-  seed, stop (a string or up to 16), stream, stream_options.include_usage, n = 1, user, and vLLM's ignore_eos
-  (generate through end-of-text: benchmarks). Every string used must be valid Unicode (a lone surrogate, which
+  or one tether does not implement at other than its neutral value (n > 1, logprobs, tools, echo ...), so nothing
+  is silently ignored. Supported: model, prompt (a string, a token-id list, or a list of one of either) /
+  messages, max_tokens (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (0 or -1: off), seed,
+  stop (a string or up to 16), stream, stream_options.include_usage, n = 1, user, presence_penalty and
+  frequency_penalty [-2, 2], logit_bias ({"token id": bias in [-100, 100]}, up to MAX_LOGIT_BIAS entries), and
+  vLLM's min_p [0, 1], repetition_penalty (> 0), stop_token_ids (up to MAX_STOP_TOKEN_IDS ids that end the
+  generation, their text left out, as vLLM does) and ignore_eos (generate through end-of-text: benchmarks). The
+  sampling fields become `Sampling` (its `controls` is tether.shared.logits_processing's SamplingControls, whose
+  ranges are the ones checked; token ids are checked against the vocabulary by the app, which knows it). Every
+  string used must be valid Unicode (a lone surrogate, which
   JSON's \\ud800 escapes can carry, is refused: no tokenizer or encoder downstream takes one); top_k is at most
   MAX_TOP_K (the wire's field is 32 bits).
 - `decode_body(data)`: a request body's bytes as JSON, or ApiError (400) for anything else: not JSON, NaN or
@@ -53,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tether.shared.logits_processing import ControlError, SamplingControls
 from tether.shared.tokenizer import Tokenizer
 
 MAX_STOP = 16  # stop strings per request
@@ -60,10 +66,12 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_MESSAGES = 4096  # chat messages per request
 SEED_RANGE = (-(1 << 63), 1 << 64)  # accepted seeds; negative ones are taken modulo 2^64
 MAX_TOP_K = (1 << 31) - 1  # past any vocabulary; the wire's SamplingParams.top_k is a uint32
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request (the gRPC server's bound too)
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                 "ignore_eos"}  # fmt: skip
+                 "ignore_eos", "min_p", "repetition_penalty", "stop_token_ids"}  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                "tool_choice", "parallel_tool_calls"}  # fmt: skip
@@ -138,10 +146,26 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Sampling:
+    """A request's sampling: what a backend decodes with. `controls` is the rule (tether.shared.logits_processing);
+    `stop_token_ids` end the generation besides the model's end-of-text ids (the app's TextStream stops there; a
+    backend may stop decoding there too)."""
+
     temperature: float = 1.0  # 0: greedy (OpenAI's default is 1)
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # keep the k most probable tokens; 0: off
     seed: int = 0  # in [0, 2^64); drawn at random when the request gives none
+    min_p: float = 0.0  # in [0, 1]; 0: off
+    presence_penalty: float = 0.0  # in [-2, 2], over the generated tokens
+    frequency_penalty: float = 0.0  # in [-2, 2], over the generated tokens
+    repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens; 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def controls(self) -> SamplingControls:
+        return SamplingControls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -222,9 +246,6 @@ def _message(m: Any, i: int) -> dict:
 def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None) -> GenerationRequest:
     model = f.typed("model", str)
     f.neutral("n", (1,))
-    f.neutral("presence_penalty", (0,))
-    f.neutral("frequency_penalty", (0,))
-    f.neutral("logit_bias", ({},))
     f.typed("user", str)
     temperature = f.number("temperature", 0.0, 2.0)
     top_p = f.number("top_p", 0.0, 1.0)
@@ -256,10 +277,42 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
         top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0),
         seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
+        **_controls(f),
     )
     ignore_eos = bool(f.typed("ignore_eos", bool))
     return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage,
                              ignore_eos)  # fmt: skip
+
+
+def _controls(f: _Fields) -> dict[str, Any]:
+    """The logits controls and stop token ids, as Sampling's fields; their ranges are SamplingControls' own."""
+    values = {name: value for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+              if (value := f.real(name)) is not None}  # fmt: skip
+    bias = f.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS:
+            raise invalid(f'logit_bias must be an object of up to {MAX_LOGIT_BIAS} "token id": bias entries',
+                          "logit_bias")  # fmt: skip
+        if not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < 1 << 32
+                   for k in bias):  # fmt: skip
+            raise invalid("logit_bias keys must be token ids written as decimal strings", "logit_bias")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in bias.values()):
+            raise invalid("logit_bias values must be numbers in [-100, 100]", "logit_bias")
+        values["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+    try:
+        controls = SamplingControls(**values)
+    except ControlError as e:
+        raise invalid(str(e), e.control) from None
+    stop_ids = f.get("stop_token_ids")
+    if stop_ids is not None and (
+        not isinstance(stop_ids, list)
+        or len(stop_ids) > MAX_STOP_TOKEN_IDS
+        or not all(_is_int(t) and 0 <= t < 1 << 32 for t in stop_ids)
+    ):
+        raise invalid(f"stop_token_ids must be a list of up to {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+    return {"min_p": controls.min_p, "presence_penalty": controls.presence_penalty,
+            "frequency_penalty": controls.frequency_penalty, "repetition_penalty": controls.repetition_penalty,
+            "logit_bias": controls.logit_bias, "stop_token_ids": tuple(dict.fromkeys(stop_ids or ()))}  # fmt: skip
 
 
 def _unicode(text: str, param: str) -> None:
@@ -314,6 +367,13 @@ class _Fields:
         if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
             raise invalid(f"{name} must be a number in [{low:g}, {high:g}]", name)
         return float(value)
+
+    def real(self, name: str) -> float | None:
+        """A number of any value (its range is checked elsewhere)."""
+        value = self.body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise invalid(f"{name} must be a number", name)
+        return None if value is None else float(value)
 
     def integer(self, name: str, low: int, high: int | None = None) -> int | None:
         value = self.body.get(name)

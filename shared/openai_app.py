@@ -3,7 +3,8 @@
 Contract:
 - `OpenAIApp(backend, HttpConfig, observer=None)`: GET /health, GET /v1/models (and /v1/models/{id}), POST
   /v1/completions and POST /v1/chat/completions, streamed as server-sent events (`data: {...}` chunks, then
-  `data: [DONE]`) or not. Requests are checked by tether.shared.openai_api before anything is allocated; the prompt
+  `data: [DONE]`) or not. Requests are checked by tether.shared.openai_api before anything is allocated (the
+  sampling controls' token ids, logit_bias and stop_token_ids, against the tokenizer's vocabulary here); the prompt
   is built here (the chat template and tokenizer of `backend.chat`, tether.shared.chat_template) and checked
   against the backend's limits; the first token is awaited before the response starts, so a full server answers
   with a status (503 and Retry-After) rather than a broken stream. Every error has OpenAI's shape and its status:
@@ -22,7 +23,9 @@ Contract:
 - Every request is one log line and one observation (`observer`, tether.shared.http_observe: method, path,
   status, prompt and completion tokens, time to first token, duration, the response id as the session).
 - `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
-  (closing it ends the generation); `ApiError` from it becomes the response's status, or an error event
+  (closing it ends the generation); `sampling` is tether.shared.openai_api's Sampling: its `controls` (a checked
+  SamplingControls) is the rule to decode with, its `stop_token_ids` end the text here (a backend may stop there
+  too; end-of-text is the app's, for ignore_eos). `ApiError` from it becomes the response's status, or an error event
   mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it, tether.client.edge_api
   the edge's sessions. A backend with `drafts_offline` may yield tokens marked offline; every choice it answers
   then carries tether's extension field, `"tether": {"offline_tokens": n}` (tether.shared.openai_api).
@@ -233,8 +236,17 @@ class OpenAIApp:
         """On a worker thread: the body checked into a request, its model, prompt ids and token budget."""
         req = parse(decode_body(data))
         model = self._model(req.model)
+        self._token_ids(req)
         prompt = self._prompt(req)
         return req, model, prompt, self._max_tokens(req, len(prompt))
+
+    def _token_ids(self, req: GenerationRequest) -> None:
+        """The sampling's token ids (logit_bias, stop_token_ids) name tokens of the vocabulary."""
+        vocab = self.backend.chat.tokenizer.vocab_size
+        for param, ids in (("logit_bias", [t for t, _ in req.sampling.logit_bias]),
+                           ("stop_token_ids", req.sampling.stop_token_ids)):  # fmt: skip
+            if any(t >= vocab for t in ids):
+                raise invalid(f"{param}: token ids must be below the vocabulary size {vocab}", param)
 
     def _prompt(self, req: GenerationRequest) -> list[int]:
         chat, b = self.backend.chat, self.backend
@@ -319,7 +331,8 @@ class _Generation:
         self.record = record
         record.session = self.rid
         self.created = int(time.time())
-        stop_ids = frozenset() if req.ignore_eos else chat.stop_ids
+        # The request's stop tokens end it even with ignore_eos; their text is left out, as vLLM leaves it.
+        stop_ids = (frozenset() if req.ignore_eos else chat.stop_ids) | frozenset(req.sampling.stop_token_ids)
         self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids)
         self.finish = "length"
         self.first = Tokens([])

@@ -7,6 +7,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from tether.shared.logits_processing import SamplingControls
 from tether.shared.openai_api import (
     ApiError,
     ErrorKind,
@@ -40,6 +41,20 @@ def test_completion_request_defaults_and_values():
     assert chat.max_tokens == 7
 
 
+def test_sampling_controls_and_stop_token_ids():
+    """vLLM's and OpenAI's names, OpenAI's string-keyed logit_bias; Sampling.controls is the rule they make."""
+    req = parse_chat({"messages": [{"role": "user", "content": "x"}], "temperature": 0.5, "min_p": 0.1,
+                      "presence_penalty": -0.5, "frequency_penalty": 2, "repetition_penalty": 1.2,
+                      "logit_bias": {"7": -100, "3": 2.5}, "stop_token_ids": [4, 9, 4]})  # fmt: skip
+    s = req.sampling
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.1, -0.5, 2.0, 1.2)
+    assert s.logit_bias == ((3, 2.5), (7, -100.0)) and s.stop_token_ids == (4, 9)
+    assert s.controls == SamplingControls(temperature=0.5, min_p=0.1, presence_penalty=-0.5, frequency_penalty=2,
+                                          repetition_penalty=1.2, logit_bias={7: -100, 3: 2.5})  # fmt: skip
+    neutral = parse_completion({"prompt": "x", "temperature": 0}).sampling
+    assert not neutral.controls.processes_logits and neutral.stop_token_ids == ()
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
@@ -53,8 +68,17 @@ def test_completion_request_defaults_and_values():
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "logprobs": 2}, "logprobs"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1": True}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": [1]}, "logit_bias"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": 3}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": list(range(257))}, "stop_token_ids"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -1]}, "prompt"),
         ({"prompt": []}, "prompt"),
