@@ -114,7 +114,8 @@ class Chat:
         self.engine = engine
         self.conversation = Conversation(chat_format, system)
         self.turns = 0
-        engine.stop_ids = chat_format.stop_ids
+        # The template's end of turn besides every end-of-text id and stop id the engine ends at already.
+        engine.stop_ids = (engine.stop_ids or frozenset()) | chat_format.stop_ids
         if isinstance(engine, EdgeSession):
             engine.keep_open = True  # the next turn extends the server session
 

@@ -3,6 +3,8 @@
 tether-client generate --server HOST:PORT --prompt TEXT [--policy keep|rewind] [--json]
 tether-client generate --server HOST:PORT --prompt-file PATH       # or --prompt - : the prompt from stdin
 tether-client generate ... --backend onnx|torch --precision fp32|fp16|int8
+tether-client generate ... --temperature 0.7 --top-k 40 --min-p 0.05 --presence-penalty 0.5 --frequency-penalty 0.3
+                           --repetition-penalty 1.1 --logit-bias 13=-100 --logit-bias 7=2.5 --stop-token-ids 2 9
 tether-client chat --server HOST:PORT [--system TEXT]               # a conversation in the model's chat template
 tether-client serve --listen 127.0.0.1:8080 --server HOST:PORT     # an OpenAI-compatible endpoint on this machine
 tether-client info                       # what this edge install can run (backends, versions)
@@ -33,6 +35,9 @@ use it too with a server too old to offer the ONNX part. A server without a draf
 --drafter none`) decodes alone and streams its tokens (the summary and --json say server-only); the client fetches
 its tokenizer from it once (cached by hash like the client part); --tokenizer PATH gives one instead (it must be
 the server's), as a server older than this client sends none.
+The sampling controls (their ranges are tether.shared.logits_processing's) go to the server, which verifies by
+them, and the drafter proposes from the same rule, offline too; a value out of range is one line and status 2
+before anything is dialled, and a server that does not apply them (older than this client) is refused, status 1.
 The API key comes from --api-key, else --api-key-file, else the TETHER_API_KEY environment variable (a key on
 the command line is visible to every user of the machine in `ps`).
 Exit status: 0 done; 1 a server that refuses or cannot be reached (one line on stderr); 2 invalid input, or
@@ -254,6 +259,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         session.close()
 
 
+REPEATED = ("logit_bias", "stop_token_ids")  # ClientConfig's list fields, each a repeatable flag
+
+
+def _bias(item: str) -> tuple[int, float]:
+    """--logit-bias's ID=BIAS as (id, bias); the ranges are checked with the other controls (ClientConfig.check)."""
+    token, sep, bias = item.partition("=")
+    try:
+        if sep:
+            return int(token), float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {item!r}")
+
+
 API_KEY_FILE_HELP = "a file holding the bearer key (instead of --api-key, which others can read in ps)"
 SKIPPED_IN_CHAT = ("session_file",)  # a session file resumes one generation; a chat is not one
 
@@ -266,9 +285,14 @@ def _session_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> 
 
     comments = field_comments(ClientConfig)
     helps = {name: f"{text} (default: %(default)s)" for name, text in comments.items()}
-    add_dataclass_args(parser, ClientConfig, skip=(*CHOICES, *skip), helps=helps)
+    add_dataclass_args(parser, ClientConfig, skip=(*CHOICES, *REPEATED, *skip), helps=helps)
     for name, choices in CHOICES.items():
         parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name), help=helps[name])
+    # Repeatable, each flag one or more items: --logit-bias 13=-100 --logit-bias 7=2.5, --stop-token-ids 2 9
+    parser.add_argument("--logit-bias", action="extend", nargs="+", type=_bias, default=[], metavar="ID=BIAS",
+                        help=comments["logit_bias"] + " (default: none)")  # fmt: skip
+    parser.add_argument("--stop-token-ids", action="extend", nargs="+", type=int, default=[], metavar="ID",
+                        help=comments["stop_token_ids"] + ", repeatable (default: none)")  # fmt: skip
     parser.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
     parser.add_argument("--tokenizer", default="", metavar="PATH",
                         help="the model's tokenizer.json (or its directory), for a server without a drafter "

@@ -221,10 +221,11 @@ class _Request:
         self.notes = LinkNotes()
         self.sid = "-"  # the server's session id for the log (its first 8 digits), once it has given one
         cfg = dataclasses.replace(backend.cfg, temperature=sampling.temperature, top_p=sampling.top_p,
-                                  seed=sampling.seed, max_new_tokens=max_tokens, session_file="")  # fmt: skip
+                                  top_k=sampling.top_k, seed=sampling.seed, max_new_tokens=max_tokens,
+                                  session_file="")  # fmt: skip
         self.release = Release(cfg.policy == "rewind", deliver)
         self.session = EdgeSession(cfg, self.on_event, paired=own_drafter(backend.paired, cfg.backend),
-                                   top_k=sampling.top_k, connect_attempts=1)  # fmt: skip
+                                   connect_attempts=1)  # fmt: skip
         self.session.stop_ids = backend.chat.stop_ids  # the template's end of turn too: nothing drafted past it
         backend._started(self)
         threading.Thread(target=self._work, daemon=True, name="tether-edge-request").start()

@@ -57,8 +57,8 @@ from tether.client import env
 from tether.client.logs import LogConfig, add_log_args, configure
 from tether.shared.cli_support import add_dataclass_args, build_config, field_comments
 
-# The session flags a request decides for itself (its sampling), or that mean nothing for an endpoint.
-PER_REQUEST = ("temperature", "top_p", "seed", "session_file")
+# The session flags that mean nothing for an endpoint; a request decides its sampling (SAMPLING_FIELDS) itself.
+PER_REQUEST = ("session_file",)
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})$")
 
 
@@ -109,11 +109,11 @@ def upstream_key(args: argparse.Namespace) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """serve's flags: the endpoint's (ServeConfig) and the session's (ClientConfig, but for the sampling that each
     request brings), those of a fixed set of values with their choices."""
-    from tether.client.session_types import CHOICES, ClientConfig
+    from tether.client.session_types import CHOICES, SAMPLING_FIELDS, ClientConfig
 
     add_dataclass_args(parser, ServeConfig)
     helps = {"max_new_tokens": "the most tokens one request may ask for (its max_tokens)"}
-    add_dataclass_args(parser, ClientConfig, skip=(*PER_REQUEST, *CHOICES), helps=helps)
+    add_dataclass_args(parser, ClientConfig, skip=(*SAMPLING_FIELDS, *PER_REQUEST, *CHOICES), helps=helps)
     comments = field_comments(ClientConfig)
     for name, choices in CHOICES.items():
         parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name), help=comments[name])

@@ -15,7 +15,9 @@ client accepts them only when they agree with each other and stay within bounds 
 - `check_onnx_manifest(entries, kind, max_bytes=...)`: the same for an ONNX client part, whose entries are files:
   exactly the fixed names of tether.shared.weights.onnx_entries, each uint8 [nbytes], non-empty, the description
   at most MAX_DESCRIPTION_BYTES, the tokenizer at most MAX_TOKENIZER_BYTES, the whole at most `max_bytes`.
-- `check_tokenizer(data, info)` -> Tokenizer: the tokenizer entry parses and has info's hash.
+- `check_tokenizer(data, info)` -> Tokenizer: the tokenizer entry parses and has info's hash; its end-of-text
+  ids are the server's (ModelInfo.eos_ids, else eos_id, else its own) and it cleans up spaces as the server says
+  (`served_tokenizer`, which `--tokenizer PATH` goes through too).
 - `request_manifest(stub, info, fmt, ...)`, `first_manifest(stream)` and `download(stub, request, man, entries,
   cache, ...)`: the weight stream itself (both
   formats): it starts with the manifest checked before, then sends chunks of the manifest's entries only and no
@@ -51,6 +53,7 @@ MAX_CONFIG_JSON = 64 << 10  # bytes of model_config_json / drafter_config_json (
 MAX_TOKENIZER_BYTES = 32 << 20  # the tokenizer's JSON (Llama 3's is 9 MB)
 MAX_DESCRIPTION_BYTES = 1 << 20  # an ONNX part's onnx_drafter.json (the default drafter's is 10 KB)
 MAX_FINGERPRINT_CHARS = 256  # model_fingerprint is compared and saved, never parsed
+MAX_EOS_IDS = 64  # ModelInfo.eos_ids (Llama 3 instruct names 3)
 MAX_ROPE_SCALING_ITEMS = 16
 # Inclusive integer ranges: far beyond any model an edge client pairs with, far below what would overflow a
 # shape or make building the meta model slow.
@@ -248,17 +251,31 @@ def _check_total(entries: list[TensorEntry], max_bytes: int) -> None:
         )
 
 
-def served_eos(info: pb.ModelInfo) -> int | None:
-    """The end-of-text id the server names (ModelInfo.eos_id), or None to take the tokenizer's own (older servers)."""
-    return info.eos_id if info.HasField("eos_id") else None
+def served_eos_ids(info: pb.ModelInfo) -> tuple[int, ...]:
+    """Every end-of-text id the server names: ModelInfo.eos_id first (when set), then eos_ids; empty from a server
+    older than both (the tokenizer's own are taken then). PairingError past MAX_EOS_IDS; the vocabulary is the
+    tokenizer's to check."""
+    if len(info.eos_ids) > MAX_EOS_IDS:
+        raise PairingError(Problem.MODEL_INFO, f"{len(info.eos_ids)} end-of-text ids, more than the {MAX_EOS_IDS} "
+                           "a model has")  # fmt: skip
+    return tuple(dict.fromkeys([*([info.eos_id] if info.HasField("eos_id") else []), *info.eos_ids]))
+
+
+def served_tokenizer(text: str, info: pb.ModelInfo) -> Tokenizer:
+    """A tokenizer.json's text as the server's model uses it: its end-of-text ids the server's (served_eos_ids, each
+    in the vocabulary: ValueError otherwise; the tokenizer's own from an older server) and its clean-up of
+    tokenization spaces. Does not check the hash."""
+    ids = served_eos_ids(info)
+    return Tokenizer.from_json(text, eos_id=ids[0] if ids else None, eos_ids=ids,
+                               clean_up_spaces=info.clean_up_tokenization_spaces)  # fmt: skip
 
 
 def check_tokenizer(data: bytes, info: pb.ModelInfo) -> Tokenizer:
-    """The tokenizer entry's JSON as a Tokenizer (its eos the server's), refused unless it passes
-    tether.shared.tokenizer_trust (no regex that may backtrack for ever), parses, has info's tokenizer hash and the
-    eos is in its vocabulary."""
+    """The tokenizer entry's JSON as a Tokenizer (served_tokenizer: its end-of-text ids the server's), refused
+    unless it passes tether.shared.tokenizer_trust (no regex that may backtrack for ever), parses, has info's
+    tokenizer hash and every end-of-text id is in its vocabulary."""
     try:
-        tokenizer = Tokenizer.from_json(data.decode(), eos_id=served_eos(info))
+        tokenizer = served_tokenizer(data.decode(), info)
     except Exception as e:  # the tokenizers library raises its own types on text it cannot read
         raise PairingError(Problem.TOKENIZER, f"the tokenizer is refused: {str(e)[:200]}") from None
     if tokenizer.sha256 != info.tokenizer_sha256:

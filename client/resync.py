@@ -2,7 +2,8 @@
 
 A part of tether.client.session.EdgeSession (a mixin over its state: prompt, tokens, tags, verified, the drafter
 behind its delta gate, the stub and the stream); docs/ARCHITECTURE.md, section 7.
-- OFFLINE (`_offline_step`): the drafter goes on alone, one token a step, from the last token of the text. Tokens
+- OFFLINE (`_offline_step`): the drafter goes on alone, one token a step, from the last token of the text, by the
+  sampling controls' processed rule (its greedy text under penalties is the processed one). Tokens
   the drafter has not seen yet (a new turn's, or those after a resync the link broke halfway) are fed to it first.
 - RESYNCING (`_resync`): Resync from the verified length: the root (the target's last token) and the tokens
   produced since, in pieces; policy `keep` absorbs them, `rewind` keeps those before the first disagreement and
@@ -91,8 +92,10 @@ class Resync:
             # or the tail a resync broken halfway left. Greedy steps, so no random draw is spent on them.
             self.drafter.feed(self.sequence[self._feed_from : -1])
             self._feed_from = None
+        # The sampling controls as online: the drafter's processed greedy (or sampled) token after the text.
         tokens, _, _ = self.drafter.draft(self.sequence[-1], 1, temperature=self.cfg.temperature,
-                                          top_p=self.cfg.top_p, generator=self._draft_rng)  # fmt: skip
+                                          top_p=self.cfg.top_p, generator=self._draft_rng, min_p=self.cfg.min_p,
+                                          processing=self._processing(self.sequence))  # fmt: skip
         self.offline_run += 1
         self.stats.offline_tokens += 1
         self._emit(tokens, "offline")
@@ -173,6 +176,8 @@ class Resync:
             elif reason != pb.REASON_HISTORY_REQUIRED:
                 raise rpc_error(e) from None
             req.history.extend(self.sequence[:V])  # the server lost the session: it rebuilds from the whole history
+            if self.info.sampling_controls:  # the penalties count the generated tokens of the history only
+                req.prompt_length = min(len(self.prompt), V)
             self.stats.bytes_up += 4 * V
             try:
                 reply = self.stub.Resync(req, metadata=self.metadata, timeout=cfg.connect_timeout_s)

@@ -86,6 +86,7 @@ from typing import Any
 from tether.client.delta_gate import wire_delta
 from tether.client.errors import Problem
 from tether.client.session_types import ClientConfig
+from tether.shared.logits_processing import LogitsProcessing
 from tether.v1 import tether_pb2 as pb
 
 # auto: a tree once a round waits for its verdict at least this many times as long as drafting a chain takes. A tree
@@ -181,6 +182,7 @@ class Drafted:
     overlapped: bool = False  # sent before the verdict of the round before it, and taken
     short: int = 0  # a chain drafted ahead and cut short by its verdict's arrival: the tokens still to draft
     rng: Any = None  # the random stream its tokens were drawn from (its own: see Rounds._draft), when sampling
+    proc: LogitsProcessing | None = None  # the logit_bias and penalties of the position after its root
     main: list[int] = field(default_factory=list)  # the path a round drafted ahead assumes: the chain, or main branch
 
     def tokens_on(self, path: list[int]) -> list[int]:
@@ -212,25 +214,28 @@ class Rounds:
             return Shape(depth, k, True, nodes, cfg.tree_top_k)
         return Shape(k, k)
 
-    def _draft(self, number: int, root: int, shape: Shape, stop: Callable[[], bool] | None = None) -> Drafted:
-        """Round `number`'s draft after `root`, from the rows the drafter holds now. `stop` may cut a chain short
-        (Drafted.short; `_draft_rest` completes it). Each draft samples from a random stream of its own, the
-        session's n-th: how far a draft cut short got then changes no later draw, so a seed repeats a text whenever
-        the draft ahead is cut."""
-        cfg = self.cfg
+    def _draft(self, number: int, context: list[int], shape: Shape, stop: Callable[[], bool] | None = None) -> Drafted:
+        """Round `number`'s draft after its root, the last token of `context` (the text through it, guesses
+        included), from the rows the drafter holds now; each drafted position is processed by the sampling controls
+        with its own context's counts. `stop` may cut a chain short (Drafted.short; `_draft_rest` completes it).
+        Each draft samples from a random stream of its own, the session's n-th: how far a draft cut short got then
+        changes no later draw, so a seed repeats a text whenever the draft ahead is cut."""
+        cfg, root, proc = self.cfg, context[-1], self._processing(context)
         t0 = time.monotonic()
         if shape.tree:
-            tree = self.drafter.draft_tree(root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1)
+            tree = self.drafter.draft_tree(root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1,
+                                           processing=proc)  # fmt: skip
             tokens, parents = [int(t) for t in tree.tokens][1:], [int(p) for p in tree.parents][1:]
             msg = pb.DraftRound(round=number, root=root, tokens=tokens, parents=parents)
-            d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents))
+            d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents), proc=proc)
         else:  # a tree's nodes are top-k picks, which draw nothing: only chains take a stream
             rng = self._draft_streams(self._drafts_started) if cfg.temperature > 0 else None
             self._drafts_started += 1
             drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                        stop=stop, generator=rng)  # fmt: skip
+                                                        stop=stop, generator=rng, min_p=cfg.min_p,
+                                                        processing=proc)  # fmt: skip
             msg = pb.DraftRound(round=number, root=root)
-            d = Drafted(msg, None, shape.chain_k, fed=0, short=shape.k, rng=rng)
+            d = Drafted(msg, None, shape.chain_k, fed=0, short=shape.k, rng=rng, proc=proc)
             self._extend(d, drafts, q_ids, q_probs)
         self.measured.drafted(time.monotonic() - t0, shape.k)
         return d
@@ -248,16 +253,18 @@ class Rounds:
     def _draft_rest(self, d: Drafted) -> None:
         """Complete a chain cut short: the same tokens and draws as if it had never stopped."""
         t0, cfg = time.monotonic(), self.cfg
+        proc = None if d.proc is None else d.proc.after(list(d.msg.tokens))  # the position after the last draft
         drafts, q_ids, q_probs = self.drafter.draft(d.msg.tokens[-1], d.short, temperature=cfg.temperature,
-                                                    top_p=cfg.top_p, generator=d.rng)  # fmt: skip
+                                                    top_p=cfg.top_p, generator=d.rng, min_p=cfg.min_p,
+                                                    processing=proc)  # fmt: skip
         self._extend(d, drafts, q_ids, q_probs)
         self.measured.drafted(time.monotonic() - t0, len(drafts))
 
-    def _feed(self, tokens: list[int]) -> int | None:
+    def _feed(self, tokens: list[int], proc: LogitsProcessing | None = None) -> int | None:
         """Step the drafter over tokens already decided or sent (greedy steps draw nothing); the argmax after the
-        last of them."""
+        last of them, processed by `proc` (the position after them)."""
         t0 = time.monotonic()
-        guess = self.drafter.feed(tokens)
+        guess = self.drafter.feed(tokens, processing=proc)
         self.measured.drafted(time.monotonic() - t0, len(tokens))
         return guess
 
@@ -293,14 +300,16 @@ class Rounds:
         if stops.intersection(tokens) or emitted >= self.cfg.max_new_tokens or length >= self.max_positions:
             return None
         unfed = [t for d in pending for t in ([d.msg.root] + d.tokens_on(d.main))[d.fed :]]
-        guess = self._feed(unfed)
+        # The text the guess follows: the first pending round's root ends the sequence; each root and main path.
+        context = self.sequence[:-1] + [t for d in pending for t in [d.msg.root] + d.tokens_on(d.main)]
+        guess = self._feed(unfed, self._processing(context))
         for d in pending:
             d.fed = len(d.main) + 1
         if guess in stops:
             return None
         # A verdict in already: stop drafting ahead, so a miss costs no more of it (a hit finishes the chain).
         stop = functools.partial(self.stream.has_reply, self._stale)
-        drafted = self._draft(base.msg.round + 1, guess, self._plan(emitted, length), stop)
+        drafted = self._draft(base.msg.round + 1, [*context, guess], self._plan(emitted, length), stop)
         return Ahead(path, guess, drafted, after=self.verified + ahead)
 
     def _fill_overlap(self) -> Ahead | None:
@@ -359,7 +368,7 @@ class Rounds:
         t_round = time.monotonic()
         if self._inflight is None:
             shape = self._plan(len(self.tokens), len(self.sequence))
-            self._send(self._draft(self.round + 1, self.tokens[-1], shape))
+            self._send(self._draft(self.round + 1, self.sequence, shape))
         sent, ahead = self._inflight, None
         try:
             if self.cfg.pipeline and self._overlaps():

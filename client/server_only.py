@@ -11,8 +11,10 @@ Contract:
 - `ServerOnlySession(stub, metadata, cfg, info, tokenizer, on_event=None, stop_ids=None, started_at=None)`:
   `run(prompt_ids)` -> Result, one Generate call (`started_at`: the command's start, for ttft_from_start_s). Its
   events are EdgeSession's: state CONNECTING -> ONLINE -> DONE, and "tokens" tagged verified as they arrive. It
-  ends at `cfg.max_new_tokens`, at the first of `stop_ids` (the tokenizer's end-of-text by default; the stream is
-  cancelled there) or at `stop()` (thread-safe; it ends at the next chunk).
+  ends at `cfg.max_new_tokens`, at the first of `stop_ids` (by default every end-of-text id of the model and the
+  config's stop token ids: tether.client.controls; the stream is cancelled there) or at `stop()` (thread-safe; it
+  ends at the next chunk). The config's sampling controls go with the request; a server that does not apply them
+  is refused at construction (ControlsNotOffered), as a logit_bias or stop id outside the vocabulary (ControlError).
   Stats say server_only, with time to first token and tokens/s. A token outside the vocabulary or past the length
   is a ServerDataError; a refusal or a broken link raises ServerError or LinkDown (tether.client.transport). `run`
   may be called again (a chat's next turn: a new Generate over the whole conversation, as no session is held).
@@ -52,6 +54,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from tether.client.controls import check_controls, sampling_params
+from tether.client.controls import stop_ids as controls_stop_ids
 from tether.client.errors import Problem, ServerDataError
 from tether.client.pairing_checks import (
     DEFAULT_MAX_BYTES,
@@ -61,7 +65,7 @@ from tether.client.pairing_checks import (
     download,
     manifest_entries,
     request_manifest,
-    served_eos,
+    served_tokenizer,
 )
 from tether.client.pairing_checks import MAX_TOKENIZER_BYTES as MAX_STREAMED_BYTES
 from tether.client.session_types import ClientConfig, Event, Result, State, Stats
@@ -153,7 +157,7 @@ def load_tokenizer(path: str | Path, info: pb.ModelInfo) -> Tokenizer:
     if file.stat().st_size > MAX_TOKENIZER_BYTES:
         raise ValueError(f"--tokenizer {file}: larger than {MAX_TOKENIZER_BYTES >> 20} MiB, not a tokenizer")
     try:
-        tokenizer = Tokenizer.from_json(file.read_text(encoding="utf-8"), eos_id=served_eos(info))
+        tokenizer = served_tokenizer(file.read_text(encoding="utf-8"), info)
     except Exception as e:  # the tokenizers library raises its own types on text it cannot read
         raise ValueError(f"--tokenizer {file} does not parse: {str(e)[:200]}") from None
     if tokenizer.sha256 != info.tokenizer_sha256:
@@ -171,8 +175,8 @@ class ServerOnlySession:
         self.started_at = started_at  # when the command began (Stats.ttft_from_start_s); None: at the request
         self.stub, self.metadata, self.cfg, self.info, self.tokenizer = stub, metadata, cfg, info, tokenizer
         self.on_event = on_event or (lambda e: None)
-        eos = tokenizer.eos_id
-        self.stop_ids = frozenset(stop_ids if stop_ids is not None else ([] if eos is None else [eos]))
+        check_controls(cfg, info, tokenizer.vocab_size)
+        self.stop_ids = frozenset(stop_ids) if stop_ids is not None else controls_stop_ids(cfg, info, tokenizer)
         self.state = State.CONNECTING
         self.stats = Stats(server_only=True)
         self._stop_asked = False  # a plain flag: stop() may run in a signal handler, which must take no lock
@@ -193,7 +197,7 @@ class ServerOnlySession:
         self._stop_asked = False
         self.stats = stats = Stats(server_only=True)
         self._set_state(State.CONNECTING)
-        sampling = pb.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+        sampling = sampling_params(cfg, self.info)
         req = pb.OpenSession(prompt=prompt, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
                              model_fingerprint=self.info.model_fingerprint)  # fmt: skip
         stats.bytes_up += 4 * len(prompt)

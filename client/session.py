@@ -25,10 +25,14 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
 - Turns (a chat): `extend(prompt)` makes the whole conversation the next run()'s prompt; the server session held
   is extended with the new tokens (Resync, which absorbs them) when the text up to the verified length is a prefix
   of it, else a new one is opened (tether.client.resync). `keep_open` leaves the server session open after run().
-A generation ends at `max_new_tokens`, at one of `stop_ids` (the tokenizer's end-of-text unless a chat sets its
-template's end of turn), at the model's context, or at `stop()` (thread-safe); close() closes the server session
-if one is still held, then the channel. A server without a drafter (ModelInfo.server_only) is refused by pair()
-with REASON_NO_DRAFTER: call `model_info()` first and stream from it with tether.client.server_only. The first call
+Sampling: the config's rule (temperature, top_p, top_k, min_p, the penalties, logit_bias; tether.client.controls)
+goes with open and Resync, and the drafter proposes from it online and offline, each drafted position processed
+with its own context's counts; a server that does not apply the controls is refused by pair() (ControlsNotOffered).
+A generation ends at `max_new_tokens`, at one of `stop_ids` (every end-of-text id of the model, the config's stop
+token ids, and what a chat adds: its template's end of turn), at the model's context, or at `stop()`
+(thread-safe); close() closes the server session if one is still held, then the channel. A server without a
+drafter (ModelInfo.server_only) is refused by pair() with REASON_NO_DRAFTER: call `model_info()` first and stream
+from it with tether.client.server_only. The first call
 (`model_info()`, `pair()`) reports an address where no tether server answers as transport.Unreachable.
 Every emitted token is final except offline ones, which `rewind` may retract (Event "retract"). The client
 never depends on the server's memory to keep its text: tokens, tags and the verified length are its own.
@@ -55,6 +59,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from tether.client.controls import check_controls, sampling_params, stop_ids
 from tether.client.delta_gate import DeltaGate, DeltaLayout, wire_delta
 from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
@@ -86,6 +91,7 @@ from tether.client.transport import (
     first_contact,
 )
 from tether.shared.ids import is_session_id
+from tether.shared.logits_processing import LogitsProcessing
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -109,15 +115,16 @@ class EdgeSession(Resync, Rounds):
     """One generation: owns the channel, the drafter and the text. See the module docstring."""
 
     def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
-                 paired: Paired | None = None, top_k: int = 0, connect_attempts: int = 0,
+                 paired: Paired | None = None, connect_attempts: int = 0,
                  started_at: float | None = None):  # fmt: skip
         """paired: a pairing made before (one per edge endpoint, tether.client.edge_api), used instead of pairing
-        again; its drafter must be this session's own. top_k: the sampling rule's top-k (0: off). connect_attempts:
-        tries at opening the session before run() raises what failed (0: until the server refuses for good).
-        started_at: when the command began (time.monotonic(); default: now), for Stats.ttft_from_start_s."""
+        again; its drafter must be this session's own. connect_attempts: tries at opening the session before run()
+        raises what failed (0: until the server refuses for good). started_at: when the command began
+        (time.monotonic(); default: now), for Stats.ttft_from_start_s."""
         cfg.check()
         self.started_at = time.monotonic() if started_at is None else started_at
-        self.reuse, self.top_k, self.connect_attempts = paired, top_k, connect_attempts
+        self.reuse, self.connect_attempts = paired, connect_attempts
+        self.controls = cfg.controls()  # the sampling rule the drafter proposes from (tether.client.controls)
         self._stopping = threading.Event()  # stop(): end the generation soon, from any thread
         self.cfg = cfg
         self.on_event = on_event or (lambda e: None)
@@ -148,7 +155,7 @@ class EdgeSession(Resync, Rounds):
         self.offline_run = 0
         self._last_emit = 0.0
         self.info: pb.ModelInfo | None = None  # GetModelInfo's answer (model_info())
-        self.stop_ids: frozenset[int] | None = None  # tokens that end a generation (None: pair() sets end-of-text)
+        self.stop_ids: frozenset[int] | None = None  # tokens that end a generation (pair() adds end-of-text)
         self.reserve = 0  # positions the caches keep for later turns (a chat), beyond this generation's
         self.keep_open = False  # leave the server session open after run() (a chat's next turn extends it)
         self.max_positions = 0  # the model's context (pair())
@@ -248,8 +255,12 @@ class EdgeSession(Resync, Rounds):
         return self.prompt + self.tokens
 
     def _sampling(self) -> pb.SamplingParams:
-        return pb.SamplingParams(temperature=self.cfg.temperature, top_p=self.cfg.top_p, seed=self.cfg.seed,
-                                 top_k=self.top_k)  # fmt: skip
+        return sampling_params(self.cfg, self.info)
+
+    def _processing(self, context: list[int]) -> LogitsProcessing | None:
+        """The logit_bias and penalties of the position after `context` (the text through a draft's root), which
+        the drafter proposes from as the server's verifier does; None when the controls change nothing."""
+        return self.controls.processing(context, len(self.prompt), self.drafter.layout.vocab_size)
 
     def _count_down(self, kv: pb.KVDelta) -> None:
         self.stats.bytes_down += len(kv.payload)
@@ -281,6 +292,7 @@ class EdgeSession(Resync, Rounds):
             raise ServerError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.replicas.address} runs no drafter "
                               "(server-only): stream from it with Generate", pb.REASON_NO_DRAFTER)  # fmt: skip
         model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
+        check_controls(cfg, info, model_cfg.vocab_size)
         self.max_positions = model_cfg.max_seq_len
         if cfg.backend == "onnx" and FORMATS[cfg.precision] not in info.client_part_formats:
             raise FormatNotOffered(f"{cfg.server} does not offer the ONNX client part in {cfg.precision} (a server "
@@ -291,9 +303,8 @@ class EdgeSession(Resync, Rounds):
 
         self.models = backoff.retry(lambda: self._fetch_part(info), attempts=DOWNLOAD_ATTEMPTS, on_retry=interrupted)
         self.stats.weights_bytes = self.models.nbytes
-        if self.stop_ids is None:
-            eos = self.models.tokenizer.eos_id
-            self.stop_ids = frozenset(() if eos is None else (eos,))
+        # Every end-of-text id and the stop token ids, beside any the caller set (a chat's end of turn).
+        self.stop_ids = (self.stop_ids or frozenset()) | stop_ids(cfg, info, self.models.tokenizer)
         # Every delta the server sends is checked against this session before it is decoded: it may cover only
         # the client's own tokens after the verified ones (those it has, plus a round's accepted drafts).
         self.drafter = DeltaGate(self.models.drafter, DeltaLayout.for_config(model_cfg, drafter_cfg),

@@ -4,7 +4,8 @@ generation returns. The session itself is tether.client.session, which re-export
 Contract:
 - `ClientConfig`: frozen; one field per `tether-client generate` flag (the trailing comment of each field is its
   --help). CHOICES names the values its string fields of a fixed set take (the CLI offers them as choices);
-  `cfg.check()` raises ValueError for another, and EdgeSession checks its config so.
+  `cfg.check()` raises ValueError for another, and EdgeSession checks its config so. `cfg.controls()`: its
+  sampling rule (SAMPLING_FIELDS) as SamplingControls, checked (ControlError names the control out of range).
 - `State`: CONNECTING -> ONLINE -> OFFLINE -> RESYNCING -> ONLINE ... -> DONE (docs/ARCHITECTURE.md, section 7).
 - `Event`: what the session reports as it goes ("state", with a short human reason for OFFLINE; "tokens" tagged
   verified or offline; "verify": `count` offline tokens from index `start` of the generated ones, which a resync
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from tether.shared.logits_processing import ControlError, SamplingControls
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import ONNX_PRECISIONS
 from tether.shared.wire import Codec
@@ -37,6 +39,9 @@ POLICIES = ("keep", "rewind")
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
 SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.rounds)
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS), "tree": SHAPES}
+# The fields of the sampling rule (a request of the edge's HTTP API brings its own: tether.client.edge_serve).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "stop_token_ids", "seed")  # fmt: skip
 
 
 class State(StrEnum):
@@ -53,6 +58,13 @@ class ClientConfig:
     max_new_tokens: int = 128  # tokens to generate (verified and offline together)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling threshold
+    top_k: int = 0  # keep the k most probable tokens before top_p (0: off)
+    min_p: float = 0.0  # drop tokens below min_p x the most probable one's probability (0: off)
+    presence_penalty: float = 0.0  # in [-2, 2]: taken from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # in [-2, 2]: taken from a token's logit once per time it was generated
+    repetition_penalty: float = 1.0  # > 0: a token of the prompt or text has its logit divided by it (1: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # ID=BIAS, repeatable: BIAS in [-100, 100] added to ID's logit
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the generation besides the model's end-of-text
     seed: int = 0  # sampling seed (drafter and server)
     policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
     backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
@@ -96,6 +108,18 @@ class ClientConfig:
             raise ValueError(f"threads must be at least 0, not {self.threads}")
         if self.k < 0:
             raise ValueError(f"k must be at least 0, not {self.k}")
+        self.controls()
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ControlError(
+                "stop_token_ids", f"stop_token_ids must be token ids >= 0, got {min(self.stop_token_ids)}"
+            )
+
+    def controls(self) -> SamplingControls:
+        """The sampling rule these settings ask for; ControlError (a ValueError naming the control) when one is
+        out of its range."""
+        return SamplingControls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)  # fmt: skip
 
 
 @dataclass

@@ -1,0 +1,173 @@
+"""The edge client's sampling controls and end-of-text ids against a real server, watched from inside it.
+
+- Open and Resync carry the controls in SamplingParams, and a Resync that sends the history says the prompt's
+  length; Generate (a server-only stream) carries them too.
+- Offline, the drafter writes its processed greedy text: each token the argmax of the drafter's logits after
+  logit_bias and penalties counted over the text so far (the torch drafter over the same prompt states gives it).
+- A generation ends at any of ModelInfo.eos_ids, not only the first, and at the request's stop token ids, on the
+  edge session and on the server-only stream.
+- A server that says it does not apply the controls is refused before anything is downloaded.
+
+The server is the default models' (tests/e2e/conftest.py); its service's methods are wrapped to record requests and
+to cut the link on events (the first verdict; a resync until the client has drafted enough alone), not on time.
+"""
+
+import copy
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from tether.client.controls import ControlsNotOffered
+from tether.client.server_only import ServerOnlySession
+from tether.client.session import ClientConfig, EdgeSession
+from tether.server.generate import default_model_dir, load
+from tether.server.verifier import SequenceVerifier
+from tether.shared.drafter import load_drafter
+from tether.shared.logits_processing import SamplingControls
+from tether.v1 import tether_pb2 as pb
+
+PROMPT = "def read_config(path):\n    with open(path"
+OFFLINE = 10  # tokens the client drafts alone before the link comes back
+
+
+class Watch:
+    """Wraps a service's Session, Resync and Generate: records what the client sends; `cut` aborts the stream at
+    the first verdict and refuses resyncs until they carry OFFLINE drafted tokens; the first resync let through is
+    sent on under an unknown session id, so the client sends it again with the history."""
+
+    def __init__(self, cut: bool = False):
+        self.cut, self.cut_done = cut, False
+        self.opens: list[pb.OpenSession] = []
+        self.resyncs: list[pb.ResyncRequest] = []
+        self.generates: list[pb.OpenSession] = []
+
+    def __call__(self, service) -> None:
+        session, resync, generate = service.Session, service.Resync, service.Generate
+
+        async def Session(request_iterator, context):
+            async def tap():
+                async for m in request_iterator:
+                    if m.HasField("open"):
+                        self.opens.append(copy.deepcopy(m.open))
+                    yield m
+
+            async for reply in session(tap(), context):
+                if reply.HasField("verdict") and self.cut and not self.cut_done:
+                    self.cut_done = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the link is cut")
+                yield reply
+
+        async def Resync(request, context):
+            self.resyncs.append(copy.deepcopy(request))
+            if self.cut and len(request.offline_tokens) < 1 + OFFLINE:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the link is still down")
+            if self.cut and not request.history:
+                request = copy.deepcopy(request)
+                request.session_id = "0" * 32  # a session this server never had: it asks for the history
+            return await resync(request, context)
+
+        async def Generate(request, context):
+            self.generates.append(copy.deepcopy(request))
+            async for reply in generate(request, context):
+                yield reply
+
+        service.Session, service.Resync, service.Generate = Session, Resync, Generate
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, tok = load(default_model_dir(), "cpu")
+    return target, load_drafter(default_model_dir("drafter"), target), tok
+
+
+def config(address: str, cache: str, **kw) -> ClientConfig:
+    return ClientConfig(server=address, cache_dir=cache, max_new_tokens=24, k=4, tree="chain", pipeline=False,
+                        codec="raw", backoff_initial_s=0.01, backoff_max_s=0.05, **kw)  # fmt: skip
+
+
+@torch.inference_mode()
+def drafted_after(models, prompt: list[int], first: int, n: int, controls: SamplingControls) -> list[int]:
+    """The torch drafter's greedy chain of n after the prompt's states and `first`, under `controls`."""
+    target, drafter, _ = models
+    _, delta = SequenceVerifier(target, drafter, capacity=len(prompt) + n + 8).open(prompt)
+    drafter.begin(delta)
+    proc = controls.processing([*prompt, first], len(prompt), target.cfg.vocab_size)
+    return drafter.draft(first, n, processing=proc)[0]
+
+
+def test_the_controls_travel_and_the_offline_text_is_the_drafters_processed_greedy(start_server, models,
+                                                                                    paired_once):  # fmt: skip
+    watch = Watch(cut=True)
+    address, _ = start_server(watch)
+    prompt = models[2].encode(PROMPT)
+    # Penalties strong enough to change the drafter's greedy text.
+    plain = SamplingControls()
+    controls = SamplingControls(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05)
+    cfg = config(address, paired_once, max_offline_tokens=OFFLINE, presence_penalty=1.0, frequency_penalty=0.5,
+                 repetition_penalty=1.3, min_p=0.05)  # fmt: skip
+    events = []
+    session = EdgeSession(cfg, events.append)
+    try:
+        result = session.run(PROMPT)
+    finally:
+        session.close()
+    first = result.token_ids[0]  # the server's, before the cut: the drafter went on alone after it
+    offline = [t for e in events if e.kind == "tokens" and e.tag == "offline" for t in e.tokens]
+    want = drafted_after(models, prompt, first, OFFLINE, controls)
+    assert offline == want[: len(offline)] and len(offline) == OFFLINE
+    assert want != drafted_after(models, prompt, first, OFFLINE, plain)  # the controls decided drafts
+    p = watch.opens[0].sampling
+    assert (p.presence_penalty, p.frequency_penalty) == (1.0, 0.5) and p.repetition_penalty == pytest.approx(1.3)
+    assert p.min_p == pytest.approx(0.05)
+    assert all(r.sampling == p for r in watch.resyncs) and len(watch.resyncs) >= 2
+    history = [r for r in watch.resyncs if r.history]
+    assert history and all(r.HasField("prompt_length") and r.prompt_length == len(prompt) for r in history)
+    assert not any(r.HasField("prompt_length") for r in watch.resyncs if not r.history)
+    assert result.stats.resyncs == 1 and result.stats.offline_tokens == OFFLINE
+
+
+def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(start_server, models, paired_once):
+    watch = Watch()
+    address, service = start_server(watch)
+    base = dataclasses.replace(config(address, paired_once), max_new_tokens=12)
+    session = EdgeSession(base)
+    try:
+        plain = session.run(PROMPT).token_ids
+    finally:
+        session.close()
+    eos = service.tokenizer.eos_id
+    assert eos not in plain[:8] and len(plain) == 12
+    # The model's second end-of-text id, as a Llama 3 instruct model lists two; then a stop id of the request.
+    service.model_info.eos_ids[:] = [eos, plain[5]]
+    for cfg, end in ((base, plain[5]), (dataclasses.replace(base, stop_token_ids=(plain[3],)), plain[3])):
+        want = plain[: plain.index(end) + 1]
+        session = EdgeSession(cfg)
+        try:
+            assert session.run(PROMPT).token_ids == want
+            info = session.model_info()
+            tok = session.models.tokenizer
+            stream = ServerOnlySession(session.stub, session.metadata, cfg, info, tok)
+            assert stream.run(tok.encode(PROMPT)).token_ids == want
+        finally:
+            session.close()
+    assert list(watch.opens[-1].sampling.stop_token_ids) == [plain[3]]
+    assert list(watch.generates[-1].sampling.stop_token_ids) == [plain[3]]
+
+
+def test_a_server_that_does_not_apply_the_controls_is_refused_before_a_download(start_server, tmp_path):
+    def older(service):
+        service.model_info.sampling_controls = False
+
+    address, service = start_server(older)
+    session = EdgeSession(config(address, str(tmp_path), presence_penalty=0.5))
+    try:
+        with pytest.raises(ControlsNotOffered, match="presence_penalty"):
+            session.pair()
+        info = session.model_info()
+        with pytest.raises(ControlsNotOffered, match="presence_penalty"):
+            ServerOnlySession(session.stub, session.metadata, session.cfg, info, service.tokenizer)
+    finally:
+        session.close()
+    assert not any(tmp_path.iterdir())  # nothing was downloaded
