@@ -14,13 +14,17 @@ Contract:
   one), `max_context` (the model's max_seq_len), `max_prompt_tokens` (the server's), `max_new_tokens`
   (`cfg.max_new_tokens`: the most one request may ask for), `drafts_offline` (True).
 - `generate(prompt, sampling, max_tokens)` runs one EdgeSession on a worker thread of its own: its own drafter
-  state over the shared weights, the request's temperature, top_p, top_k and seed, `max_tokens` as its
-  max_new_tokens, and the chat format's stop ids as its own (nothing is drafted past an end of turn). top_k is the
-  server's to apply when it verifies: drafts proposed without it stay lossless, but tokens drafted offline are
-  sampled without it. The session is opened in one try: a server that is full answers 503 `overloaded` with its
-  Retry-After, one that cannot be reached 503 `server_unreachable` with a Retry-After too and the reason in a few
-  words ("server unreachable", "link stalled, no reply in 30.0 s": nothing can be drafted before the server has
-  verified the prompt), a prompt it finds too long 400; any other refusal, and anything invalid it sends, 502.
+  state over the shared weights, the request's sampling (temperature, top_p, top_k, min_p, the penalties,
+  logit_bias, stop_token_ids and seed: SAMPLING_FIELDS, which the drafter proposes from too, offline included),
+  `max_tokens` as its max_new_tokens, and the chat format's stop ids beside every end-of-text id and the
+  request's stop ids (nothing is drafted past an end of turn). top_k is the server's to apply when it verifies:
+  drafts proposed without it stay lossless, but tokens drafted offline are sampled without it. A control the
+  tether server does not apply (ModelInfo.sampling_controls false), or a token id outside the vocabulary, is a
+  400 naming it, before a session starts. The session is opened in one try: a server that is full answers 503
+  `overloaded` with its Retry-After, one that cannot be reached 503 `server_unreachable` with a Retry-After too
+  and the reason in a few words ("server unreachable", "link stalled, no reply in 30.0 s": nothing can be drafted
+  before the server has verified the prompt), a prompt it finds too long 400; any other refusal, and anything
+  invalid it sends, 502.
   Once open, the session survives outages on its own (drafting alone, resyncing) and yields `Tokens` as it emits
   them:
   - policy keep: offline tokens are yielded at once, marked offline (they stay in the text, unverified);
@@ -54,12 +58,15 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from tether.client.controls import ControlsNotOffered, check_controls, controls_set
 from tether.client.errors import Problem, ServerDataError
 from tether.client.outage import LinkNotes, reason
 from tether.client.pairing_checks import check_model_info
 from tether.client.session import ClientConfig, EdgeSession, Event, Paired
+from tether.client.session_types import SAMPLING_FIELDS
 from tether.client.transport import LinkDown, ServerBusy, ServerError, SessionLost
 from tether.shared.chat_template import ChatFormat, ChatTemplateError
+from tether.shared.logits_processing import ControlError
 from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
 from tether.v1 import tether_pb2 as pb
 
@@ -220,9 +227,15 @@ class _Request:
         self.backend, self.prompt, self.deliver = backend, prompt, deliver
         self.notes = LinkNotes()
         self.sid = "-"  # the server's session id for the log (its first 8 digits), once it has given one
-        cfg = dataclasses.replace(backend.cfg, temperature=sampling.temperature, top_p=sampling.top_p,
-                                  top_k=sampling.top_k, seed=sampling.seed, max_new_tokens=max_tokens,
-                                  session_file="")  # fmt: skip
+        cfg = dataclasses.replace(backend.cfg, **{name: getattr(sampling, name) for name in SAMPLING_FIELDS},
+                                  max_new_tokens=max_tokens, session_file="")  # fmt: skip
+        try:  # before a thread starts: the request is refused as a whole
+            check_controls(cfg, backend.paired.info, backend.paired.tokenizer.vocab_size)
+        except ControlsNotOffered as e:
+            raise ApiError(ErrorKind.INVALID_REQUEST, f"the tether server at {cfg.server}: {e}",
+                           controls_set(cfg)[0]) from None  # fmt: skip
+        except ControlError as e:
+            raise ApiError(ErrorKind.INVALID_REQUEST, str(e), e.control) from None
         self.release = Release(cfg.policy == "rewind", deliver)
         self.session = EdgeSession(cfg, self.on_event, paired=own_drafter(backend.paired, cfg.backend),
                                    connect_attempts=1)  # fmt: skip

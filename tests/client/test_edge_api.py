@@ -211,7 +211,8 @@ def test_help_lists_the_session_flags_but_not_the_per_request_sampling():
     for flag in ("--listen", "--server", "--max-streams", "--http-api-keys", "--http-api-key-file", "--policy",
                  "--backend", "--precision", "--api-key-file", "--max-new-tokens", "--final-resync-s"):  # fmt: skip
         assert flag in out, flag
-    for flag in ("--temperature", "--top-p", "--seed", "--session-file"):
+    for flag in ("--temperature", "--top-p", "--top-k", "--min-p", "--presence-penalty", "--frequency-penalty",
+                 "--repetition-penalty", "--logit-bias", "--stop-token-ids", "--seed", "--session-file"):  # fmt: skip
         assert flag not in out, flag
     assert "{keep,rewind}" in out
 

@@ -6,30 +6,40 @@
   logit_bias and penalties counted over the text so far (the torch drafter over the same prompt states gives it).
 - A generation ends at any of ModelInfo.eos_ids, not only the first, and at the request's stop token ids, on the
   edge session and on the server-only stream.
+- Greedy under the controls, drafted by the processed rule and verified by the server, is the server's own
+  processed greedy text, as chains and trees.
+- The edge HTTP API hands a request's controls to its session (they reach the server's open); a control the
+  server does not apply is a 400 naming it.
 - A server that says it does not apply the controls is refused before anything is downloaded.
 
 The server is the default models' (tests/e2e/conftest.py); its service's methods are wrapped to record requests and
 to cut the link on events (the first verdict; a resync until the client has drafted enough alone), not on time.
 """
 
+import asyncio
 import copy
 import dataclasses
+import threading
 
 import grpc
+import httpx
 import pytest
 import torch
 
 from tether.client.controls import ControlsNotOffered
+from tether.client.edge_api import EdgeBackend
 from tether.client.server_only import ServerOnlySession
 from tether.client.session import ClientConfig, EdgeSession
 from tether.server.generate import default_model_dir, load
 from tether.server.verifier import SequenceVerifier
 from tether.shared.drafter import load_drafter
 from tether.shared.logits_processing import SamplingControls
+from tether.shared.openai_app import HttpConfig, HttpServer, OpenAIApp
 from tether.v1 import tether_pb2 as pb
 
 PROMPT = "def read_config(path):\n    with open(path"
 OFFLINE = 10  # tokens the client drafts alone before the link comes back
+BOUND_S = 120  # a safety net for waits that end on events, never a timing assumption
 
 
 class Watch:
@@ -154,6 +164,71 @@ def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(start_server, 
             session.close()
     assert list(watch.opens[-1].sampling.stop_token_ids) == [plain[3]]
     assert list(watch.generates[-1].sampling.stop_token_ids) == [plain[3]]
+
+
+def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, paired_once):
+    """Drafted under the processed rule and verified by the server with it, the edge's greedy text is the server's
+    own processed greedy decoding (Generate, no drafter), as chains and as trees."""
+    address, _ = start_server()
+    controls = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logit_bias=((13, -100.0),))
+    for shape in ("chain", "tree"):
+        cfg = dataclasses.replace(config(address, paired_once, **controls), tree=shape, pipeline=True)
+        session = EdgeSession(cfg)
+        try:
+            got = session.run(PROMPT)
+            stream = ServerOnlySession(session.stub, session.metadata, cfg, session.info, session.models.tokenizer)
+            want = stream.run(got.prompt_ids).token_ids
+            plain = ServerOnlySession(session.stub, session.metadata, config(address, paired_once), session.info,
+                                      session.models.tokenizer).run(got.prompt_ids).token_ids  # fmt: skip
+        finally:
+            session.close()
+        assert got.token_ids == want and got.stats.accepted > 0, shape
+        assert want != plain and 13 not in want
+
+
+def test_the_edge_api_passes_a_requests_controls_to_its_session(start_server, paired_once):
+    watch = Watch()
+    address, _ = start_server(watch)
+    backend = EdgeBackend.connect(config(address, paired_once))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    http_config = HttpConfig(port=0)
+    server = HttpServer(OpenAIApp(backend, http_config), http_config)
+    url = f"http://127.0.0.1:{server.start(loop)}/v1/completions"
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "top_k": 7,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"13": -100},
+        "stop_token_ids": [2],
+    }
+    try:
+        reply = httpx.post(url, json=body, timeout=BOUND_S)
+        assert reply.status_code == 200, reply.text
+        p = watch.opens[-1].sampling
+        assert (p.top_k, p.presence_penalty, p.frequency_penalty, dict(p.logit_bias)) == (7, 0.5, 0.25, {13: -100})
+        assert (p.min_p, p.repetition_penalty) == (pytest.approx(0.1), pytest.approx(1.2))
+        assert list(p.stop_token_ids) == [2]
+        backend.paired.info.sampling_controls = False  # as a server older than the controls says
+        reply = httpx.post(url, json=body | {"presence_penalty": 0.5}, timeout=BOUND_S)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "min_p"
+        assert "does not apply" in reply.json()["error"]["message"]
+        opened = len(watch.opens)
+        plain = {k: body[k] for k in ("prompt", "max_tokens", "temperature", "top_k")}
+        assert httpx.post(url, json=plain, timeout=BOUND_S).status_code == 200  # temperature, top_k: every server's
+        assert len(watch.opens) == opened + 1
+    finally:
+        server.stop()
+        backend.stop_all()
+        assert backend.wait_released(BOUND_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(BOUND_S)
 
 
 def test_a_server_that_does_not_apply_the_controls_is_refused_before_a_download(start_server, tmp_path):
