@@ -28,7 +28,8 @@ Contract:
   RenderLimits.timeout_s: callers on an event loop run it on a worker thread. BUILTIN_TEMPLATE, whose cost is
   linear in the messages, renders in this process.
 - `encode(text)` tokenizes a rendered prompt as transformers does for a chat: the text of every added token
-  (`<|im_start|>` ...) becomes that token's id, everything between is encoded as plain text, no BOS is added (a
+  (`<|im_start|>` ...) becomes that token's id, everything between is encoded as the library encodes it beside
+  them (a Metaspace pre-tokenizer with prepend_scheme "first" prepends no "▁" after `<s>`), no BOS is added (a
   template that wants one writes `{{ bos_token }}`).
 - `surely_over(text, max_tokens)`: True when the text is too long to encode to max_tokens tokens whatever it
   holds (its byte length against `max_token_bytes`, the longest vocabulary entry): a prompt far over the limit is
@@ -57,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,23 +195,9 @@ class ChatFormat:
         return default_sandbox().render(self.template, context)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt: added tokens' text as their ids, the rest as plain text. Encoded as a
-        batch: the tokenizers library lets other threads run during a batch (a single encode holds the GIL, and a
-        megabyte prompt on a worker thread would stall the event loop for seconds)."""
-        added = self._added[0]
-        if not added:
-            return self.tokenizer.encode_batch([text])[0]
-        by_text = {t: i for i, t in added.items() if t}
-        pattern = "|".join(re.escape(t) for t in sorted(by_text, key=len, reverse=True))
-        pieces = re.split(f"({pattern})", text)
-        plain = iter(self.tokenizer.encode_batch([p for p in pieces[0::2] if p]))
-        ids: list[int] = []
-        for n, piece in enumerate(pieces):
-            if n % 2:
-                ids.append(by_text[piece])
-            elif piece:
-                ids += next(plain)
-        return ids
+        """Token ids of a rendered prompt: added tokens' text as their ids, the rest as plain text encoded beside
+        them as the library does (Tokenizer.encode_with_specials)."""
+        return self.tokenizer.encode_with_specials(text)
 
     def surely_over(self, text: str, max_tokens: int) -> bool:
         """True when `text` cannot encode to `max_tokens` tokens or fewer, told from its length alone: a token stands

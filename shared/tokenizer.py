@@ -388,6 +388,22 @@ class Tokenizer:
         """`encode` over many texts at once, in parallel inside the library."""
         return [e.ids for e in _guarded(self._backend.encode_batch, list(texts), add_special_tokens=False)]
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt: the text of every added token, special ones included, is that token,
+        and the text around them is encoded as the library does beside them (a Metaspace "first" prepends no "▁"
+        after `<s>`), as transformers' apply_chat_template encodes. Encoded as a batch: the library lets other
+        threads run during a batch (a single encode holds the GIL, and a megabyte prompt on a worker thread would
+        stall an event loop for seconds)."""
+        return _guarded(self._specials_backend.encode_batch, [text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def _specials_backend(self) -> tokenizers.Tokenizer:
+        # A second backend: encode_special_tokens is a flag of the object, and `encode` runs on other threads.
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        backend.no_truncation()
+        backend.no_padding()
+        return backend
+
     def decode(self, ids: Iterable[int], *, after: Sequence[int] = ()) -> str:
         """Text of `ids`; special tokens appear as their literal text, stray partial characters as U+FFFD. `after`:
         the ids they continue (a prompt): the text they add to it, as decoding both together reads (a Metaspace

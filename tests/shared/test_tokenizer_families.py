@@ -281,6 +281,14 @@ def test_a_continuation_reads_as_it_does_after_its_prompt(family: Family) -> Non
         assert family.ours.decode(continuation, after=prompt) == " brown fox"
 
 
+def test_a_chat_prompt_encodes_its_special_tokens_as_transformers(family: Family) -> None:
+    """encode_with_specials (how a rendered chat prompt is encoded): special-token text is the token, the text
+    beside it encoded as the library does there (Metaspace "first" prepends no "▁" after `<s>`)."""
+    specials = [t.content for t in family.library.get_added_tokens_decoder().values()]
+    for text in CORPUS + [f"{a}[INST] Hi {b} x{a}" for a in specials for b in specials]:
+        assert family.ours.encode_with_specials(text) == family.hf.encode(text, add_special_tokens=False), text
+
+
 def test_eos_ids_come_from_every_config(family: Family) -> None:
     assert family.ours.eos_ids == family.expected_eos_ids
     assert family.ours.eos_id == family.expected_eos_ids[0]
