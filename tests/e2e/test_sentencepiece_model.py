@@ -19,6 +19,9 @@ spaces before punctuation, never a literal `▁` or `<0x..>`.
   the server and in transformers (no "▁" prepended after `<s>`); the reply ends at the second end-of-text id and
   reads as the tokenizer decodes it, without the end of turn.
 - An edge decodes with the clean-up its server's model folder asks for (Unigram: " ?" reads "?").
+- The server's OpenAI-compatible API on the same model: completions (streamed or not) and chat completions end at
+  the second end-of-text id and read as decoded; a completion's first space: xfail until TextStream decodes after
+  the prompt.
 
 Faults strike on events, never on the clock. A few seconds per family on 2 cores.
 """
@@ -37,15 +40,18 @@ from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.client.session_types import Result
 from tether.netsim.proxy import NetSimThread
 from tether.server.generate import load
+from tether.server.http_api import start_http
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
+from tether.shared.openai_app import HttpConfig
 from tether.shared.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
 transformers = pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
 
 PROMPT = "The quick"
 USER = "Hi"
@@ -79,6 +85,9 @@ class Model:
         self.server, port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
+        self.http, http_port = start_http(self.service, family, HttpConfig(port=0))
+        self.api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                                 timeout=BOUND_S)  # fmt: skip
 
     @property
     def expected(self) -> list[int]:
@@ -87,6 +96,7 @@ class Model:
         return [*self.continuation, self.end_of_turn]
 
     def close(self) -> None:
+        self.http.stop()
         self.server.stop(None)
         self.service.close()
 
@@ -152,6 +162,34 @@ def test_what_the_user_reads_is_the_continuation_after_its_prompt(model, tmp_pat
     assert want.startswith(" ") and want.strip() == model.tok.decode(model.continuation)  # the space the prompt gives
     result, shown, _ = generate(model, tmp_path)
     assert result.text == want
+
+
+def test_the_servers_http_api_answers_with_the_tokenizers_text(model):
+    """The server's OpenAI-compatible API on the same model: completions, streamed or not, and a chat completion
+    end at the second end-of-text id ("stop") and read as the tokenizer decodes, the end of text left out."""
+    reply = model.tok.decode(model.continuation)
+    done = model.api.completions.create(model=model.family, prompt=PROMPT, max_tokens=24, temperature=0)
+    (choice,) = done.choices
+    assert choice.finish_reason == "stop" and done.usage.completion_tokens == len(model.expected)
+    assert choice.text.strip() == reply.strip()
+    stream = model.api.completions.create(model=model.family, prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == choice.text
+    chat = model.api.chat.completions.create(model=model.family, messages=[{"role": "user", "content": USER}],
+                                             max_tokens=24, temperature=0)  # fmt: skip
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].message.content.strip() == reply.strip()
+    assert chat.usage.prompt_tokens == len(model.chat_ids)  # the template encoded as transformers encodes it
+    for text in (choice.text, chat.choices[0].message.content):
+        assert_reads_as_text(text)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="shared/openai_api.py TextStream decodes a completion "
+                   "apart from its prompt (tokenizer.detokenizer()): a Metaspace continuation loses its first space, "
+                   "which vLLM and transformers' pipeline keep; fix: TextStream(..., context=prompt_ids) -> "
+                   "tokenizer.detokenizer(context=...), given by shared/openai_generation.py")  # fmt: skip
+def test_a_completion_keeps_its_first_space_after_the_prompt(model):
+    want = model.tok.decode(model.continuation, after=model.prompt_ids)
+    done = model.api.completions.create(model=model.family, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert done.choices[0].text == want
 
 
 # ---- offline --------------------------------------------------------------------------------------------------
