@@ -43,6 +43,21 @@ def tiny_pair(kind: str, vocab_size: int, tli: int = 1):
     return target, drafter
 
 
+def save_tiny_pairs(root: Path, vocab_size: int, max_files: int) -> None:
+    """A stdlib corpus of `max_files` files in root/corpus, and tiny_pair's target (root/target, with the corpus's
+    tokenizer) with its MoA and EAGLE drafters (root/moa, root/eagle): what the bench smoke tests measure."""
+    from tether.server.corpus import build_corpus
+    from tether.shared.drafter import save_drafter
+    from tether.shared.tokenizer import Tokenizer
+
+    build_corpus(root / "corpus", max_files=max_files, vocab_size=vocab_size, progress=False)
+    for kind in ("moa", "eagle"):
+        target, drafter = tiny_pair(kind, vocab_size=vocab_size)
+        save_drafter(drafter, root / kind)
+    target.save_pretrained(root / "target")  # tiny_pair draws the same target for both (seed 0)
+    Tokenizer.from_pretrained(root / "corpus").save_pretrained(root / "target")
+
+
 HF_SPECIALS = {
     "llama": ("<|begin_of_text|>", "<|end_of_text|>"),
     "qwen2": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),

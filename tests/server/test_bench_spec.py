@@ -6,10 +6,7 @@ import json
 
 import pytest
 from bench_modules import load_bench
-from tiny_models import tiny_pair
-
-from tether.shared.drafter import save_drafter
-from tether.shared.tokenizer import Tokenizer
+from tiny_models import save_tiny_pairs
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
@@ -18,15 +15,8 @@ SHAPES = ("3,2,6", "5,2,6", "4,3,10")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from tether.server.corpus import build_corpus
-
     root = tmp_path_factory.mktemp("spec")
-    build_corpus(root / "corpus", max_files=20, vocab_size=300, progress=False)
-    for kind in ("moa", "eagle"):
-        target, drafter = tiny_pair(kind, vocab_size=300)
-        save_drafter(drafter, root / kind)
-    target.save_pretrained(root / "target")  # tiny_pair draws the same target for both (seed 0)
-    Tokenizer.from_pretrained(root / "corpus").save_pretrained(root / "target")
+    save_tiny_pairs(root, vocab_size=300, max_files=20)
     return root
 
 
