@@ -19,6 +19,9 @@ Contract:
   (Metaspace's spelling of a space, so it comes back as " "). WordPiece (lower-casing, accent stripping, unknown
   characters as [UNK]) and Unigram with a normalizer cannot round-trip by nature: decode(encode(x)) != x there,
   and it equals the library's and transformers'.
+- A rendered chat prompt: `encode_with_specials(text)` reads the text of every added token, special ones included,
+  as that token and encodes the text beside them as the library does there, as transformers' apply_chat_template
+  (tether.shared.chat_template uses it; `encode` never does).
 - Streaming: `detokenizer()` gives a tether.shared.detokenizer.Detokenizer, which turns ids pushed as they come
   into exactly the text `decode` gives for all of them, in pieces that never split a character.
   `detokenizer(context=prompt_ids)` and `decode(ids, after=prompt_ids)` give a continuation's text as it reads after
