@@ -16,7 +16,9 @@ behind its delta gate, the stub and the stream); docs/ARCHITECTURE.md, section 7
   prompt. When the session's text up to its verified length is a prefix of it, and it fits the drafter's caches,
   the held server session is kept: run() resyncs only the new tokens in, absorbed whatever the policy (they are
   the user's, not the drafter's), and generates after them; offline, the drafter reads them and answers alone.
-  Otherwise the server session is closed and run() opens a new one over the whole prompt (Stats.reopened). Either
+  Otherwise, and always under a penalty (which counts a fresh session's whole conversation as its prompt, and would
+  count tokens absorbed as generated), the server session is closed and run() opens a new one over the whole
+  prompt (Stats.reopened). Either
   way the session then holds exactly `prompt`: a greedy reply is what a fresh session over it would give.
 
 Tests: tests/e2e/test_chaos.py (outages, rewind, lost sessions), tests/e2e/test_chat_e2e.py (turns: one server
@@ -53,7 +55,9 @@ class Resync:
                              f"{self.max_positions} tokens")  # fmt: skip
         V = self.verified
         room = len(prompt) + self.cfg.max_new_tokens + lookahead_rows(self.cfg) <= self.capacity
-        kept = room and 0 < V < len(prompt) and prompt[:V] == self.sequence[:V]
+        # Under a penalty the server would count the new turn's tokens, absorbed, as generated, where a fresh
+        # session over the conversation counts it all as the prompt (as vLLM does): a new session then.
+        kept = room and 0 < V < len(prompt) and prompt[:V] == self.sequence[:V] and not self.controls.penalised
         self._stopping.clear()
         self.stats = Stats(reopened=int(not kept))
         self.prompt, self.tokens, self.tags = list(prompt), [], []

@@ -26,8 +26,9 @@ import httpx
 import pytest
 import torch
 
+from tether.client.chat import Chat
 from tether.client.controls import ControlsNotOffered
-from tether.client.edge_api import EdgeBackend
+from tether.client.edge_api import EdgeBackend, chat_format
 from tether.client.server_only import ServerOnlySession
 from tether.client.session import ClientConfig, EdgeSession
 from tether.server.generate import default_model_dir, load
@@ -186,6 +187,29 @@ def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, 
         assert want != plain and 13 not in want
 
 
+def test_a_chats_turn_under_a_penalty_is_a_fresh_sessions_reply(start_server, paired_once):
+    """Under a penalty a turn opens a new server session over the whole conversation (extended, the server would
+    count the turn's tokens as generated), so its reply is a fresh session's."""
+    address, _ = start_server()
+    cfg = dataclasses.replace(config(address, paired_once, presence_penalty=0.6, frequency_penalty=0.3),
+                              max_new_tokens=12)  # fmt: skip
+    session = EdgeSession(cfg)
+    session.pair()
+    chat = Chat(session, chat_format(session.info, session.models.tokenizer))
+    try:
+        replies = [chat.reply(text) for text in ("def add(a, b):", "and subtract?")]
+    finally:
+        chat.close()
+    assert [r.stats.reopened for r in replies] == [0, 1]
+    fresh = EdgeSession(cfg)
+    try:
+        fresh.pair()
+        fresh.stop_ids |= chat.conversation.format.stop_ids
+        assert fresh.run(list(replies[1].prompt_ids)).token_ids == replies[1].token_ids
+    finally:
+        fresh.close()
+
+
 def test_the_edge_api_passes_a_requests_controls_to_its_session(start_server, paired_once):
     watch = Watch()
     address, _ = start_server(watch)
@@ -217,11 +241,12 @@ def test_the_edge_api_passes_a_requests_controls_to_its_session(start_server, pa
         assert list(p.stop_token_ids) == [2]
         backend.paired.info.sampling_controls = False  # as a server older than the controls says
         reply = httpx.post(url, json=body | {"presence_penalty": 0.5}, timeout=BOUND_S)
-        assert reply.status_code == 400 and reply.json()["error"]["param"] == "min_p"
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "min_p", reply.text
         assert "does not apply" in reply.json()["error"]["message"]
         opened = len(watch.opens)
         plain = {k: body[k] for k in ("prompt", "max_tokens", "temperature", "top_k")}
-        assert httpx.post(url, json=plain, timeout=BOUND_S).status_code == 200  # temperature, top_k: every server's
+        reply = httpx.post(url, json=plain, timeout=BOUND_S)
+        assert reply.status_code == 200, reply.text  # temperature and top_k: every server applies them
         assert len(watch.opens) == opened + 1
     finally:
         server.stop()
