@@ -5,7 +5,7 @@
 - Offline, the drafter writes its processed greedy text: each token the argmax of the drafter's logits after
   logit_bias and penalties counted over the text so far (the torch drafter over the same prompt states gives it).
 - A generation ends at any of ModelInfo.eos_ids, not only the first, and at the request's stop token ids, on the
-  edge session and on the server-only stream.
+  edge session (verified or drafted offline) and on the server-only stream.
 - Greedy under the controls, drafted by the processed rule and verified by the server, is the server's own
   processed greedy text, as chains and trees.
 - The edge HTTP API hands a request's controls to its session (they reach the server's open); a control the
@@ -165,6 +165,29 @@ def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(start_server, 
             session.close()
     assert list(watch.opens[-1].sampling.stop_token_ids) == [plain[3]]
     assert list(watch.generates[-1].sampling.stop_token_ids) == [plain[3]]
+
+
+@torch.inference_mode()
+def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(start_server, models, paired_once):
+    target, drafter, tok = models
+    prompt = tok.encode(PROMPT)
+    first, _ = SequenceVerifier(target, drafter, capacity=len(prompt) + 8).open(prompt)  # the server's first token
+    drafts = drafted_after(models, prompt, first, OFFLINE, SamplingControls())
+    end = drafts[3]
+    assert end not in [first, *drafts[:3]] and end != tok.eos_id
+    watch = Watch(cut=True)
+
+    def edit(service):
+        watch(service)
+        service.model_info.eos_ids[:] = [tok.eos_id, end]  # as Llama 3 instruct lists <|end_of_text|>, <|eot_id|>
+
+    address, _ = start_server(edit)
+    session = EdgeSession(config(address, paired_once, max_offline_tokens=OFFLINE))
+    try:
+        result = session.run(PROMPT)
+    finally:
+        session.close()
+    assert result.token_ids == [first, *drafts[:4]] and result.tags == ["verified"] + ["offline"] * 4
 
 
 def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, paired_once):
