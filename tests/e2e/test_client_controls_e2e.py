@@ -192,11 +192,11 @@ def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(start_serve
 
 def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, paired_once):
     """Drafted under the processed rule and verified by the server with it, the edge's greedy text is the server's
-    own processed greedy decoding (Generate, no drafter), as chains and as trees."""
+    own processed greedy decoding (Generate, no drafter), as chains and as trees, drafted on onnxruntime or torch."""
     address, _ = start_server()
     controls = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logit_bias=((13, -100.0),))
-    for shape in ("chain", "tree"):
-        cfg = dataclasses.replace(config(address, paired_once, **controls), tree=shape, pipeline=True)
+    for shape, backend in (("chain", "onnx"), ("tree", "onnx"), ("chain", "torch")):
+        cfg = dataclasses.replace(config(address, paired_once, **controls), tree=shape, pipeline=True, backend=backend)
         session = EdgeSession(cfg)
         try:
             got = session.run(PROMPT)
@@ -206,7 +206,7 @@ def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, 
                                       session.models.tokenizer).run(got.prompt_ids).token_ids  # fmt: skip
         finally:
             session.close()
-        assert got.token_ids == want and got.stats.accepted > 0, shape
+        assert got.token_ids == want and got.stats.accepted > 0, (shape, backend)
         assert want != plain and 13 not in want
 
 
