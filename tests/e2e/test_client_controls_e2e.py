@@ -40,6 +40,7 @@ from tether.v1 import tether_pb2 as pb
 
 PROMPT = "def read_config(path):\n    with open(path"
 OFFLINE = 10  # tokens the client drafts alone before the link comes back
+BANNED = 13  # ",", which the default model writes first and often after PROMPT
 BOUND_S = 120  # a safety net for waits that end on events, never a timing assumption
 
 
@@ -188,6 +189,22 @@ def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(start_serve
     finally:
         session.close()
     assert result.token_ids == [first, *drafts[:4]] and result.tags == ["verified"] + ["offline"] * 4
+
+
+def test_a_banned_token_is_never_sampled_online_or_offline(start_server, paired_once):
+    """Sampling with a token's logit_bias at -100: the server never emits it, and neither does the drafter alone."""
+    runs = {}
+    for name, bias in (("plain", ()), ("banned", ((BANNED, -100.0),))):
+        watch = Watch(cut=True)
+        address, _ = start_server(watch)
+        cfg = config(address, paired_once, temperature=1.0, seed=5, max_offline_tokens=OFFLINE, logit_bias=bias)
+        session = EdgeSession(dataclasses.replace(cfg, max_new_tokens=40))
+        try:
+            runs[name] = session.run(PROMPT)
+        finally:
+            session.close()
+    assert BANNED in runs["plain"].token_ids  # it is likely at this temperature, after this prompt
+    assert BANNED not in runs["banned"].token_ids and runs["banned"].stats.offline_tokens == OFFLINE
 
 
 def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, paired_once):
