@@ -33,6 +33,15 @@ def test_the_flags_map_onto_the_config():
     assert (plain.logit_bias, plain.stop_token_ids, plain.repetition_penalty) == ((), (), 1.0)
 
 
+def test_the_list_controls_come_from_their_variables_too(monkeypatch):
+    monkeypatch.setenv("TETHER_LOGIT_BIAS", "13=-100 7=2.5")
+    monkeypatch.setenv("TETHER_STOP_TOKEN_IDS", "2 9")
+    cfg = _config(build_parser().parse_args(["generate", "--prompt", "x"]))
+    assert (cfg.logit_bias, cfg.stop_token_ids) == (((13, -100.0), (7, 2.5)), (2, 9))
+    cfg = _config(build_parser().parse_args(["generate", "--prompt", "x", "--stop-token-ids", "4"]))
+    assert cfg.stop_token_ids == (4,)  # the command line wins
+
+
 @pytest.mark.parametrize(
     "flags,named",
     [(["--presence-penalty", "2.5"], "presence_penalty"), (["--repetition-penalty", "0"], "repetition_penalty"),
