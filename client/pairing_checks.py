@@ -4,7 +4,8 @@ A server (or whoever answers at its address) decides every field of ModelInfo an
 client accepts them only when they agree with each other and stay within bounds it sets itself:
 - `check_model_info(info)` -> (ModelConfig, DrafterConfig): the config JSON is at most MAX_CONFIG_JSON bytes and
   an object whose fields have the dataclass's types and values in sane ranges (MODEL_LIMITS, DRAFTER_LIMITS);
-  the drafter fits the target (TLI depth, LSA width) and the sha256 identities that name files are 64 hex digits.
+  the drafter fits the target (TLI depth, LSA width), the sha256 identities that name files are 64 hex digits, and
+  the end-of-text ids (at most MAX_EOS_IDS) are of the vocabulary.
 - `expected_client_part(cfg, dcfg)` -> {name: (shape, floating)}: what the client part must hold, computed from
   the configs on the meta device (nothing allocated), the same way the server computes what it sends
   (tether.shared.weights.client_part_tensors).
@@ -152,6 +153,9 @@ def check_model_info(info: pb.ModelInfo) -> tuple[ModelConfig, DrafterConfig]:
             Problem.MODEL_INFO,
             f"TLI depth {dcfg.tli} (info says {info.tli_layers}) does not fit a {cfg.n_layers}-layer target",
         )
+    outside = [i for i in served_eos_ids(info) if i >= cfg.vocab_size]
+    if outside:
+        raise ServerDataError(Problem.MODEL_INFO, f"end-of-text id {outside[0]} is outside the vocabulary")
     return cfg, dcfg
 
 

@@ -166,3 +166,21 @@ def test_the_tokenizer_ends_where_the_server_says():
     with pytest.raises(PairingError) as e:
         check_tokenizer(data, pb.ModelInfo(tokenizer_sha256=tok.sha256, eos_id=tok.vocab_size))
     assert e.value.problem == Problem.TOKENIZER
+
+
+def test_end_of_text_ids_outside_the_vocabulary_or_too_many_are_refused_before_a_download(tiny):
+    from tether.client.pairing_checks import MAX_EOS_IDS
+
+    info, _, cfg, _ = tiny
+    for ids, field in (([1, cfg.vocab_size], "eos_ids"), (range(MAX_EOS_IDS + 1), "eos_ids"), (cfg.vocab_size, "")):
+        bad = info_with(info)
+        if field:
+            bad.eos_ids.extend(ids)
+        else:
+            bad.eos_id = ids
+        with pytest.raises(ServerDataError) as e:
+            check_model_info(bad)
+        assert e.value.problem == Problem.MODEL_INFO
+    ok = info_with(info, eos_id=1)
+    ok.eos_ids.extend([1, 2])
+    check_model_info(ok)
