@@ -12,10 +12,12 @@ corpus's held-out packages), each prompt encoded with the target's tokenizer:
   bench/spec.py's shape with the root counted), measured by bench/spec.py's `run_chain`; every speculative output
   is checked against the plain continuation (fp32: the run fails if one differs). Ratios to the first EAGLE
   drafter given are keyed by drafter name.
-Prints a table, then one JSON line; `--show N` writes the first N continuations' text to stderr.
+Prints a table, then one JSON line; `--show N` writes the first N continuations' text to stderr. On a shared CPU,
+run it with OMP_NUM_THREADS=1: batch-1 decoding gains nothing from a second thread, and an OpenMP thread waiting for
+a busy core made plain decoding 40x slower on the 2-core VM (BENCHMARKS.md, "Quality on held-out prompts").
 
-    python bench/quality.py --target deploy/models/target --drafter deploy/models/drafter \
-        deploy/models/drafter-eagle --corpus data/corpus
+    OMP_NUM_THREADS=1 python bench/quality.py --target deploy/models/target --drafter deploy/models/drafter \
+        deploy/models/drafter-eagle --corpus data/corpus-stdlib --device cpu
     python bench/quality.py --target runs/compact/target --prompts deploy/models/prompts/heldout.jsonl --show 3
 
 Tested by tests/server/test_bench_quality.py.
