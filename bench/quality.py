@@ -14,7 +14,7 @@ corpus's held-out packages), each prompt encoded with the target's tokenizer:
   drafter given are keyed by drafter name.
 Prints a table, then one JSON line; `--show N` writes the first N continuations' text to stderr. On a shared CPU,
 run it with OMP_NUM_THREADS=1: batch-1 decoding gains nothing from a second thread, and an OpenMP thread waiting for
-a busy core made plain decoding 40x slower on the 2-core VM (BENCHMARKS.md, "Quality on held-out prompts").
+a busy core made plain decoding ~15x slower on the 2-core VM (BENCHMARKS.md, "Quality on held-out prompts").
 
     OMP_NUM_THREADS=1 python bench/quality.py --target deploy/models/target --drafter deploy/models/drafter \
         deploy/models/drafter-eagle --corpus data/corpus-stdlib --device cpu
