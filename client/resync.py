@@ -59,6 +59,7 @@ class Resync:
         # session over the conversation counts it all as the prompt (as vLLM does): a new session then.
         kept = room and 0 < V < len(prompt) and prompt[:V] == self.sequence[:V] and not self.controls.penalised
         self._stopping.clear()
+        self._absorb_to = 0
         self.stats = Stats(reopened=int(not kept))
         self.prompt, self.tokens, self.tags = list(prompt), [], []
         self.offline_run = 0
@@ -112,7 +113,8 @@ class Resync:
         server says a reply would pass its message limit; each piece starts where the server's verified length
         now ends. Under rewind a piece that disagrees with the target, inside or at its first token (the target's
         token after the piece before), ends the resync there: exactly what one Resync of all of them would keep.
-        A turn's prompt tokens go in pieces of their own, always absorbed (they are the user's)."""
+        A turn's prompt tokens go in pieces of their own, always absorbed (they are the user's), as does the text a
+        restored session had verified."""
         turn = self.state == State.CONNECTING  # a new turn's tokens going in: no outage to report
         if not turn:
             self._set_state(State.RESYNCING)
@@ -121,7 +123,7 @@ class Resync:
         size = max(1, self.cfg.resync_piece_tokens)
         while True:
             offline = self.sequence[self.verified :]  # the root (the target's last token) first, then our drafts
-            piece = offline[: min(size, len(self.prompt) - self.verified)] if self._in_prompt() else offline[:size]
+            piece = offline[: min(size, self._absorb_end() - self.verified)] if self._absorbing() else offline[:size]
             try:
                 reply = self._resync_piece(piece)
             except ServerError as e:
@@ -132,7 +134,7 @@ class Resync:
             rebuilt |= reply.rebuilt
             kept = len(reply.delta.tokens)
             rest = offline[len(piece) :]
-            judged = self.cfg.policy == "rewind" and not self._in_prompt()  # the next token is a generated one
+            judged = self.cfg.policy == "rewind" and not self._absorbing()  # the next token is one to judge
             disagrees = kept < len(piece) or (judged and rest and rest[0] != reply.target_token)
             if rest and not disagrees:
                 continue
@@ -157,16 +159,22 @@ class Resync:
             self.stats.resync_s.append(time.monotonic() - t0)
         self._set_state(State.ONLINE, "session rebuilt" if rebuilt else "")
 
-    def _in_prompt(self) -> bool:
-        """Whether the next position to resync holds a prompt token (a turn's, not yet absorbed)."""
-        return self.verified < len(self.prompt)
+    def _absorb_end(self) -> int:
+        """Where the tokens a resync absorbs whatever the policy end: a turn's prompt, and the text a restored
+        session had verified with its root (tether.client.session._restore)."""
+        return max(len(self.prompt), self._absorb_to)
+
+    def _absorbing(self) -> bool:
+        """Whether the next position to resync holds a token to absorb (a turn's or the verified text), not one
+        to judge."""
+        return self.verified < self._absorb_end()
 
     def _resync_piece(self, piece: list[int]) -> pb.ResyncReply:
         """One Resync call absorbing `piece` (the server's last token first); on a lost session it is sent again
         with the whole verified history. Commits the reply's delta."""
         cfg = self.cfg
         V = self.verified
-        rewind = cfg.policy == "rewind" and not self._in_prompt()
+        rewind = cfg.policy == "rewind" and not self._absorbing()
         req = pb.ResyncRequest(session_id=self.session_id, resume_token=self.resume_token, verified_length=V,
                                offline_tokens=piece, sampling=self._sampling(), delta_codec=CODECS[cfg.codec],
                                model_fingerprint=self.info.model_fingerprint, rewind=rewind)  # fmt: skip

@@ -162,6 +162,7 @@ class EdgeSession(Resync, Rounds):
         self.capacity = 0  # positions the drafter's caches hold (set when a session opens)
         self._turn = False  # extend() kept the server session: run() resyncs the new tokens in first
         self._feed_from: int | None = None  # offline, the drafter first reads the text from here (resync.py)
+        self._absorb_to = 0  # a resync absorbs the text up to here whatever the policy (a restore's: _restore)
         self._t_prompt = 0.0  # when the prompt was sent (time to first token)
 
     # ---- events and bookkeeping ------------------------------------------------------------------------
@@ -222,7 +223,8 @@ class EdgeSession(Resync, Rounds):
 
     def _restore(self, record: SessionRecord) -> None:
         """Go on from a saved session: a new server session over the verified history gives the drafter its
-        states back; the loop then resyncs the root and any offline tail from there, as after an outage."""
+        states back; the loop then resyncs the root and any offline tail from there, as after an outage. Under a
+        penalty the new session is opened over the prompt alone and the resync absorbs the verified text first."""
         self.prompt, self.tokens, self.tags = list(record.prompt), list(record.tokens), list(record.tags)
         self.verified = record.verified
         if record.session_id:
@@ -231,7 +233,9 @@ class EdgeSession(Resync, Rounds):
             except grpc.RpcError:
                 pass  # gone already (or unreachable): nothing is lost, it held only what we re-send now
         self._new_stream()
-        history = self.sequence[: self.verified]
+        # Under a penalty the server must count the generated text as generated, which an open over it would not:
+        # it opens over the prompt alone, and the resync absorbs the text verified before whatever the policy.
+        history = self.prompt if self.controls.penalised else self.sequence[: self.verified]
         open_ = pb.OpenSession(prompt=history, sampling=self._sampling(), max_new_tokens=self.cfg.max_new_tokens,
                                delta_codec=CODECS[self.cfg.codec],
                                model_fingerprint=self.info.model_fingerprint)  # fmt: skip
@@ -239,6 +243,9 @@ class EdgeSession(Resync, Rounds):
         o = self._opened(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s))
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
+        if self.controls.penalised:  # the verified text and its root (the target's token after it) are absorbed
+            self._absorb_to = self.verified + 1
+        self.verified = len(history)
         self._feed_from = self.verified  # offline, the drafter first reads the saved tail after the history
         self.stream.close()
         self.stream = None

@@ -10,6 +10,7 @@
   processed greedy text, as chains and trees.
 - The edge HTTP API hands a request's controls to its session (they reach the server's open); a control the
   server does not apply is a 400 naming it.
+- A session restored from its file under a penalty goes on as if it had never stopped.
 - A server that says it does not apply the controls is refused before anything is downloaded.
 
 The server is the default models' (tests/e2e/conftest.py); its service's methods are wrapped to record requests and
@@ -248,6 +249,40 @@ def test_a_chats_turn_under_a_penalty_is_a_fresh_sessions_reply(start_server, pa
         assert fresh.run(list(replies[1].prompt_ids)).token_ids == replies[1].token_ids
     finally:
         fresh.close()
+
+
+class Killed(Exception):
+    """The client dies mid-generation (its session file written)."""
+
+
+@pytest.mark.parametrize("policy", ["keep", "rewind"])
+def test_a_session_restored_under_a_penalty_goes_on_as_if_never_stopped(start_server, paired_once, tmp_path,
+                                                                         policy):  # fmt: skip
+    """Restored from its session file, a penalised greedy generation ends as the uninterrupted one: the new server
+    session counts the generated text as generated (it is absorbed after an open over the prompt alone)."""
+    address, _ = start_server()
+    cfg = config(address, paired_once, presence_penalty=0.8, frequency_penalty=0.4, policy=policy)
+    session = EdgeSession(cfg)
+    try:
+        whole = session.run(PROMPT).token_ids
+    finally:
+        session.close()
+    saved = dataclasses.replace(cfg, session_file=str(tmp_path / f"{policy}.json"))
+
+    def die(e):
+        if e.kind == "tokens" and len(first.tokens) >= 9:
+            raise Killed
+
+    first = EdgeSession(saved, die)
+    with pytest.raises(Killed):
+        first.run(PROMPT)
+    first.close()
+    again = EdgeSession(saved)
+    try:
+        result = again.run(PROMPT)
+    finally:
+        again.close()
+    assert result.token_ids == whole and result.stats.retracted == 0 and result.stats.resyncs == 1
 
 
 def test_the_edge_api_passes_a_requests_controls_to_its_session(start_server, paired_once):
