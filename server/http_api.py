@@ -6,7 +6,10 @@ Contract:
   and its server-only decoding (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share
   the paged KV pool, the model threads and the batcher with every gRPC Session and Generate stream, and are
   batched with them. The service's refusals map onto HTTP: REASON_INVALID_REQUEST 400 (its param the field at
-  fault), REASON_TOO_LONG 400 (context_length_exceeded), REASON_CAPACITY 503 with Retry-After. `outstanding`
+  fault), REASON_TOO_LONG 400 (context_length_exceeded), REASON_CAPACITY 503 with Retry-After. With
+  Sampling.logprobs each chunk carries its tokens' log-probabilities: the processed distribution each token was
+  drawn from (logit_bias and penalties applied, then temperature, top-k, top-p, min-p; greedy at temperature 1:
+  tether.shared.sampling.token_logprobs), vLLM's "processed_logprobs". `outstanding`
   counts generations whose KV has not been given back yet; `wait_released(timeout)` waits until there are none
   (tests, shutdown).
 - `start_http(service, model_id, config)` serves the API on the gRPC server's event loop
@@ -84,12 +87,17 @@ class ServiceBackend:
         with self._released:
             self.outstanding += 1
         # End-of-text is the app's to stop at (it honours ignore_eos); the request's stop tokens end decoding here.
+        reported = None if sampling.logprobs is None else []
         chunks = self.service.decode(ids, params, max_tokens, released=self._release,
-                                     stop_ids=sampling.stop_token_ids)  # fmt: skip
+                                     stop_ids=sampling.stop_token_ids, logprobs=reported,
+                                     top_logprobs=sampling.logprobs or 0)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):
+                sent = 0
                 async for chunk in chunks:
-                    yield Tokens(chunk)
+                    logprobs = None if reported is None else tuple(reported[sent : sent + len(chunk)])
+                    sent += len(chunk)
+                    yield Tokens(chunk, logprobs=logprobs)
         except RequestError as e:
             raise api_error(e) from None
 

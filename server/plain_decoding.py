@@ -8,7 +8,9 @@ Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
 - `decode(prompt, sampling, max_new_tokens, released=None, stop_ids=())` is an async generator of token chunks: the
   first token alone right after the prefill, then the rest as they are decided under the request's whole sampling
   rule (min_p, penalties, logit_bias: tether.shared.logits_processing), at most max_new_tokens (0: the server's
-  limit) and never past the model's context; a token of `stop_ids` is the last one sent. A stream alone
+  limit) and never past the model's context; a token of `stop_ids` is the last one sent. With `logprobs` (a list)
+  and `top_logprobs`, each chunk's tokens' log-probabilities (tether.shared.sampling.TokenLogprobs: the processed
+  distribution each was drawn from) are appended to it (given empty) before the chunk is yielded. A stream alone
   decodes 16 chained steps per replay (tether.server.verifier.DECODE_CHUNK); while others decode, each stream's next
   token is a round of the batcher (tether.server.batcher), verified in one step with every other stream's and every
   Session's rounds. Its KV lives in the paged pool, lent by the session table (tether.server.sessions) and given
@@ -38,6 +40,7 @@ from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
 from tether.server.validation import invalid, sampling_controls
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
+from tether.shared.sampling import TokenLogprobs
 from tether.shared.speculative import DraftTree, through_stop
 from tether.v1 import tether_pb2 as pb
 
@@ -78,8 +81,9 @@ class PlainDecoding:
             await self._abort(context, e, "generate")
 
     async def decode(self, prompt: list[int], sampling: pb.SamplingParams, max_new_tokens: int = 0, *,
-                     released: Callable[[], None] | None = None,
-                     stop_ids: Collection[int] = ()) -> AsyncIterator[list[int]]:  # fmt: skip
+                     released: Callable[[], None] | None = None, stop_ids: Collection[int] = (),
+                     logprobs: list[TokenLogprobs] | None = None,
+                     top_logprobs: int = 0) -> AsyncIterator[list[int]]:  # fmt: skip
         """Server-only decoding of a checked prompt and sampling (`check_generation`): the target's tokens in chunks
         as they are decided, the first one alone right after the prefill; `max_new_tokens` (0: the server's limit) at
         most, ending after the first token of `stop_ids` (the caller's end-of-text ids and stop tokens; empty: only
@@ -91,7 +95,14 @@ class PlainDecoding:
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)
         ver = SequenceVerifier(self.target, None, capacity=cache.capacity, controls=sampling_controls(sampling),
-                               generator=generator, cache=cache)  # fmt: skip
+                               generator=generator, cache=cache,
+                               logprobs=None if logprobs is None else top_logprobs)  # fmt: skip
+
+        def reported(chunk: list[int]) -> list[int]:
+            if logprobs is not None:  # the verifier reported every token decided, the chunk's first
+                logprobs.extend(ver.reported[len(logprobs) : len(logprobs) + len(chunk)])
+            return chunk
+
         stop = frozenset(stop_ids)
 
         def give_back(_=None) -> None:
@@ -106,7 +117,7 @@ class PlainDecoding:
         try:
             work = self.work.submit(ver.open, prompt, stoppable=True)
             token, _ = await self.work.wait(work)
-            yield [token]
+            yield reported([token])
             left = 0 if token in stop else n - 1
             while left > 0 and ver.room > 0:
                 if self._generating == 1:
@@ -117,7 +128,7 @@ class PlainDecoding:
                     chunk = [(await self.work.wait(work, None, here))[0].bonus]
                 chunk = through_stop(chunk, stop)  # the tokens decided after a stop token are dropped
                 token, left = chunk[-1], 0 if chunk[-1] in stop else left - len(chunk)
-                yield chunk
+                yield reported(chunk)
         except PoolExhausted:
             raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S) from None
         finally:

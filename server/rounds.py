@@ -390,6 +390,9 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
                                    [c.top_p for c in controls], [ver.generator for ver, _ in items],
                                    [c.top_k for c in controls], min_ps=[c.min_p for c in controls],
                                    processing=[ver.processing_at(tree._tokens[0]) for ver, tree in items])  # fmt: skip
+        for i, ((ver, tree), v) in enumerate(zip(items, verdicts, strict=True)):
+            if ver.logprobs is not None and not isinstance(v, Exception):
+                ver.report(out.logits[i], tree, v)  # before the commit: the verifier's counts are the round's
         deltas: dict[int, DraftDelta] = {}
         by_drafter: dict[int, list[int]] = {}
         for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):

@@ -13,6 +13,10 @@ who drafted: any DraftTree will do. It is what the in-process engine runs, and w
 drafter None no delta is produced. With `pool` the sequence's KV lives in the server's paged pool
 (tether.server.kv_pool) instead of a contiguous cache; `cache` hands it a pool sequence someone else owns.
 
+With `logprobs=N` every token the sequence emits (the first, each round's accepted drafts and bonus) is reported
+in `reported` with the log-probabilities of its position's processed distribution, its own and the N most probable
+(tether.shared.sampling.token_logprobs): the HTTP API's logprobs.
+
 Penalties count the sequence's tokens, so the verifier keeps them by position (`tokens`: the prompt, then every
 committed token; whoever commits rows calls `record`). A round's root sits at position `length`, so the context
 of its tree is tokens[:length] + [root] (`processing_at(root)`), however the cache was truncated before.
@@ -29,7 +33,7 @@ from tether.server.rounds import decode_runner, forward_rows, gather_deltas, ver
 from tether.shared.drafter import DraftDelta, TargetStates
 from tether.shared.logits_processing import LogitsProcessing, SamplingControls
 from tether.shared.model import ForwardOutput, Transformer
-from tether.shared.sampling import sample_token
+from tether.shared.sampling import TokenLogprobs, sample_token, token_logprobs
 from tether.shared.speculative import DraftTree, Verdict
 
 DECODE_CHUNK = 16  # tokens plain decoding hands back at a time to stream them (one replay of chained steps on a GPU)
@@ -59,6 +63,7 @@ class SequenceVerifier:
         prefill_chunk: int = 2048,
         cache: PagedCache | None = None,
         controls: SamplingControls | None = None,
+        logprobs: int | None = None,
     ):
         self.target = target
         self.drafter = drafter  # only its server part (server_delta, i.e. LSA for MoA) is used here
@@ -68,6 +73,8 @@ class SequenceVerifier:
             raise TypeError("give the sampling rule as controls or as temperature / top_p / top_k, not both")
         controls.check_vocab(target.cfg.vocab_size)
         self.controls, self.generator = controls, generator
+        self.logprobs = logprobs  # report this many most probable tokens per emitted token (None: report nothing)
+        self.reported: list[TokenLogprobs] = []  # one per emitted token, in order, with `logprobs`
         self.tokens: list[int] = []  # the sequence by position: the prompt, then the committed tokens
         self.prompt_len = 0
         if prefill_chunk < 1:
@@ -95,6 +102,21 @@ class SequenceVerifier:
             return None
         context = self.tokens[: self.cache.length] + [root]
         return self.controls.processing(context, self.prompt_len, self.target.cfg.vocab_size)
+
+    def report(self, logits: torch.Tensor, tree: DraftTree, verdict: Verdict) -> None:
+        """With `logprobs`: the emitted tokens of a round whose forward gave `logits` [T, V] (node j's row j; emitted
+        token m was drawn at node path[m], after the accepted tokens before it)."""
+        if self.logprobs is None:
+            return
+        rows = logits[verdict.path].float().cpu().numpy()  # [tau, V]
+        base = self.processing_at(tree._tokens[0])
+        emitted = verdict.emitted_tokens(tree)
+        for m, token in enumerate(emitted):
+            self._report(rows[m] if base is None else base.after(emitted[:m]).apply_np(rows[m]), token)
+
+    def _report(self, logits, token: int) -> None:
+        c = self.controls
+        self.reported.append(token_logprobs(logits, token, self.logprobs, c.temperature, c.top_p, c.top_k, c.min_p))
 
     def reserve(self, n: int) -> None:
         """Make sure the next forward can write n rows (ValueError when the sequence is full; a paged cache
@@ -157,6 +179,9 @@ class SequenceVerifier:
         if self.controls.processes_logits:
             processing = self.controls.processing(self.tokens, self.prompt_len, self.target.cfg.vocab_size)
         first = self.sample(out.logits[0, -1], processing)
+        if self.logprobs is not None:
+            row = out.logits[0, -1].float().cpu().numpy()
+            self._report(row if processing is None else processing.apply_np(row), first)
         delta = self.drafter.server_delta(target_states(out), 0, prompt_ids) if want else None
         return first, delta
 
@@ -174,7 +199,7 @@ class SequenceVerifier:
         Greedy sequences on a step runner chain up to 16 steps per CUDA graph replay (tether.server.step)."""
         if n > self.room:
             raise ValueError(f"{n} tokens do not fit the {self.room} positions left")
-        plain_greedy = self.controls.temperature == 0 and not self.controls.processes_logits
+        plain_greedy = self.controls.temperature == 0 and not self.controls.processes_logits and self.logprobs is None
         runner = decode_runner(self.target, self.cache) if plain_greedy else None
         out: list[int] = []
         while len(out) < n:

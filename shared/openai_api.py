@@ -5,10 +5,12 @@ Contract:
 - `parse_completion(body)` / `parse_chat(body)` take the decoded JSON body of POST /v1/completions and
   /v1/chat/completions and return a `GenerationRequest`, or raise `ApiError` (400, `param` naming the field) for
   anything malformed: a wrong type (a bool is not a number), a value out of range, a field OpenAI does not have,
-  or one tether does not implement at other than its neutral value (n > 1, logprobs, tools, echo ...), so nothing
-  is silently ignored. Supported: model, prompt (a string, a token-id list, or a list of one of either) /
-  messages, max_tokens (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (0 or -1: off), seed,
-  stop (a string or up to 16), stream, stream_options.include_usage, n = 1, user, presence_penalty and
+  or one tether does not implement at other than its neutral value (tools, echo, best_of ...), so nothing is
+  silently ignored. Supported: model, prompt (a string, a token-id list, or a list of one of either) / messages,
+  max_tokens (max_completion_tokens), temperature [0, 2], top_p (0, 1], top_k (0 or -1: off), seed, stop (a string
+  or up to 16), stream, stream_options.include_usage, n in [1, MAX_N] (the app may allow fewer; choice i samples
+  with seed + i), logprobs (completions: the number of top tokens, [0, MAX_LOGPROBS]; chat: a bool, with
+  top_logprobs [0, MAX_LOGPROBS]), user, presence_penalty and
   frequency_penalty [-2, 2], logit_bias ({"token id": bias in [-100, 100]}, up to MAX_LOGIT_BIAS entries), and
   vLLM's min_p [0, 1], repetition_penalty (> 0), stop_token_ids (up to MAX_STOP_TOKEN_IDS ids that end the
   generation, their text left out, as vLLM does) and ignore_eos (generate through end-of-text: benchmarks). The
@@ -28,12 +30,14 @@ Contract:
   character split across tokens waits until whole; text that could be the start of a stop string waits until it
   is known not to be). A stop id (end of text) or a stop string ends it with finish_reason "stop"; the text
   returned ends before the stop string; hidden ids (special tokens) add no text. `flush()` gives what was held.
-- `completion_body`, `chat_body`, `completion_chunk`, `chat_chunk`, `usage` build the JSON bodies; `sse(obj)` and
-  `SSE_DONE` frame a stream.
+- `completion_choice`, `chat_choice`, `chat_delta` build one choice, `completion_body`, `chat_body`,
+  `completion_chunk`, `chat_chunk`, `usage` the JSON bodies around them; `chat_logprobs` and
+  `completion_logprobs` a choice's logprobs in each endpoint's shape (from tether.shared.sampling.TokenLogprobs, a
+  backend's `Tokens.logprobs`); `sse(obj)` and `SSE_DONE` frame a stream.
 - `Tokens(ids, offline, verified)`: a chunk of token ids as a backend yields them; `offline` marks ids the edge drafted
   alone, `verified` says how many offline ids sent before a resync has since kept
   while its link was down. A backend that can do that (the edge's) gets tether's one extension of OpenAI's schema,
-  `with_offline(body, n)`: every choice (of a body or a chunk) carries `"tether": {"offline_tokens": n}`, the
+  `with_offline(choice, n)`: every choice (of a body or a chunk) carries `"tether": {"offline_tokens": n}`, the
   number of completion tokens behind that choice's text that were made offline and not verified (in a stream:
   since the chunk before, so they add up to the body's count). Clients that do not know it ignore it (the openai
   package keeps unknown fields as extras).
@@ -54,11 +58,12 @@ import enum
 import json
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tether.shared.logits_processing import ControlError, SamplingControls
+from tether.shared.sampling import TokenLogprobs
 from tether.shared.tokenizer import Tokenizer
 
 MAX_STOP = 16  # stop strings per request
@@ -68,6 +73,8 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # accepted seeds; negative ones are taken mo
 MAX_TOP_K = (1 << 31) - 1  # past any vocabulary; the wire's SamplingParams.top_k is a uint32
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request (the gRPC server's bound too)
+MAX_LOGPROBS = 20  # top tokens reported per token (OpenAI's top_logprobs bound)
+MAX_N = 128  # choices per request at most (HttpConfig.max_n is the server's own, smaller, bound)
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                  "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
@@ -142,6 +149,7 @@ class Tokens:
     ids: list[int]  # in order, after those of the chunks before
     offline: bool = False  # drafted at the edge while the link was down, and not verified by the target
     verified: int = 0  # of the offline tokens chunks before this one carried, how many a resync has since kept
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per id, when the request asked (Sampling.logprobs)
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,7 @@ class Sampling:
     repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens; 1: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # report each token's logprob and this many top ones (None: no logprobs)
 
     @property
     def controls(self) -> SamplingControls:
@@ -180,12 +189,14 @@ class GenerationRequest:
     stream: bool  # server-sent events
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     ignore_eos: bool = False  # vLLM's extension: end-of-text does not end the generation (benchmarks)
+    n: int = 1  # choices, each generated on its own (choice i with seed + i)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
     f = _Fields(body, COMPLETION_FIELDS)
-    for name, neutral in (("echo", (False,)), ("best_of", (1,)), ("suffix", ("",)), ("logprobs", (0, False))):
+    for name, neutral in (("echo", (False,)), ("best_of", (1,)), ("suffix", ("",))):
         f.neutral(name, neutral)
+    logprobs = None if f.get("logprobs") in (None, False) else f.integer("logprobs", 0, MAX_LOGPROBS)
     prompt = f.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -199,14 +210,18 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise invalid("prompt is required: a string or a list of token ids", "prompt")
     else:
         _unicode(prompt, "prompt")
-    return _request(f, chat=False, prompt=prompt, messages=None, max_tokens=f.integer("max_tokens", 1))
+    return _request(f, chat=False, prompt=prompt, messages=None, max_tokens=f.integer("max_tokens", 1),
+                    logprobs=logprobs)  # fmt: skip
 
 
 def parse_chat(body: Any) -> GenerationRequest:
     f = _Fields(body, CHAT_FIELDS)
-    for name, neutral in (("logprobs", (False,)), ("top_logprobs", (0,)), ("tools", ([],)),
-                          ("tool_choice", ("none", "auto"))):  # fmt: skip
+    for name, neutral in (("tools", ([],)), ("tool_choice", ("none", "auto"))):
         f.neutral(name, neutral)
+    top = f.integer("top_logprobs", 0, MAX_LOGPROBS)
+    if not f.typed("logprobs", bool) and top:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if f.get("logprobs") else None
     if f.get("response_format") not in (None, {"type": "text"}):
         raise invalid('response_format: only {"type": "text"} is supported', "response_format")
     f.typed("parallel_tool_calls", bool)
@@ -215,7 +230,8 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise invalid(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")
     checked = tuple(_message(m, i) for i, m in enumerate(messages))
     limit = f.integer("max_completion_tokens", 1)
-    return _request(f, chat=True, prompt=None, messages=checked, max_tokens=limit or f.integer("max_tokens", 1))
+    return _request(f, chat=True, prompt=None, messages=checked, max_tokens=limit or f.integer("max_tokens", 1),
+                    logprobs=logprobs)  # fmt: skip
 
 
 def _message(m: Any, i: int) -> dict:
@@ -243,9 +259,10 @@ def _message(m: Any, i: int) -> dict:
     return {"role": m["role"], "content": content} | ({"name": m["name"]} if "name" in m else {})
 
 
-def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None) -> GenerationRequest:
+def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None,
+             logprobs: int | None) -> GenerationRequest:  # fmt: skip
     model = f.typed("model", str)
-    f.neutral("n", (1,))
+    n = f.integer("n", 1, MAX_N) or 1
     f.typed("user", str)
     temperature = f.number("temperature", 0.0, 2.0)
     top_p = f.number("top_p", 0.0, 1.0)
@@ -277,11 +294,12 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
         top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0),
         seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
+        logprobs=logprobs,
         **_controls(f),
     )
     ignore_eos = bool(f.typed("ignore_eos", bool))
     return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage,
-                             ignore_eos)  # fmt: skip
+                             ignore_eos, n)  # fmt: skip
 
 
 def _controls(f: _Fields) -> dict[str, Any]:
@@ -449,35 +467,66 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish: str, used: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}  # fmt: skip
+
+
+def chat_delta(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[dict], used: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": used}  # fmt: skip
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish: str, used: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+def chat_body(rid: str, created: int, model: str, choices: list[dict], used: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": used}  # fmt: skip
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None) -> dict:
-    """A streamed piece; text None with no finish reason: the usage-only last chunk (no choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+def completion_chunk(rid: str, created: int, model: str, choice: dict | None) -> dict:
+    """A streamed piece of one choice (completion_choice); None: the usage-only last chunk (no choices)."""
+    choices = [] if choice is None else [choice]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None) -> dict:
-    """A streamed piece of the assistant's message; delta None: the usage-only last chunk (no choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+def chat_chunk(rid: str, created: int, model: str, choice: dict | None) -> dict:
+    """A streamed piece of one choice's message (chat_delta); None: the usage-only last chunk (no choices)."""
+    choices = [] if choice is None else [choice]
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
 
 
-def with_offline(body: dict, offline_tokens: int) -> dict:
-    """`body` with tether's extension in its choice: how many of the choice's tokens were made offline."""
-    for choice in body["choices"]:
-        choice["tether"] = {"offline_tokens": offline_tokens}
-    return body
+def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str]) -> dict:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}, each
+    token's text by `text_of` (its decoded text; bytes are that text's UTF-8)."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}  # fmt: skip
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str], offset: int) -> dict:
+    """Completions' `logprobs`: parallel lists of the tokens' texts, logprobs, top {text: logprob} and offsets in
+    the choice's text (from `offset`: the length of its text before these tokens, each token's text counted)."""
+    texts = [text_of(e.token) for e in entries]
+    offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}  # fmt: skip
+
+
+def with_offline(choice: dict, offline_tokens: int) -> dict:
+    """`choice` with tether's extension: how many of the choice's tokens were made offline."""
+    choice["tether"] = {"offline_tokens": offline_tokens}
+    return choice
 
 
 def sse(obj: dict) -> bytes:

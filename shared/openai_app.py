@@ -3,17 +3,18 @@
 Contract:
 - `OpenAIApp(backend, HttpConfig, observer=None)`: GET /health, GET /v1/models (and /v1/models/{id}), POST
   /v1/completions and POST /v1/chat/completions, streamed as server-sent events (`data: {...}` chunks, then
-  `data: [DONE]`) or not. Requests are checked by tether.shared.openai_api before anything is allocated (the
-  sampling controls' token ids, logit_bias and stop_token_ids, against the tokenizer's vocabulary here); the prompt
-  is built here (the chat template and tokenizer of `backend.chat`, tether.shared.chat_template) and checked
-  against the backend's limits; the first token is awaited before the response starts, so a full server answers
-  with a status (503 and Retry-After) rather than a broken stream. Every error has OpenAI's shape and its status:
-  400 malformed or too long (a prompt whose byte length alone shows it cannot fit is refused before it is
-  tokenized), 401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404
-  an unknown model or route, 408 a body that does not arrive in time, 413 a body over the limit, 429 past
-  `max_streams` generations at once, 503 when the backend has no room, 500 only for a server bug (a chat template
-  that does not compile is one; one that refuses the conversation, or runs past its bounds, is the caller's 400),
-  logged in one line (tether.shared.http_observe).
+  `data: [DONE]`) or not. Requests are checked by tether.shared.openai_api before anything is allocated (the sampling
+  controls' token ids, logit_bias and stop_token_ids, against the tokenizer's vocabulary here); the prompt is built
+  here (the chat template and tokenizer of `backend.chat`, tether.shared.chat_template) and checked against the
+  backend's limits (n against `max_n`); the request's n choices and their text, logprobs and streams are
+  tether.shared.openai_generation's; the first token of each is awaited before the response starts, so a full server
+  answers with a status (503 and Retry-After) rather than a broken stream. Every error has OpenAI's shape and its
+  status: 400 malformed or too long (a prompt whose byte length alone shows it cannot fit is refused before it is
+  tokenized), 401 without a valid `Authorization: Bearer KEY` (when keys are configured; /health stays open), 404 an
+  unknown model or route, 408 a body that does not arrive in time, 413 a body over the limit, 429 past `max_streams`
+  generations at once, 503 when the backend has no room, 500 only for a server bug (a chat template that does not
+  compile is one; one that refuses the conversation, or runs past its bounds, is the caller's 400), logged in one line
+  (tether.shared.http_observe).
   A client that goes away, streaming or not, closes its generation at once.
 - Nothing CPU-bound runs on the event loop (which the gRPC server shares): decoding the body's JSON, checking it,
   rendering the chat template and tokenizing run on `config.prepare_threads` worker threads; at most
@@ -44,11 +45,9 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
-import secrets
 import socket
 import ssl
 import time
@@ -61,7 +60,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tether.shared.chat_template import ChatFormat, ChatTemplateError, TemplateProblem
@@ -74,25 +73,17 @@ from tether.shared.http_guard import (
 )
 from tether.shared.http_observe import HttpObserver, Observed, RequestRecord, record_of
 from tether.shared.openai_api import (
-    SSE_DONE,
     ApiError,
     ErrorKind,
     GenerationRequest,
     Sampling,
-    TextStream,
     Tokens,
-    chat_body,
-    chat_chunk,
-    completion_body,
-    completion_chunk,
     decode_body,
     invalid,
     parse_chat,
     parse_completion,
-    sse,
-    usage,
-    with_offline,
 )
+from tether.shared.openai_generation import Completion, EventStream
 
 log = logging.getLogger("tether.http")
 
@@ -116,6 +107,7 @@ class HttpConfig:
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     send_timeout_s: float = 60.0  # a stream the client does not read for this long is ended (its generation freed)
     prepare_threads: int = 2  # threads decoding, rendering and tokenizing requests (off the event loop)
+    max_n: int = 8  # choices per request (n) at most; each takes a generation slot of max_streams
 
 
 class Backend(Protocol):
@@ -236,6 +228,8 @@ class OpenAIApp:
         """On a worker thread: the body checked into a request, its model, prompt ids and token budget."""
         req = parse(decode_body(data))
         model = self._model(req.model)
+        if req.n > self.config.max_n:
+            raise invalid(f"n is at most {self.config.max_n} on this server", "n")
         self._token_ids(req)
         prompt = self._prompt(req)
         return req, model, prompt, self._max_tokens(req, len(prompt))
@@ -309,191 +303,19 @@ class OpenAIApp:
             self.preparing -= 1
         record = record_of(request.scope) or RequestRecord(request.method, request.url.path)
         record.prompt_tokens = len(prompt)
-        if self.live >= self.config.max_streams:
+        if self.live + req.n > self.config.max_streams:
             message = f"{self.live} generations are running, the limit is {self.config.max_streams}; try again shortly"
             raise ApiError(ErrorKind.RATE_LIMITED, message, retry_after_s=self.config.retry_after_s)
-        gen = _Generation(self, req, model, prompt, max_tokens, record)
+        gen = Completion(self, req, model, prompt, max_tokens, record)
         await gen.start()
         if req.stream:
-            return _EventStream(gen.events(), self.config.send_timeout_s, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            return EventStream(gen.events(), self.config.send_timeout_s, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         return await gen.respond(request)
 
-
-class _Generation:
-    """One request's generation: holds one of the app's slots from construction until `close`."""
-
-    def __init__(self, app: OpenAIApp, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int,
-                 record: RequestRecord):  # fmt: skip
-        chat = app.backend.chat
-        self.app, self.req, self.model, self.prompt, self.max_tokens = app, req, model, prompt, max_tokens
-        self.rid = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
-        self.record = record
-        record.session = self.rid
-        self.created = int(time.time())
-        # The request's stop tokens end it even with ignore_eos; their text is left out, as vLLM leaves it.
-        stop_ids = (frozenset() if req.ignore_eos else chat.stop_ids) | frozenset(req.sampling.stop_token_ids)
-        self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids)
-        self.finish = "length"
-        self.first = Tokens([])
-        self.offline_tokens = 0  # tokens consumed that were made offline
-        self._offline_unsent = 0  # of those, the ones no streamed chunk has counted yet
-        app.live += 1
-        self._closed = False
-        self.chunks = app.backend.generate(prompt, req.sampling, max_tokens)
-
-    async def start(self) -> None:
-        """Wait for the first token (the prefill): a refusal here is still the response's status."""
-        try:
-            self.first = await anext(self.chunks)
-        except StopAsyncIteration:
-            self.first = Tokens([])
-        except BaseException:
-            await self.close()
-            raise
-        self.record.first_token()
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.app.live -= 1
-            self.record.completion_tokens = self.text.tokens
-            await self.chunks.aclose()
-
-    async def pieces(self) -> AsyncIterator[str]:
-        """The completion's text as it is decided; `finish` is "stop" or "length" once it ends."""
-        chunk = self.first
-        while True:
-            self._count_verified(chunk)
-            for token in chunk.ids:
-                piece = self.text.push(token)
-                if chunk.offline:
-                    self.offline_tokens += 1
-                    self._offline_unsent += 1
-                if piece:
-                    yield piece
-                if self.text.finish_reason is not None or self.text.tokens >= self.max_tokens:
-                    break
-            if self.text.finish_reason is not None:
-                self.finish = "stop"
-                return
-            if self.text.tokens >= self.max_tokens:
-                break
-            try:
-                chunk = await anext(self.chunks)
-            except StopAsyncIteration:
-                break
-        tail = self.text.flush()
-        self.finish = "stop" if self.text.finish_reason is not None else "length"
-        if tail:
-            yield tail
-
-    def _count_verified(self, chunk: Tokens) -> None:
-        """Offline tokens a resync kept are verified now: counted offline no longer (a streamed chunk that already
-        counted them stands, as it was true when sent)."""
-        if chunk.verified:
-            self.offline_tokens -= min(chunk.verified, self.offline_tokens)
-            self._offline_unsent -= min(chunk.verified, self._offline_unsent)
-
-    async def _settle(self) -> None:
-        """After the last token: the chunks the backend still yields (its final resync's verdict) for the counts."""
-        if self.app.backend.drafts_offline and self.offline_tokens and self.text.finish_reason is None:
-            with contextlib.suppress(ApiError):
-                async for chunk in self.chunks:
-                    self._count_verified(chunk)
-
-    def _usage(self) -> dict:
-        return usage(len(self.prompt), self.text.tokens)
-
-    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> bytes:
-        if self.req.chat:
-            delta = None if text is None else ({"role": "assistant", "content": text} if role else
-                                                {"content": text} if text or not finish else {})  # fmt: skip
-            body = chat_chunk(self.rid, self.created, self.model, delta, finish)
-        else:
-            body = completion_chunk(self.rid, self.created, self.model, text, finish)
-        if self.app.backend.drafts_offline:
-            body, self._offline_unsent = with_offline(body, self._offline_unsent), 0
-        if self.req.include_usage:
-            body["usage"] = self._usage() if text is None else None
-        return sse(body)
-
-    async def events(self) -> AsyncIterator[bytes]:
-        try:
-            if self.req.chat:
-                yield self._chunk("", role=True)
-            async for piece in self.pieces():
-                yield self._chunk(piece)
-            yield self._chunk("", self.finish)
-            if self.req.include_usage:
-                yield self._chunk(None)
-        except ApiError as e:  # the backend ran out of room mid-stream: say so in the stream, as vLLM does
-            yield sse(e.body())
-        finally:
-            await self.close()
-        yield SSE_DONE
-
-    async def respond(self, request: Request) -> Response:
-        """The whole completion as one JSON body; the generation is closed at once if the client goes away."""
-
-        async def whole() -> str:
-            text = "".join([piece async for piece in self.pieces()])
-            await self._settle()
-            return text
-
-        text_task = asyncio.ensure_future(whole())
-        gone_task = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({text_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not text_task.done():
-                return Response(status_code=499)  # nobody is listening; the status is for the access log only
-            text = text_task.result()
-        finally:
-            for task in (text_task, gone_task):
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ApiError):
-                await text_task
-            await self.close()
-        build = chat_body if self.req.chat else completion_body
-        body = build(self.rid, self.created, self.model, text, self.finish, self._usage())
-        return JSONResponse(with_offline(body, self.offline_tokens) if self.app.backend.drafts_offline else body)
-
-
-class _StalledReader(Exception):
-    """The client stopped reading a stream: a send waited past send_timeout_s."""
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response whose generator is closed however the response ends (a disconnect cancels the sending
-    task while the generator waits at a yield, where nothing else would close it until garbage collection), and
-    ends when the client stops reading: a connection that is open but not read would hold its generation (and its
-    KV and a max_streams slot) for as long as the client likes."""
-
-    def __init__(self, content, send_timeout_s: float, **kwargs):
-        super().__init__(content, **kwargs)
-        self.send_timeout_s = send_timeout_s
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def sending(message) -> None:
-            try:
-                async with asyncio.timeout(self.send_timeout_s):
-                    await send(message)
-            except TimeoutError:
-                raise _StalledReader from None
-
-        try:
-            await super().__call__(scope, receive, sending)
-        except _StalledReader:
-            log.info("%s: the client stopped reading its stream for %g s: generation closed", scope["path"],
-                     self.send_timeout_s)  # fmt: skip
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away (the body has been read: the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    def token_text(self, token: int) -> str:
+        """A token's own text, as logprobs name it."""
+        return self.backend.chat.tokenizer.decode([token])
 
 
 def error_response(e: ApiError) -> JSONResponse:

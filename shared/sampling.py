@@ -10,7 +10,9 @@ token tied with the k-th; here exactly k survive); min-p comes last as in vLLM's
 are the processed ones when a sequence has penalties or a logit_bias (tether.shared.logits_processing).
 `proposal(p, width)` is a drafted token's proposal: the `width` most probable tokens of p, renormalised, which both
 drafters draw from and send as q; `top_k_ids(x, k)` the k largest ids of each row, as a stable sort orders them,
-without sorting the vocabulary. `probabilities` and `sample_token` are the same rule for torch tensors (torch
+without sorting the vocabulary. `token_logprobs(logits, token, top, ...)` is what an API reports of a sampled
+token: the log-probabilities of the distribution it was drawn from (see its docstring), its own and the `top` most
+probable. `probabilities` and `sample_token` are the same rule for torch tensors (torch
 drafters, the model's own `generate`, the server's plain decoding): they compute it through `probabilities_np`, so
 the two ends cannot drift apart, and return to the tensor's device. The speculative verifier applies the same rule
 to the target's logits in float64 on the device (tether.shared.speculative.target_probs), so lossless rejection
@@ -22,6 +24,7 @@ sampling compares like with like. Importing this module does not import torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,6 +71,34 @@ def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float 
         p = np.where(p < np.float32(min_p) * p.max(-1, keepdims=True), np.float32(0), p)
         p /= p.sum(-1, keepdims=True)
     return p
+
+
+LOGPROB_FLOOR = -9999.0  # reported for a token the rule removed (probability 0), as vLLM's OpenAI server clamps
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probabilities (natural log), as an API reports them."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most probable tokens (id, logprob), most probable first
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int, temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, min_p: float = 0.0) -> TokenLogprobs:  # fmt: skip
+    """The log-probabilities of the distribution `token` was drawn from, given its (processed) logits [V]: the
+    sampling rule's (temperature, then top-k, top-p and min-p, renormalised over the tokens they keep, as
+    `probabilities_np` keeps them), computed as a float64 log-softmax so that small probabilities keep their
+    digits; a greedy position reports the rule at temperature 1 (vLLM's processed logprobs do the same). A token
+    the rule removed reports LOGPROB_FLOOR."""
+    t = temperature or 1.0
+    kept = probabilities_np(logits, t, top_p, top_k, min_p) > 0  # [V]
+    z = np.asarray(logits, dtype=np.float64) / t
+    m = z[kept].max()
+    lp = np.where(kept, z - (m + np.log(np.exp(z[kept] - m).sum())), LOGPROB_FLOOR)  # [V]
+    best = top_k_ids(lp, top) if top > 0 else np.zeros(0, np.intp)
+    return TokenLogprobs(int(token), float(lp[token]), tuple((int(i), float(lp[i])) for i in best))
 
 
 def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:

@@ -198,7 +198,7 @@ def test_raw_sse_chunks_and_usage(api):
     "path,body,status,param,code",
     [
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "invalid_request"),
+        ("/v1/completions", {"prompt": "x", "n": 9}, 400, "n", "invalid_request"),  # HttpConfig.max_n is 8
         ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature", "invalid_request"),
         ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature", "invalid_request"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_request"),
@@ -213,8 +213,8 @@ def test_raw_sse_chunks_and_usage(api):
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "invalid_request"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
          "invalid_request"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
-         "invalid_request"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                  "top_logprobs": 21}, 400, "top_logprobs", "invalid_request"),
     ],
 )  # fmt: skip
 def test_errors_have_openais_shape_and_status(api, path, body, status, param, code):
@@ -252,7 +252,7 @@ def test_malformed_bodies_routes_and_methods(api):
     with pytest.raises(openai.NotFoundError):
         api["client"].chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError) as e:
-        api["client"].completions.create(model=MODEL, prompt="x", n=3)
+        api["client"].completions.create(model=MODEL, prompt="x", n=9)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
 
 

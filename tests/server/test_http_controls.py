@@ -1,11 +1,13 @@
 """The sampling controls on the server's OpenAI-compatible HTTP API, over a real server on 127.0.0.1 with a tiny
 model: /v1/completions and /v1/chat/completions with penalties, logit_bias (OpenAI's string-keyed map) and min_p
 write what the model's own step-by-step decoding with the same controls writes; stop_token_ids end the text; a
-value out of range is a 400 naming its param."""
+value out of range is a 400 naming its param; logprobs are each position's processed distribution (streamed and
+not); n choices are n generations, choice i with seed + i."""
 
 import httpx
 import pytest
 import torch
+from sse import sse_events
 from tiny_models import tiny_target
 
 from tether.server.errors import Reason, RequestError
@@ -15,6 +17,7 @@ from tether.server.service import ServiceConfig, TetherService
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.openai_api import TextStream
 from tether.shared.openai_app import HttpConfig
+from tether.shared.sampling import token_logprobs
 from tether.shared.tokenizer import Tokenizer
 
 FP = "f" * 64
@@ -123,3 +126,73 @@ def test_the_service_refusal_of_a_field_keeps_its_name():
     answers 400 with the field as param."""
     e = api_error(RequestError(Reason.REASON_INVALID_REQUEST, "logit_bias token 300 is outside", field="logit_bias"))
     assert (e.kind.status, e.param) == (400, "logit_bias")
+
+
+def reference_logprobs(service, prompt: list[int], tokens: list[int], controls: SamplingControls, top: int) -> list:
+    """What each token's logprobs must be: the processed distribution of its position, from the model's own
+    step-by-step forward (tether.shared.sampling.token_logprobs over SamplingControls' processing)."""
+    target, out = service.target, []
+    cache = target.new_cache(1, len(prompt) + len(tokens))
+    logits = target.prefill(torch.tensor([prompt]), cache, last_only=True).logits[0, -1]
+    for m, token in enumerate(tokens):
+        x = logits.detach().float().numpy()
+        proc = controls.processing(prompt + tokens[:m], len(prompt), target.cfg.vocab_size)
+        x = x if proc is None else proc.apply_np(x)
+        out.append(token_logprobs(x, token, top, controls.temperature, controls.top_p, controls.top_k, controls.min_p))
+        logits = target.prefill(torch.tensor([[token]]), cache).logits[0, -1]
+    return out
+
+
+def test_completion_logprobs_are_the_processed_distributions(api):
+    service, url = api
+    controls = SamplingControls(frequency_penalty=1.0, logit_bias={50: 3.0})
+    tokens = list(service.target.generate(torch.tensor([PROMPT]), 6, controls=controls))
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3, "frequency_penalty": 1.0,
+            "logit_bias": {"50": 3}, "ignore_eos": True}  # fmt: skip
+    lp = post(url + "/completions", body).json()["choices"][0]["logprobs"]
+    expected = reference_logprobs(service, PROMPT, tokens, controls, 3)
+    text = service.tokenizer.decode
+    assert lp["tokens"] == [text([t]) for t in tokens]
+    assert lp["token_logprobs"] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    for got, e in zip(lp["top_logprobs"], expected, strict=True):
+        # Keyed by text, as OpenAI's completions report them: tokens of one text (partial UTF-8) share a key.
+        assert got == pytest.approx({text([t]): v for t, v in e.top}, abs=1e-4) and len(e.top) == 3
+    # Greedy: each token is its processed distribution's most probable (reported at temperature 1, as vLLM's).
+    assert all(e.top[0] == (e.token, e.logprob) for e in expected)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
+
+
+def test_streamed_chat_logprobs_cover_every_token(api):
+    _, url = api
+    body = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8, "temperature": 0.8, "seed": 1,
+            "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}  # fmt: skip
+    events = sse_events(url + "/chat/completions", {"model": MODEL, **body}, BOUND_S)
+    entries = [e for ev in events[:-1] if ev["choices"] and ev["choices"][0]["logprobs"]
+               for e in ev["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    assert len(entries) == events[-2]["usage"]["completion_tokens"] == 8
+    for e in entries:
+        assert len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode())
+        assert e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+    whole = post(url + "/chat/completions", body | {"stream": False, "stream_options": None}).json()
+    assert whole["choices"][0]["logprobs"]["content"] == entries  # the same seed: the same tokens and figures
+
+
+def test_n_choices_each_sample_with_their_own_seed(api):
+    _, url = api
+    body = {"max_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True}
+    many = post(url + "/completions", body | {"prompt": PROMPT, "n": 3}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    alone = [post(url + "/completions", body | {"prompt": PROMPT, "seed": 5 + i}).json()["choices"][0]["text"]
+             for i in range(3)]  # fmt: skip
+    assert [c["text"] for c in many["choices"]] == alone and len(set(alone)) > 1
+    assert many["usage"]["completion_tokens"] == 24
+    body |= {"messages": [{"role": "user", "content": "x"}], "n": 2}
+    events = sse_events(url + "/chat/completions", {"model": MODEL, **body, "stream": True}, BOUND_S)
+    texts, finished = ["", ""], [None, None]
+    for ev in events[:-1]:
+        choice = ev["choices"][0]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        finished[choice["index"]] = choice["finish_reason"] or finished[choice["index"]]
+    chat = post(url + "/chat/completions", body).json()
+    assert texts == [c["message"]["content"] for c in chat["choices"]] and finished == ["length", "length"]

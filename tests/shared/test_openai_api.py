@@ -67,7 +67,10 @@ def test_sampling_controls_and_stop_token_ids():
         ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 129}, "n"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -105,6 +108,9 @@ def test_completion_refusals_name_the_field(body, param):
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
          "response_format"),
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ],
 )  # fmt: skip
 def test_chat_refusals_name_the_field(body, param):
