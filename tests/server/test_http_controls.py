@@ -196,3 +196,16 @@ def test_n_choices_each_sample_with_their_own_seed(api):
         finished[choice["index"]] = choice["finish_reason"] or finished[choice["index"]]
     chat = post(url + "/chat/completions", body).json()
     assert texts == [c["message"]["content"] for c in chat["choices"]] and finished == ["length", "length"]
+
+
+def test_logprobs_of_choices_decoded_together_equal_each_alone(api):
+    """Two choices decode through the batcher (each token a round verified with the other's): their logprobs are
+    what each reports decoded alone."""
+    _, url = api
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.9, "seed": 11, "logprobs": 2,
+            "presence_penalty": 0.5, "ignore_eos": True}  # fmt: skip
+    both = post(url + "/completions", body | {"n": 2}).json()["choices"]
+    for i, choice in enumerate(both):
+        alone = post(url + "/completions", body | {"seed": 11 + i}).json()["choices"][0]
+        assert choice["text"] == alone["text"] and choice["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(alone["logprobs"]["token_logprobs"], abs=1e-4)

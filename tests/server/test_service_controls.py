@@ -152,6 +152,20 @@ def test_a_control_out_of_range_is_invalid_argument_naming_it(served, field):
     assert inline.reason == pb.REASON_INVALID_REQUEST and field in inline.message
 
 
+def test_the_refused_field_is_a_bad_request_detail(served):
+    """Besides the message, the rich status names the field as google.rpc.BadRequest does."""
+    from google.rpc import error_details_pb2, status_pb2
+
+    _, _, stub, _ = served
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, PROMPT, 4, pb.SamplingParams(min_p=2.0))
+    raw = dict(e.value.trailing_metadata())["grpc-status-details-bin"]
+    details = status_pb2.Status.FromString(raw).details
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in details)
+    assert [v.field for v in bad.field_violations] == ["min_p"]
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_refused(served):
     _, _, stub, _ = served
     r = refusal(lambda: generate(stub, PROMPT, 4, pb.SamplingParams(logit_bias={VOCAB: 1.0})))
