@@ -13,8 +13,9 @@
 - A session restored from its file under a penalty goes on as if it had never stopped.
 - A server that says it does not apply the controls is refused before anything is downloaded.
 
-The server is the default models' (tests/e2e/conftest.py); its service's methods are wrapped to record requests and
-to cut the link on events (the first verdict; a resync until the client has drafted enough alone), not on time.
+One server of the default models (tests/e2e/conftest.py) serves the module; its service's methods are wrapped to
+record requests and to cut the link on events (the first verdict; a resync until the client has drafted enough
+alone), not on time.
 """
 
 import asyncio
@@ -50,7 +51,10 @@ class Watch:
     the first verdict and refuses resyncs until they carry OFFLINE drafted tokens; the first resync let through is
     sent on under an unknown session id, so the client sends it again with the history."""
 
-    def __init__(self, cut: bool = False):
+    def __init__(self):
+        self.reset()
+
+    def reset(self, cut: bool = False) -> None:
         self.cut, self.cut_done = cut, False
         self.opens: list[pb.OpenSession] = []
         self.resyncs: list[pb.ResyncRequest] = []
@@ -90,6 +94,26 @@ class Watch:
 
 
 @pytest.fixture(scope="module")
+def served(start_server):
+    """One server for the module (each holds a KV pool of its own), watched: (address, service, watch)."""
+    watch = Watch()
+    address, service = start_server(watch)
+    return address, service, watch
+
+
+@pytest.fixture
+def server(served):
+    """The module's server for one test: its watch reset, and its model info as served again afterwards."""
+    address, service, watch = served
+    info = pb.ModelInfo()
+    info.CopyFrom(service.model_info)
+    watch.reset()
+    yield served
+    service.model_info.CopyFrom(info)
+    watch.reset()
+
+
+@pytest.fixture(scope="module")
 def models():
     target, tok = load(default_model_dir(), "cpu")
     return target, load_drafter(default_model_dir("drafter"), target), tok
@@ -110,10 +134,10 @@ def drafted_after(models, prompt: list[int], first: int, n: int, controls: Sampl
     return drafter.draft(first, n, processing=proc)[0]
 
 
-def test_the_controls_travel_and_the_offline_text_is_the_drafters_processed_greedy(start_server, models,
+def test_the_controls_travel_and_the_offline_text_is_the_drafters_processed_greedy(server, models,
                                                                                     paired_once):  # fmt: skip
-    watch = Watch(cut=True)
-    address, _ = start_server(watch)
+    address, _, watch = server
+    watch.reset(cut=True)
     prompt = models[2].encode(PROMPT)
     # Penalties strong enough to change the drafter's greedy text.
     plain = SamplingControls()
@@ -141,9 +165,8 @@ def test_the_controls_travel_and_the_offline_text_is_the_drafters_processed_gree
     assert result.stats.resyncs == 1 and result.stats.offline_tokens == OFFLINE
 
 
-def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(start_server, models, paired_once):
-    watch = Watch()
-    address, service = start_server(watch)
+def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(server, paired_once):
+    address, service, watch = server
     base = dataclasses.replace(config(address, paired_once), max_new_tokens=12)
     session = EdgeSession(base)
     try:
@@ -170,20 +193,16 @@ def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(start_server, 
 
 
 @torch.inference_mode()
-def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(start_server, models, paired_once):
+def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(server, models, paired_once):
     target, drafter, tok = models
     prompt = tok.encode(PROMPT)
     first, _ = SequenceVerifier(target, drafter, capacity=len(prompt) + 8).open(prompt)  # the server's first token
     drafts = drafted_after(models, prompt, first, OFFLINE, SamplingControls())
     end = drafts[3]
     assert end not in [first, *drafts[:3]] and end != tok.eos_id
-    watch = Watch(cut=True)
-
-    def edit(service):
-        watch(service)
-        service.model_info.eos_ids[:] = [tok.eos_id, end]  # as Llama 3 instruct lists <|end_of_text|>, <|eot_id|>
-
-    address, _ = start_server(edit)
+    address, service, watch = server
+    watch.reset(cut=True)
+    service.model_info.eos_ids[:] = [tok.eos_id, end]  # as Llama 3 instruct lists <|end_of_text|>, <|eot_id|>
     session = EdgeSession(config(address, paired_once, max_offline_tokens=OFFLINE))
     try:
         result = session.run(PROMPT)
@@ -192,12 +211,12 @@ def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(start_serve
     assert result.token_ids == [first, *drafts[:4]] and result.tags == ["verified"] + ["offline"] * 4
 
 
-def test_a_banned_token_is_never_sampled_online_or_offline(start_server, paired_once):
+def test_a_banned_token_is_never_sampled_online_or_offline(server, paired_once):
     """Sampling with a token's logit_bias at -100: the server never emits it, and neither does the drafter alone."""
+    address, _, watch = server
     runs = {}
     for name, bias in (("plain", ()), ("banned", ((BANNED, -100.0),))):
-        watch = Watch(cut=True)
-        address, _ = start_server(watch)
+        watch.reset(cut=True)
         cfg = config(address, paired_once, temperature=1.0, seed=5, max_offline_tokens=OFFLINE, logit_bias=bias)
         session = EdgeSession(dataclasses.replace(cfg, max_new_tokens=40))
         try:
@@ -208,10 +227,10 @@ def test_a_banned_token_is_never_sampled_online_or_offline(start_server, paired_
     assert BANNED not in runs["banned"].token_ids and runs["banned"].stats.offline_tokens == OFFLINE
 
 
-def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, paired_once):
+def test_greedy_under_controls_on_the_edge_equals_the_servers_own(server, paired_once):
     """Drafted under the processed rule and verified by the server with it, the edge's greedy text is the server's
     own processed greedy decoding (Generate, no drafter), as chains and as trees, drafted on onnxruntime or torch."""
-    address, _ = start_server()
+    address, *_ = server
     controls = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logit_bias=((13, -100.0),))
     for shape, backend in (("chain", "onnx"), ("tree", "onnx"), ("chain", "torch")):
         cfg = dataclasses.replace(config(address, paired_once, **controls), tree=shape, pipeline=True, backend=backend)
@@ -228,10 +247,10 @@ def test_greedy_under_controls_on_the_edge_equals_the_servers_own(start_server, 
         assert want != plain and 13 not in want
 
 
-def test_a_chats_turn_under_a_penalty_is_a_fresh_sessions_reply(start_server, paired_once):
+def test_a_chats_turn_under_a_penalty_is_a_fresh_sessions_reply(server, paired_once):
     """Under a penalty a turn opens a new server session over the whole conversation (extended, the server would
     count the turn's tokens as generated), so its reply is a fresh session's."""
-    address, _ = start_server()
+    address, *_ = server
     cfg = dataclasses.replace(config(address, paired_once, presence_penalty=0.6, frequency_penalty=0.3),
                               max_new_tokens=12)  # fmt: skip
     session = EdgeSession(cfg)
@@ -256,11 +275,11 @@ class Killed(Exception):
 
 
 @pytest.mark.parametrize("policy", ["keep", "rewind"])
-def test_a_session_restored_under_a_penalty_goes_on_as_if_never_stopped(start_server, paired_once, tmp_path,
+def test_a_session_restored_under_a_penalty_goes_on_as_if_never_stopped(server, paired_once, tmp_path,
                                                                          policy):  # fmt: skip
     """Restored from its session file, a penalised greedy generation ends as the uninterrupted one: the new server
     session counts the generated text as generated (it is absorbed after an open over the prompt alone)."""
-    address, _ = start_server()
+    address, *_ = server
     cfg = config(address, paired_once, presence_penalty=0.8, frequency_penalty=0.4, policy=policy)
     session = EdgeSession(cfg)
     try:
@@ -285,9 +304,8 @@ def test_a_session_restored_under_a_penalty_goes_on_as_if_never_stopped(start_se
     assert result.token_ids == whole and result.stats.retracted == 0 and result.stats.resyncs == 1
 
 
-def test_the_edge_api_passes_a_requests_controls_to_its_session(start_server, paired_once):
-    watch = Watch()
-    address, _ = start_server(watch)
+def test_the_edge_api_passes_a_requests_controls_to_its_session(server, paired_once):
+    address, _, watch = server
     backend = EdgeBackend.connect(config(address, paired_once))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -331,11 +349,9 @@ def test_the_edge_api_passes_a_requests_controls_to_its_session(start_server, pa
         thread.join(BOUND_S)
 
 
-def test_a_server_that_does_not_apply_the_controls_is_refused_before_a_download(start_server, tmp_path):
-    def older(service):
-        service.model_info.sampling_controls = False
-
-    address, service = start_server(older)
+def test_a_server_that_does_not_apply_the_controls_is_refused_before_a_download(server, tmp_path):
+    address, service, _ = server
+    service.model_info.sampling_controls = False  # as a server older than the controls says
     session = EdgeSession(config(address, str(tmp_path), presence_penalty=0.5))
     try:
         with pytest.raises(ControlsNotOffered, match="presence_penalty"):
