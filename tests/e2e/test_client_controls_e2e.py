@@ -2,6 +2,7 @@
 
 - Open and Resync carry the controls in SamplingParams, and a Resync that sends the history says the prompt's
   length; Generate (a server-only stream) carries them too.
+- Online, every chain sent is the drafter's processed greedy chain, each position with its own context's counts.
 - Offline, the drafter writes its processed greedy text: each token the argmax of the drafter's logits after
   logit_bias and penalties counted over the text so far (the torch drafter over the same prompt states gives it).
 - A generation ends at any of ModelInfo.eos_ids, not only the first, and at the request's stop token ids, on the
@@ -38,6 +39,7 @@ from tether.server.verifier import SequenceVerifier
 from tether.shared.drafter import load_drafter
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.openai_app import HttpConfig, HttpServer, OpenAIApp
+from tether.shared.speculative import DraftTree
 from tether.v1 import tether_pb2 as pb
 
 PROMPT = "def read_config(path):\n    with open(path"
@@ -57,6 +59,7 @@ class Watch:
     def reset(self, cut: bool = False) -> None:
         self.cut, self.cut_done = cut, False
         self.opens: list[pb.OpenSession] = []
+        self.rounds: list[pb.DraftRound] = []
         self.resyncs: list[pb.ResyncRequest] = []
         self.generates: list[pb.OpenSession] = []
 
@@ -68,6 +71,8 @@ class Watch:
                 async for m in request_iterator:
                     if m.HasField("open"):
                         self.opens.append(copy.deepcopy(m.open))
+                    if m.HasField("round"):
+                        self.rounds.append(copy.deepcopy(m.round))
                     yield m
 
             async for reply in session(tap(), context):
@@ -163,6 +168,37 @@ def test_the_controls_travel_and_the_offline_text_is_the_drafters_processed_gree
     assert history and all(r.HasField("prompt_length") and r.prompt_length == len(prompt) for r in history)
     assert not any(r.HasField("prompt_length") for r in watch.resyncs if not r.history)
     assert result.stats.resyncs == 1 and result.stats.offline_tokens == OFFLINE
+
+
+@torch.inference_mode()
+def test_each_online_round_is_the_drafters_processed_greedy_chain(server, models, paired_once):
+    """Every chain the edge sends is the drafter's greedy chain under the controls, each position processed with
+    the counts of the text through the round's root and the drafts before it: replayed with the torch drafter over
+    the target's own states, round by round."""
+    address, _, watch = server
+    controls = SamplingControls(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2)
+    session = EdgeSession(config(address, paired_once, presence_penalty=0.8, frequency_penalty=0.4,
+                                 repetition_penalty=1.2))  # fmt: skip
+    try:
+        result = session.run(PROMPT)
+    finally:
+        session.close()
+    target, drafter, tok = models
+    prompt = tok.encode(PROMPT)
+    verifier = SequenceVerifier(target, drafter, capacity=len(prompt) + 40, controls=controls)
+    root, delta = verifier.open(prompt)
+    drafter.begin(delta)
+    text = [root]
+    for sent in watch.rounds:
+        assert sent.root == root
+        proc = controls.processing([*prompt, *text], len(prompt), target.cfg.vocab_size)
+        chain = drafter.draft(root, len(sent.tokens), processing=proc)[0]
+        assert list(sent.tokens) == chain, len(text)
+        verdict, delta = verifier.verify(DraftTree.chain(root, chain))
+        drafter.commit(delta)
+        text += verdict.emitted_tokens(DraftTree.chain(root, chain))
+        root = text[-1]
+    assert text[: len(result.token_ids)] == result.token_ids and result.stats.accepted > 0
 
 
 def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(server, paired_once):
