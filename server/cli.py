@@ -182,17 +182,22 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.server.generate import GenerateConfig, generate_text
+    from tether.shared.logits_processing import ControlError
 
     cfg, _ = local_models(build_config(GenerateConfig, args))
-    if args.json:
-        print(json.dumps(generate_text(cfg, started=STARTED)))
-        return 0
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate_text(cfg, show, on_start=lambda: show(cfg.prompt), started=STARTED)  # the prompt echoed
+    try:  # a control out of its range (or a logit_bias id outside the vocabulary) is refused before the prompt shows
+        if args.json:
+            print(json.dumps(generate_text(cfg, started=STARTED)))
+            return 0
+        result = generate_text(cfg, show, on_start=lambda: show(cfg.prompt), started=STARTED)  # the prompt echoed
+    except ControlError as e:
+        print(f"tether-server generate: error: --{e.control.replace('_', '-')}: {e}", file=sys.stderr)
+        return 2
     how = f"{result['drafter']} drafter, tau {result['tau']}" if result["drafter"] else "plain decoding"
     first = ""
     if result["ttft_s"] is not None:
@@ -262,9 +267,9 @@ def _warm_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    from tether.server.generate import GenerateConfig
+    from tether.server.generate import GenerateConfig, logit_bias_pair
 
-    add_dataclass_args(p, GenerateConfig)
+    add_dataclass_args(p, GenerateConfig, types={"logit_bias": logit_bias_pair, "stop_token_ids": int})
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, wall_s, ...)")
 
 

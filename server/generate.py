@@ -9,10 +9,13 @@ failure never follows it). Returns a summary dict: text, token_ids, rounds, tau,
 and time to first token two ways: `ttft_s` from the start of decoding (the models ready) and `ttft_from_start_s`
 from `started` (a time.perf_counter() reading: the CLI passes its process's start; default: the call), with
 `ready_s`, `started` to the models ready. A cuda `device` that this machine lacks, and a model directory that is
-missing, empty or incomplete, are a CommandError (tether.shared.cli_support) before anything loads.
+missing, empty or incomplete, are a CommandError (tether.shared.cli_support) before anything loads. The sampling
+rule is GenerateConfig.controls (min_p, the penalties, logit_bias: tether.shared.logits_processing); the text
+ends after any end-of-text id of the model or a `stop_token_ids` id (left out of the text).
 
     tether-server generate --prompt "def fib(n):" --max-new-tokens 64            # default target + drafter
     tether-server generate --drafter none --prompt "def fib(n):"                 # plain decoding
+    tether-server generate --prompt "import" --frequency-penalty 0.5 --logit-bias 13=-100 --stop-token-ids 7
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tether.shared.attention import register_backend
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import TARGET_FILES, check_model_dir, require_device
 from tether.shared.drafter import load_drafter
+from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
@@ -52,6 +56,27 @@ class GenerateConfig:
     top_k: int = 0  # sample among the k most probable tokens only (0: no limit)
     seed: int = 0  # sampling seed
     device: str = ""  # "cpu" / "cuda"; empty = cuda when present
+    min_p: float = 0.0  # drop tokens below min_p x the most probable one's probability (0: off)
+    presence_penalty: float = 0.0  # in [-2, 2], over the generated tokens
+    frequency_penalty: float = 0.0  # in [-2, 2], over the generated tokens
+    repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens (1: off)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # ID=BIAS pairs, each bias in [-100, 100]
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the text besides the model's end-of-text ids
+
+    @property
+    def controls(self) -> SamplingControls:
+        """The sampling rule (ControlError, naming the control, for a value out of its range)."""
+        return SamplingControls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)  # fmt: skip
+
+
+def logit_bias_pair(text: str) -> tuple[int, float]:
+    """--logit-bias's ID=BIAS (argparse's type: a ValueError is its usage error)."""
+    token, sep, bias = text.partition("=")
+    if not sep:
+        raise ValueError(f"--logit-bias takes ID=BIAS, got {text!r}")
+    return int(token), float(bias)
 
 
 def pick_device(requested: str) -> str:
@@ -104,6 +129,7 @@ def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "
 def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None, *,
                   on_start: Callable[[], None] | None = None, started: float | None = None) -> dict:  # fmt: skip
     started = time.perf_counter() if started is None else started
+    controls = cfg.controls  # its ranges checked before anything loads
     device = pick_device(cfg.device)
     model, tok = load(cfg.model, device)
     drafter = None
@@ -117,6 +143,7 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
             f"max_seq_len {model.cfg.max_seq_len}"
         )
+    controls.check_vocab(model.cfg.vocab_size)
     generator = torch.Generator().manual_seed(cfg.seed)
     text_stream = tok.detokenizer()
     engine = SpeculativeEngine(model, drafter, k=cfg.k)
@@ -133,15 +160,13 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         on_start()
     t0 = time.perf_counter()
     first = None  # when the first token came
-    chunks = engine.generate(
-        prompt_ids, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        stop_ids=tok.eos_ids, generator=generator,
-    )  # fmt: skip
+    chunks = engine.generate(prompt_ids, cfg.max_new_tokens, controls=controls, generator=generator,
+                             stop_ids=(*tok.eos_ids, *cfg.stop_token_ids))  # fmt: skip
     for chunk in chunks:
         if first is None and chunk:
             first = time.perf_counter()
         new += chunk
-        emit(text_stream.push(t for t in chunk if t not in tok.eos_ids))
+        emit(text_stream.push(t for t in chunk if t not in tok.eos_ids and t not in cfg.stop_token_ids))
     emit(text_stream.flush())
     wall = time.perf_counter() - t0
     return {
