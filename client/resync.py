@@ -18,8 +18,8 @@ behind its delta gate, the stub and the stream); docs/ARCHITECTURE.md, section 7
   the user's, not the drafter's), and generates after them; offline, the drafter reads them and answers alone.
   Otherwise, and always under a penalty (which counts a fresh session's whole conversation as its prompt, and would
   count tokens absorbed as generated), the server session is closed and run() opens a new one over the whole
-  prompt (Stats.reopened). Either
-  way the session then holds exactly `prompt`: a greedy reply is what a fresh session over it would give.
+  prompt (Stats.reopened). Either way the session then holds exactly `prompt`: a greedy reply is what a fresh
+  session over it would give.
 
 Tests: tests/e2e/test_chaos.py (outages, rewind, lost sessions), tests/e2e/test_chat_e2e.py (turns: one server
 session, replies equal to fresh sessions', a server gone between turns), tests/client/test_chat.py.

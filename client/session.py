@@ -32,8 +32,8 @@ A generation ends at `max_new_tokens`, at one of `stop_ids` (every end-of-text i
 token ids, and what a chat adds: its template's end of turn), at the model's context, or at `stop()`
 (thread-safe); close() closes the server session if one is still held, then the channel. A server without a
 drafter (ModelInfo.server_only) is refused by pair() with REASON_NO_DRAFTER: call `model_info()` first and stream
-from it with tether.client.server_only. The first call
-(`model_info()`, `pair()`) reports an address where no tether server answers as transport.Unreachable.
+from it with tether.client.server_only. The first call (`model_info()`, `pair()`) reports an address where no
+tether server answers as transport.Unreachable.
 Every emitted token is final except offline ones, which `rewind` may retract (Event "retract"). The client
 never depends on the server's memory to keep its text: tokens, tags and the verified length are its own.
 A server that does not offer the ONNX part in the precision asked: FormatNotOffered (use `--backend torch`).
