@@ -20,8 +20,9 @@ Contract:
   tokens (tether.client.resync) and drafts offline when the server is gone; its greedy reply is what a fresh
   session over the whole rendered conversation gives. A ServerOnlySession, for a server without a drafter: each
   turn is a Generate over the whole conversation (such a server holds no session). A reply ends at the template's
-  end of turn, the end of text or max_new_tokens. Ctrl-C while it streams (`interruptible`) stops it after the
-  step in progress: what was shown stays in the conversation. `close()` closes the server session.
+  end of turn, any end-of-text id, a stop token id or max_new_tokens (none of those ids is part of its text).
+  Ctrl-C while it streams (`interruptible`) stops it after the step in progress: what was shown stays in the
+  conversation. `close()` closes the server session.
 - `LineReader(history_file, interactive)`: a line at a time; on a terminal through the standard library's readline
   (line editing, history kept in `history_file`, at most HISTORY_LENGTH lines, owner-only), from a pipe one message
   a line. EOFError at the end of input, KeyboardInterrupt on Ctrl-C.
@@ -114,8 +115,10 @@ class Chat:
         self.engine = engine
         self.conversation = Conversation(chat_format, system)
         self.turns = 0
-        # The template's end of turn besides every end-of-text id and stop id the engine ends at already.
+        # The template's end of turn besides every end-of-text id and stop id the engine ends at already; none of
+        # them is part of a reply's text.
         engine.stop_ids = (engine.stop_ids or frozenset()) | chat_format.stop_ids
+        self.conversation.hidden |= engine.stop_ids
         if isinstance(engine, EdgeSession):
             engine.keep_open = True  # the next turn extends the server session
 

@@ -11,7 +11,15 @@ import types
 
 import pytest
 
-from tether.client.chat import HISTORY_LENGTH, Conversation, LineReader, default_history_file, interruptible, repl
+from tether.client.chat import (
+    HISTORY_LENGTH,
+    Chat,
+    Conversation,
+    LineReader,
+    default_history_file,
+    interruptible,
+    repl,
+)
 from tether.server.generate import default_model_dir
 from tether.shared.chat_template import ChatFormat
 from tether.shared.tokenizer import Tokenizer
@@ -68,6 +76,17 @@ def test_tokens_the_template_hides_are_no_part_of_the_reply(tok, tmp_path):
     ids = chat.ask("hi", held=[])
     assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert chat.answer(tok.encode("hello") + [tok.eos_id]) == "hello"
+
+
+def test_every_id_the_engine_ends_at_ends_a_reply_and_is_no_part_of_it(tok):
+    """A chat ends where its engine ends (every end-of-text id, the stop token ids) and at the template's end of
+    turn; the reply's text leaves them all out."""
+    fmt = ChatFormat.builtin_for(tok)
+    engine = types.SimpleNamespace(stop_ids=frozenset({7}))  # e.g. a second end-of-text id, or --stop-token-ids 7
+    chat = Chat(engine, fmt)
+    assert engine.stop_ids == {7} | fmt.stop_ids
+    chat.conversation.ask("hi", held=[])
+    assert chat.conversation.answer(tok.encode("hello") + [7]) == "hello"
 
 
 def test_a_failed_turn_takes_its_message_back(tok):
