@@ -110,6 +110,7 @@ class ServeConfig:
     http_host: str = "127.0.0.1"  # address of the OpenAI-compatible HTTP API
     http_port: int = -1  # port of the OpenAI-compatible HTTP API: -1 = off, 0 = any free port
     http_max_streams: int = 256  # HTTP generations at once; past it requests get 429 with Retry-After
+    http_max_n: int = 8  # choices (n) one HTTP request may ask for; each is a generation of http_max_streams
     served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
     round_graph_tokens: int = 6  # capture at start the step graphs of rounds this long (k + 1), all batches; 0 = none
     frontends: int = 0  # gRPC in this many front-end processes sharing the port, the models here; 0 = in this process
@@ -230,8 +231,8 @@ def _http_config(cfg: ServeConfig, config: ServiceConfig):
     from tether.shared.openai_app import HttpConfig
 
     return HttpConfig(host=cfg.http_host, port=cfg.http_port, api_keys=config.api_keys,
-                      max_streams=cfg.http_max_streams, grace_s=cfg.grace_s, tls_cert=cfg.tls_cert,
-                      tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
+                      max_streams=cfg.http_max_streams, max_n=cfg.http_max_n, grace_s=cfg.grace_s,
+                      tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
 
 
 def warm_kernels(target, pool, kernel_dir: Path, drafter=None, round_tokens: int = 0) -> str:
@@ -326,8 +327,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
     if precisions and cfg.drafter == "none":
         raise ValueError("--onnx-precisions exports the drafter's client part: it needs a drafter, not --drafter none")
-    if not -1 <= cfg.http_port <= 65535 or cfg.http_max_streams < 1:
-        raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams at least 1")
+    if not -1 <= cfg.http_port <= 65535 or cfg.http_max_streams < 1 or cfg.http_max_n < 1:
+        raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams and --http-max-n "
+                         "at least 1")  # fmt: skip
     check_ports(cfg)
     kernel_dir = use_cache(cfg)
     workers = EngineWorkers(whole) if whole.engines > 1 else None  # they load and warm up while this one does

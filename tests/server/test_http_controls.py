@@ -209,3 +209,12 @@ def test_logprobs_of_choices_decoded_together_equal_each_alone(api):
         alone = post(url + "/completions", body | {"seed": 11 + i}).json()["choices"][0]
         assert choice["text"] == alone["text"] and choice["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(alone["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_serve_sets_the_most_choices_a_request_may_ask_for():
+    from tether.server.cli import build_parser
+    from tether.server.daemon import ServeConfig, _http_config
+    from tether.shared.cli_support import build_config
+
+    cfg = build_config(ServeConfig, build_parser().parse_args(["serve", "--http-max-n", "3"]))
+    assert _http_config(cfg, ServiceConfig()).max_n == 3
