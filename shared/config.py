@@ -114,8 +114,8 @@ PRESETS: dict[str, ModelConfig] = {
     # Its plain-Llama twin for the MoDA ablation: same shapes, no depth attention. 81,808,128 parameters,
     # 75,516,672 without the embeddings.
     "medium-plain": dataclasses.replace(_MEDIUM, moda=False, moda_ffn_kv=False),
-    # Issue [2/7]'s default candidate: a MoDA target sized so that, with its MoA and EAGLE drafters (2.07M trainable
-    # parameters each), stays within 48 MB of bf16 weights, trained on the package corpus (vocab 8192) on one H200
+    # Issue [2/7]'s default candidate: a MoDA target sized so that it and its MoA and EAGLE drafters (2.07M trainable
+    # parameters each) stay within 48 MB of bf16 weights, trained on the package corpus (vocab 8192) on one H200
     # (deploy/models/README.md, "compact"). Transformer(cfg) holds 19,128,192 parameters (38.3 MB in bf16); pre-norm
     # MoDA with FFN depth K/V, as measured best at 3.5M; SwiGLU 960 rather than 1024 keeps the three under 48 MB.
     "compact": ModelConfig(
