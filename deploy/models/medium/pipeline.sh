@@ -18,46 +18,20 @@
 # runs in its own session (setsid), so it outlives the call that started it.
 set -u
 WORK=${WORK:-/tmp/tether-pipeline}
-POLL_S=${POLL_S:-540}
-PART_BYTES=${PART_BYTES:-16700000}  # four of them and the checksum stay under 64 MiB, each under 16 MiB
 SCRIPT=$(realpath "$0")
 # The recipe's figures; a dry run elsewhere shrinks them (DEVICE=cpu PRESET=small TARGET_STEPS=2 ...).
 export PY=${PY:-python3} DEVICE=${DEVICE:-cuda} PRESET=${PRESET:-medium} TARGET_STEPS=${TARGET_STEPS:-1000} \
   BATCH=${BATCH:-64} DRAFTER_STEPS=${DRAFTER_STEPS:-1200} DRAFT_BATCH=${DRAFT_BATCH:-48}
 REPO=$(pwd)
 
-ship() {  # parts 4N-3..4N and the checksum into $OUT
-  local all parts
-  mapfile -t all < <(cd "$WORK" && printf '%s\n' part-*)
-  parts=("${all[@]:$(( ($1 - 1) * 4 )):4}")
-  [ ${#parts[@]} -gt 0 ] && [ -f "$WORK/${parts[0]}" ] || { echo "no part $1"; exit 1; }
-  for p in "${parts[@]}"; do cp "$WORK/$p" "$OUT/"; done
-  cp "$WORK/weights.sha256" "$OUT/"
-  echo "shipped ${parts[*]} of ${#all[@]}"
-}
+# shellcheck source=SCRIPTDIR/../pipeline_parts.sh
+source "$(dirname "$SCRIPT")/../pipeline_parts.sh"
 
 case "${1:-}" in
 start)
   set -e
-  mkdir -p "$WORK"
-  if ! "$PY" -c 'import tether.server.cli, zstandard' 2>/dev/null; then
-    if [ -d .whl ]; then
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-t . >/dev/null
-  fi
-  export PYTHONPATH=/tmp/site-t:/tmp/site
-  "$PY" -c 'import tether.server.cli, zstandard'
-  D=$WORK/data/corpus-pkgs
-  mkdir -p "$D" && cp .corpus/tokenizer.json "$D"/
-  for s in train val; do xz -dc -T0 .corpus/$s.bin.xz > "$D/$s.bin"; done
-  cp .corpus/manifest.json "$D"/
-  (cd "$D" && sha256sum -c --quiet "$REPO/.corpus/SHA256SUMS")
-  echo "corpus checked"
-  cat > "$WORK/pipeline.sh" <<'EOF'
-export PYTHONPATH=/tmp/site-t:/tmp/site PYTHONUNBUFFERED=1
-stamp() { echo "STAGE $1 $(date +%s) $(date -u +%T)"; }
-fail() { echo "FAIL $1"; tail -30 "$2"; echo DONE; exit 1; }
+  prepare_host "$REPO/.corpus" "$WORK/data/corpus-pkgs"
+  launch <<'EOF'
 stamp target
 "$PY" -m tether.server.cli train-target --preset "$PRESET" --data data/corpus-pkgs \
   --out runs/medium --device "$DEVICE" --steps "$TARGET_STEPS" --batch-size "$BATCH" --seq-len 1024 --lr 1e-3 \
@@ -71,51 +45,25 @@ for n in moa4 eagle; do
 done
 wait
 for n in moa4 eagle; do [ -f runs/drafters/$n/drafter_config.json ] || fail "drafter $n" drafter-$n.log; done
-stamp pack
-bash "$SCRIPT" pack || fail pack /dev/null
-stamp end
-echo DONE
 EOF
-  (cd "$WORK" && WORK=$WORK SCRIPT=$SCRIPT setsid nohup bash pipeline.sh > log 2>&1 < /dev/null &)
-  echo "pipeline started in $WORK"
   ;&  # and poll in the same call
 poll)
-  set +e  # a log not written yet is no error
-  while [ $SECONDS -lt "$POLL_S" ] && ! grep -q '^DONE' "$WORK/log" 2>/dev/null; do sleep 5; done
-  echo "=== log"; cat "$WORK/log"
-  for f in target.log drafter-moa4.log drafter-eagle.log; do
-    [ -f "$WORK/$f" ] && { echo "=== $f"; tail -c 500 "$WORK/$f"; echo; }
-  done
-  if grep -q '^PARTS' "$WORK/log" && [ -n "${OUT:-}" ]; then ship 1; fi  # the call that sees the end brings 1-4
+  wait_for_done target.log drafter-moa4.log drafter-eagle.log
   ;;
 pack)  # in $WORK, once both drafters are trained: the weights -> weights.tar.xz in parts, and its checksum
-  cd "$WORK" || exit 1
   M=runs/medium
   files=("$M/config.json" "$M/model.safetensors" "$M/tokenizer.json" "$M/summary.json" "$M/history.json")
   for n in moa4 eagle; do
     for f in drafter_config.json drafter.safetensors summary.json history.json; do files+=("runs/drafters/$n/$f"); done
   done
-  set -o pipefail
-  tar -cf - "${files[@]}" | xz -T0 -6 > weights.tar.xz || exit 1
-  rm -f part-*
-  split -b "$PART_BYTES" -d -a 2 weights.tar.xz part-
-  sha256sum weights.tar.xz > weights.sha256
-  echo "PARTS $(find . -maxdepth 1 -name 'part-*' | wc -l), $(stat -c %s weights.tar.xz) bytes"
+  pack_parts "${files[@]}" || exit 1
   ;;
 ship)
-  ship "${2:?ship N}"
+  ship_parts "${2:?ship N}"
   ;;
 join)
   shift
-  mkdir -p runs/86m
-  # parts in name order, whichever folder each came back in
-  mapfile -t parts < <(for d in "$@"; do printf '%s\n' "$d"/part-*; done | awk -F/ '{print $NF, $0}' | sort |
-    cut -d' ' -f2-)
-  cat "${parts[@]}" > runs/86m/weights.tar.xz
-  sum=$(cut -d' ' -f1 "$1/weights.sha256")
-  echo "$sum  runs/86m/weights.tar.xz" | sha256sum -c || exit 1
-  xz -dc runs/86m/weights.tar.xz | tar -xf - -C runs/86m --strip-components=1 && rm runs/86m/weights.tar.xz
-  ls -R runs/86m
+  join_parts runs/86m 1 "$@"
   ;;
 *)
   echo "usage: $0 start | poll | pack | ship N | join DIR..." >&2
