@@ -22,7 +22,7 @@
 set -u
 WORK=${WORK:-/tmp/tether-compact}
 SCRIPT=$(realpath "$0")
-export PY=${PY:-python3} DEVICE=${DEVICE:-cuda} PRESET=${PRESET:-compact} TARGET_S=${TARGET_S:-480} \
+export PY=${PY:-python3} DEVICE=${DEVICE:-cuda} PRESET=${PRESET:-compact} TARGET_S=${TARGET_S:-540} \
   DRAFT_S=${DRAFT_S:-240} BATCH=${BATCH:-64} SEQ=${SEQ:-1024} LR=${LR:-2e-3} WARMUP=${WARMUP:-200} \
   EVAL_WINDOWS=${EVAL_WINDOWS:-256} DRAFT_BATCH=${DRAFT_BATCH:-48} TLI=${TLI:-3} \
   TARGET_STEPS=${TARGET_STEPS:-} DRAFTER_STEPS=${DRAFTER_STEPS:-}
