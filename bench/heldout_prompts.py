@@ -1,10 +1,12 @@
 """The held-out prompt set: function and class headers with their docstrings, from a corpus's held-out packages.
 
 A prompt is what a user would hand a code model: a `def` or `class` line (and its continuation lines) with its
-docstring, dedented, ending with a newline; the model writes the body. They come from the package files of a
-corpus (server/corpus.py) whose package was held out (`split: val` in manifest.json): no model trained on that
-corpus saw them. The stdlib's held-out files are not used: its modules are split file by file, so their neighbours
-(and code copied between them) were trained on.
+docstring, dedented, ending at the docstring's closing quotes; the model writes the body. Not with the newline
+after them: byte-level BPEs read a newline and the next line's indentation as one token, so a prompt ending in a
+bare newline token tells the model that the next line starts at column 0 (a new definition, not the body). They
+come from the package files of a corpus (server/corpus.py) whose package was held out (`split: val` in
+manifest.json): no model trained on that corpus saw them. The stdlib's held-out files are not used: its modules
+are split file by file, so their neighbours (and code copied between them) were trained on.
 
 Contract:
 - Files: every `site-packages/PACKAGE/PATH` file of a held-out package is read from the first `--site-packages`
@@ -134,7 +136,9 @@ def candidates(source: str) -> list[Candidate]:
             continue  # something else shares the header's or the docstring's line
         if any(line.strip() and line[:indent].strip() for line in segment):
             continue  # a docstring line left of the header: dedenting would change the text
-        text = "\n".join(line[indent:].rstrip() for line in segment) + "\n"
+        # No newline after the docstring: byte-level BPEs merge a newline with the next line's indentation
+        # ("\n   "), so a prompt ending in a bare "\n" token says the next line starts at column 0.
+        text = "\n".join(line[indent:].rstrip() for line in segment)
         found.append(Candidate(text, " ".join(doc.value.split()), name, node.lineno, body[0].end_lineno))
     return found
 

@@ -119,14 +119,13 @@ def test_prompts_come_from_held_out_files_as_headers_and_docstrings(site, tokeni
     root, manifest = site
     prompts, figures = build.build_prompts(manifest, tokenizer, count=10, site_paths=[root])
     assert [(p.file, p.name, p.line, p.end_line) for p in prompts] == [
-        ("site-packages/held/held/alpha.py", "fetch", 4, 5),
+        ("site-packages/held/held/alpha.py", "Cache", 26, 27),
         ("site-packages/held/held/alpha.py", "Cache.get", 34, 35),
         ("site-packages/held/held/beta.py", "parse", 1, 2),
-    ]  # not: the stub, fetch_again (fetch's docstring again), Cache (a third from alpha.py, last by hash), oneline,
+    ]  # not: the stub, fetch_again (fetch's docstring again), fetch (a third from alpha.py, last by hash), oneline,
     # the changed file, gamma.py (beta's code under another name: its docstring repeats), the trained package
-    assert prompts[0].text == 'def fetch(url, timeout=10):\n    """Fetch one URL and return its body as bytes, ' \
-        'retrying once."""\n'  # fmt: skip
-    assert prompts[1].text == 'def get(self, url):\n    """Return the cached page for url, fetching it on a miss."""\n'
+    assert prompts[0].text == 'class Cache:\n    """A small in-memory cache of fetched pages keyed by URL."""'
+    assert prompts[1].text == 'def get(self, url):\n    """Return the cached page for url, fetching it on a miss."""'
     assert all(p.package == "held" and p.version == "1.0" and p.licence == "MIT" for p in prompts)
     assert all(p.tokens == len(tokenizer.encode(p.text)) for p in prompts)
     assert figures["held"] == {"files": 3, "changed_or_missing": 1, "candidates": 4, "chosen": 3}
@@ -174,7 +173,7 @@ def test_distinct_ngram_ratio() -> None:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("quality")
     save_tiny_pairs(root, vocab_size=300, max_files=12)
-    texts = ('def add(a, b):\n    """Add two numbers."""\n', 'class Stack:\n    """A stack."""\n')
+    texts = ('def add(a, b):\n    """Add two numbers."""', 'class Stack:\n    """A stack."""')
     lines = [{"id": str(i), "text": text} for i, text in enumerate(texts)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return root
@@ -188,7 +187,8 @@ def test_quality_record(models, capsys) -> None:
                            "--show", "1"])  # fmt: skip
     out, err = capsys.readouterr()
     assert json.loads(out.strip().splitlines()[-1]) == record  # the one JSON line, last
-    assert "--- 0 (distinct 4-grams" in err and 'def add(a, b):\n    """Add two numbers."""\n' in err
+    assert "--- 0 (distinct 4-grams" in err and "--- 1" not in err
+    assert 'def add(a, b):\n    """Add two numbers."""' in err
     assert record["prompts"] == 2 and record["new_tokens"] == 12 and 0 < record["distinct4_min"] <= record["distinct4"]
     assert record["tree"] == [12, 3, 33]  # the client's default tree, root counted
 
