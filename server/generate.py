@@ -145,7 +145,7 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         )
     controls.check_vocab(model.cfg.vocab_size)
     generator = torch.Generator().manual_seed(cfg.seed)
-    text_stream = tok.detokenizer()
+    text_stream = tok.detokenizer(context=prompt_ids)  # the continuation reads as it does after the prompt
     engine = SpeculativeEngine(model, drafter, k=cfg.k)
     new: list[int] = []
     pieces: list[str] = []

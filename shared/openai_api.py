@@ -26,10 +26,12 @@ Contract:
   code; `body()` is {"error": {"message", "type", "param", "code"}}; `headers()` carries Retry-After (and
   `Connection: close` for a 408: the rest of that request's body is never read). The message and param are kept
   encodable whatever a caller sent (a lone surrogate in an unknown field's name becomes U+FFFD).
-- `TextStream(tokenizer, stop, stop_ids, hidden_ids)`: `push(token)` returns the text that may be shown now (a
-  character split across tokens waits until whole; text that could be the start of a stop string waits until it
-  is known not to be). A stop id (end of text) or a stop string ends it with finish_reason "stop"; the text
+- `TextStream(tokenizer, stop, stop_ids, hidden_ids, context)`: `push(token)` returns the text that may be shown
+  now (a character split across tokens waits until whole; text that could be the start of a stop string waits until
+  it is known not to be). A stop id (end of text) or a stop string ends it with finish_reason "stop"; the text
   returned ends before the stop string; hidden ids (special tokens) add no text. `flush()` gives what was held.
+  `context`: the prompt ids the tokens continue, so the text reads as it does after the prompt (a SentencePiece-style
+  continuation's first space kept: Tokenizer.detokenizer(context=...)).
 - `completion_choice`, `chat_choice`, `chat_delta` build one choice, `completion_body`, `chat_body`,
   `completion_chunk`, `chat_chunk`, `usage` the JSON bodies around them; `chat_logprobs` and
   `completion_logprobs` a choice's logprobs in each endpoint's shape (from tether.shared.sampling.TokenLogprobs, a
@@ -413,13 +415,13 @@ class TextStream:
     """Generated token ids -> the text to show, with stop ids and stop strings; see the module docstring."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, stop_ids: frozenset[int] = frozenset(),
-                 hidden_ids: frozenset[int] = frozenset()):  # fmt: skip
+                 hidden_ids: frozenset[int] = frozenset(), context: Sequence[int] = ()):  # fmt: skip
         self.tokenizer, self.stop, self.stop_ids = tokenizer, tuple(stop), stop_ids
         self.hidden_ids = hidden_ids | stop_ids
         self.tokens = 0  # tokens consumed, the one that stopped it included
         self.finish_reason: str | None = None  # "stop" once a stop id or string was met
         self._held = ""  # decoded text that may be the start of a stop string
-        self._detokenizer = tokenizer.detokenizer()
+        self._detokenizer = tokenizer.detokenizer(context=context)
 
     def push(self, token: int) -> str:
         if self.finish_reason is not None:

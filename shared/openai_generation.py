@@ -70,7 +70,9 @@ class Choice:
         self.app, self.req, self.index, self.max_tokens = app, req, index, max_tokens
         # The request's stop tokens end it even with ignore_eos; their text is left out, as vLLM leaves it.
         stop_ids = (frozenset() if req.ignore_eos else chat.stop_ids) | frozenset(req.sampling.stop_token_ids)
-        self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids)
+        # A completion continues its prompt's text (its first space kept); a chat's reply starts a new turn.
+        self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids,
+                               context=() if req.chat else prompt)  # fmt: skip
         self.finish = "length"
         self.first = Tokens([])
         self.offline_tokens = 0  # tokens consumed that were made offline
