@@ -73,7 +73,7 @@ async def http_stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 def grpc_stream(stub, prompt: list[int], body: dict, go: threading.Barrier) -> dict:
     from tether.v1 import tether_pb2 as pb
 
-    sampling = pb.SamplingParams(temperature=body["temperature"], seed=body["seed"])
+    sampling = pb.SamplingParams(temperature=body["temperature"], seed=body["seed"], ignore_eos=True)  # as HTTP's
     request = pb.OpenSession(prompt=prompt, max_new_tokens=body["max_tokens"], sampling=sampling)
     go.wait()
     t0 = time.perf_counter()

@@ -6,7 +6,8 @@ passed along as JSON), and that runs `client_process` here. It opens its clients
 process adds up (bench/server.py's module docstring says what each mode does and what is timed).
 - `RoundClient`: one Session stream of random draft chains, one round at a time (`--rate` paces it).
 - `TraceClient`: the same stream replaying recorded drafts (bench/traces.py), a new session when a trace runs out.
-- `generate_stream` / `generate_until`: the server-only baseline, Generate streams.
+- `generate_stream` / `generate_until`: the server-only baseline, Generate streams (greedy, ignore_eos: each runs to
+  its length).
 
     python bench/server.py --device cpu --clients 1 8 --rounds 20   # the bench process starts these
 """
@@ -28,6 +29,8 @@ from tether.v1 import tether_pb2_grpc
 
 MAX_MESSAGE = 64 << 20
 LOSSLESS = pb.CODEC_FP16_SHUFFLE_ZSTD  # tether.client.session's default codec ("lossless")
+# Greedy, through end-of-text: every Generate stream is --tokens long, as the sessions' rounds are.
+FIXED_LENGTH = pb.SamplingParams(ignore_eos=True)
 
 
 class RoundClient:
@@ -156,7 +159,7 @@ class TraceClient(RoundClient):
 
 
 async def generate_stream(stub, args: argparse.Namespace, prompt: list[int], fp: str, tokens: int) -> dict:
-    req = pb.OpenSession(prompt=prompt, max_new_tokens=tokens, model_fingerprint=fp)
+    req = pb.OpenSession(prompt=prompt, max_new_tokens=tokens, model_fingerprint=fp, sampling=FIXED_LENGTH)
     t0 = time.perf_counter()
     first = last = None
     n = 0
@@ -174,7 +177,7 @@ async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until
     between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt."""
     out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0}
     while time.perf_counter() < until:
-        req = pb.OpenSession(prompt=prompts(), max_new_tokens=args.tokens, model_fingerprint=fp)
+        req = pb.OpenSession(prompt=prompts(), max_new_tokens=args.tokens, model_fingerprint=fp, sampling=FIXED_LENGTH)
         call = stub.Generate(req, timeout=args.timeout)
         t0 = last = time.perf_counter()
         out["streams"] += 1

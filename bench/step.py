@@ -232,7 +232,8 @@ def generate_rpc(args, target, drafter, tok, prompt: list[int]) -> dict:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = tether_pb2_grpc.TetherStub(ch)
-            req = pb.OpenSession(prompt=prompt, max_new_tokens=args.tokens, model_fingerprint=fp)
+            fixed = pb.SamplingParams(ignore_eos=True)  # --tokens tokens, end-of-text or not
+            req = pb.OpenSession(prompt=prompt, max_new_tokens=args.tokens, model_fingerprint=fp, sampling=fixed)
             for _ in range(2):  # the first stream captures the step graphs
                 n, msgs, t_first = 0, 0, None
                 for msg in stub.Generate(req, timeout=120):

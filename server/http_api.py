@@ -61,7 +61,7 @@ def sampling_params(sampling: Sampling) -> pb.SamplingParams:
                              seed=sampling.seed, min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
                              frequency_penalty=sampling.frequency_penalty,
                              repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias),
-                             stop_token_ids=sampling.stop_token_ids)  # fmt: skip
+                             stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos)  # fmt: skip
 
 
 class ServiceBackend:
@@ -86,10 +86,10 @@ class ServiceBackend:
             raise api_error(e) from None
         with self._released:
             self.outstanding += 1
-        # End-of-text is the app's to stop at (it honours ignore_eos); the request's stop tokens end decoding here.
+        # Decoding ends where the app's text does: at the stop tokens, and at end-of-text unless ignore_eos.
         reported = None if sampling.logprobs is None else []
         chunks = self.service.decode(ids, params, max_tokens, released=self._release,
-                                     stop_ids=sampling.stop_token_ids, logprobs=reported,
+                                     stop_ids=self.service.stop_ids(params), logprobs=reported,
                                      top_logprobs=sampling.logprobs or 0)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):

@@ -18,8 +18,9 @@ Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
   when the step in flight on a model thread ends (work not yet started is dropped: tether.server.model_work);
   `released` is called then. A full pool raises RequestError(REASON_CAPACITY) with retry advice, and so does a
   caller over its share of the model threads' queue.
-- `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens, ending after any of the
-  model's end-of-text ids (ModelInfo.eos_ids) or the request's stop_token_ids.
+- `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens, ending after any of
+  `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
+  stream runs to its length) and the request's stop_token_ids.
 
 The mixin runs on the service's event loop and uses its table, threads, batcher, checks and metrics.
 
@@ -70,8 +71,7 @@ class PlainDecoding:
             prompt = self.check_generation(request.prompt, request.sampling)
         except RequestError as e:
             await self._abort(context, e, "generate")
-        stop_ids = frozenset(self.eos_ids) | frozenset(request.sampling.stop_token_ids)
-        chunks = self.decode(prompt, request.sampling, request.max_new_tokens, stop_ids=stop_ids)
+        chunks = self.decode(prompt, request.sampling, request.max_new_tokens, stop_ids=self.stop_ids(request.sampling))
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
@@ -79,6 +79,10 @@ class PlainDecoding:
                     yield pb.GeneratedTokens(tokens=chunk)
         except RequestError as e:
             await self._abort(context, e, "generate")
+
+    def stop_ids(self, sampling: pb.SamplingParams) -> frozenset[int]:
+        """The ids that end a generation: the request's stop tokens, and the end-of-text ids unless it ignores them."""
+        return frozenset(() if sampling.ignore_eos else self.eos_ids) | frozenset(sampling.stop_token_ids)
 
     async def decode(self, prompt: list[int], sampling: pb.SamplingParams, max_new_tokens: int = 0, *,
                      released: Callable[[], None] | None = None, stop_ids: Collection[int] = (),

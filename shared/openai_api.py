@@ -171,6 +171,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # report each token's logprob and this many top ones (None: no logprobs)
+    ignore_eos: bool = False  # vLLM's extension: end-of-text does not end the generation, stop_token_ids do
 
     @property
     def controls(self) -> SamplingControls:
@@ -190,7 +191,6 @@ class GenerationRequest:
     stop: tuple[str, ...]  # stop strings, matched on the decoded text
     stream: bool  # server-sent events
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    ignore_eos: bool = False  # vLLM's extension: end-of-text does not end the generation (benchmarks)
     n: int = 1  # choices, each generated on its own (choice i with seed + i)
 
 
@@ -297,11 +297,11 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
         top_k=max(top_k or 0, 0),
         seed=secrets.randbits(63) if seed is None else seed % (1 << 64),
         logprobs=logprobs,
+        ignore_eos=bool(f.typed("ignore_eos", bool)),
         **_controls(f),
     )
-    ignore_eos = bool(f.typed("ignore_eos", bool))
     return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage,
-                             ignore_eos, n)  # fmt: skip
+                             n)  # fmt: skip
 
 
 def _controls(f: _Fields) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class Choice:
         chat = app.backend.chat
         self.app, self.req, self.index, self.max_tokens = app, req, index, max_tokens
         # The request's stop tokens end it even with ignore_eos; their text is left out, as vLLM leaves it.
-        stop_ids = (frozenset() if req.ignore_eos else chat.stop_ids) | frozenset(req.sampling.stop_token_ids)
+        stop_ids = (frozenset() if req.sampling.ignore_eos else chat.stop_ids) | frozenset(req.sampling.stop_token_ids)
         # A completion continues its prompt's text (its first space kept); a chat's reply starts a new turn.
         self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids,
                                context=() if req.chat else prompt)  # fmt: skip

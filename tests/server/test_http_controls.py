@@ -2,7 +2,7 @@
 model: /v1/completions and /v1/chat/completions with penalties, logit_bias (OpenAI's string-keyed map) and min_p
 write what the model's own step-by-step decoding with the same controls writes; stop_token_ids end the text; a
 value out of range is a 400 naming its param; logprobs are each position's processed distribution (streamed and
-not); n choices are n generations, choice i with seed + i."""
+not); n choices are n generations, choice i with seed + i; ignore_eos decodes through end-of-text."""
 
 import httpx
 import pytest
@@ -11,11 +11,11 @@ from sse import sse_events
 from tiny_models import tiny_target
 
 from tether.server.errors import Reason, RequestError
-from tether.server.http_api import api_error, start_http
+from tether.server.http_api import api_error, sampling_params, start_http
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.logits_processing import SamplingControls
-from tether.shared.openai_api import TextStream
+from tether.shared.openai_api import TextStream, parse_completion
 from tether.shared.openai_app import HttpConfig
 from tether.shared.sampling import token_logprobs
 from tether.shared.tokenizer import Tokenizer
@@ -218,3 +218,16 @@ def test_serve_sets_the_most_choices_a_request_may_ask_for():
 
     cfg = build_config(ServeConfig, build_parser().parse_args(["serve", "--http-max-n", "3"]))
     assert _http_config(cfg, ServiceConfig()).max_n == 3
+
+
+def test_ignore_eos_decodes_through_end_of_text_on_the_server(api):
+    """ignore_eos travels to the server's decoding (SamplingParams.ignore_eos): with end-of-text every token's
+    pick, the completion runs to max_tokens; without it, decoding ends at the first."""
+    service, url = api
+    eos = service.tokenizer.eos_id
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    through = post(url + "/completions", body | {"ignore_eos": True}).json()
+    assert through["usage"]["completion_tokens"] == 6 and through["choices"][0]["finish_reason"] == "length"
+    assert sampling_params(parse_completion({"prompt": "x", "ignore_eos": True}).sampling).ignore_eos
+    ended = post(url + "/completions", body).json()
+    assert ended["usage"]["completion_tokens"] == 1 and ended["choices"][0]["finish_reason"] == "stop"

@@ -1,7 +1,8 @@
 """The sampling controls and every end-of-text id over a loopback gRPC server: Generate, Session rounds and a
 Resync's rebuild decode under min_p, the penalties and logit_bias exactly as the model's own step-by-step decoding
 with the same controls (Transformer.generate); a control out of its range is INVALID_ARGUMENT naming it; a stop
-token and the model's second end-of-text id end a Generate stream."""
+token and the model's second end-of-text id end a Generate stream; with ignore_eos only the length and the stop tokens
+end it."""
 
 import grpc
 import pytest
@@ -180,3 +181,17 @@ def test_a_stop_token_and_the_second_end_of_text_id_end_the_stream(served):
     assert got == full[: full.index(stop) + 1] and len(got) < len(full)
     got = generate(stub, eos_prompt, 16)
     assert got == plain(target, eos_prompt, 3) and got[-1] == second
+
+
+def test_ignore_eos_runs_a_stream_to_its_length_and_stop_tokens_still_end_it(served):
+    target, service, stub, (eos_prompt, second) = served
+    ignoring = pb.SamplingParams(ignore_eos=True)
+    got = generate(stub, eos_prompt, 8, ignoring)
+    assert got == plain(target, eos_prompt, 8) and second in got[:3] and len(got) == 8  # through end-of-text
+    # Every token an end-of-text id: still the whole length.
+    forced = generate(stub, PROMPT, 6, pb.SamplingParams(ignore_eos=True, logit_bias={second: 100.0}))
+    assert forced == [second] * 6
+    assert generate(stub, PROMPT, 6, pb.SamplingParams(logit_bias={second: 100.0})) == [second]
+    stop = plain(target, eos_prompt, 8)[4]
+    got = generate(stub, eos_prompt, 8, pb.SamplingParams(ignore_eos=True, stop_token_ids=[stop]))
+    assert got[-1] == stop and len(got) < 8 and second in got
