@@ -20,7 +20,8 @@ Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
   caller over its share of the model threads' queue.
 - `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens, ending after any of
   `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
-  stream runs to its length) and the request's stop_token_ids.
+  stream runs to its length) and the request's stop_token_ids. With SamplingParams.logprobs each message carries its
+  tokens' log-probabilities (GeneratedTokens.logprobs), as `decode` reports them.
 
 The mixin runs on the service's event loop and uses its table, threads, batcher, checks and metrics.
 
@@ -39,7 +40,8 @@ import torch
 
 from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
-from tether.server.validation import invalid, sampling_controls
+from tether.server.logprob_wire import wire_logprobs
+from tether.server.validation import invalid, requested_logprobs, sampling_controls
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
 from tether.shared.sampling import TokenLogprobs
 from tether.shared.speculative import DraftTree, through_stop
@@ -71,12 +73,16 @@ class PlainDecoding:
             prompt = self.check_generation(request.prompt, request.sampling)
         except RequestError as e:
             await self._abort(context, e, "generate")
-        chunks = self.decode(prompt, request.sampling, request.max_new_tokens, stop_ids=self.stop_ids(request.sampling))
+        top = requested_logprobs(request.sampling)  # checked by check_generation
+        reported = None if top is None else []
+        chunks = self.decode(prompt, request.sampling, request.max_new_tokens, stop_ids=self.stop_ids(request.sampling),
+                             logprobs=reported, top_logprobs=top or 0)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(chunk))
-                    yield pb.GeneratedTokens(tokens=chunk)
+                    entries = wire_logprobs(reported[-len(chunk) :]) if reported is not None else ()
+                    yield pb.GeneratedTokens(tokens=chunk, logprobs=entries)
         except RequestError as e:
             await self._abort(context, e, "generate")
 

@@ -14,7 +14,9 @@ Contract (the messages are in proto/tether/v1/tether.proto):
   so it is verified straight after that verdict if the session then stands at that length with its root, and is
   otherwise refused alone as REASON_STALE_ROUND. A bad message gets an inline Error (status code, reason, retry
   advice) and the stream goes on. `attach` lets a new stream take over a held session (session id + resume token),
-  e.g. after a Resync.
+  e.g. after a Resync. With SamplingParams.logprobs the first token's and each verdict's emitted tokens' (accepted
+  drafts, then the bonus) log-probabilities go with them (Opened.first_logprob, Verdict.logprobs: the processed
+  distribution, tether.server.logprob_wire).
   A stream that sends nothing for `stream_idle_s` is closed (REASON_STREAM_IDLE); its session stays held.
 - Resync: after a disconnection, truncate to the client's verified length, absorb its offline tokens (all of
   them under `keep`, those before the first disagreement under `rewind`) and answer the delta, the first
@@ -66,12 +68,13 @@ from tether.server.client_export import FORMATS, ClientExporter, ExportError
 from tether.server.errors import Reason, RequestError, inline, status_metadata
 from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import KVPool, PoolExhausted
+from tether.server.logprob_wire import taken_logprobs
 from tether.server.metrics import ServiceMetrics
 from tether.server.model_work import ModelWork
 from tether.server.plain_decoding import POOL_RETRY_S, PlainDecoding
 from tether.server.resync import Resyncing
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
-from tether.server.validation import Checks, check_codec, check_id, invalid, sampling_controls
+from tether.server.validation import Checks, check_codec, check_id, invalid, requested_logprobs, sampling_controls
 from tether.server.verifier import SequenceVerifier
 from tether.shared import wire
 from tether.shared.chat_template import ChatFormat
@@ -252,8 +255,8 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
         """A session's verifier; `sampling` was checked (Checks.sampling) before."""
         generator = torch.Generator().manual_seed(sampling.seed)
         return SequenceVerifier(self.target, self.drafter, capacity=capacity, controls=sampling_controls(sampling),
-                                generator=generator, pool=self.pool,
-                                prefill_chunk=self.config.prefill_chunk)  # fmt: skip
+                                generator=generator, pool=self.pool, prefill_chunk=self.config.prefill_chunk,
+                                logprobs=requested_logprobs(sampling))  # fmt: skip
 
     def _need_drafter(self) -> None:
         if self.drafter is None:
@@ -447,6 +450,8 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
                                            "temperature": req.sampling.temperature})  # fmt: skip
         opened = pb.Opened(request_id=req.request_id, session_id=session.id, resume_token=session.resume_token,
                            first_token=first, delta=parts[0], delta_parts=len(parts) - 1)  # fmt: skip
+        if reported := taken_logprobs(session.verifier, 1):
+            opened.first_logprob.CopyFrom(reported[0])
         return session, [pb.ServerMessage(opened=opened)] + [pb.ServerMessage(delta=p) for p in parts[1:]]
 
     def _delta_parts(self, delta: DraftDelta, codec: Codec) -> list[pb.KVDelta]:
@@ -494,7 +499,7 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
             try:
                 with self.metrics.verify_seconds.time():
                     # The reply is encoded on the batcher's thread, straight after the step.
-                    finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents))
+                    finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents), s.verifier)
                     work, here = self.batcher.submit_here(s.verifier, tree, finish)
                     verdict, message = await self.work.wait(work, claim, here)
             except ValueError as e:
@@ -510,14 +515,17 @@ class TetherService(PlainDecoding, Resyncing, tether_pb2_grpc.TetherServicer):
             s.root, s.last_round, s.last_reply = verdict.bonus, req.round, message
             return message
 
-    def _verdict_reply(self, round_no: int, codec: Codec, tree_round: bool, result: tuple) -> tuple:
+    def _verdict_reply(self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier,
+                       result: tuple) -> tuple:  # fmt: skip
         """(verdict, its ServerMessage) from a round's (verdict, delta). A tree round's reply names the accepted
-        nodes (`path`, the root left out); a chain round's is what it has always been."""
+        nodes (`path`, the root left out); a chain round's is what it has always been. With logprobs asked, the
+        round's emitted tokens' entries go with it."""
         verdict, delta = result
         try:
             payload = self._delta(delta, codec)
         except CodecError as e:  # the session's codec was checked at open: this is the server's fault, not the call's
             raise RuntimeError(f"encoding a round's delta failed: {e}") from e
         v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload,
-                       path=verdict.path[1:] if tree_round else ())  # fmt: skip
+                       path=verdict.path[1:] if tree_round else (),
+                       logprobs=taken_logprobs(verifier, verdict.accepted + 1))  # fmt: skip
         return verdict, pb.ServerMessage(verdict=v)

@@ -28,6 +28,7 @@ from tether.server.kv_pool import KVPool
 from tether.shared.codecs import Codec
 from tether.shared.ids import is_session_id
 from tether.shared.logits_processing import ControlError, SamplingControls
+from tether.shared.openai_api import MAX_LOGPROBS
 from tether.shared.speculative import DraftTree
 from tether.v1 import tether_pb2 as pb
 
@@ -63,6 +64,16 @@ def sampling_controls(s: pb.SamplingParams) -> SamplingControls:
         raise invalid(str(e), e.control) from None
 
 
+def requested_logprobs(s: pb.SamplingParams) -> int | None:
+    """How many most probable tokens to report with each emitted token's logprob (None: no logprobs), at most
+    MAX_LOGPROBS, or REASON_INVALID_REQUEST naming logprobs."""
+    if not s.HasField("logprobs"):
+        return None
+    if s.logprobs > MAX_LOGPROBS:
+        raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    return s.logprobs
+
+
 def check_codec(value: int) -> Codec:
     try:
         return Codec(value)
@@ -90,13 +101,14 @@ class Checks:
         return ids
 
     def sampling(self, s: pb.SamplingParams) -> SamplingControls:
-        """`sampling_controls`, its logit_bias ids and stop_token_ids within the vocabulary too."""
+        """`sampling_controls`, its logit_bias ids and stop_token_ids within the vocabulary too, logprobs bounded."""
         controls = sampling_controls(s)
         try:
             controls.check_vocab(self.vocab)
         except ControlError as e:
             raise invalid(str(e), e.control) from None
         self.stop_ids(s)
+        requested_logprobs(s)
         return controls
 
     def stop_ids(self, s: pb.SamplingParams) -> frozenset[int]:

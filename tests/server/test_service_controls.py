@@ -2,12 +2,14 @@
 Resync's rebuild decode under min_p, the penalties and logit_bias exactly as the model's own step-by-step decoding
 with the same controls (Transformer.generate); a control out of its range is INVALID_ARGUMENT naming it; a stop
 token and the model's second end-of-text id end a Generate stream; with ignore_eos only the length and the stop tokens
-end it."""
+end it. Log-probabilities asked in SamplingParams.logprobs come with Generate's tokens, the first token and each
+verdict's emitted tokens: each position's processed distribution, as the HTTP API reports it."""
 
 import grpc
 import pytest
 import torch
-from test_service import Client, open_msg, run_session
+from test_http_controls import reference_logprobs
+from test_service import Client, open_msg, run_session, to_delta
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.refusals import Refusal
@@ -140,6 +142,7 @@ BAD = {
     "repetition_penalty": pb.SamplingParams(repetition_penalty=0.0),
     "logit_bias": pb.SamplingParams(logit_bias={3: 101.0}),
     "stop_token_ids": pb.SamplingParams(stop_token_ids=[VOCAB]),
+    "logprobs": pb.SamplingParams(logprobs=21),
 }
 
 
@@ -195,3 +198,53 @@ def test_ignore_eos_runs_a_stream_to_its_length_and_stop_tokens_still_end_it(ser
     stop = plain(target, eos_prompt, 8)[4]
     got = generate(stub, eos_prompt, 8, pb.SamplingParams(ignore_eos=True, stop_token_ids=[stop]))
     assert got[-1] == stop and len(got) < 8 and second in got
+
+
+def unwired(entries) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    return [(e.token, e.logprob, list(zip(e.top_ids, e.top_logprobs, strict=True))) for e in entries]
+
+
+def assert_reported(got, expected) -> None:
+    assert [g[0] for g in got] == [e.token for e in expected]
+    for (_, logprob, top), e in zip(got, expected, strict=True):
+        assert logprob == pytest.approx(e.logprob, abs=1e-4)
+        assert [t for t, _ in top] == [t for t, _ in e.top] and len(top) == 3
+        assert [v for _, v in top] == pytest.approx([v for _, v in e.top], abs=1e-4)
+
+
+def test_generate_reports_each_tokens_processed_logprobs(served):
+    target, service, stub, _ = served
+    controls = SamplingControls(frequency_penalty=1.0, logit_bias={5: 3.0})
+    wire = pb.SamplingParams(frequency_penalty=1.0, logit_bias={5: 3.0}, logprobs=3, ignore_eos=True)
+    req = pb.OpenSession(prompt=PROMPT, max_new_tokens=20, model_fingerprint=FP, sampling=wire)
+    messages = list(stub.Generate(req))
+    assert all(len(m.logprobs) == len(m.tokens) for m in messages) and len(messages) > 1  # chunked
+    tokens = [t for m in messages for t in m.tokens]
+    assert tokens == plain(target, PROMPT, 20, controls)
+    assert_reported(unwired(e for m in messages for e in m.logprobs), reference_logprobs(service, PROMPT, tokens,
+                                                                                          controls, 3))  # fmt: skip
+    assert not any(m.logprobs for m in stub.Generate(pb.OpenSession(prompt=PROMPT, max_new_tokens=4,
+                                                                    model_fingerprint=FP)))  # fmt: skip
+
+
+def test_session_verdicts_report_their_emitted_tokens_logprobs(served):
+    """The first token's entry in Opened, then each verdict's accepted drafts' and bonus's: together every emitted
+    token's, equal to the model's own step-by-step distributions under the controls."""
+    target, service, stub, _ = served
+    controls = SamplingControls(presence_penalty=1.0)
+    client = Client(stub)
+    opened = client.send(open_msg(PROMPT, sampling=pb.SamplingParams(presence_penalty=1.0, logprobs=3))).opened
+    drafter = service.drafter
+    drafter.begin(to_delta(opened.delta))
+    out, got, root = [opened.first_token], unwired([opened.first_logprob]), opened.first_token
+    for rnd in range(1, 6):
+        drafts, _, _ = drafter.draft(root, 3)
+        v = client.send(pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts))).verdict
+        drafter.commit(to_delta(v.delta))
+        assert len(v.logprobs) == v.accepted + 1
+        out += [*drafts[: v.accepted], v.bonus]
+        got += unwired(v.logprobs)
+        root = v.bonus
+    client.close()
+    assert out == plain(target, PROMPT, len(out), controls) and len(out) > 6  # some drafts were accepted
+    assert_reported(got, reference_logprobs(service, PROMPT, out, controls, 3))

@@ -187,7 +187,7 @@ class TensorChunk(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos")
+    __slots__ = ("temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
@@ -217,7 +218,20 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "top_ids", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
@@ -288,34 +302,38 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ..., attach: _Optional[_Union[AttachSession, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("request_id", "session_id", "resume_token", "first_token", "delta", "delta_parts")
+    __slots__ = ("request_id", "session_id", "resume_token", "first_token", "delta", "delta_parts", "first_logprob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DELTA_PARTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     resume_token: str
     first_token: int
     delta: KVDelta
     delta_parts: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., first_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ..., delta_parts: _Optional[int] = ...) -> None: ...
+    first_logprob: TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., first_token: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ..., delta_parts: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round", "accepted", "bonus", "delta", "path")
+    __slots__ = ("round", "accepted", "bonus", "delta", "path", "logprobs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted: int
     bonus: int
     delta: KVDelta
     path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "round", "reason", "retry_after_ms")
@@ -410,7 +428,9 @@ class CloseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GeneratedTokens(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "logprobs")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
