@@ -23,6 +23,7 @@ import logging
 from tether.server.auth import CALLER
 from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
+from tether.server.logprob_wire import taken_logprobs
 from tether.server.plain_decoding import POOL_RETRY_S
 from tether.server.sessions import Claim, Session
 from tether.server.validation import check_codec, check_id, invalid
@@ -121,6 +122,8 @@ class Resyncing:
         reply = pb.ResyncReply(session_id=session.id, resume_token=session.resume_token, rebuilt=rebuilt,
                                first_disagreement=disagreement, target_token=next_token,
                                verified_length=session.verifier.length, delta=payload)  # fmt: skip
+        if reported := taken_logprobs(session.verifier, 1):  # the next token's; a rebuild's prefill reports dropped
+            reply.target_logprob.CopyFrom(reported[0])
         # Refused here rather than failing in gRPC's send: a client that retries from its verified length with
         # fewer tokens gets the same state (the cache is truncated to that length first).
         if reply.ByteSize() > self.config.max_message_bytes - 1024:

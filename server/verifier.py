@@ -13,9 +13,9 @@ who drafted: any DraftTree will do. It is what the in-process engine runs, and w
 drafter None no delta is produced. With `pool` the sequence's KV lives in the server's paged pool
 (tether.server.kv_pool) instead of a contiguous cache; `cache` hands it a pool sequence someone else owns.
 
-With `logprobs=N` every token the sequence emits (the first, each round's accepted drafts and bonus) is reported
-in `reported` with the log-probabilities of its position's processed distribution, its own and the N most probable
-(tether.shared.sampling.token_logprobs): the HTTP API's logprobs.
+With `logprobs=N` every token the sequence emits (the first, each round's accepted drafts and bonus, a resync's next
+token) is reported in `reported` with the log-probabilities of its position's processed distribution, its own and
+the N most probable (tether.shared.sampling.token_logprobs): the HTTP API's logprobs.
 
 Penalties count the sequence's tokens, so the verifier keeps them by position (`tokens`: the prompt, then every
 committed token; whoever commits rows calls `record`). A round's root sits at position `length`, so the context
@@ -235,7 +235,11 @@ class SequenceVerifier:
                 greedy = [int(base.after(offline[1 : i + 1]).apply_np(rows[i]).argmax()) for i in range(len(offline))]
             disagreement = next((i for i in range(1, len(offline)) if offline[i] != greedy[i - 1]), len(offline))
             kept = disagreement if rewind else len(offline)
-            next_token = self.sample(logits[kept - 1], None if base is None else base.after(offline[1:kept]))
+            processing = None if base is None else base.after(offline[1:kept])
+            next_token = self.sample(logits[kept - 1], processing)
+            if self.logprobs is not None:
+                row = logits[kept - 1].float().cpu().numpy()
+                self._report(row if processing is None else processing.apply_np(row), next_token)
             path = list(range(kept))
             delta = gather_deltas(out, self.drafter, [(0, verified, path, offline[:kept])])[0] if want else None
         self.cache.accept(path)

@@ -229,7 +229,7 @@ def test_generate_reports_each_tokens_processed_logprobs(served):
 
 def test_session_verdicts_report_their_emitted_tokens_logprobs(served):
     """The first token's entry in Opened, then each verdict's accepted drafts' and bonus's: together every emitted
-    token's, equal to the model's own step-by-step distributions under the controls."""
+    token's, equal to the model's own step-by-step distributions under the controls; then a resync's next token's."""
     target, service, stub, _ = served
     controls = SamplingControls(presence_penalty=1.0)
     client = Client(stub)
@@ -248,3 +248,11 @@ def test_session_verdicts_report_their_emitted_tokens_logprobs(served):
     client.close()
     assert out == plain(target, PROMPT, len(out), controls) and len(out) > 6  # some drafts were accepted
     assert_reported(got, reference_logprobs(service, PROMPT, out, controls, 3))
+    # A resync's next token (here a rebuild from the history): its entry in the reply.
+    wire = pb.SamplingParams(presence_penalty=1.0, logprobs=3)
+    verified = len(PROMPT) + len(out) - 1
+    reply = stub.Resync(pb.ResyncRequest(verified_length=verified, offline_tokens=[root], history=(PROMPT + out)[:-1],
+                                         sampling=wire, prompt_length=len(PROMPT), model_fingerprint=FP))  # fmt: skip
+    expected = reference_logprobs(service, PROMPT, [*out, reply.target_token], controls, 3)[-1:]
+    assert reply.rebuilt and reply.target_token == plain(target, PROMPT, len(out) + 1, controls)[-1]
+    assert_reported(unwired([reply.target_logprob]), expected)

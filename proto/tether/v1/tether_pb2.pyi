@@ -400,7 +400,7 @@ class ResyncRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., rewind: _Optional[bool] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class ResyncReply(_message.Message):
-    __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "verified_length", "delta")
+    __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "verified_length", "delta", "target_logprob")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REBUILT_FIELD_NUMBER: _ClassVar[int]
@@ -408,6 +408,7 @@ class ResyncReply(_message.Message):
     TARGET_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     resume_token: str
     rebuilt: bool
@@ -415,7 +416,8 @@ class ResyncReply(_message.Message):
     target_token: int
     verified_length: int
     delta: KVDelta
-    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., first_disagreement: _Optional[int] = ..., target_token: _Optional[int] = ..., verified_length: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
+    target_logprob: TokenLogprob
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., rebuilt: _Optional[bool] = ..., first_disagreement: _Optional[int] = ..., target_token: _Optional[int] = ..., verified_length: _Optional[int] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ..., target_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
