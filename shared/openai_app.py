@@ -25,11 +25,12 @@ Contract:
   status, prompt and completion tokens, time to first token, duration, the response id as the session).
 - `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
   (closing it ends the generation); `sampling` is tether.shared.openai_api's Sampling: its `controls` (a checked
-  SamplingControls) is the rule to decode with, its `stop_token_ids` end the text here (a backend may stop there
-  too; end-of-text is the app's, for ignore_eos). `ApiError` from it becomes the response's status, or an error event
-  mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it, tether.client.edge_api
-  the edge's sessions. A backend with `drafts_offline` may yield tokens marked offline; every choice it answers
-  then carries tether's extension field, `"tether": {"offline_tokens": n}` (tether.shared.openai_api).
+  SamplingControls) is the rule to decode with, its `stop_token_ids` end the text here, and so does end-of-text
+  unless its `ignore_eos` (a backend may stop decoding at either too). `ApiError` from it becomes the response's
+  status, or an error event mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it,
+  tether.client.edge_api the edge's sessions. A backend with `drafts_offline` may yield tokens marked offline;
+  every choice it answers then carries tether's extension field, `"tether": {"offline_tokens": n}`
+  (tether.shared.openai_api).
 - `HttpServer(app, config).start(loop)` runs uvicorn as a task on an existing asyncio loop (the gRPC server's: one
   event loop for both) and returns the bound port (config.port 0 picks a free one), or raises OSError (one line:
   the address and the reason) when it cannot listen; `stop()` stops taking requests and gives those in flight
