@@ -184,6 +184,9 @@ class Drafted:
     rng: Any = None  # the random stream its tokens were drawn from (its own: see Rounds._draft), when sampling
     proc: LogitsProcessing | None = None  # the logit_bias and penalties of the position after its root
     main: list[int] = field(default_factory=list)  # the path a round drafted ahead assumes: the chain, or main branch
+    # The drafter's guess of the bonus after the root and main path, once it holds their rows (fed == len(main) + 1):
+    # a later draft ahead that finds nothing left to feed drafts after it.
+    guess: int | None = None
 
     def tokens_on(self, path: list[int]) -> list[int]:
         return [self.msg.tokens[i - 1] for i in path]
@@ -302,9 +305,14 @@ class Rounds:
         unfed = [t for d in pending for t in ([d.msg.root] + d.tokens_on(d.main))[d.fed :]]
         # The text the guess follows: the first pending round's root ends the sequence; each root and main path.
         context = self.sequence[:-1] + [t for d in pending for t in [d.msg.root] + d.tokens_on(d.main)]
-        guess = self._feed(unfed, self._processing(context))
+        # Nothing unfed: an earlier draft ahead stepped over them all (and stopped, at an end-of-text guess or a
+        # verdict) and a verdict that bore the rounds before out kept those rows; its guess still follows them.
+        guess = self._feed(unfed, self._processing(context)) if unfed else base.guess
         for d in pending:
             d.fed = len(d.main) + 1
+        base.guess = guess
+        if guess is None:
+            raise AssertionError(f"round {base.msg.round}: fed through with no guess kept")
         if guess in stops:
             return None
         # A verdict in already: stop drafting ahead, so a miss costs no more of it (a hit finishes the chain).

@@ -14,11 +14,14 @@
   tokens would; a tree grown after a drafted chain starts where a chain step there would (the root's own logits),
   and the torch drafter grows the same tree there. A commit that keeps drafts (a round drafted ahead, borne out)
   gives the verified positions the delta's states alone and leaves the rows drafted after them as they were.
+- Drafting ahead after a verdict that bore out a queued round, whose rows and guess are all held already (the
+  guess after it was end-of-text), drafts from that kept guess and feeds nothing (it once drafted after None).
 
     .venv/bin/python -m pytest -q tests/client/test_round_shape.py
 """
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -40,7 +43,7 @@ from tether.client.rounds import (
     main_branch,
     use_tree,
 )
-from tether.client.session_types import ClientConfig
+from tether.client.session_types import ClientConfig, Stats
 from tether.client.transport import BadMessage
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import target_states
@@ -347,3 +350,73 @@ def test_a_commit_that_keeps_drafts_takes_the_deltas_states_and_keeps_the_rows_a
     assert not drafter.commit(delta, keep_drafts=True)
     clean.commit(delta)
     assert_same(drafter, clean)
+
+
+# ---- drafting ahead behind queued rounds ---------------------------------------------------------------------
+
+EOT = 6
+
+
+class ScriptedDrafter:
+    """Guesses from a script, drafts k 2s: enough to drive which rounds are fed when."""
+
+    def __init__(self, guesses: list[int]):
+        self.guesses, self.fed = list(guesses), []
+
+    def feed(self, tokens, processing=None):
+        if not tokens:
+            return None
+        self.fed.append(list(tokens))
+        return self.guesses.pop(0)
+
+    def draft(self, root, k, **_):
+        if not isinstance(root, int):  # as the real drafters' gate refuses it
+            raise TypeError(f"root {root!r}")
+        return [2] * k, None, None
+
+
+class Replies:
+    """The stream's side Rounds drafts ahead against: sends recorded, a verdict in only when the test says so."""
+
+    def __init__(self):
+        self.sent, self.verdict_in = [], False
+
+    def send(self, msg):
+        self.sent.append(msg.round)
+
+    def has_reply(self, stale=()):
+        return self.verdict_in
+
+
+class Ahead(Rounds):
+    """Rounds' drafting ahead alone, greedy, two rounds sent behind the one in flight; no stop id but EOT."""
+
+    def __init__(self, drafter: ScriptedDrafter):
+        self.cfg = ClientConfig(max_new_tokens=100, k=2, overlap_depth=2)
+        self.info = pb.ModelInfo(max_draft_tokens=64, max_tree_nodes=0, overlapping_rounds=True)
+        self.measured, self.max_positions, self.stop_ids = Measured(), 1024, frozenset({EOT})
+        self.drafter, self.stream, self.stats = drafter, Replies(), Stats()
+        self.tokens, self.sequence, self.verified, self.round = [], list(PROMPT), len(PROMPT), 0
+        self._queued, self._stale, self._inflight, self._answered_at = [], [], None, None
+        self._stopping, self._drafts_started = threading.Event(), 0
+
+    def _processing(self, context):
+        return None
+
+
+def test_a_draft_ahead_with_every_pending_round_fed_drafts_after_the_guess_kept():
+    # Round 1 in flight; round 2 drafted ahead on the guess 5 and sent; the guess after round 2 is end-of-text, so
+    # nothing is drafted behind it. The verdict bears round 2 out and keeps the rows (greedy): round 2 is in flight,
+    # every row it needs is held, and drafting ahead again must stop at that same guess, feeding nothing.
+    drafter = ScriptedDrafter([5, EOT])
+    rounds = Ahead(drafter)
+    first = rounds._draft(1, rounds.sequence, Shape(2, 2))
+    rounds._send(first)
+    assert rounds._fill_overlap() is None
+    assert [a.bonus for a in rounds._queued] == [5]
+    assert drafter.fed == [[first.msg.tokens[-1]], [rounds._queued[0].round.msg.tokens[-1]]]
+    second = rounds._queued.pop(0).round  # borne out, rows kept: what Rounds._round does on such a verdict
+    rounds._inflight = second
+    assert rounds._fill_overlap() is None  # the end-of-text guess kept: nothing drafted, nothing fed
+    assert drafter.fed == [[first.msg.tokens[-1]], [second.msg.tokens[-1]]]
+    assert rounds._queued == [] and [m.round for m in rounds.stream.sent] == [1, 2]

@@ -116,11 +116,8 @@ def assert_reads_as_text(text: str) -> None:
 
 
 def edge_config(model: Model, tmp_path, **overrides) -> ClientConfig:
-    """The edge's settings for these tests. Rounds sent ahead of their verdict (overlap) are off: with a drafter that
-    guesses the end of text, client/rounds.py Rounds._draft_ahead drafts after a guess of None (every pending round
-    fed already, after a guess that was a stop id) and raises TypeError, depending on when verdicts arrive."""
-    return ClientConfig(server=model.address, max_new_tokens=24, cache_dir=str(tmp_path / "cache"), overlap=False,
-                        **overrides)  # fmt: skip
+    """The edge's settings for these tests: rounds sent ahead of their verdicts as by default."""
+    return ClientConfig(server=model.address, max_new_tokens=24, cache_dir=str(tmp_path / "cache"), **overrides)
 
 
 def generate(model: Model, tmp_path, **overrides) -> tuple[Result, str, Tokenizer]:
