@@ -190,16 +190,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return INTERRUPTED
     # A ServerDataError (the server sent something invalid) goes on to run_cli: one line, status 2.
     try:
-        source = prompt if isinstance(engine, EdgeSession) else tok.encode(prompt)
+        prompt_ids = tok.encode(prompt)  # as the edge encodes it: the text shown continues these
+        source = prompt if isinstance(engine, EdgeSession) else prompt_ids
         live = not args.json and not args.plain and sys.stdout.isatty()
+        shown = {"context": prompt_ids, "hidden": engine.stop_ids or ()}  # the stop ids: known once paired
         if live:
-            with LiveView(tok, prompt) as view:
+            with LiveView(tok, prompt, **shown) as view:
                 engine.on_event = view.on_event
                 with interruptible(engine.stop):
                     result = engine.run(source)
             view.summary(result)
         else:
-            plain = PlainStream(tok)
+            plain = PlainStream(tok, **shown)
             if not args.json:
                 engine.on_event = plain.on_event
                 sys.stdout.write(prompt)

@@ -1,14 +1,17 @@
 """What the user sees while the client generates: the text as it grows, verified and offline tokens in different
 colours, the link state, tau and bytes; and a summary table at the end.
 
-Contract: `LiveView(tokenizer, prompt_text, netsim=None)` is an event sink for tether.client.session
-(`view.on_event`); use it as a context manager around the generation (rich.live.Live underneath), then
-`view.summary(result)` prints the closing table. `PlainStream` is the sink for a pipe or a log: it writes text
-as it is produced and notes the link's state changes and retractions on stderr; `summary(result)` ends with one
-line there. Both say the link's state changes alike, one line each (tether.client.outage.LinkNotes: "offline:
-server unreachable", "resyncing", "online ..."), and re-colour nothing already printed but the live view's text,
-whose offline tokens turn verified when a resync keeps them (Event "verify"). Both summaries give time to first
-token from the command's start and after pairing, tokens/s, and say when the server decoded alone (server-only).
+Contract: `LiveView(tokenizer, prompt_text, netsim=None, context=(), hidden=())` is an event sink for
+tether.client.session (`view.on_event`); use it as a context manager around the generation (rich.live.Live
+underneath), then `view.summary(result)` prints the closing table. `PlainStream` is the sink for a pipe or a log: it
+writes text as it is produced and notes the link's state changes and retractions on stderr; `summary(result)` ends
+with one line there. Both decode the continuation after `context`, the prompt's ids (a SentencePiece-style
+continuation keeps its first space), and leave out the text of `hidden` ids (`tether-client generate` gives the ids
+the generation ends at: every end-of-text id and the stop token ids, as a result's text leaves them out). Both say
+the link's state changes alike, one line each (tether.client.outage.LinkNotes: "offline: server unreachable",
+"resyncing", "online ..."), and re-colour nothing already printed but the live view's text, whose offline tokens
+turn verified when a resync keeps them (Event "verify"). Both summaries give time to first token from the command's
+start and after pairing, tokens/s, and say when the server decoded alone (server-only).
 `ChatStream` is a chat's: each reply as it comes (offline text in yellow on a terminal), without the tokens a
 template hides (end of turn, special tokens), notes on stderr. `Connecting` is the sink while pairing: what the
 connect loop reports, and a rich progress bar on stderr for the client part's first download (bytes, rate), shown
@@ -24,7 +27,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -58,10 +61,11 @@ def summary_line(result: Result) -> str:
     return ", ".join(parts) + f", {s.wall_s:.2f} s"
 
 
-def token_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+def token_texts(tokenizer: Tokenizer, ids: list[int], context: Sequence[int] = ()) -> list[str]:
     """The text each token releases (a character split across tokens shows once whole, at the token that completes
-    it or, with byte fallback, at the token after its bytes); joined, exactly `tokenizer.decode(ids)`."""
-    stream = tokenizer.detokenizer()
+    it or, with byte fallback, at the token after its bytes); joined, exactly `tokenizer.decode(ids, after=context)`
+    (`context`: the prompt's ids)."""
+    stream = tokenizer.detokenizer(context=context)
     pieces = [stream.push([t]) for t in ids]
     if pieces:
         pieces[-1] += stream.flush()
@@ -69,8 +73,10 @@ def token_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 
 
 class LiveView:
-    def __init__(self, tokenizer: Tokenizer, prompt: str, *, netsim=None, console: Console | None = None):
+    def __init__(self, tokenizer: Tokenizer, prompt: str, *, netsim=None, console: Console | None = None,
+                 context: Sequence[int] = (), hidden: Collection[int] = ()):  # fmt: skip
         self.tok, self.prompt, self.netsim = tokenizer, prompt, netsim
+        self.context, self.hidden = list(context), frozenset(hidden)
         self.console = console or Console()
         self.tokens: list[int] = []
         self.tags: list[str] = []
@@ -112,7 +118,9 @@ class LiveView:
 
     def _render(self):
         text = Text(self.prompt, style="dim")
-        for piece, tag in zip(token_texts(self.tok, self.tokens), self.tags, strict=True):
+        shown = [(t, tag) for t, tag in zip(self.tokens, self.tags, strict=True) if t not in self.hidden]
+        pieces = token_texts(self.tok, [t for t, _ in shown], self.context)
+        for piece, (_, tag) in zip(pieces, shown, strict=True):
             text.append(piece, style=STYLE[tag])
         n_off = self.tags.count("offline")
         status = Text.assemble(
@@ -159,10 +167,11 @@ class PlainStream:
     """Text to stdout as it is produced; the link's state changes (one line each) and retractions as notes on
     stderr."""
 
-    def __init__(self, tokenizer: Tokenizer, *, out=None, err=None):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, *, out=None, err=None, context: Sequence[int] = (),
+                 hidden: Collection[int] = ()):  # fmt: skip
+        self.tok, self.hidden = tokenizer, frozenset(hidden)
         self.out, self.err = out or sys.stdout, err or sys.stderr
-        self.text = tokenizer.detokenizer()
+        self.text = tokenizer.detokenizer(context=context)
         self.notes = LinkNotes()
 
     def on_event(self, e: Event) -> None:
@@ -170,7 +179,8 @@ class PlainStream:
             self.err.write(f"\n[tether: {line}]\n")
         if e.kind == "tokens" or (e.kind == "state" and e.state == State.DONE):
             # The end (DONE) releases what the detokenizer held back: a last character still waiting for more.
-            self.out.write(self.text.push(e.tokens) if e.kind == "tokens" else self.text.flush())
+            shown = [t for t in e.tokens if t not in self.hidden] if e.kind == "tokens" else []
+            self.out.write(self.text.push(shown) if e.kind == "tokens" else self.text.flush())
             self.out.flush()
         elif e.kind == "retract":
             self.err.write(f"\n[tether: rewound {e.count} offline tokens; the text goes on from there]\n")

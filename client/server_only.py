@@ -226,7 +226,9 @@ class ServerOnlySession:
             call.cancel()  # a stop id or stop(): the server ends the generation and frees its KV
         stats.wall_s = time.monotonic() - t0
         self._set_state(State.DONE)
-        return Result(list(prompt), tokens, ["verified"] * len(tokens), self.tokenizer.decode(tokens), stats)
+        # The text the continuation adds to its prompt (a first space kept), without the ids it ended at.
+        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids], after=list(prompt))
+        return Result(list(prompt), tokens, ["verified"] * len(tokens), text, stats)
 
 
 def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer: Tokenizer) -> Result:

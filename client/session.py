@@ -513,7 +513,10 @@ class EdgeSession(Resync, Rounds):
 
     def _result(self, t0: float) -> Result:
         self.stats.wall_s = time.monotonic() - t0
-        return Result(self.prompt, self.tokens, self.tags, self.models.tokenizer.decode(self.tokens), self.stats)
+        # The text the continuation adds to its prompt (a first space kept), without the ids it ended at.
+        shown = [t for t in self.tokens if t not in (self.stop_ids or ())]
+        text = self.models.tokenizer.decode(shown, after=self.prompt)
+        return Result(self.prompt, self.tokens, self.tags, text, self.stats)
 
     def _connect(self, prompt_text: str) -> bool:
         """Pair, then open the session, or go on from the session file; True when that file's generation is done."""

@@ -196,7 +196,7 @@ class Result:
     prompt_ids: list[int]
     token_ids: list[int]
     tags: list[str]
-    text: str
+    text: str  # what the continuation adds to its prompt (decoded after it), without the ids it ended at
     stats: Stats
 
     def to_json(self) -> dict:

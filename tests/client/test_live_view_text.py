@@ -1,7 +1,9 @@
 """The edge client's text surfaces with a SentencePiece-style tokenizer (Llama-2 layout: Metaspace, byte fallback):
 the plain stream, a chat's stream and the live view's per-token text show exactly the tokenizer's decode, the
 leading space dropped as transformers drops it, a character spelled in byte tokens whole, and nothing held back
-once the generation is done (State.DONE releases the last character). A tokenizer built in-process, no model.
+once the generation is done (State.DONE releases the last character). `tether-client generate`'s plain stream and
+live view, given the prompt's ids and the ids the generation ends at, show the continuation after the prompt (its
+first space kept) without those ids. A tokenizer built in-process, no model.
 Run: `python -m pytest tests/client/test_live_view_text.py -q`."""
 
 import io
@@ -11,7 +13,7 @@ import tokenizers
 from rich.console import Console
 from tokenizers import decoders, models, pre_tokenizers
 
-from tether.client.live_view import ChatStream, PlainStream, token_texts
+from tether.client.live_view import ChatStream, LiveView, PlainStream, token_texts
 from tether.client.session_types import Event, State
 from tether.shared.tokenizer import Tokenizer
 
@@ -60,3 +62,23 @@ def test_token_texts_join_to_the_decode(tok: Tokenizer) -> None:
     pieces = token_texts(tok, ids)
     assert len(pieces) == len(ids) and "".join(pieces) == TEXT
     assert "\ufffd" not in "".join(pieces)
+
+
+def test_generates_views_show_the_continuation_after_its_prompt_without_the_ids_it_ends_at(tok: Tokenizer) -> None:
+    """The plain stream and the live view, given the prompt's ids and the ids that end the generation (every
+    end-of-text id, the stop token ids): the text a continuation adds to its prompt, its first space kept, and no
+    stop id's text, a retracted one included."""
+    prompt, ids = tok.encode("ih"), tok.encode(TEXT)
+    want = tok.decode(ids, after=prompt)
+    assert want == " " + TEXT  # the space the prompt gives the continuation's leading "▁"
+    out = io.StringIO()
+    plain = PlainStream(tok, out=out, err=io.StringIO(), context=prompt, hidden={tok.eos_id})
+    view = LiveView(tok, "ih", console=Console(file=io.StringIO(), width=100), context=prompt, hidden={tok.eos_id})
+    for sink in (plain, view):
+        for i in [*ids, tok.eos_id]:
+            sink.on_event(Event("tokens", tokens=[i], tag="verified"))
+    view.on_event(Event("retract", count=1))
+    view.on_event(Event("tokens", tokens=[tok.eos_id], tag="offline"))
+    plain.on_event(Event("state", state=State.DONE))
+    assert out.getvalue() == want
+    assert view._render().renderable.renderables[0].plain == "ih" + want
