@@ -27,7 +27,7 @@ Contract (as DrafterBase; the differences are marked *):
   * A delta is anything with .start, .tokens and .tensors ({"lsa", "tli_k", "tli_v"} or {"hidden"}) whose
   tensors are numpy arrays or torch tensors (converted through their own methods, so torch is not imported
   here): tether.shared.drafter.DraftDelta, or ArrayDelta built from tether.shared.wire.decode_many.
-- `draft(root, k, temperature=0.0, top_p=1.0, support=8, generator=None, min_p=0.0, processing=None)` ->
+- `draft(root, k, temperature=0.0, top_p=1.0, top_k=0, support=8, generator=None, min_p=0.0, processing=None)` ->
   (tokens, q_ids, q_probs): a chain of k tokens after `root`; greedy returns (tokens, None, None). `processing`
   (tether.shared.logits_processing, of the position after `root`; draft_tree and feed take one too): each position
   processed with the counts of its own context, as DrafterBase does. `discard_drafts()` drops a lost round's rows.
@@ -271,6 +271,7 @@ class OnnxDrafter:
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         support: int = 8,
         stop: Callable[[], bool] | None = None,
         generator: np.random.Generator | int | None = None,
@@ -293,7 +294,7 @@ class OnnxDrafter:
             if rng is None:
                 token = int(logits.argmax())
             else:
-                top, q = proposal(probabilities_np(logits, temperature, top_p, min_p=min_p), support)
+                top, q = proposal(probabilities_np(logits, temperature, top_p, top_k, min_p), support)
                 token = int(top[rng.choice(top.size, p=q.astype(np.float64) / q.sum(dtype=np.float64))])
                 q_ids.append(top)
                 q_probs.append(q)

@@ -99,8 +99,8 @@ class Resync:
             self._feed_from = None
         # The sampling controls as online: the drafter's processed greedy (or sampled) token after the text.
         tokens, _, _ = self.drafter.draft(self.sequence[-1], 1, temperature=self.cfg.temperature,
-                                          top_p=self.cfg.top_p, generator=self._draft_rng, min_p=self.cfg.min_p,
-                                          processing=self._processing(self.sequence))  # fmt: skip
+                                          top_p=self.cfg.top_p, top_k=self.cfg.top_k, generator=self._draft_rng,
+                                          min_p=self.cfg.min_p, processing=self._processing(self.sequence))  # fmt: skip
         self.offline_run += 1
         self.stats.offline_tokens += 1
         self._emit(tokens, "offline")

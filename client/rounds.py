@@ -235,7 +235,7 @@ class Rounds:
             rng = self._draft_streams(self._drafts_started) if cfg.temperature > 0 else None
             self._drafts_started += 1
             drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                        stop=stop, generator=rng, min_p=cfg.min_p,
+                                                        top_k=cfg.top_k, stop=stop, generator=rng, min_p=cfg.min_p,
                                                         processing=proc)  # fmt: skip
             msg = pb.DraftRound(round=number, root=root)
             d = Drafted(msg, None, shape.chain_k, fed=0, short=shape.k, rng=rng, proc=proc)
@@ -258,7 +258,7 @@ class Rounds:
         t0, cfg = time.monotonic(), self.cfg
         proc = None if d.proc is None else d.proc.after(list(d.msg.tokens))  # the position after the last draft
         drafts, q_ids, q_probs = self.drafter.draft(d.msg.tokens[-1], d.short, temperature=cfg.temperature,
-                                                    top_p=cfg.top_p, generator=d.rng, min_p=cfg.min_p,
+                                                    top_p=cfg.top_p, top_k=cfg.top_k, generator=d.rng, min_p=cfg.min_p,
                                                     processing=proc)  # fmt: skip
         self._extend(d, drafts, q_ids, q_probs)
         self.measured.drafted(time.monotonic() - t0, len(drafts))

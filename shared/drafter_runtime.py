@@ -96,6 +96,7 @@ class DrafterBase(nn.Module):
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         support: int = 8,
         stop: Callable[[], bool] | None = None,
         generator: torch.Generator | None = None,
@@ -117,7 +118,7 @@ class DrafterBase(nn.Module):
                 token = int(logits.argmax())
             else:
                 logits = logits if processing is not None else logits.float().cpu().numpy()
-                p = probabilities_np(logits, temperature, top_p, min_p=min_p)
+                p = probabilities_np(logits, temperature, top_p, top_k, min_p)
                 ids, q = (torch.from_numpy(a) for a in proposal(p, support))
                 token = int(ids[torch.multinomial(q, 1, generator=generator)])
                 q_ids.append(ids)

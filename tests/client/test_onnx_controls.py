@@ -90,3 +90,24 @@ def test_sampled_draft_carries_the_processed_distribution(exported):  # noqa: F8
     np.testing.assert_allclose(q_probs[0], want_probs[0].numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(q_probs[0], p[q_ids[0]], rtol=1e-4, atol=1e-6)
     assert 5 not in tokens and all(q_probs[i][q_ids[i].tolist().index(5)] == 0 for i in range(3))
+
+
+def test_a_sampled_draft_proposes_from_the_top_k_as_the_verifier_samples(exported):  # noqa: F811
+    """top_k with the rest of the rule: each row of q has at most top_k tokens, the first row is the rule's
+    distribution over the processed logits, and both drafters agree."""
+    target, ref, out = exported("moa", 2)
+    onnx = OnnxDrafter.load(out)
+    root, delta = opened(target, ref)
+    proc = processing(CONTROLS, [*PROMPT, root])
+    settings = dict(temperature=1.5, top_p=0.99, top_k=2, support=VOCAB, min_p=0.01, processing=proc)
+    ref.begin(delta)
+    _, want_ids, want_probs = ref.draft(root, 4, **settings, generator=torch.Generator().manual_seed(0))
+    onnx.begin(delta)
+    tokens, q_ids, q_probs = onnx.draft(root, 4, **settings, generator=0)
+    assert all((row > 0).sum() <= 2 for row in q_probs) and all((row > 0).sum() <= 2 for row in want_probs)
+    assert all(t in q_ids[i][q_probs[i] > 0] for i, t in enumerate(tokens))  # drawn from the kept tokens
+    onnx.begin(delta)
+    p = probabilities_np(proc.apply_np(onnx._step(root)), 1.5, 0.99, 2, 0.01)
+    assert (p > 0).sum() == 2
+    np.testing.assert_allclose(q_probs[0], p[q_ids[0]], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(q_probs[0], want_probs[0].numpy(), rtol=1e-4, atol=1e-5)
