@@ -231,8 +231,9 @@ def run_generate_hf(lab: Lab, b: Block) -> None:
 def run_client_generate(lab: Lab, b: Block) -> None:
     argv = at(server_for(lab, b), lab.argv(b.words))
     assert lab.run([*argv, *FEW_TOKENS]).stdout.strip()
-    subset = pick(b.text, "--policy", "--json", "--temperature", "--seed", "--session-file", "--codec", "--precision",
-                  "--threads", session_file=str(lab.root / "s.json"))  # fmt: skip
+    subset = pick(b.text, "--policy", "--json", "--temperature", "--seed", "--top-k", "--min-p", "--presence-penalty",
+                  "--session-file", "--codec", "--precision", "--threads",
+                  session_file=str(lab.root / "s.json"))  # fmt: skip
     result = last_json(lab.run([*argv, *FEW_TOKENS, *subset]).stdout)  # sampled: it may end before 8 tokens
     assert result["text"] and 1 <= len(result["token_ids"]) <= 8 and (lab.root / "s.json").is_file()
 
