@@ -17,8 +17,7 @@ Contract:
   state over the shared weights, the request's sampling (temperature, top_p, top_k, min_p, the penalties,
   logit_bias, stop_token_ids and seed: SAMPLING_FIELDS, which the drafter proposes from too, offline included),
   `max_tokens` as its max_new_tokens, and the chat format's stop ids beside every end-of-text id and the
-  request's stop ids (nothing is drafted past an end of turn). top_k is the server's to apply when it verifies:
-  drafts proposed without it stay lossless, but tokens drafted offline are sampled without it. A control the
+  request's stop ids (nothing is drafted past an end of turn); top_k included, online and offline. A control the
   tether server does not apply (ModelInfo.sampling_controls false), or a token id outside the vocabulary, is a
   400 naming it, before a session starts. The session is opened in one try: a server that is full answers 503
   `overloaded` with its Retry-After, one that cannot be reached 503 `server_unreachable` with a Retry-After too
