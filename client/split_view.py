@@ -4,7 +4,7 @@ terminal, over a status area that never scrolls away; then one table that compar
 Contract:
 - `SplitView(tokenizer, prompt, *, netsim=None, console=None)` holds two panes, `view.hybrid` and `view.server`
   (`Pane`), each an event sink for tether.client.session's events (`pane.on_event`, from any thread): the tail of
-  its text that fits (the prompt dim, verified tokens green, offline ones yellow; a retraction removes its tokens,
+  its text that fits (decoded after the prompt as tether-client generate shows it, no end-of-text; the prompt dim, verified tokens green, offline ones yellow; a retraction removes its tokens,
   counts them and notes it in the log line, as tether.client.live_view.LiveView does; offline ones a resync kept
   turn green; each change of its link's state is one note, tether.client.outage.LinkNotes), its state, tokens so far
   and payload bytes (`pane.stats`: the session's Stats, read as it changes; the hybrid pane adds tau).
@@ -112,7 +112,11 @@ class Pane:
         # off at that start would show as a replacement character, above what fits anyway.
         start = max(0, len(self.tokens) - cells)
         out = Text(shown(self.view.prompt), style="dim") if start == 0 else Text()
-        for piece, tag in zip(token_texts(self.view.tok, self.tokens[start:]), self.tags[start:], strict=True):
+        hidden = self.view.hidden
+        context = [*self.view.context, *(t for t in self.tokens[:start] if t not in hidden)]
+        kept = [(t, tag) for t, tag in zip(self.tokens[start:], self.tags[start:], strict=True) if t not in hidden]
+        pieces = token_texts(self.view.tok, [t for t, _ in kept], context)
+        for piece, (_, tag) in zip(pieces, kept, strict=True):
             out.append(shown(piece), style=STYLE[tag])
         return out
 
@@ -148,6 +152,8 @@ class _Fit:
 class SplitView:
     def __init__(self, tokenizer: Tokenizer, prompt: str, *, netsim=None, console: Console | None = None):
         self.tok, self.prompt, self.netsim = tokenizer, prompt, netsim
+        # As tether-client generate shows a text: after the prompt's ids (as both streams encode it), no end of text.
+        self.context, self.hidden = tokenizer.encode(prompt), frozenset(tokenizer.eos_ids)
         self.console = console or Console()
         self.lock = threading.RLock()
         self.hybrid = Pane(self, "hybrid", "hybrid: the edge drafts", HYBRID_STATES)

@@ -15,6 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from tether.client.live_view import ChatStream, LiveView, PlainStream, token_texts
 from tether.client.session_types import Event, State
+from tether.client.split_view import SplitView
 from tether.shared.tokenizer import Tokenizer
 
 TEXT = "hi 中 ih"  # "中" has no token of its own: three byte tokens (at the end of "hi 中")
@@ -82,3 +83,15 @@ def test_generates_views_show_the_continuation_after_its_prompt_without_the_ids_
     plain.on_event(Event("state", state=State.DONE))
     assert out.getvalue() == want
     assert view._render().renderable.renderables[0].plain == "ih" + want
+
+
+def test_the_demos_panes_show_the_continuation_after_its_prompt_without_end_of_text(tok: Tokenizer) -> None:
+    """The demo's split view reads as generate shows: after the prompt (a first space kept), no end-of-text text, in
+    its whole and in a tail that starts after the first tokens."""
+    ids = tok.encode(TEXT)
+    view = SplitView(tok, "ih", console=Console(file=io.StringIO(), width=80, height=24))
+    for i in [*ids, tok.eos_id]:
+        view.hybrid.on_event(Event("tokens", tokens=[i], tag="verified"))
+    assert view.hybrid.text(100).plain == "ih " + TEXT
+    tail = tok.decode(ids[2:], after=[*tok.encode("ih"), *ids[:2]])
+    assert view.hybrid.text(len(ids) - 1).plain == tail and tail.endswith("中 ih")  # its last len(ids) - 1 tokens
