@@ -3,11 +3,12 @@ terminal, over a status area that never scrolls away; then one table that compar
 
 Contract:
 - `SplitView(tokenizer, prompt, *, netsim=None, console=None)` holds two panes, `view.hybrid` and `view.server`
-  (`Pane`), each an event sink for tether.client.session's events (`pane.on_event`, from any thread): the tail of
-  its text that fits (decoded after the prompt as tether-client generate shows it, no end-of-text; the prompt dim, verified tokens green, offline ones yellow; a retraction removes its tokens,
-  counts them and notes it in the log line, as tether.client.live_view.LiveView does; offline ones a resync kept
-  turn green; each change of its link's state is one note, tether.client.outage.LinkNotes), its state, tokens so far
-  and payload bytes (`pane.stats`: the session's Stats, read as it changes; the hybrid pane adds tau).
+  (`Pane`), each an event sink for tether.client.session's events (`pane.on_event`, from any thread): the tail of its
+  text that fits (decoded after the prompt as tether-client generate shows it, no end-of-text; the prompt dim,
+  verified tokens green, offline ones yellow; a retraction removes its tokens, counts them and notes it in the log
+  line, as tether.client.live_view.LiveView does; offline ones a resync kept turn green; each change of its link's
+  state is one note, tether.client.outage.LinkNotes), its state, tokens so far and payload bytes (`pane.stats`: the
+  session's Stats, read as it changes; the hybrid pane adds tau).
 - The link is what the caller makes it: `view.link_change(state, act)` records "up", "cut" or "stalled" around
   `act()` (netsim's restore, cut or stall): going down, `act` runs first; coming back, the state changes first, so
   the view never says "down" while bytes still pass, nor "up" before they can.
