@@ -20,8 +20,7 @@ spaces before punctuation, never a literal `▁` or `<0x..>`.
   reads as the tokenizer decodes it, without the end of turn.
 - An edge decodes with the clean-up its server's model folder asks for (Unigram: " ?" reads "?").
 - The server's OpenAI-compatible API on the same model: completions (streamed or not) and chat completions end at
-  the second end-of-text id and read as decoded; a completion's first space: xfail until TextStream decodes after
-  the prompt.
+  the second end-of-text id and read as decoded, a completion keeping its first space after the prompt.
 
 Faults strike on events, never on the clock. A few seconds per family on 2 cores.
 """
@@ -194,10 +193,6 @@ def test_the_servers_http_api_answers_with_the_tokenizers_text(model):
         assert_reads_as_text(text)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="shared/openai_api.py TextStream decodes a completion "
-                   "apart from its prompt (tokenizer.detokenizer()): a Metaspace continuation loses its first space, "
-                   "which vLLM and transformers' pipeline keep; fix: TextStream(..., context=prompt_ids) -> "
-                   "tokenizer.detokenizer(context=...), given by shared/openai_generation.py")  # fmt: skip
 def test_a_completion_keeps_its_first_space_after_the_prompt(model):
     want = model.tok.decode(model.continuation, after=model.prompt_ids)
     done = model.api.completions.create(model=model.family, prompt=PROMPT, max_tokens=24, temperature=0)
