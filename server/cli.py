@@ -32,6 +32,8 @@ STARTED = time.perf_counter()  # the command's start, before the imports: what a
 import argparse  # noqa: E402  (after STARTED, on purpose)
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import TYPE_CHECKING, Protocol, TypeVar  # noqa: E402
@@ -338,5 +340,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_cli(build_parser(), argv)
 
 
+def program() -> None:
+    """The `tether-server` program (main() is for callers in a Python process). Once serve has returned, everything
+    it owns is stopped and saved ("stopped" is printed), and the process leaves without tearing the interpreter
+    down: native threads (gRPC's, ONNX Runtime's, torch's) destroyed under a finalising interpreter can abort a
+    cleanly stopped server ("terminate called without an active exception", status -6), as the front ends found.
+    The other commands exit as usual."""
+    status = main()
+    if sys.argv[1:2] == ["serve"]:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()

@@ -36,7 +36,7 @@ def test_wheel_holds_only_the_tether_namespace(tmp_path):
     assert "tether/v1/tether_pb2_grpc.py" in names and "tether/v1/tether.proto" in names
     assert "tether/__init__.py" not in names  # an implicit namespace package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "tether-server = tether.server.cli:main" in entry_points
+    assert "tether-server = tether.server.cli:program" in entry_points
     assert "tether-client = tether.client.cli:main" in entry_points
 
 
