@@ -1,13 +1,13 @@
 """Failover between replicas: how long from a replica's death to the client's first new verified token, and what
 the full-history resync that moves the session costs, for contexts of `--contexts` tokens.
 
-Two replicas of the default target on loopback (their RoPE limit raised to fit the longest context: positions past
-the 2,048 the model was trained on make poor text but cost exactly what they would otherwise, which is what is
-measured here). The client opens a session on replica A with a prompt of N tokens (standard-library source),
-generates a few rounds, then A is stopped. Reported per N: detection (kill to the client going offline: the
-round deadline `--round-timeout-s`), resync (the Resync call on B that rebuilds the session from the history:
-upload, B's prefill of N tokens, the delta back), total (kill to the first verified token from B), and the
-resync's bytes each way. Prints a table, then one JSON line.
+Two replicas of a target (`--model`, with its `--drafter`; the default ones unless given) on loopback (their RoPE
+limit raised to fit the longest context: positions past the 2,048 the model was trained on make poor text but cost
+exactly what they would otherwise, which is what is measured here). The client opens a session on replica A with a
+prompt of N tokens (standard-library source), generates a few rounds, then A is stopped. Reported per N: detection
+(kill to the client going offline: the round deadline `--round-timeout-s`), resync (the Resync call on B that
+rebuilds the session from the history: upload, B's prefill of N tokens, the delta back), total (kill to the first
+verified token from B), and the resync's bytes each way. Prints a table, then one JSON line.
 
     python bench/failover.py                        # contexts 256, 2048, 8192
 """
@@ -45,7 +45,7 @@ def prompt_of(tok, n: int) -> str:
 
 
 def measure(target: Transformer, drafter, tok, n: int, args, cache: str) -> dict:
-    fp = fingerprint(default_model_dir())
+    fp = fingerprint(args.model)
     config = ServiceConfig(max_prompt_tokens=n + 64, max_new_tokens=256, kv_pool_bytes=1 << 30)
     reps = []
     for _ in range(2):
@@ -96,15 +96,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 2048, 8192])
     ap.add_argument("--round-timeout-s", type=float, default=0.5, help="the client's round deadline")
+    ap.add_argument("--model", default=str(default_model_dir()), help="target directory (default: the default one)")
+    ap.add_argument("--drafter", default=str(default_model_dir("drafter")), help="drafter directory trained for it")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    target, tok = load(default_model_dir(), "cpu")
+    target, tok = load(args.model, "cpu")
     longest = max(args.contexts) + 512
     if longest > target.cfg.max_seq_len:
         target.cfg = dataclasses.replace(target.cfg, max_seq_len=longest)
         for block in target.layers:
             block.cfg = block.attn.cfg = target.cfg
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    drafter = load_drafter(args.drafter, target)
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         for n in args.contexts:

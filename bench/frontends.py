@@ -6,7 +6,8 @@ on the H200"), most of it gRPC's. This bench isolates that routing cost from the
 REASON_OUT_OF_ORDER error: a message in, validated, a message out, no model work), and `--unary` callers with
 GetModelInfo. It reports messages/s and the CPU time per message of the engine process alone (its own getrusage:
 front ends are other processes) and of the front ends, for each `--frontends` count (0: grpc.aio in the engine
-process, as before). What matters is the engine's: it is the one process every round must pass through.
+process, as before). What matters is the engine's: it is the one process every round must pass through. The
+server loads `--model` and `--drafter` (the default ones unless given), though no message reaches them.
 Prints a table, then one JSON line.
 
     python bench/frontends.py --frontends 0 1 2 --streams 64 --messages 200
@@ -112,15 +113,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--streams", type=int, default=64, help="Session streams, each sending --messages rounds")
     ap.add_argument("--unary", type=int, default=0, help="GetModelInfo callers, each making --messages calls")
     ap.add_argument("--messages", type=int, default=200)
+    ap.add_argument("--model", default=str(default_model_dir()), help="target directory (default: the default one)")
+    ap.add_argument("--drafter", default=str(default_model_dir("drafter")), help="drafter directory trained for it")
     ap.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)  # the client process: the port
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(asyncio.run(client(args.worker, args.streams, args.unary, args.messages))), flush=True)
         return None
-    target, tok = load(default_model_dir(), "cpu", "float32")
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    target, tok = load(args.model, "cpu", "float32")
+    drafter = load_drafter(args.drafter, target)
     config = ServiceConfig(max_streams=max(4096, 2 * args.streams), max_calls_per_key=max(512, 2 * args.unary))
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fingerprint(default_model_dir()))
+    service = TetherService(target, drafter, tok, config, model_fingerprint=fingerprint(args.model))
     try:
         rows = [measure(service, n, args) for n in args.frontends]
     finally:

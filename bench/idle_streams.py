@@ -4,10 +4,10 @@ A hostile or broken client can open Session streams and never send anything. The
 per stream) must keep answering everyone else. A client process apart from the server opens `--streams` idle
 Session streams on loopback (over `--channels` connections, as many clients would); once the server holds them all
 it times, on a separate connection, `--probes` health checks, GetModelInfo calls and verification rounds of one
-real session (the default models, k=4 random drafts). Reports p50 / p99 / max per call kind and the server
-process's resident memory growth per 1,000 idle streams, and how many of them the server holds (grpc's core
-cancels the newest idle streams past a couple of thousand per server on this machine). The bar: health and
-GetModelInfo within 100 ms with 1,000 idle streams.
+real session (`--model` and `--drafter`, the default models unless given; k=4 random drafts). Reports p50 / p99 /
+max per call kind and the server process's resident memory growth per 1,000 idle streams, and how many of them the
+server holds (grpc's core cancels the newest idle streams past a couple of thousand per server on this machine).
+The bar: health and GetModelInfo within 100 ms with 1,000 idle streams.
 Prints a table, then one JSON line.
 
     python bench/idle_streams.py --streams 0 1000 3000
@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[0, 1000, 3000], help="idle streams to hold open")
     ap.add_argument("--channels", type=int, default=8, help="connections the idle streams are spread over")
     ap.add_argument("--probes", type=int, default=100, help="timed calls of each kind")
+    ap.add_argument("--model", default=str(default_model_dir()), help="target directory (default: the default one)")
+    ap.add_argument("--drafter", default=str(default_model_dir("drafter")), help="drafter directory trained for it")
     ap.add_argument("--client", type=int, default=0, help=argparse.SUPPRESS)  # the client process: the server's port
     ap.add_argument("--fingerprint", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -128,9 +130,9 @@ def main() -> None:
                                             args.fingerprint))), flush=True)  # fmt: skip
         return
     torch.set_grad_enabled(False)
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
-    fp = fingerprint(default_model_dir())
+    target, tok = load(args.model, "cpu")
+    drafter = load_drafter(args.drafter, target)
+    fp = fingerprint(args.model)
     rows = []
     for n in args.streams:
         service = TetherService(target, drafter, tok, ServiceConfig(max_streams=max(4096, 2 * n)), model_fingerprint=fp)

@@ -2,11 +2,14 @@
 record's fields and counts (never its timings)."""
 
 from bench_modules import load_bench
+from toy_models import toy_model_flags
 
 
 def test_routing_record_in_process_and_with_a_front_end():
     bench = load_bench("frontends")
-    record = bench.main(["--frontends", "0", "1", "--streams", "3", "--unary", "2", "--messages", "4"])
+    record = bench.main(
+        ["--frontends", "0", "1", "--streams", "3", "--unary", "2", "--messages", "4", *toy_model_flags()]
+    )
     assert record["bench"] == "frontends" and record["args"]["frontends"] == [0, 1]
     here, apart = record["rows"]
     for row, n in ((here, 0), (apart, 1)):

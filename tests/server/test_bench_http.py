@@ -2,12 +2,13 @@
 counts (never its timings)."""
 
 from bench_modules import load_bench
+from toy_models import toy_model_dir
 
 
 def test_http_and_generate_rows():
     bench = load_bench("http_api")
     record = bench.main(["--device", "cpu", "--clients", "1", "3", "--tokens", "5", "--prompt-len", "8",
-                         "--drafter", "none"])  # fmt: skip
+                         "--model", str(toy_model_dir()), "--drafter", "none"])  # fmt: skip
     assert record["bench"] == "http" and [(r["protocol"], r["clients"]) for r in record["rows"]] == [
         ("http", 1), ("grpc", 1), ("http", 3), ("grpc", 3)]  # fmt: skip
     for row in record["rows"]:
