@@ -10,6 +10,7 @@ import stat
 import types
 
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client.chat import (
     HISTORY_LENGTH,
@@ -20,7 +21,6 @@ from tether.client.chat import (
     interruptible,
     repl,
 )
-from tether.server.generate import default_model_dir
 from tether.shared.chat_template import ChatFormat
 from tether.shared.tokenizer import Tokenizer
 
@@ -34,7 +34,7 @@ SPACED = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_pretrained(default_model_dir())
+    return Tokenizer.from_pretrained(toy_model_dir())
 
 
 def test_a_turn_renders_the_whole_conversation_with_the_generation_prompt(tok):

@@ -3,9 +3,8 @@ a bad value is one line and status 2 before anything is dialled, SamplingParams 
 applies them and a server that does not is refused, and the end-of-text ids of every client path are all the
 server names (ModelInfo.eos_ids, else eos_id, else the tokenizer's) with the request's stop token ids."""
 
-from pathlib import Path
-
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client.cli import _config, build_parser, main
 from tether.client.controls import ControlsNotOffered, check_controls, sampling_params, stop_ids
@@ -16,7 +15,7 @@ from tether.shared.logits_processing import ControlError
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "deploy" / "models" / "target" / "tokenizer.json"
+TOKENIZER = toy_model_dir() / "tokenizer.json"
 CONTROLS = dict(top_k=5, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3,
                 logit_bias=((13, -100.0), (7, 2.5)), stop_token_ids=(2, 9))  # fmt: skip
 

@@ -15,6 +15,7 @@ import threading
 import grpc
 import httpx
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client.edge_api import Release, api_error, chat_format
 from tether.client.edge_serve import ServeConfig, parse_listen, read_keys
@@ -22,7 +23,6 @@ from tether.client.errors import Problem, ServerDataError
 from tether.client.refusals import Refusal
 from tether.client.session_types import Event
 from tether.client.transport import LinkDown, ServerBusy, ServerError, SessionLost
-from tether.server.generate import default_model_dir
 from tether.shared.chat_template import ChatFormat
 from tether.shared.openai_api import ErrorKind, Sampling, Tokens
 from tether.shared.openai_app import HttpConfig, HttpServer, OpenAIApp
@@ -107,7 +107,7 @@ def test_upstream_refusals_map_to_openai_errors(error, kind, retry_after):
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_file(default_model_dir() / "tokenizer.json")
+    return Tokenizer.from_file(toy_model_dir() / "tokenizer.json")
 
 
 class Scripted:

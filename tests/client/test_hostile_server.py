@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
+from toy_models import toy_model_dir
 
 from tether.client.cli import main
 from tether.shared.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ from tether.shared.weights import (
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "deploy" / "models" / "target"
+TOKENIZER = toy_model_dir()
 
 
 def sha256_json(obj: dict) -> str:

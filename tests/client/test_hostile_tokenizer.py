@@ -4,9 +4,9 @@ inside the `tokenizers` library while encoding (a Rust panic, pyo3's PanicExcept
 TokenizerFailed, a ValueError in one line, never a traceback past `except Exception`."""
 
 import json
-from pathlib import Path
 
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client.errors import Problem, ServerDataError
 from tether.client.pairing_checks import check_tokenizer
@@ -14,7 +14,7 @@ from tether.shared.tokenizer import Tokenizer, TokenizerFailed
 from tether.shared.tokenizer_trust import check_pattern, check_tokenizer_json
 from tether.v1 import tether_pb2 as pb
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "deploy" / "models" / "target"
+TOKENIZER = toy_model_dir()
 # Patterns real tokenizers ship (Llama 3's, Qwen2's, GPT-4o's Split) and a few of the library's usual forms.
 REAL = [
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"

@@ -10,6 +10,7 @@ import threading
 import grpc
 import pytest
 from rich.console import Console
+from toy_models import toy_model_dir
 
 from tether.client.cli import main
 from tether.client.edge_api import Release, api_error
@@ -19,7 +20,6 @@ from tether.client.outage import Cause, LinkNotes, reason
 from tether.client.refusals import Refusal
 from tether.client.session_types import Event, Result, State, Stats
 from tether.client.transport import LinkDown, ServerBusy, SessionFull, SessionLost, SessionStream, refused
-from tether.server.generate import default_model_dir
 from tether.shared.openai_api import ErrorKind, Tokens
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
@@ -148,7 +148,7 @@ def test_a_rebuilt_session_says_so_when_online_again():
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_file(default_model_dir() / "tokenizer.json")
+    return Tokenizer.from_file(toy_model_dir() / "tokenizer.json")
 
 
 def test_the_plain_stream_and_a_chats_notes_are_those_lines(tok):

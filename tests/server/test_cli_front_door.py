@@ -23,6 +23,7 @@ import grpc
 import pytest
 import torch
 from hub_cache import cache_hub_model
+from toy_models import toy_model_flags
 
 from tether.server.cli import main
 from tether.server.rpc_server import event_loop, make_server
@@ -59,13 +60,14 @@ def tether_server(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("extra", [[], ["--frontends", "2"]], ids=["one-process", "front-ends"])
 def test_a_port_in_use_is_one_line_before_the_models_load(held_port, extra):
-    run = tether_server("serve", "--port", str(held_port), "--device", "cpu", "--log-level", "warning", *extra)
+    flags = ["--port", str(held_port), "--device", "cpu", "--log-level", "warning", *extra]
+    run = tether_server("serve", *toy_model_flags(), *flags)
     assert run.returncode == 2 and run.stdout == "", run
     assert run.stderr.count("\n") == 1 and f"--port {held_port}: 127.0.0.1:{held_port} is in use" in run.stderr
 
 
 def test_a_metrics_port_in_use_is_one_line(held_port):
-    run = tether_server("serve", "--port", "0", "--metrics-port", str(held_port), "--device", "cpu")
+    run = tether_server("serve", *toy_model_flags(), "--port", "0", "--metrics-port", str(held_port), "--device", "cpu")
     assert run.returncode == 2 and run.stdout == "", run
     assert run.stderr.count("\n") == 1 and f"--metrics-port {held_port}" in run.stderr
 
@@ -77,7 +79,8 @@ def test_an_http_port_taken_after_the_check_is_one_line_after_the_models_load(he
         "import sys, tether.server.daemon as d; d.check_ports = lambda cfg: None; "
         "from tether.server.cli import main; sys.exit(main(sys.argv[1:]))"
     )
-    args = ["serve", "--port", "0", "--http-port", str(held_port), "--device", "cpu", "--log-level", "warning"]
+    args = ["serve", *toy_model_flags(), "--port", "0", "--http-port", str(held_port), "--device", "cpu", "--log-level",
+            "warning"]  # fmt: skip
     run = subprocess.run([sys.executable, "-c", skip_check, *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run
     assert run.stderr.count("\n") == 1 and f"--http-port {held_port}: cannot listen on 127.0.0.1" in run.stderr, run
@@ -233,9 +236,9 @@ def test_a_model_directory_from_a_variable_is_checked_too(clean_env, tmp_path, c
 @pytest.mark.parametrize(
     "argv",
     [
-        ["serve", "--device", "cuda", "--port", "0"],
-        ["warm", "--device", "cuda"],
-        ["generate", "--device", "cuda", "--prompt", "x"],
+        ["serve", "--device", "cuda", "--port", "0", *toy_model_flags()],
+        ["warm", "--device", "cuda", *toy_model_flags()],
+        ["generate", "--device", "cuda", "--prompt", "x", *toy_model_flags()],
         ["train-target", "--device", "cuda", "--out", "{tmp}/t"],
         ["train-drafter", "--device", "cuda:1", "--out", "{tmp}/d"],
     ],
@@ -261,18 +264,19 @@ def test_the_refusal_is_typed(monkeypatch):
 
 
 def test_generate_never_echoes_a_prompt_it_fails_on(clean_env, capsys):
-    prompt = "def f():\n" * 2000  # past the default model's context with the tokens asked for
-    assert main(["generate", "--device", "cpu", "--prompt", prompt, "--max-new-tokens", "64"]) == 2
+    prompt = "def f():\n" * 2000  # past the toy model's context with the tokens asked for
+    assert main(["generate", *toy_model_flags(), "--device", "cpu", "--prompt", prompt, "--max-new-tokens", "64"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "exceeds the model's max_seq_len" in err
 
 
 def test_generate_reports_time_to_first_token_from_the_start_and_from_ready(clean_env, capsys):
-    assert main(["generate", "--device", "cpu", "--prompt", "def f(x):", "--max-new-tokens", "4", "--json"]) == 0
+    argv = ["generate", *toy_model_flags(), "--device", "cpu", "--prompt", "def f(x):", "--max-new-tokens", "4"]
+    assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"text", "token_ids", "wall_s", "tokens_per_s", "tau"} <= result.keys()  # the keys it always had
     assert 0 <= result["ttft_s"] <= result["wall_s"]
     assert result["ttft_from_start_s"] >= result["ready_s"] + result["ttft_s"] - 1e-3
-    assert main(["generate", "--device", "cpu", "--prompt", "def f(x):", "--max-new-tokens", "4"]) == 0
+    assert main(argv) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def f(x):") and "first token" in err and "from the start" in err

@@ -1,5 +1,5 @@
 """`tether-server generate` with the sampling controls: its flags reach the rule (speculative decoding with the
-default drafter writes what the target's own decoding with the same controls writes), a stop token ends the text,
+toy drafter writes what the target's own decoding with the same controls writes), a stop token ends the text,
 and a value out of range is one line naming the flag, exit status 2, before anything is echoed."""
 
 import json
@@ -7,13 +7,15 @@ import os
 
 import pytest
 import torch
+from toy_models import toy_model_dir, toy_model_flags
 
 from tether.server.cli import main
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.shared import env
 from tether.shared.logits_processing import SamplingControls
 
-ARGS = ["generate", "--device", "cpu", "--prompt", "import os\nimport", "--max-new-tokens", "24", "--json"]
+ARGS = ["generate", *toy_model_flags(), "--device", "cpu", "--prompt", "import os\nimport", "--max-new-tokens", "24",
+        "--json"]  # fmt: skip
 
 
 @pytest.fixture
@@ -29,7 +31,7 @@ def run(capsys, *flags: str) -> dict:
 
 
 def test_generate_with_controls_equals_the_targets_own_decoding_with_them(clean_env, capsys):
-    target, tok = load(default_model_dir(), "cpu")
+    target, tok = load(toy_model_dir(), "cpu")
     plain = run(capsys)["token_ids"]
     got = run(capsys, "--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--logit-bias", f"{plain[1]}=-100")
     controls = SamplingControls(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={plain[1]: -100})

@@ -24,8 +24,8 @@ import threading
 
 import httpx
 import pytest
+from toy_models import toy_model_dir
 
-from tether.server.generate import default_model_dir
 from tether.server.metrics import ServiceMetrics, serve_metrics
 from tether.shared.chat_template import ChatFormat
 from tether.shared.http_guard import RateLimitedLog, install_loop_error_log
@@ -38,7 +38,7 @@ BOUND_S = 30  # a safety net for waits that end on events
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_file(default_model_dir() / "tokenizer.json")
+    return Tokenizer.from_file(toy_model_dir() / "tokenizer.json")
 
 
 class HeldChat:

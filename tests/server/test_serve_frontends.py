@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import grpc
+from toy_models import toy_model_flags
 
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -20,7 +21,8 @@ def children(pid: int) -> list[int]:
 
 def test_serve_with_front_ends_answers_then_stops_them_all_on_sigterm():
     exe = Path(sys.executable).parent / "tether-server"
-    cmd = [str(exe), "serve", "--port", "0", "--device", "cpu", "--frontends", "2", "--log-level", "warning"]
+    cmd = [str(exe), "serve", *toy_model_flags(), "--port", "0", "--device", "cpu", "--frontends", "2", "--log-level",
+           "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()

@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
+from toy_models import toy_model_flags
 
 from tether.client.refusals import Refusal
 from tether.client.weight_cache import WeightCache
@@ -280,7 +281,8 @@ def test_serve_command_answers_then_stops_on_sigterm():
     from pathlib import Path
 
     exe = Path(sys.executable).parent / "tether-server"
-    proc = subprocess.Popen([str(exe), "serve", "--port", "0", "--device", "cpu"], stdout=subprocess.PIPE, text=True)
+    cmd = [str(exe), "serve", *toy_model_flags(), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("listening on 127.0.0.1:"), line

@@ -19,6 +19,7 @@ import threading
 
 import pytest
 import triton
+from toy_models import toy_model_flags
 
 from tether.kernels import moda_prefill
 from tether.server import daemon, generate, warm_cache
@@ -163,7 +164,8 @@ def test_serve_and_warm_parse_cache_dir():
 
 
 def test_warm_without_the_triton_backend_is_an_error(capsys, tmp_path):
-    assert main(["warm", "--device", "cpu", "--attention", "reference", "--cache-dir", str(tmp_path)]) == 2
+    argv = ["warm", *toy_model_flags(), "--device", "cpu", "--attention", "reference", "--cache-dir", str(tmp_path)]
+    assert main(argv) == 2
     assert "nothing to warm" in capsys.readouterr().err
 
 
@@ -206,7 +208,9 @@ def serve_once(monkeypatch, *argv: str) -> int:
     monkeypatch.setattr(daemon, "signal", Signals)
     stopper = threading.Thread(target=lambda: ready.wait(120) and handlers.get("SIGTERM", lambda: None)())
     stopper.start()
-    args = build_parser().parse_args(["serve", "--port", "0", "--device", "cpu", "--kv-pool-mb", "8", *argv])
+    args = build_parser().parse_args(
+        ["serve", *toy_model_flags(), "--port", "0", "--device", "cpu", "--kv-pool-mb", "8", *argv]
+    )
     try:
         return daemon.serve(build_config(daemon.ServeConfig, args), ready=ready)
     finally:
@@ -221,7 +225,7 @@ def ready_line(err: str) -> str:
 
 def test_warm_fills_the_cache_and_the_next_serve_starts_warm(tmp_path, monkeypatch, capsys, gpu_warm_up):
     cache = tmp_path / "cache"
-    assert main(["warm", "--device", "cpu", "--kv-pool-mb", "8", "--cache-dir", str(cache)]) == 0
+    assert main(["warm", *toy_model_flags(), "--device", "cpu", "--kv-pool-mb", "8", "--cache-dir", str(cache)]) == 0
     out, err = capsys.readouterr()
     assert re.fullmatch(rf"warmed {re.escape(str(cache / 'triton'))} in [\d.]+ s \(cold cache\)\n", out), out
     assert warm_cache.count_entries(cache / "triton") == len(KERNELS)
