@@ -211,6 +211,8 @@ class Rig:
                     backoff_max_s=0.5)  # fmt: skip
         have = {f.name for f in dataclasses.fields(ClientConfig)}
         base |= {name: getattr(a, name) for name in CLIENT_INTS if name in have and getattr(a, name)}
+        # Exactly --new-tokens: the server's Generate streams past end-of-text only when told (SamplingParams).
+        base |= {"ignore_eos": True} if "ignore_eos" in have else {}
         return ClientConfig(**{**base, **kw})
 
     def shape(self, rtt_ms: float, mbps: float) -> None:
@@ -248,7 +250,7 @@ def cell(tokens: int, wall_s: float, payload: int, wire: int) -> dict:
 def run_hybrid(rig: Rig, mode: str) -> dict:
     """One generation of `--new-tokens` tokens in a hybrid mode (client_options(mode) must not be None)."""
     session = EdgeSession(rig.config(**client_options(mode)))
-    session.stop_ids = frozenset()  # exactly --new-tokens in every mode: server-only streams past end-of-text too
+    session.stop_ids = frozenset()  # exactly --new-tokens in every mode (ignore_eos: a client without it too)
     try:
         session.pair()
         w0, v0, n0 = rig.sample()

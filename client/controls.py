@@ -8,15 +8,18 @@ Contract:
   (EdgeSession._processing: each drafted position with the counts of its own context), so greedy drafts under
   penalties are the processed rule's greedy tokens and the text drafted offline is the drafter's processed greedy
   text.
-- `sampling_params(cfg, info)` -> pb.SamplingParams: what open, Resync and Generate send: temperature, top_p,
-  top_k, seed, and the logits controls and stop token ids only to a server that says it applies them
+- `sampling_params(cfg, info, logprobs=None)` -> pb.SamplingParams: what open, Resync and Generate send:
+  temperature, top_p, top_k, seed, ignore_eos (Generate's: the server streams to max_new_tokens; a session's end
+  is the client's, by `stop_ids`), `logprobs` when given (report each verified token's and this many top ones'),
+  and the logits controls and stop token ids only to a server that says it applies them
   (ModelInfo.sampling_controls; older servers ignore the fields, so they are never sent one).
 - `check_controls(cfg, info, vocab_size)`: before anything is downloaded, ControlsNotOffered (a ServerError:
   FAILED_PRECONDITION, `tether-client` exits 1) when a control is set and the server does not apply them, rather
   than dropping them in silence; ControlError when a logit_bias or stop token id is outside the vocabulary.
 - `stop_ids(cfg, info, tokenizer)` -> frozenset: the ids that end a generation on every client path: the model's
   end-of-text ids (ModelInfo.eos_id and eos_ids, else the tokenizer's own: tether.client.pairing_checks, which
-  gives the tokenizer the same ones) and the request's stop token ids.
+  gives the tokenizer the same ones; checked, and left out under `cfg.ignore_eos`) and the request's stop token
+  ids.
 Importing this module imports no torch and no onnxruntime.
 
     check_controls(cfg, info, model_cfg.vocab_size)
@@ -65,9 +68,12 @@ def check_controls(cfg: ClientConfig, info: pb.ModelInfo, vocab_size: int) -> No
         raise ControlError("stop_token_ids", f"stop token {outside[0]} is outside the vocabulary of {vocab_size}")
 
 
-def sampling_params(cfg: ClientConfig, info: pb.ModelInfo) -> pb.SamplingParams:
+def sampling_params(cfg: ClientConfig, info: pb.ModelInfo, logprobs: int | None = None) -> pb.SamplingParams:
     """See the module docstring."""
-    params = pb.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, top_k=cfg.top_k)
+    params = pb.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, top_k=cfg.top_k,
+                               ignore_eos=cfg.ignore_eos)  # fmt: skip
+    if logprobs is not None:
+        params.logprobs = logprobs
     if not info.sampling_controls:
         return params
     c = cfg.controls()
@@ -85,4 +91,4 @@ def stop_ids(cfg: ClientConfig, info: pb.ModelInfo, tokenizer: Tokenizer) -> fro
     outside = [t for t in ends if not 0 <= t < tokenizer.vocab_size]
     if outside:
         raise ServerDataError(Problem.MODEL_INFO, f"end-of-text id {outside[0]} is outside the vocabulary")
-    return frozenset(ends) | frozenset(cfg.stop_token_ids)
+    return (frozenset() if cfg.ignore_eos else frozenset(ends)) | frozenset(cfg.stop_token_ids)

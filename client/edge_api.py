@@ -15,15 +15,23 @@ Contract:
   (`cfg.max_new_tokens`: the most one request may ask for), `drafts_offline` (True).
 - `generate(prompt, sampling, max_tokens)` runs one EdgeSession on a worker thread of its own: its own drafter
   state over the shared weights, the request's sampling (temperature, top_p, top_k, min_p, the penalties,
-  logit_bias, stop_token_ids and seed: SAMPLING_FIELDS, which the drafter proposes from too, offline included),
-  `max_tokens` as its max_new_tokens, and the chat format's stop ids beside every end-of-text id and the
-  request's stop ids (nothing is drafted past an end of turn); top_k included, online and offline. A control the
-  tether server does not apply (ModelInfo.sampling_controls false), or a token id outside the vocabulary, is a
-  400 naming it, before a session starts. The session is opened in one try: a server that is full answers 503
-  `overloaded` with its Retry-After, one that cannot be reached 503 `server_unreachable` with a Retry-After too
-  and the reason in a few words ("server unreachable", "link stalled, no reply in 30.0 s": nothing can be drafted
-  before the server has verified the prompt), a prompt it finds too long 400; any other refusal, and anything
-  invalid it sends, 502.
+  logit_bias, stop_token_ids, ignore_eos and seed: SAMPLING_FIELDS, which the drafter proposes from too, offline
+  included), `max_tokens` as its max_new_tokens, and the chat format's stop ids beside every end-of-text id and
+  the request's stop ids (nothing is drafted past an end of turn); under ignore_eos the request's stop ids alone
+  end it, as on the server's HTTP API. A control the tether server does not apply (ModelInfo.sampling_controls
+  false), or a token id outside the vocabulary, is a 400 naming it, before a session starts. Each choice of a
+  request with n > 1 is a session of its own (tether.shared.openai_generation: seed + i), each counted against
+  the endpoint's max_streams.
+  With Sampling.logprobs every token's log-probabilities go with it (Tokens.logprobs): the server's for the
+  tokens it verified (SamplingParams.logprobs; Opened.first_logprob, Verdict.logprobs, ResyncReply.target_logprob:
+  the target's processed distribution, the server's HTTP API's values), the drafter's own for tokens drafted
+  offline (tether.client.logprobs says why), marked Tokens.drafter_logprobs so every choice names those entries
+  (`"tether": {"drafter_logprobs": [...]}`), also once a resync has kept them: it verifies tokens, not their
+  values. A server too old to report logprobs leaves the first chunk without them: the request is a 400.
+  The session is opened in one try: a server that is full answers 503 `overloaded` with its Retry-After, one
+  that cannot be reached 503 `server_unreachable` with a Retry-After too and the reason in a few words ("server
+  unreachable", "link stalled, no reply in 30.0 s": nothing can be drafted before the server has verified the
+  prompt), a prompt it finds too long 400; any other refusal, and anything invalid it sends, 502.
   Once open, the session survives outages on its own (drafting alone, resyncing) and yields `Tokens` as it emits
   them:
   - policy keep: offline tokens are yielded at once, marked offline (they stay in the text, unverified);
@@ -67,6 +75,7 @@ from tether.client.transport import LinkDown, ServerBusy, ServerError, SessionLo
 from tether.shared.chat_template import ChatFormat, ChatTemplateError
 from tether.shared.logits_processing import ControlError
 from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
+from tether.shared.sampling import TokenLogprobs
 from tether.v1 import tether_pb2 as pb
 
 log = logging.getLogger("tether.edge")
@@ -188,34 +197,44 @@ class EdgeBackend:
 
 class Release:
     """What of a session's tokens may be sent, and when: offline ones at once, marked, under keep; under rewind
-    only once a resync has kept them (then as verified), or at the end when the link never came back (marked)."""
+    only once a resync has kept them (then as verified), or at the end when the link never came back (marked).
+    Their logprobs go with them (`reporting`): the drafter's own for every token drafted offline, kept or not."""
 
-    def __init__(self, rewind: bool, send: Callable[[Tokens], None]):
-        self.rewind, self.send = rewind, send
+    def __init__(self, rewind: bool, send: Callable[[Tokens], None], reporting: bool = False):
+        self.rewind, self.send, self.reporting = rewind, send, reporting
         self.held: list[int] = []  # rewind: offline tokens not sent until a resync decides on them
+        self.held_logprobs: list[TokenLogprobs] = []  # theirs, one each, when reporting
 
     def event(self, e: Event) -> None:
         if e.kind == "tokens" and e.tag == "offline":
             if self.rewind:
                 self.held += e.tokens
+                self.held_logprobs += e.logprobs or []
             else:
-                self.send(Tokens(list(e.tokens), offline=True))
+                self.send(Tokens(list(e.tokens), offline=True, logprobs=self._logprobs(e.logprobs),
+                                 drafter_logprobs=self.reporting))  # fmt: skip
         elif e.kind == "tokens":
-            self.send(Tokens(list(e.tokens)))
+            self.send(Tokens(list(e.tokens), logprobs=self._logprobs(e.logprobs)))
         elif e.kind == "verify" and self.rewind:  # a resync kept these (the oldest held first): verified now
             kept, self.held = self.held[: e.count], self.held[e.count :]
+            scores, self.held_logprobs = self.held_logprobs[: e.count], self.held_logprobs[e.count :]
             if kept:
-                self.send(Tokens(kept))
+                self.send(Tokens(kept, logprobs=self._logprobs(scores), drafter_logprobs=self.reporting))
         elif e.kind == "verify":  # keep: sent marked offline already; a resync kept them, so they count verified
             self.send(Tokens([], verified=e.count))
         elif e.kind == "retract":  # always the tail, and only offline tokens
             del self.held[max(0, len(self.held) - e.count) :]
+            del self.held_logprobs[len(self.held) :]
 
     def end(self) -> None:
         """The generation is over: held tokens stand (rewind, the link down past final_resync_s)."""
         if self.held:
-            self.send(Tokens(self.held, offline=True))
-            self.held = []
+            self.send(Tokens(self.held, offline=True, logprobs=self._logprobs(self.held_logprobs),
+                             drafter_logprobs=self.reporting))  # fmt: skip
+            self.held, self.held_logprobs = [], []
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None) -> tuple[TokenLogprobs, ...] | None:
+        return tuple(entries) if self.reporting and entries is not None else None
 
 
 class _Request:
@@ -235,10 +254,14 @@ class _Request:
                            controls_set(cfg)[0]) from None  # fmt: skip
         except ControlError as e:
             raise ApiError(ErrorKind.INVALID_REQUEST, str(e), e.control) from None
-        self.release = Release(cfg.policy == "rewind", deliver)
+        self.release = Release(cfg.policy == "rewind", deliver, reporting=sampling.logprobs is not None)
         self.session = EdgeSession(cfg, self.on_event, paired=own_drafter(backend.paired, cfg.backend),
                                    connect_attempts=1)  # fmt: skip
-        self.session.stop_ids = backend.chat.stop_ids  # the template's end of turn too: nothing drafted past it
+        # The template's end of turn too, nothing drafted past it; neither it nor end-of-text under ignore_eos
+        # (cfg.ignore_eos: the session's own stop ids are then the request's stop_token_ids alone), as the server's
+        # HTTP API decodes.
+        self.session.stop_ids = frozenset() if sampling.ignore_eos else backend.chat.stop_ids
+        self.session.logprobs = sampling.logprobs
         backend._started(self)
         threading.Thread(target=self._work, daemon=True, name="tether-edge-request").start()
 

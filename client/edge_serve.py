@@ -5,9 +5,12 @@
 
 Any OpenAI client works against it: the openai package with base_url="http://127.0.0.1:8080/v1", chat UIs, agent
 frameworks. It serves GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions, streamed as
-server-sent events or not, with usage, stop, max_tokens, temperature, top_p, top_k and seed, exactly as the
-server's own endpoint (`tether-server serve --http-port`) does, and the same error shapes and statuses
-(tether.shared.openai_app). The model's chat template and tokenizer come from the server when pairing.
+server-sent events or not, with usage, stop, max_tokens, n (up to `--max-n`), temperature, top_p, top_k, min_p,
+the penalties, logit_bias, stop_token_ids, ignore_eos, seed and logprobs, as the server's own endpoint
+(`tether-server serve --http-port`) does, and the same error shapes and statuses (tether.shared.openai_app).
+Logprobs are the server's for the tokens it verified and the drafter's own for those drafted offline, which
+each choice names in tether's field (`"drafter_logprobs"`, below). The model's chat template and tokenizer come
+from the server when pairing.
 
 Each request is an edge session (tether.client.edge_api): this machine drafts, the tether server verifies. Pairing
 happens once, at start (the weights come from the cache when they are there); at most `--max-streams` requests run
@@ -70,6 +73,7 @@ class ServeConfig:
     http_api_key_file: str = ""  # a file with the endpoint's keys, one per line ('#' comments); none: no authentication
     served_model_name: str = ""  # the model's name in /v1/models; empty: the server's model id
     grace_s: float = 5.0  # seconds requests in flight get to finish when the endpoint stops
+    max_n: int = 8  # choices (n) one request may ask for; each is an edge session of --max-streams
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -137,8 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     client = dataclasses.replace(build_config(ClientConfig, args), api_key=upstream_key(args))
     host, port = parse_listen(cfg.listen)
     keys = read_keys(cfg.http_api_keys, cfg.http_api_key_file)
-    if cfg.max_streams < 1:
-        raise ValueError("--max-streams must be at least 1")
+    if cfg.max_streams < 1 or cfg.max_n < 1:
+        raise ValueError("--max-streams and --max-n must be at least 1")
     configure(build_config(LogConfig, args))
     print(f"connecting to {client.server}", file=sys.stderr, flush=True)
     try:
@@ -149,7 +153,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 130
     print(f"paired: model {backend.model_id}, client part {backend.paired.nbytes / 1e6:.1f} MB ({client.backend}"
           f"{', ' + client.precision if client.backend == 'onnx' else ''})", file=sys.stderr, flush=True)  # fmt: skip
-    http_config = HttpConfig(host=host, port=port, api_keys=keys, max_streams=cfg.max_streams, grace_s=cfg.grace_s)
+    http_config = HttpConfig(host=host, port=port, api_keys=keys, max_streams=cfg.max_streams, max_n=cfg.max_n,
+                             grace_s=cfg.grace_s)  # fmt: skip
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True, name="tether-edge-http")
     thread.start()

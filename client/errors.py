@@ -32,6 +32,7 @@ class Problem(StrEnum):
     DELTA = "KV delta"  # a KV delta whose positions, tokens, tensors or size the session does not allow
     VERDICT = "verdict"  # a reply that does not answer the round sent
     TOKEN = "token id"  # a token id outside the vocabulary
+    LOGPROBS = "token logprobs"  # reported logprobs that are not of the tokens emitted, or not log-probabilities
     SESSION_ID = "session id"  # a session id or resume token not of the server's shape (32 lowercase hex digits)
 
 

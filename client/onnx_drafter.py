@@ -264,25 +264,17 @@ class OnnxDrafter:
         self._adopt(delta, keep)
         return keep
 
-    def draft(
-        self,
-        root: int,
-        k: int,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        support: int = 8,
-        stop: Callable[[], bool] | None = None,
-        generator: np.random.Generator | int | None = None,
-        min_p: float = 0.0,
-        processing: LogitsProcessing | None = None,
-    ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+    def draft(self, root: int, k: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+              support: int = 8, stop: Callable[[], bool] | None = None,
+              generator: np.random.Generator | int | None = None, min_p: float = 0.0,
+              processing: LogitsProcessing | None = None, logits_seen: Callable[[np.ndarray], None] | None = None,
+              ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:  # fmt: skip
         """A chain of k draft tokens after `root`. Returns the tokens and, when sampling, q_ids (int64) and
         q_probs (fp32), both [k, support]: the truncated distributions the tokens were drawn from. Pass one
         np.random.Generator across rounds for one random stream (an int seed starts a new one every call).
         `stop`, asked after each token but the last: True ends the chain there, shorter; draft(tokens[-1], the rest,
-        the same generator) then goes on as if it had not stopped."""
+        the same generator) then goes on as if it had not stopped. `logits_seen` gets each position's logits [V]
+        as the rule reads them (processed), before its token is chosen (offline logprobs: tether.client.logprobs)."""
         rng = np.random.default_rng(generator) if temperature > 0 else None
         tokens: list[int] = []
         q_ids, q_probs = [], []
@@ -291,6 +283,8 @@ class OnnxDrafter:
             logits = self._step(token)
             if processing is not None:  # this position's context: the root's, then the tokens drafted so far
                 logits = processing.after(tokens).apply_np(logits)  # [V] float64
+            if logits_seen is not None:
+                logits_seen(logits)
             if rng is None:
                 token = int(logits.argmax())
             else:

@@ -30,9 +30,11 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 
 from tether.client.delta_gate import wire_delta
 from tether.client.errors import Problem
+from tether.client.logprobs import drafter_logprobs
 from tether.client.refusals import Refusal
 from tether.client.rounds import lookahead_rows
 from tether.client.session_types import CODECS, Event, State, Stats
@@ -98,12 +100,15 @@ class Resync:
             self.drafter.feed(self.sequence[self._feed_from : -1])
             self._feed_from = None
         # The sampling controls as online: the drafter's processed greedy (or sampled) token after the text.
+        seen: list[np.ndarray] = []  # its logits [V], when logprobs are reported: the target never scores it
         tokens, _, _ = self.drafter.draft(self.sequence[-1], 1, temperature=self.cfg.temperature,
                                           top_p=self.cfg.top_p, top_k=self.cfg.top_k, generator=self._draft_rng,
-                                          min_p=self.cfg.min_p, processing=self._processing(self.sequence))  # fmt: skip
+                                          min_p=self.cfg.min_p, processing=self._processing(self.sequence),
+                                          logits_seen=None if self.logprobs is None else seen.append)  # fmt: skip
         self.offline_run += 1
         self.stats.offline_tokens += 1
-        self._emit(tokens, "offline")
+        reported = None if self.logprobs is None else [drafter_logprobs(seen[0], tokens[0], self.logprobs, self.cfg)]
+        self._emit(tokens, "offline", reported)
 
     # ---- resync --------------------------------------------------------------------------------------------
 
@@ -152,7 +157,7 @@ class Resync:
         # The target's next token is decided now, whatever happens to the link next: were the attach to fail and
         # the client draft on from the last absorbed token instead, the next resync would hand the server a
         # drafted token as its own root (under rewind, a token the target never chose kept in the text).
-        self._emit([reply.target_token], "verified")
+        self._emit([reply.target_token], "verified", self._reported(_target_logprob(reply), [reply.target_token]))
         self._attach()
         self.round = 0
         if not turn:
@@ -219,6 +224,7 @@ class Resync:
             raise self._bad_message(Problem.DELTA, f"a resync reply from {V} claims {reply.verified_length} positions")
         self._check_ids(reply.session_id, reply.resume_token)
         self._check_token(reply.target_token, "next token")
+        self._reported(_target_logprob(reply), [reply.target_token])  # checked before the reply is taken
 
     def _attach(self) -> None:
         self._new_stream()
@@ -226,3 +232,8 @@ class Resync:
         reply = self.stream.request(pb.ClientMessage(attach=att), self.cfg.connect_timeout_s)
         if reply.attached.verified_length != self.verified:
             raise ServerError(grpc.StatusCode.INTERNAL, "the server's verified length differs after resync")
+
+
+def _target_logprob(reply: pb.ResyncReply) -> list[pb.TokenLogprob]:
+    """The reply's logprob entry of its next token, as a list (none from a server not asked, or older)."""
+    return [reply.target_logprob] if reply.HasField("target_logprob") else []

@@ -388,6 +388,7 @@ class Rounds:
             self._stale = []
             waited, self._answered_at = time.monotonic() - t_wait, self.stream.arrived_at
             v, path = self._verdict(reply, sent)
+            reported = self._reported(v.logprobs, sent.tokens_on(path) + [v.bonus])  # checked before anything moves
             self._inflight = None
             wait = None if sent.overlapped else self._answered_at - sent.sent_at
             self.measured.answered(wait, whole=v.accepted >= sent.chain_k)
@@ -449,7 +450,7 @@ class Rounds:
             for d in self._pending():
                 d.fed = 0
         self.stats.round_work_s += time.monotonic() - t_round - waited
-        self._emit(accepted + [v.bonus], "verified")
+        self._emit(accepted + [v.bonus], "verified", reported)
 
     def _verdict(self, reply: pb.ServerMessage, sent: Drafted) -> tuple[pb.Verdict, list[int]]:
         """The reply's verdict and its accepted path (node numbers) if it answers the round sent (the gate checks

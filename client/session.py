@@ -30,10 +30,12 @@ goes with open and Resync, and the drafter proposes from it online and offline, 
 with its own context's counts; a server that does not apply the controls is refused by pair() (ControlsNotOffered).
 A generation ends at `max_new_tokens`, at one of `stop_ids` (every end-of-text id of the model, the config's stop
 token ids, and what a chat adds: its template's end of turn), at the model's context, or at `stop()`
-(thread-safe); close() closes the server session if one is still held, then the channel. A server without a
-drafter (ModelInfo.server_only) is refused by pair() with REASON_NO_DRAFTER: call `model_info()` first and stream
-from it with tether.client.server_only. The first call (`model_info()`, `pair()`) reports an address where no
-tether server answers as transport.Unreachable.
+(thread-safe); close() closes the server session if one is still held, then the channel. With `logprobs` set (the
+edge's HTTP API), open and Resync ask the server for each verified token's logprobs (SamplingParams.logprobs), and
+every "tokens" event carries them: the server's, checked (tether.client.logprobs), or the drafter's own offline.
+A server without a drafter (ModelInfo.server_only) is refused by pair() with REASON_NO_DRAFTER: call `model_info()`
+first and stream from it with tether.client.server_only. The first call (`model_info()`, `pair()`) reports an
+address where no tether server answers as transport.Unreachable.
 Every emitted token is final except offline ones, which `rewind` may retract (Event "retract"). The client
 never depends on the server's memory to keep its text: tokens, tags and the verified length are its own.
 A server that does not offer the ONNX part in the precision asked: FormatNotOffered (use `--backend torch`).
@@ -62,6 +64,7 @@ import numpy as np
 from tether.client.controls import check_controls, sampling_params, stop_ids
 from tether.client.delta_gate import DeltaGate, DeltaLayout, wire_delta
 from tether.client.errors import Problem, ServerDataError
+from tether.client.logprobs import server_logprobs
 from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
 from tether.client.outage import reason
 from tether.client.pairing_checks import check_model_info
@@ -92,6 +95,7 @@ from tether.client.transport import (
 )
 from tether.shared.ids import is_session_id
 from tether.shared.logits_processing import LogitsProcessing
+from tether.shared.sampling import TokenLogprobs
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -156,6 +160,9 @@ class EdgeSession(Resync, Rounds):
         self._last_emit = 0.0
         self.info: pb.ModelInfo | None = None  # GetModelInfo's answer (model_info())
         self.stop_ids: frozenset[int] | None = None  # tokens that end a generation (pair() adds end-of-text)
+        # Report each token's logprob and this many top ones' (Event.logprobs; the edge's HTTP API sets it per
+        # request): the server's for verified tokens, the drafter's own offline (tether.client.logprobs); None: none.
+        self.logprobs: int | None = None
         self.reserve = 0  # positions the caches keep for later turns (a chat), beyond this generation's
         self.keep_open = False  # leave the server session open after run() (a chat's next turn extends it)
         self.max_positions = 0  # the model's context (pair())
@@ -172,7 +179,7 @@ class EdgeSession(Resync, Rounds):
             self.state = state
             self.on_event(Event("state", state=state, detail=detail))
 
-    def _emit(self, tokens: list[int], tag: str) -> None:
+    def _emit(self, tokens: list[int], tag: str, logprobs: list[TokenLogprobs] | None = None) -> None:
         room = self.cfg.max_new_tokens - len(self.tokens)
         tokens = tokens[:room]
         end = next((i + 1 for i, t in enumerate(tokens) if t in (self.stop_ids or ())), None)
@@ -180,21 +187,30 @@ class EdgeSession(Resync, Rounds):
         if not tokens:
             return
         if self.cfg.pace_tokens_per_s > 0:
-            for t in tokens:
+            for i, t in enumerate(tokens):
                 wait = self._last_emit + 1.0 / self.cfg.pace_tokens_per_s - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
                 self._last_emit = time.monotonic()
-                self._append([t], tag)
+                self._append([t], tag, None if logprobs is None else logprobs[i : i + 1])
         else:
-            self._append(tokens, tag)
+            self._append(tokens, tag, None if logprobs is None else logprobs[: len(tokens)])
 
-    def _append(self, tokens: list[int], tag: str) -> None:
+    def _append(self, tokens: list[int], tag: str, logprobs: list[TokenLogprobs] | None) -> None:
         self.tokens += tokens
         self.tags += [tag] * len(tokens)
         self.stats.token_emitted(len(tokens), self._t_prompt, time.monotonic(), self.started_at)
         self._save()
-        self.on_event(Event("tokens", tokens=tokens, tag=tag))
+        self.on_event(Event("tokens", tokens=tokens, tag=tag, logprobs=logprobs))
+
+    def _reported(self, entries, tokens: list[int]) -> list[TokenLogprobs] | None:
+        """The server's logprobs of `tokens` (entries: pb.TokenLogprob), checked; None when none were asked."""
+        if self.logprobs is None:
+            return None
+        try:
+            return server_logprobs(entries, tokens, self.logprobs, self.drafter.layout.vocab_size)
+        except ValueError as e:
+            raise self._bad_message(Problem.LOGPROBS, str(e)) from None
 
     def _verify(self, start: int, end: int) -> None:
         """Positions start..end of the sequence are verified now (a resync kept them): the offline tokens among
@@ -262,7 +278,7 @@ class EdgeSession(Resync, Rounds):
         return self.prompt + self.tokens
 
     def _sampling(self) -> pb.SamplingParams:
-        return sampling_params(self.cfg, self.info)
+        return sampling_params(self.cfg, self.info, self.logprobs)
 
     def _processing(self, context: list[int]) -> LogitsProcessing | None:
         """The logit_bias and penalties of the position after `context` (the text through a draft's root), which
@@ -395,7 +411,8 @@ class EdgeSession(Resync, Rounds):
         self._begin(o)
         self.verified = len(self.prompt)
         self._set_state(State.ONLINE)
-        self._emit([o.first_token], "verified")
+        first = [o.first_logprob] if o.HasField("first_logprob") else []
+        self._emit([o.first_token], "verified", self._reported(first, [o.first_token]))
 
     def _opened(self, reply: pb.ServerMessage) -> pb.Opened:
         """The reply to an open, if it is one this session can take: ids of the server's shape, a first token in

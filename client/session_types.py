@@ -10,7 +10,8 @@ Contract:
 - `Event`: what the session reports as it goes ("state", with a short human reason for OFFLINE; "tokens" tagged
   verified or offline; "verify": `count` offline tokens from index `start` of the generated ones, which a resync
   kept, are tagged verified now; "retract"; "info"; "download": `count` of `total` bytes of the client part
-  fetched so far, only while a download runs).
+  fetched so far, only while a download runs). With EdgeSession.logprobs set, "tokens" carry one TokenLogprobs
+  per token (`logprobs`).
 - `Stats` and `Result`: a generation's counters and its text; `Result.to_json()` is `tether-client --json`'s line.
   Time to first token runs from sending the prompt (pairing done) to its first token (`ttft_s`), and from the
   command's start (`ttft_from_start_s`: imports, pairing and downloads included, what a user waits); tokens/s is
@@ -28,6 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from tether.shared.logits_processing import ControlError, SamplingControls
+from tether.shared.sampling import TokenLogprobs
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import ONNX_PRECISIONS
 from tether.shared.wire import Codec
@@ -41,7 +43,7 @@ SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.rounds)
 CHOICES = {"policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS), "tree": SHAPES}
 # The fields of the sampling rule (a request of the edge's HTTP API brings its own: tether.client.edge_serve).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "stop_token_ids", "seed")  # fmt: skip
+                   "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "seed")  # fmt: skip
 
 
 class State(StrEnum):
@@ -65,6 +67,7 @@ class ClientConfig:
     repetition_penalty: float = 1.0  # > 0: a token of the prompt or text has its logit divided by it (1: off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # ID=BIAS, repeatable: BIAS in [-100, 100] added to ID's logit
     stop_token_ids: tuple[int, ...] = ()  # ids that end the generation besides the model's end-of-text
+    ignore_eos: bool = False  # end-of-text ids do not end the generation (stop token ids do): fixed lengths
     seed: int = 0  # sampling seed (drafter and server)
     policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
     backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
@@ -132,6 +135,9 @@ class Event:
     start: int = 0  # "verify": the index among the generated tokens of the first one verified
     total: int = 0  # bytes to fetch ("download")
     detail: str = ""
+    # "tokens", when the session reports logprobs (EdgeSession.logprobs): one per token, the server's for verified
+    # tokens, the drafter's own for offline ones (tether.client.logprobs)
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

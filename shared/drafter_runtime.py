@@ -102,11 +102,14 @@ class DrafterBase(nn.Module):
         generator: torch.Generator | None = None,
         min_p: float = 0.0,
         processing: LogitsProcessing | None = None,
+        logits_seen: Callable[[np.ndarray], None] | None = None,
     ) -> tuple[list[int], Tensor | None, Tensor | None]:
         """A chain of k draft tokens after `root` (the token at the first unverified position).
         Returns the tokens and, when sampling, q_ids/q_probs [k, min(support, V)]: the distributions they came
         from (k = 0 gives [0, min(support, V)]). `stop`, asked after each token but the last: True ends the chain
-        there, shorter; draft(tokens[-1], the rest, same generator) then goes on as if it had not stopped."""
+        there, shorter; draft(tokens[-1], the rest, same generator) then goes on as if it had not stopped.
+        `logits_seen` gets each position's logits [V] (numpy) as the rule reads them (processed), before its token
+        is chosen."""
         tokens: list[int] = []
         q_ids, q_probs = [], []
         token = root
@@ -114,6 +117,8 @@ class DrafterBase(nn.Module):
             logits = self._step(token)
             if processing is not None:  # this position's context: the root's, then the tokens drafted so far
                 logits = processing.after(tokens).apply_np(logits.float().cpu().numpy())  # [V] float64
+            if logits_seen is not None:
+                logits_seen(logits if processing is not None else logits.float().cpu().numpy())
             if temperature == 0:
                 token = int(logits.argmax())
             else:

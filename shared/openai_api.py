@@ -41,8 +41,11 @@ Contract:
   while its link was down. A backend that can do that (the edge's) gets tether's one extension of OpenAI's schema,
   `with_offline(choice, n)`: every choice (of a body or a chunk) carries `"tether": {"offline_tokens": n}`, the
   number of completion tokens behind that choice's text that were made offline and not verified (in a stream:
-  since the chunk before, so they add up to the body's count). Clients that do not know it ignore it (the openai
-  package keeps unknown fields as extras).
+  since the chunk before, so they add up to the body's count), and when logprobs were asked `"drafter_logprobs":
+  [i, ...]`, the indices of the choice's logprobs entries (in a stream: the chunk's) whose values are the edge
+  drafter's own (`Tokens.drafter_logprobs`: tokens drafted offline, which the target never scored; they stay
+  numbers, as OpenAI's schema has them). Clients that do not know it ignore it (the openai package keeps unknown
+  fields as extras).
 
 Torch- and gRPC-free: the server's HTTP API (tether.server.http_api) and an edge endpoint use it alike.
 
@@ -152,6 +155,7 @@ class Tokens:
     offline: bool = False  # drafted at the edge while the link was down, and not verified by the target
     verified: int = 0  # of the offline tokens chunks before this one carried, how many a resync has since kept
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per id, when the request asked (Sampling.logprobs)
+    drafter_logprobs: bool = False  # those logprobs are the edge drafter's own: tokens the target never scored
 
 
 @dataclass(frozen=True)
@@ -525,9 +529,12 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int
             "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}  # fmt: skip
 
 
-def with_offline(choice: dict, offline_tokens: int) -> dict:
-    """`choice` with tether's extension: how many of the choice's tokens were made offline."""
+def with_offline(choice: dict, offline_tokens: int, drafter_logprobs: list[int] | None = None) -> dict:
+    """`choice` with tether's extension: how many of the choice's tokens were made offline, and with logprobs, the
+    indices of its logprobs entries (chat's content, completions' tokens) that are the drafter's own."""
     choice["tether"] = {"offline_tokens": offline_tokens}
+    if drafter_logprobs is not None:
+        choice["tether"]["drafter_logprobs"] = drafter_logprobs
     return choice
 
 

@@ -14,7 +14,8 @@ Contract:
   Sampling.logprobs each consumed token's log-probabilities, as the backend reported them (Tokens.logprobs), go
   with the text of the chunk that consumed it, in chat's or completions' shape (openai_api.chat_logprobs /
   completion_logprobs; a token's text is its own decode). A backend that reports none when asked is refused at
-  start, a 400 naming logprobs.
+  start, a 400 naming logprobs. Entries a backend marks as its drafter's (Tokens.drafter_logprobs) are named in
+  the choice's tether extension (openai_api.with_offline).
 - `EventStream` is the SSE response: its generator is closed however the response ends, and it ends when the
   client stops reading for `send_timeout_s`.
 """
@@ -78,6 +79,7 @@ class Choice:
         self.offline_tokens = 0  # tokens consumed that were made offline
         self._offline_unsent = 0  # of those, the ones no streamed chunk has counted yet
         self.logprobs: list[TokenLogprobs] = []  # every consumed token's, when the request asked
+        self.drafted: list[bool] = []  # of those, which are the edge drafter's own (Tokens.drafter_logprobs)
         self._logprobs_sent = 0  # of those, the ones streamed chunks carried
         self._chars_sent = 0  # characters of the tokens' own texts streamed (completions' text_offset)
         app.live += 1
@@ -119,6 +121,7 @@ class Choice:
                     self._offline_unsent += 1
                 if reporting and chunk.logprobs is not None:
                     self.logprobs.append(chunk.logprobs[j])
+                    self.drafted.append(chunk.drafter_logprobs)
                 if piece or reporting:
                     yield piece
                 if self.text.finish_reason is not None or self.text.tokens >= self.max_tokens:
@@ -159,7 +162,8 @@ class Choice:
 
     def chunk(self, text: str, finish: str | None = None, role: bool = False) -> dict:
         """A streamed chunk's choice: `text` and the logprobs of the tokens consumed since the chunk before."""
-        entries, self._logprobs_sent = self.logprobs[self._logprobs_sent :], len(self.logprobs)
+        entries, drafted = self.logprobs[self._logprobs_sent :], self.drafted[self._logprobs_sent :]
+        self._logprobs_sent = len(self.logprobs)
         logprobs = self._logprobs_body(entries, self._chars_sent)
         self._chars_sent += sum(len(self.app.token_text(e.token)) for e in entries)
         if self.req.chat:
@@ -168,8 +172,12 @@ class Choice:
         else:
             choice = completion_choice(self.index, text, finish, logprobs)
         if self.app.backend.drafts_offline:
-            choice, self._offline_unsent = with_offline(choice, self._offline_unsent), 0
+            choice, self._offline_unsent = with_offline(choice, self._offline_unsent, self._drafted(drafted)), 0
         return choice
+
+    def _drafted(self, drafted: list[bool]) -> list[int] | None:
+        """The indices of the drafter's own logprobs among a choice's entries (None: no logprobs asked)."""
+        return None if self.req.sampling.logprobs is None else [i for i, d in enumerate(drafted) if d]
 
     def whole(self, text: str) -> dict:
         """The choice of a whole body: its text and every consumed token's logprobs."""
@@ -178,7 +186,9 @@ class Choice:
             choice = chat_choice(self.index, text, self.finish, logprobs)
         else:
             choice = completion_choice(self.index, text, self.finish, logprobs)
-        return with_offline(choice, self.offline_tokens) if self.app.backend.drafts_offline else choice
+        if not self.app.backend.drafts_offline:
+            return choice
+        return with_offline(choice, self.offline_tokens, self._drafted(self.drafted))
 
 
 class Completion:
