@@ -3,6 +3,7 @@ records first, checking the JSON record's fields and counts (never whether a cou
 
 import pytest
 from bench_modules import load_bench
+from toy_models import toy_model_flags
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
@@ -11,7 +12,7 @@ def test_capacity_record(tmp_path):
     capacity = load_bench("capacity")
     record = capacity.main(["--device", "cpu", "--rate", "5", "--max-clients", "2", "--duration", "1",
                             "--traces", str(tmp_path / "traces.json"), "--prompts", "2", "--prompt-len", "32",
-                            "--trace-tokens", "24", "--timeout", "120"])  # fmt: skip
+                            "--trace-tokens", "24", "--timeout", "120", *toy_model_flags()])  # fmt: skip
     assert record["bench"] == "capacity" and record["args"]["rate"] == 5 and record["args"]["max_clients"] == 2
     assert (tmp_path / "traces.json").exists() and record["traces"]["prompts"] == 2
     assert record["tokens_per_stream"] == 24  # server-only streams as long as the traces

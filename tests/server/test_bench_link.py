@@ -7,6 +7,7 @@ import json
 
 import pytest
 from bench_modules import load_bench
+from toy_models import toy_model_flags
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
@@ -24,7 +25,7 @@ def test_link_record(link, tmp_path, capsys):
     plot = tmp_path / "link.png"
     record = link.main(["--device", "cpu", "--rtt-ms", "0", "10", "--mbps", "100", "--new-tokens", str(NEW_TOKENS),
                         "--outages-s", "0.2", "--pace", "40", "--outage-rtt-ms", "10", "--outage-mbps", "100",
-                        "--plot", str(plot)])  # fmt: skip
+                        "--plot", str(plot), *toy_model_flags()])  # fmt: skip
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record  # the one JSON line, last
     assert record["bench"] == "link" and record["device"].startswith("cpu") and record["torch"]
     assert set(record["definitions"]) >= {"tok_s", "bound_tok_s", "bound_rtt0_tok_s", "round_ms", "server_round_ms"}

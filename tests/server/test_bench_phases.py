@@ -3,6 +3,7 @@ the wrapping is undone (never the timings)."""
 
 import pytest
 from bench_modules import load_bench
+from toy_models import toy_model_flags
 
 from tether.server import rounds, service
 
@@ -15,7 +16,8 @@ def bench():
 def test_phases_count_every_step_and_round_and_unwrap(bench):
     real_verify, real_reply = rounds.verify_batch, service.TetherService._verdict_reply
     record = bench.main(["--", "--device", "cpu", "--clients", "2", "--rounds", "3", "--warmup-rounds", "1",
-                         "--k", "3", "--prompt-len", "16", "--client-procs", "1", "--timeout", "120"])  # fmt: skip
+                         "--k", "3", "--prompt-len", "16", "--client-procs", "1", "--timeout", "120",
+                         *toy_model_flags()])  # fmt: skip
     assert record["bench"] == "phases" and record["server"]["rows"][0]["rounds"] == 2 * 3
     on_batcher = {r["phase"]: r for r in record["phases"] if r["thread"] == bench.BATCHER}
     steps = record["steps"]
@@ -34,7 +36,7 @@ def test_phases_count_every_step_and_round_and_unwrap(bench):
 def test_with_front_ends_every_verdict_is_timed_hop_by_hop_and_the_hops_add_up(bench):
     record = bench.main(["--", "--device", "cpu", "--clients", "2", "--rounds", "3", "--warmup-rounds", "1",
                          "--k", "3", "--prompt-len", "16", "--client-procs", "1", "--timeout", "120",
-                         "--frontends", "1"])  # fmt: skip
+                         "--frontends", "1", *toy_model_flags()])  # fmt: skip
     hops = {r["hop"]: r for r in record["hops"]}
     assert list(hops) == ["arrival -> _round", "_round (claim, batcher)", "_round -> reply queued", "in the engine"]
     assert all(r["rounds"] == 2 * (3 + 1) for r in hops.values())  # every round's verdict, warm-up included

@@ -6,6 +6,7 @@ import asyncio
 import grpc
 import pytest
 from bench_modules import load_bench
+from toy_models import toy_model_flags
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
@@ -17,7 +18,8 @@ def bench():
 
 def test_random_rounds_record(bench):
     record = bench.main(["--device", "cpu", "--clients", "1", "3", "--rounds", "2", "--warmup-rounds", "1",
-                         "--k", "3", "--prompt-len", "16", "--channels", "2", "--timeout", "120"])  # fmt: skip
+                         "--k", "3", "--prompt-len", "16", "--channels", "2", "--timeout", "120",
+                         *toy_model_flags()])  # fmt: skip
     assert record["bench"] == "server" and record["mode"] == "random" and record["torch"]
     assert record["args"]["clients"] == [1, 3] and record["args"]["k"] == 3
     one, three = record["rows"]
@@ -34,7 +36,7 @@ def test_random_rounds_record(bench):
 def test_random_rounds_through_a_front_end_process(bench):
     """--frontends: the same rounds, gRPC in another process; its CPU time is counted as the server's."""
     record = bench.main(["--device", "cpu", "--clients", "2", "--rounds", "2", "--warmup-rounds", "1", "--k", "3",
-                         "--prompt-len", "16", "--frontends", "1", "--timeout", "120"])  # fmt: skip
+                         "--prompt-len", "16", "--frontends", "1", "--timeout", "120", *toy_model_flags()])  # fmt: skip
     (row,) = record["rows"]
     assert record["args"]["frontends"] == 1 and row["clients"] == 2 and row["rounds"] == 4
     assert row["tau"] >= 1 and row["mean_batch"] >= 1 and row["server_cpu_ms_per_round"] > 0
@@ -42,7 +44,7 @@ def test_random_rounds_through_a_front_end_process(bench):
 
 def test_generate_streams_record(bench):
     record = bench.main(["--mode", "generate", "--device", "cpu", "--clients", "2", "--tokens", "6",
-                         "--prompt-len", "8", "--timeout", "120"])  # fmt: skip
+                         "--prompt-len", "8", "--timeout", "120", *toy_model_flags()])  # fmt: skip
     (row,) = record["rows"]
     assert record["mode"] == "generate" and row["clients"] == 2 and row["tokens"] == 12
     assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_stream"] > 0 and row["speedup"] == 1.0
@@ -52,7 +54,7 @@ def test_generate_streams_record(bench):
 def test_trace_record_and_replay(bench, tmp_path):
     path = tmp_path / "traces.json"
     out = bench.main(["--device", "cpu", "--record-traces", str(path), "--prompts", "2", "--prompt-len", "32",
-                      "--trace-tokens", "16", "--k", "4"])  # fmt: skip
+                      "--trace-tokens", "16", "--k", "4", *toy_model_flags()])  # fmt: skip
     assert out["bench"] == "traces" and out["prompts"] == 2 and out["tau"] >= 1
     recorded = bench.sibling("traces").load(path)
     assert recorded["format"] == "tether-draft-traces" and recorded["version"] == 1
@@ -68,7 +70,7 @@ def test_trace_record_and_replay(bench, tmp_path):
         assert 1 + sum(r["accepted"] + 1 for r in t["rounds"]) == 16  # the first token, then each round's tau
 
     record = bench.main(["--device", "cpu", "--mode", "trace", "--traces", str(path), "--clients", "1", "2",
-                         "--rounds", "3", "--warmup-rounds", "1", "--timeout", "120"])  # fmt: skip
+                         "--rounds", "3", "--warmup-rounds", "1", "--timeout", "120", *toy_model_flags()])  # fmt: skip
     assert record["mode"] == "trace" and record["traces"]["prompts"] == 2 and record["traces"]["k"] == 4
     for row, n in zip(record["rows"], (1, 2), strict=True):
         assert row["clients"] == n and row["rounds"] == 3 * n and row["reopens"] >= 0

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_engines import drain
 from test_frontends import Stream, until
 from test_serve_frontends import children
+from toy_models import toy_model_flags
 
 from tether.server.engine_health import CAPACITY_NAME, engine_name, statuses
 from tether.server.rpc_server import SERVICE_NAME
@@ -90,8 +91,8 @@ def open_on(stub, opening: pb.ClientMessage, k: int) -> pb.Opened:
 
 def test_after_an_engine_dies_a_replaced_front_end_serves_the_survivors_and_health_reports_lost_capacity():
     exe = Path(sys.executable).parent / "tether-server"
-    cmd = [str(exe), "serve", "--port", "0", "--device", "cpu", "--log-level", "warning", "--engines", "3",
-           "--frontends", "1"]  # fmt: skip
+    cmd = [str(exe), "serve", *toy_model_flags(), "--port", "0", "--device", "cpu", "--log-level", "warning",
+           "--engines", "3", "--frontends", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()

@@ -25,6 +25,7 @@ from test_frontends import BOUND_S, Stream, service_for, until
 from test_serve_frontends import children
 from test_service import FP, VOCAB, open_msg, plain, run_session, to_delta
 from tiny_models import tiny_moa_drafter, tiny_target
+from toy_models import toy_model_flags
 
 from tether.server.daemon import ServeConfig
 from tether.server.engines import EngineSocket, engine_share
@@ -183,7 +184,7 @@ def test_an_engine_gone_ends_its_streams_unavailable_and_its_sessions_are_rebuil
 
 def serve(*flags: str) -> subprocess.Popen:
     exe = Path(sys.executable).parent / "tether-server"
-    cmd = [str(exe), "serve", "--port", "0", "--device", "cpu", "--log-level", "warning", *flags]
+    cmd = [str(exe), "serve", *toy_model_flags(), "--port", "0", "--device", "cpu", "--log-level", "warning", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

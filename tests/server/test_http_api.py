@@ -18,8 +18,9 @@ import httpx
 import openai
 import pytest
 from sse import sse_events
+from toy_models import toy_model_dir
 
-from tether.server.generate import GenerateConfig, default_model_dir, generate_text, load
+from tether.server.generate import GenerateConfig, generate_text, load
 from tether.server.http_api import start_http
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
@@ -40,10 +41,10 @@ BOUND_S = 120  # a safety net for waits that end on events, never a timing assum
 
 @pytest.fixture(scope="module")
 def api():
-    target, tok = load(default_model_dir(), "cpu")
-    fp = fingerprint(default_model_dir())
-    drafter = load_drafter(default_model_dir("drafter"), target, target_fingerprint=fp)
-    chat = ChatFormat.from_model_dir(default_model_dir(), tok)
+    target, tok = load(toy_model_dir(), "cpu")
+    fp = fingerprint(toy_model_dir())
+    drafter = load_drafter(toy_model_dir("drafter"), target, target_fingerprint=fp)
+    chat = ChatFormat.from_model_dir(toy_model_dir(), tok)
     config = ServiceConfig(max_prompt_tokens=256, max_new_tokens=128, model_id=MODEL)
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp, chat_format=chat)
     server, grpc_port = make_server(service, "127.0.0.1:0")
@@ -61,7 +62,8 @@ def api():
 @pytest.fixture(scope="module")
 def reference():
     """`tether-server generate --drafter none` (its function) for PROMPT: the text greedy HTTP must equal."""
-    return generate_text(GenerateConfig(prompt=PROMPT, drafter="none", max_new_tokens=48, device="cpu"))
+    return generate_text(GenerateConfig(model=str(toy_model_dir()), prompt=PROMPT, drafter="none", max_new_tokens=48,
+                                        device="cpu"))  # fmt: skip
 
 
 class Gate:
@@ -131,7 +133,7 @@ def test_greedy_completion_equals_tether_server_generate(api, reference):
 
 
 def test_token_id_prompt_and_top_k_one_are_greedy(api, reference):
-    ids = ChatFormat.from_model_dir(default_model_dir(), api["service"].tokenizer).encode(PROMPT)
+    ids = ChatFormat.from_model_dir(toy_model_dir(), api["service"].tokenizer).encode(PROMPT)
     done = api["client"].completions.create(model=MODEL, prompt=ids, max_tokens=48, temperature=1.5,
                                              extra_body={"top_k": 1})  # fmt: skip
     assert done.choices[0].text == reference["text"]  # top-k 1 leaves the argmax alone: sampling it is greedy
@@ -371,7 +373,8 @@ def test_serve_without_a_drafter_over_grpc_and_http():
     from pathlib import Path
 
     exe = Path(sys.executable).parent / "tether-server"
-    cmd = [str(exe), "serve", "--drafter", "none", "--port", "0", "--http-port", "0", "--device", "cpu"]
+    plain = ["--model", str(toy_model_dir()), "--drafter", "none"]
+    cmd = [str(exe), "serve", *plain, "--port", "0", "--http-port", "0", "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         grpc_at = proc.stdout.readline().strip().removeprefix("listening on ")
@@ -391,7 +394,7 @@ def test_serve_without_a_drafter_over_grpc_and_http():
             assert len(tokens) == 8
         r = httpx.post(f"http://{http_at}/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0},
                        timeout=BOUND_S)  # fmt: skip
-        generate = [str(exe), "generate", "--drafter", "none", "--prompt", PROMPT, "--max-new-tokens", "24", "--json"]
+        generate = [str(exe), "generate", *plain, "--prompt", PROMPT, "--max-new-tokens", "24", "--json"]
         generated = subprocess.run(generate + ["--device", "cpu"], capture_output=True, text=True, check=True)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == json.loads(generated.stdout)["text"]
         proc.send_signal(signal.SIGTERM)

@@ -10,8 +10,9 @@ import sys
 import grpc
 import pytest
 import torch
+from toy_models import toy_model_dir, toy_model_flags
 
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.verifier import target_states
 from tether.shared.codecs import Codec, decode_many
 from tether.shared.drafter import DraftDelta, load_drafter
@@ -41,9 +42,9 @@ def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly(attention
     # Two GPUs: NCCL ranks, otherwise gloo ranks on the CPU; fp32 both ways, so that the only difference from
     # the single-process model is the order of the all-reduce sums (in bf16 that rounding can flip a near tie).
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
-    ref, _ = load(default_model_dir(), "cuda:0" if device == "cuda" else "cpu", "float32")  # what the server computes
-    target, tok = load(default_model_dir(), "cpu")  # the client's side
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    ref, _ = load(toy_model_dir(), "cuda:0" if device == "cuda" else "cpu", "float32")  # what the server computes
+    target, tok = load(toy_model_dir(), "cpu")  # the client's side
+    drafter = load_drafter(toy_model_dir("drafter"), target)
     prompt = tok.encode("def parse_header(line):\n    ")
     n_new = 24
     plain = list(ref.generate(torch.tensor([prompt], device=ref.device), n_new + 12))  # a round may overshoot
@@ -52,6 +53,7 @@ def test_tensor_parallel_server_matches_plain_greedy_and_stops_cleanly(attention
         "-m",
         "tether.server.cli",
         "serve",
+        *toy_model_flags(),
         "--tp",
         "2",
         "--device",
