@@ -4,8 +4,8 @@
 - ignore_eos: end-of-text (forced first by logit_bias) ends a completion, unless ignore_eos, which runs to
   max_tokens; a stop token id still ends it; the server-only path (bench/link.py's baseline) sends it on Generate;
 - logprobs: the server's for verified tokens (equal to the target's own processed distribution), the drafter's own
-  for tokens drafted offline, which each choice lists in "tether": {"drafter_logprobs"}; the openai package parses
-  both endpoints' shapes;
+  for tokens drafted offline (ONNX and torch drafters), which each choice lists in "tether": {"drafter_logprobs"};
+  the openai package parses the chat shape;
 - n > 1: each choice is a session of its own, choice i sampling with seed + i; past the endpoint's max_n a 400;
   `tether-client serve --max-n`;
 - the wire: a sampled session's open and every resync carry top_k and the other controls (logprobs and ignore_eos
@@ -44,11 +44,25 @@ def served(start_server):
 
 
 @pytest.fixture(scope="module")
-def edge(served, tmp_path_factory):
-    """The keep endpoint in front of the module's server; each test sets its own observer."""
-    endpoint = Endpoint(served[0], str(tmp_path_factory.mktemp("edge-cache")), "keep")
-    yield endpoint
-    endpoint.close()
+def edges(served, tmp_path_factory):
+    """edges(backend) -> the keep endpoint in front of the module's server drafting with `backend`, made once; each
+    test sets its own observer."""
+    made: dict[str, Endpoint] = {}
+    cache = str(tmp_path_factory.mktemp("edge-cache"))
+
+    def get(backend: str) -> Endpoint:
+        if backend not in made:
+            made[backend] = Endpoint(served[0], cache, "keep", backend=backend)
+        return made[backend]
+
+    yield get
+    for endpoint in made.values():
+        endpoint.close()
+
+
+@pytest.fixture
+def edge(edges):
+    return edges("onnx")
 
 
 @pytest.fixture
@@ -142,12 +156,16 @@ def choice_of(body: dict) -> dict:
     return choice
 
 
-def test_offline_tokens_carry_the_drafters_own_logprobs_named_in_the_choice(served, edge, emitted):
-    service = served[1]
-    cut = CutAfter(edge.sim, rounds=1, offline=4)
-    record = edge.observer
-    edge.observer = lambda session, e: (record(session, e), cut(session, e))
-    choice = choice_of(complete(edge, max_tokens=3 * N, temperature=0, logprobs=2))
+@pytest.mark.parametrize("backend", ["onnx", "torch"])
+def test_offline_tokens_carry_the_drafters_own_logprobs_named_in_the_choice(served, edges, backend):
+    service, edge = served[1], edges(backend)
+    assert edge.backend.wait_released(BOUND_S)
+    cut, emitted = CutAfter(edge.sim, rounds=1, offline=4), []
+    edge.observer = lambda session, e: (emitted.extend(e.tokens) if e.kind == "tokens" else None, cut(session, e))
+    try:
+        choice = choice_of(complete(edge, max_tokens=3 * N, temperature=0, logprobs=2))
+    finally:
+        edge.observer = None
     assert cut.struck and cut.written >= 4
     drafted = choice["tether"]["drafter_logprobs"]
     assert drafted and drafted == list(range(drafted[0], drafted[0] + cut.written))  # the tokens written alone
