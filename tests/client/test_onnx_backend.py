@@ -10,12 +10,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from tiny_models import tiny_pair, tiny_target
+from toy_models import toy_model_dir
 
 from tether.client.onnx_drafter import OnnxDrafter
 from tether.server.onnx_export import export_client_onnx
@@ -26,7 +26,6 @@ from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 
-MODELS = Path(__file__).resolve().parents[2] / "deploy" / "models"
 VOCAB = 7  # random tiny drafts then agree with the random tiny target often enough to accept 0..k tokens
 PROMPT = [1, 2, 3, 4, 5, 6, 0, 1, 3]
 
@@ -224,21 +223,21 @@ def test_eagle_drafts_match_torch(exported, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def default_target():
-    return Transformer.from_pretrained(MODELS / "target", dtype=torch.float32)
+def toy_target():
+    return Transformer.from_pretrained(toy_model_dir(), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("name", ["drafter", "drafter-eagle"])
-def test_default_drafters_match_torch(default_target, tmp_path, monkeypatch, name):
-    ref = load_drafter(MODELS / name, default_target)
+def test_the_toy_drafters_match_torch(toy_target, tmp_path, monkeypatch, name):
+    ref = load_drafter(toy_model_dir(name), toy_target)
     export_client_onnx(ref, tmp_path)
     onnx = OnnxDrafter.load(tmp_path)
     ref_log, onnx_log = [], []
     recording(monkeypatch, ref, ref_log)
     recording(monkeypatch, onnx, onnx_log)
-    prompt = Tokenizer.from_pretrained(MODELS / "target").encode("import os\nimport sys\n\n\ndef main(argv):\n")
+    prompt = Tokenizer.from_pretrained(toy_model_dir()).encode("import os\nimport sys\n\n\ndef main(argv):\n")
     k = 5
-    accepted = rounds(default_target, ref, onnx, prompt, n_rounds=10, k=k, tree_every=3, forced=False)
+    accepted = rounds(toy_target, ref, onnx, prompt, n_rounds=10, k=k, tree_every=3, forced=False)
     check_logits(ref_log, onnx_log)
     assert k in accepted and any(a < k for a in accepted), accepted  # the target accepts all, and not all
 

@@ -16,12 +16,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from toy_models import toy_model_dir
 
 from tether.client import onnx_drafter
 from tether.client.onnx_drafter import OnnxDrafter, load_stored
 from tether.client.onnx_int8 import MS_DOMAIN, int8_matmuls, seven_bit
 from tether.server.client_export import ClientExporter
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
@@ -34,12 +35,12 @@ CAPACITY = 256
 
 @pytest.fixture(scope="module", params=["drafter", "drafter-eagle"])
 def part(request, tmp_path_factory):
-    """(the int8 part's directory, target, torch drafter) of a default drafter, as the server exports it."""
+    """(the int8 part's directory, target, torch drafter) of a toy drafter, as the server exports it."""
     grad = torch.is_grad_enabled()
     torch.set_grad_enabled(False)  # for this module's tests only: the modules after it train
-    model_dir = str(default_model_dir())
+    model_dir = str(toy_model_dir())
     target, tok = load(model_dir, "cpu")
-    drafter = load_drafter(str(default_model_dir(request.param)), target, target_fingerprint=fingerprint(model_dir))
+    drafter = load_drafter(str(toy_model_dir(request.param)), target, target_fingerprint=fingerprint(model_dir))
     out = tmp_path_factory.mktemp("part")
     export_client_onnx(drafter, out)
     weights = client_part_tensors(target, drafter)

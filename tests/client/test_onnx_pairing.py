@@ -1,4 +1,4 @@
-"""Torch-free pairing (tether.client.onnx_pairing) against a real in-process server running the shipped models.
+"""Torch-free pairing (tether.client.onnx_pairing) against a real in-process server running the toy models.
 
 - fp32: the ONNX part drafts exactly what the torch client drafts (same tokens, logits within 1e-4).
 - fp16 / int8: drafts agree with the torch client's on most tokens. Measured over these 60 rounds of 5 tokens
@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load, save
+from toy_models import toy_model_dir
 
 from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_drafter import ArrayDelta
 from tether.client.onnx_pairing import OnnxClientPart, fetch_onnx_part
 from tether.client.pairing import build_client_models, fetch_client_part
-from tether.server.generate import default_model_dir
 from tether.server.generate import load as load_model
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
@@ -50,9 +50,9 @@ K = 5
 class Served:
     def __init__(self, name: str, export_dir):
         torch.set_grad_enabled(False)
-        self.target, self.tok = load_model(default_model_dir(), "cpu")
-        self.drafter = load_drafter(default_model_dir(name), self.target)
-        fp = fingerprint(default_model_dir())
+        self.target, self.tok = load_model(toy_model_dir(), "cpu")
+        self.drafter = load_drafter(toy_model_dir(name), self.target)
+        fp = fingerprint(toy_model_dir())
         self.service = TetherService(self.target, self.drafter, self.tok, ServiceConfig(), model_fingerprint=fp,
                                      export_dir=export_dir)  # fmt: skip
         self.server, port = make_server(self.service, "127.0.0.1:0")

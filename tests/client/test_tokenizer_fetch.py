@@ -8,13 +8,14 @@
   the byte it stopped at; `--tokenizer PATH` overrides the server's (checked against its hash).
 - Tampered, oversized or malformed tokenizer parts, and an older server without the part, are refused in one line
   with their Problem, before a byte is written where the manifest alone gives them away.
-The server runs in this process on 127.0.0.1 with the shipped target; nothing depends on time.
+The server runs in this process on 127.0.0.1 with the toy target; nothing depends on time.
 """
 
 import hashlib
 
 import grpc
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client.errors import Problem, ServerDataError
 from tether.client.refusals import Refusal
@@ -22,7 +23,7 @@ from tether.client.server_only import ServerOnlySession, fetch_tokenizer, server
 from tether.client.session import ClientConfig, EdgeSession
 from tether.client.transport import FormatNotOffered
 from tether.client.weight_cache import WeightCache
-from tether.server.generate import GenerateConfig, default_model_dir, generate_text, load
+from tether.server.generate import GenerateConfig, generate_text, load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -37,11 +38,11 @@ NEW = 24
 
 
 class Served:
-    """A server of the shipped target, with the shipped drafter or none, and a stub on its own channel."""
+    """A server of the toy target, with its drafter or none, and a stub on its own channel."""
 
     def __init__(self, target, tok, drafter=None):
         self.service = TetherService(target, drafter, tok, ServiceConfig(),
-                                     model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
+                                     model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
         self.server, port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -57,7 +58,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def model():
-    return load(default_model_dir(), "cpu")
+    return load(toy_model_dir(), "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,8 @@ def test_a_client_without_a_tokenizer_generates_what_the_server_generates_alone(
         session.close()
     assert tok.sha256 == info.tokenizer_sha256 == model[1].sha256
     assert downloads and downloads[-1][0] == downloads[-1][1]  # the download was reported to its end
-    own = generate_text(GenerateConfig(drafter="none", prompt=PROMPT, max_new_tokens=NEW, device="cpu"))
+    plain = GenerateConfig(model=str(toy_model_dir()), drafter="none", prompt=PROMPT, max_new_tokens=NEW, device="cpu")
+    own = generate_text(plain)
     assert result.token_ids == own["token_ids"] and result.text == own["text"]
     assert result.stats.server_only
 
@@ -136,7 +138,7 @@ def test_the_part_is_the_canonical_json_from_any_server_and_only_it_comes_withou
                                                                 format=fmt)))  # fmt: skip
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert Refusal.of_rpc_error(e.value).reason == pb.REASON_NO_DRAFTER
-    with_drafter = Served(target, tok, load_drafter(default_model_dir("drafter"), target))
+    with_drafter = Served(target, tok, load_drafter(toy_model_dir("drafter"), target))
     try:
         assert pb.CLIENT_PART_TOKENIZER in with_drafter.info.client_part_formats
         req = pb.FetchWeightsRequest(model_fingerprint=with_drafter.info.model_fingerprint,
@@ -170,7 +172,7 @@ def test_a_cached_tokenizer_is_not_fetched_again_and_a_broken_download_resumes(a
 def test_the_tokenizer_flag_overrides_the_servers(alone, tmp_path):
     session = EdgeSession(ClientConfig(server=alone.address, cache_dir=str(tmp_path)))
     try:
-        assert server_tokenizer(session, default_model_dir()).sha256 == alone.info.tokenizer_sha256
+        assert server_tokenizer(session, toy_model_dir()).sha256 == alone.info.tokenizer_sha256
         other = tmp_path / "other.json"
         other.write_text(Tokenizer.train(texts=["x = 1\n"] * 10, vocab_size=260).to_json(), encoding="utf-8")
         with pytest.raises(ValueError, match="not the server's tokenizer"):

@@ -1,9 +1,10 @@
 """End-to-end fixtures shared by several test modules."""
 
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client import session as session_module
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -12,16 +13,16 @@ from tether.shared.drafter import load_drafter
 
 @pytest.fixture(scope="module")
 def start_server():
-    """start_server(edit=None) -> (address, service): the shipped target and drafter served on the CPU over
+    """start_server(edit=None) -> (address, service): the toy target and drafter served on the CPU over
     loopback, `edit(service)` applied before it starts (to make it look like another server); every server started
     is stopped, and its service closed, after the module."""
     servers = []
 
     def start(edit=None):
-        target, tok = load(default_model_dir(), "cpu")
-        drafter = load_drafter(default_model_dir("drafter"), target)
+        target, tok = load(toy_model_dir(), "cpu")
+        drafter = load_drafter(toy_model_dir("drafter"), target)
         service = TetherService(target, drafter, tok, ServiceConfig(),
-                                model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
+                                model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
         if edit is not None:
             edit(service)
         server, port = make_server(service, "127.0.0.1:0")
@@ -37,7 +38,7 @@ def start_server():
 
 @pytest.fixture(scope="module")
 def default_server(start_server):
-    """The default models' server: (address, tokenizer, model fingerprint)."""
+    """The toy models' server: (address, tokenizer, model fingerprint)."""
     address, service = start_server()
     return address, service.tokenizer, service.model_fingerprint
 

@@ -1,8 +1,8 @@
-"""`tether-client chat` and `generate` against real servers on 127.0.0.1 (the shipped models on the CPU).
+"""`tether-client chat` and `generate` against real servers on 127.0.0.1 (the toy models on the CPU).
 
 - A chat keeps one server session across turns and sends only each turn's new tokens (Resync absorbs them), and
   each greedy reply equals what a fresh session over the whole rendered conversation gives; a reply ends at the
-  template's end of turn. With the built-in template of the default models too: `tether-client chat` opens one
+  template's end of turn. With the built-in template of the toy models too: `tether-client chat` opens one
   server session for a whole conversation, never reopening it.
 - The server unreachable between turns: the reply is drafted alone, then the next turn resyncs into the same
   server session and is verified again.
@@ -24,6 +24,7 @@ import signal
 import grpc
 import pytest
 import torch
+from toy_models import toy_model_dir
 
 from tether.client import live_view
 from tether.client.chat import Chat
@@ -31,7 +32,7 @@ from tether.client.cli import main
 from tether.client.server_only import ServerOnlySession, load_tokenizer
 from tether.client.session import ClientConfig, EdgeSession
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.chat_template import ChatFormat
@@ -53,8 +54,8 @@ TURNS = ["def fib(n):", "now in one line", "and a test for it"]
 
 @pytest.fixture(scope="module")
 def models():
-    target, tok = load(default_model_dir(), "cpu")
-    return target, load_drafter(default_model_dir("drafter"), target), tok
+    target, tok = load(toy_model_dir(), "cpu")
+    return target, load_drafter(toy_model_dir("drafter"), target), tok
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def servers(models):
         target, draft, tok = models
         chat = ChatFormat(template, {}, tok) if template else None
         service = TetherService(target, draft if drafter else None, tok, ServiceConfig(),
-                                model_fingerprint=fingerprint(default_model_dir()), chat_format=chat)  # fmt: skip
+                                model_fingerprint=fingerprint(toy_model_dir()), chat_format=chat)  # fmt: skip
         server, port = make_server(service, "127.0.0.1:0")
         server.start()
         started.append((server, service))
@@ -215,7 +216,7 @@ def test_chat_from_a_pipe_answers_each_line_and_closes_its_session(servers, tmp_
 
 
 def test_a_chat_in_the_builtin_template_keeps_one_server_session(servers, tmp_path, monkeypatch, capsys):
-    """The default models' replies start with a newline or a space after "assistant:"; the built-in template renders
+    """The toy models' replies start with a newline or a space after "assistant:"; the built-in template renders
     them back exactly, so every turn extends the server session (a Resync) and none reopens it."""
     address, service = servers()
     assert json.loads(service.model_info.chat_format_json)["builtin"]
@@ -303,7 +304,7 @@ def test_generate_and_chat_stream_from_a_server_without_a_drafter(servers, model
     assert main(["generate", "--prompt", PROMPT, "--json", *common]) == 0  # its tokenizer fetched from the server
     result = json.loads(capsys.readouterr().out)
     assert result["token_ids"] == plain and result["stats"]["server_only"] is True
-    model = str(default_model_dir())
+    model = str(toy_model_dir())
     assert main(["generate", "--prompt", PROMPT, "--json", "--tokenizer", model, *common]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain
     assert main(["generate", "--prompt", PROMPT, "--plain", "--tokenizer", model, *common]) == 0
@@ -332,7 +333,7 @@ def test_a_server_only_chat_renders_the_whole_conversation_each_turn(servers, mo
     session = EdgeSession(config(address, tmp_path))
     try:
         info = session.model_info()
-        tok = load_tokenizer(default_model_dir(), info)
+        tok = load_tokenizer(toy_model_dir(), info)
         fmt = ChatFormat.from_json(info.chat_format_json, tok)
         chat = Chat(ServerOnlySession(session.stub, session.metadata, session.cfg, info, tok), fmt)
         first = chat.reply(TURNS[0])

@@ -14,7 +14,7 @@
 - A session restored from its file under a penalty goes on as if it had never stopped.
 - A server that says it does not apply the controls is refused before anything is downloaded.
 
-One server of the default models (tests/e2e/conftest.py) serves the module; its service's methods are wrapped to
+One server of the toy models (tests/e2e/conftest.py) serves the module; its service's methods are wrapped to
 record requests and to cut the link on events (the first verdict; a resync until the client has drafted enough
 alone), not on time.
 """
@@ -28,13 +28,14 @@ import grpc
 import httpx
 import pytest
 import torch
+from toy_models import toy_model_dir
 
 from tether.client.chat import Chat
 from tether.client.controls import ControlsNotOffered
 from tether.client.edge_api import EdgeBackend, chat_format
 from tether.client.server_only import ServerOnlySession
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.verifier import SequenceVerifier
 from tether.shared.drafter import load_drafter
 from tether.shared.logits_processing import SamplingControls
@@ -44,7 +45,7 @@ from tether.v1 import tether_pb2 as pb
 
 PROMPT = "def read_config(path):\n    with open(path"
 OFFLINE = 10  # tokens the client drafts alone before the link comes back
-BANNED = 13  # ",", which the default model writes first and often after PROMPT
+BANNED = 13  # ",", which the toy model writes first and often after PROMPT
 BOUND_S = 120  # a safety net for waits that end on events, never a timing assumption
 
 
@@ -120,8 +121,8 @@ def server(served):
 
 @pytest.fixture(scope="module")
 def models():
-    target, tok = load(default_model_dir(), "cpu")
-    return target, load_drafter(default_model_dir("drafter"), target), tok
+    target, tok = load(toy_model_dir(), "cpu")
+    return target, load_drafter(toy_model_dir("drafter"), target), tok
 
 
 def config(address: str, cache: str, **kw) -> ClientConfig:

@@ -29,6 +29,7 @@ import httpx
 import openai
 import pytest
 from sse import sse_events
+from toy_models import toy_model_dir
 
 from tether.client.edge_api import EdgeBackend
 from tether.client.session import ClientConfig, EdgeSession, Event, State
@@ -47,7 +48,8 @@ BOUND_S = 120  # a safety net for waits that end on events, never a timing assum
 
 def plain(prompt: str, n: int) -> dict:
     """`tether-server generate --drafter none` (its function): the text greedy must equal."""
-    return generate_text(GenerateConfig(prompt=prompt, drafter="none", max_new_tokens=n, device="cpu"))
+    return generate_text(GenerateConfig(model=str(toy_model_dir()), prompt=prompt, drafter="none", max_new_tokens=n,
+                                        device="cpu"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The edge client (tether.client) against the shipped models served through two front-end processes
+"""The edge client (tether.client) against the toy models served through two front-end processes
 (`make_server(..., frontends=2)`, what `tether-server serve --frontends 2` runs): pairing downloads the client part
 through them, the rounds (pipelined, overlapping the verdicts: several messages of a stream in flight) cross the
 engine's socket, the bearer key is checked in a front end and the caller it names reaches the engine, which closes
@@ -8,9 +8,10 @@ No link fault here: the deadlines are generous so that a busy machine never make
 (an outage would leave offline text)."""
 
 import torch
+from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -22,10 +23,10 @@ PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
 
 
 def test_the_edge_client_through_front_ends_writes_the_targets_greedy_text(tmp_path):
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    target, tok = load(toy_model_dir(), "cpu")
+    drafter = load_drafter(toy_model_dir("drafter"), target)
     service = TetherService(target, drafter, tok, ServiceConfig(api_keys=frozenset({"edge-key"})),
-                            model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
+                            model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
     try:
         server, port = make_server(service, "127.0.0.1:0", frontends=2)
         server.start()

@@ -14,10 +14,11 @@ import grpc
 import pytest
 import torch
 import zstandard
+from toy_models import toy_model_dir
 
 from tether.client.cli import main
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -34,10 +35,10 @@ MAX_OFFLINE = 8  # offline tokens per outage: a resync always follows before the
 
 @pytest.fixture(scope="module")
 def upstream():
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    target, tok = load(toy_model_dir(), "cpu")
+    drafter = load_drafter(toy_model_dir("drafter"), target)
     plain = list(target.generate(torch.tensor([tok.encode(PROMPT)]), N_NEW))
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
+    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}", plain, target.cfg.vocab_size

@@ -19,6 +19,7 @@ import logging
 import re
 
 import pytest
+from toy_models import toy_model_dir
 
 from tether.client.edge_api import EdgeBackend, Release
 from tether.client.outage import LinkNotes
@@ -40,7 +41,8 @@ def server(start_server):
 
 @pytest.fixture(scope="module")
 def greedy() -> list[int]:
-    return generate_text(GenerateConfig(prompt=PROMPT, drafter="none", max_new_tokens=N, device="cpu"))["token_ids"]
+    plain = GenerateConfig(model=str(toy_model_dir()), prompt=PROMPT, drafter="none", max_new_tokens=N, device="cpu")
+    return generate_text(plain)["token_ids"]
 
 
 class CutThenRestore:
