@@ -27,10 +27,11 @@ import pytest
 import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from toy_models import toy_model_dir
 
 from tether.client.session import AFFINITY_HEADER, ClientConfig, EdgeSession
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import SERVICE_NAME, make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -224,7 +225,7 @@ class Replica:
     def __init__(self, models):
         target, drafter, tok, _ = models
         self.service = TetherService(target, drafter, tok, ServiceConfig(api_keys=frozenset({API_KEY})),
-                                     model_fingerprint=fingerprint(default_model_dir()))  # fmt: skip
+                                     model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
         self.recorder = Recorder()
         self.server, self.port = make_server(self.service, "127.0.0.1:0", interceptors=[self.recorder])
         self.server.start()
@@ -331,8 +332,8 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def models():
     envoy_binary()  # skip before loading anything when there is no Envoy
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    target, tok = load(toy_model_dir(), "cpu")
+    drafter = load_drafter(toy_model_dir("drafter"), target)
     plain = list(target.generate(torch.tensor([tok.encode(PROMPT)]), N_NEW))
     return target, drafter, tok, plain
 

@@ -12,9 +12,10 @@ import threading
 
 import pytest
 import torch
+from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.kv_pool import KVPool
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
@@ -30,8 +31,8 @@ PROMPTS = [f"def task_{i}(items):\n    return [x for x in items if x" for i in r
 
 @pytest.fixture(scope="module")
 def models():
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    target, tok = load(toy_model_dir(), "cpu")
+    drafter = load_drafter(toy_model_dir("drafter"), target)
     plain = [list(target.generate(torch.tensor([tok.encode(p)]), N_NEW)) for p in PROMPTS]
     return target, drafter, tok, plain
 
@@ -49,7 +50,7 @@ def test_sixteen_clients_on_a_server_too_small_for_them_all_finish_with_plain_gr
     config = ServiceConfig(max_sessions=8) if limit == "sessions" else ServiceConfig(
         kv_pool_bytes=_pool_bytes(target, 5 * per_session)
     )  # fmt: skip
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fingerprint(default_model_dir()))
+    service = TetherService(target, drafter, tok, config, model_fingerprint=fingerprint(toy_model_dir()))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     cfg = ClientConfig(server=f"127.0.0.1:{port}", max_new_tokens=N_NEW, policy="rewind", k=4,

@@ -20,11 +20,12 @@ import threading
 
 import pytest
 import torch
+from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, SessionLost, State
 from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -41,8 +42,8 @@ ROOM = K + 1 + MAX_OFFLINE  # an outage starts only with this many tokens still 
 
 @pytest.fixture(scope="module")
 def models():
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
+    target, tok = load(toy_model_dir(), "cpu")
+    drafter = load_drafter(toy_model_dir("drafter"), target)
     plain = list(target.generate(torch.tensor([tok.encode(PROMPT)]), N_NEW))
     return target, drafter, tok, plain
 
@@ -52,7 +53,7 @@ def models():
 
 def make_service(models) -> TetherService:
     target, drafter, tok, _ = models
-    return TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
+    return TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
 
 
 def serve(service: TetherService, port: int = 0):

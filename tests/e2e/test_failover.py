@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession, generate
-from tether.server.generate import default_model_dir, load
+from tether.server.generate import load
 from tether.server.rpc_server import make_server
 from tether.server.service import ServiceConfig, TetherService
 from tether.shared.checkpoint import fingerprint
@@ -23,9 +24,9 @@ PROMPT = "def parse_args(argv):\n    "
 
 
 def replicas(n: int):
-    target, tok = load(default_model_dir(), "cpu")
-    drafter = load_drafter(default_model_dir("drafter"), target)
-    fp = fingerprint(default_model_dir())
+    target, tok = load(toy_model_dir(), "cpu")
+    drafter = load_drafter(toy_model_dir("drafter"), target)
+    fp = fingerprint(toy_model_dir())
     out = []
     for _ in range(n):
         service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fp)
