@@ -4,7 +4,7 @@ Contract: the `client` extra brings numpy, grpcio, protobuf, zstandard, tokenize
 they need) and never torch or the server's extras; its site-packages stays under SIZE_BUDGET_MB; `tether-client
 --help` and `--version` work there, and importing tether.client.cli pulls neither torch nor onnxruntime. The same
 import check runs in this (main) virtualenv, where torch is installed and would be imported if anything reached it.
-End to end: `tether-server serve` on the CPU (the default models, from the main virtualenv, in a subprocess on a
+End to end: `tether-server serve` on the CPU (the toy models, from the main virtualenv, in a subprocess on a
 loopback port) and, in the client virtualenv, a generation of GREEDY_TOKENS tokens with the default backend
 (onnxruntime, the ONNX part the server exports): it gives the greedy text the torch backend gives in the main
 virtualenv against the same server, and torch is never imported.
@@ -31,6 +31,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from toy_models import toy_model_flags
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
@@ -179,11 +180,11 @@ def test_client_cli_there_imports_neither_torch_nor_onnxruntime(client_venv, arg
 
 @pytest.fixture(scope="module")
 def cpu_server(tmp_path_factory):
-    """`tether-server serve --device cpu` with the default models, from this (main) virtualenv, on a free loopback
+    """`tether-server serve --device cpu` with the toy models, from this (main) virtualenv, on a free loopback
     port; yields its address and stops it (SIGTERM, then kill) when the module is done."""
     cache = tmp_path_factory.mktemp("server_cache")
     cmd = [sys.executable, "-m", "tether.server.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
-           "--cache-dir", str(cache)]  # fmt: skip
+           "--cache-dir", str(cache), *toy_model_flags()]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()  # the server's first line, once its port is bound ("" if it died)
