@@ -268,6 +268,20 @@ def _warm_args(p: argparse.ArgumentParser) -> None:
     add_dataclass_args(p, ServeConfig, skip=skip, choices=CHOICES, types=TYPES)
 
 
+def _quantize_args(p: argparse.ArgumentParser) -> None:
+    from tether.shared.checkpoint import STORAGES, ConvertConfig
+
+    add_dataclass_args(p, ConvertConfig, choices={"storage": STORAGES})
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from tether.shared.checkpoint import ConvertConfig, convert_checkpoint
+
+    convert_checkpoint(build_config(ConvertConfig, args))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _generate_args(p: argparse.ArgumentParser) -> None:
     from tether.server.generate import GenerateConfig, logit_bias_pair
 
@@ -284,6 +298,8 @@ COMMANDS = (  # name, help, flags, function
      _serve_args, cmd_serve),
     ("warm", "load the models, compile and tune serve's kernels into --cache-dir, and exit", _warm_args, cmd_warm),
     ("generate", "generate text in-process with the target model", _generate_args, cmd_generate),
+    ("quantize", "rewrite a target checkpoint as int8 rows (or plain), in shards of at most --max-shard-mb",
+     _quantize_args, cmd_quantize),
 )  # fmt: skip
 
 
@@ -306,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 MODEL_DIRS = {"serve": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
               "warm": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
               "generate": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+              "quantize": {"--model": TARGET_FILES},
               "train-drafter": {"--target": ()}}  # fmt: skip
 
 

@@ -7,7 +7,12 @@ Contract:
 - `load_model(dir)` reads ours, and Llama-, Mistral- and Qwen2-style checkpoints written by transformers
   (single or sharded safetensors). Unsupported features (sliding windows, MLP bias, other RoPE
   scalings) are refused with a clear error rather than loaded wrong.
-- `fingerprint(dir)`: sha256 over config.json and every tensor, the identity clients pair against.
+- `save_model(..., storage="int8", max_shard_mb=10)`: int8 rows (shared/int8_storage.py), in shards of at most
+  10 MB named by model.safetensors.index.json; `load_model` recognises the format from the safetensors metadata,
+  checks names, dtypes and shapes from the headers before reading a tensor, and dequantizes. `convert_checkpoint`
+  rewrites a checkpoint so (`tether-server quantize`).
+- `fingerprint(dir)`: sha256 over config.json and every stored tensor (int8 and scales as stored), the identity
+  clients pair against.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +29,26 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tether.shared.config import ModelConfig
+from tether.shared.int8_storage import (
+    DTYPE_KEY,
+    HEADER_DTYPES,
+    INT8_ROWS,
+    SCALE_SUFFIX,
+    STORAGE_KEY,
+    StorageError,
+    StorageFault,
+    check_layout,
+    dequantize_state,
+    quantize_state,
+    stored_shapes,
+)
 
 MODEL_TYPE = "tether_moda"
+STORAGES = ("plain", "int8")  # how save_model stores the weights
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_HEADER_BYTES = 4096  # a shard's header budget beyond its tensors' entries (the metadata, the JSON framing)
+_HEADER_BYTES_PER_TENSOR = 128  # a tensor's header entry beyond its name: dtype, shape, offsets
 HF_PLAIN_TYPES = ("llama", "mistral", "qwen2")
 
 # Our parameter names <-> Hugging Face's ({i} is a layer index). Post-norm blocks reuse the two norm slots.
@@ -133,29 +158,135 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return out
 
 
-def save_model(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+def save_model(
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    storage: str = "plain",
+    max_shard_mb: float | None = None,
+) -> None:
+    """config.json + the weights: `storage` "plain" (as they are, or cast to `dtype`) or "int8" (int8 rows,
+    shared/int8_storage.py); in one model.safetensors, or with `max_shard_mb` in files of at most that many MB
+    (10**6 bytes) named by model.safetensors.index.json. Weight files already in `path` are replaced."""
+    if storage not in STORAGES:
+        raise ValueError(f"unknown storage {storage!r} (one of {', '.join(STORAGES)})")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in model.state_dict().items():
         t = t.detach().to("cpu")
         tensors[to_hf_name(name)] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    metadata = {"format": "pt"}
+    if storage == "int8":
+        source = dtype or next(t.dtype for t in tensors.values() if t.is_floating_point())
+        metadata |= {STORAGE_KEY: INT8_ROWS, DTYPE_KEY: str(source).removeprefix("torch.")}
+        tensors = quantize_state(tensors)
+    for stale in [path / "model.safetensors", path / INDEX, *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if max_shard_mb is None:
+        save_file(tensors, str(path / "model.safetensors"), metadata=metadata)
+    else:
+        _save_shards(tensors, path, metadata, int(max_shard_mb * 1e6))
     (path / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2, sort_keys=True) + "\n")
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str], max_bytes: int) -> None:
+    """The Hugging Face sharded layout; each file's header is budgeted so the whole file stays within max_bytes."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size() + len(name) + _HEADER_BYTES_PER_TENSOR
+        if size + _HEADER_BYTES > max_bytes:
+            raise ValueError(f"{name} ({size} bytes) does not fit in a shard of {max_bytes} bytes")
+        if groups[-1] and used + size + _HEADER_BYTES > max_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    weight_map = {}
+    for i, names in enumerate(groups, 1):
+        file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(path / file), metadata=metadata)
+        weight_map |= dict.fromkeys(names, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
+    (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    model: str = ""  # the checkpoint directory to read (any storage load_model reads)
+    out: str = ""  # the directory to write (config.json, weights, tokenizer files)
+    storage: str = "int8"  # plain: the weights as they are; int8: int8 with one fp32 scale per output row
+    max_shard_mb: float = 10.0  # the largest weight file, in MB (10**6 bytes); 0: one model.safetensors
+
+
+def convert_checkpoint(cfg: ConvertConfig) -> None:
+    """A checkpoint rewritten in another storage (and sharding); its tokenizer files are copied beside it."""
+    src, out = Path(cfg.model), Path(cfg.out)
+    if not cfg.out or src.resolve() == out.resolve():
+        raise ValueError(f"--out must name a directory other than --model ({src})")
+    save_model(load_model(src), out, storage=cfg.storage, max_shard_mb=cfg.max_shard_mb or None)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, out / name)
 
 
 def _safetensor_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.exists():
         return [single]
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / s for s in shards]
-    raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    raise FileNotFoundError(f"{path} holds neither model.safetensors nor {INDEX}")
+
+
+def _stored_layout(files: list[Path]) -> tuple[dict[str, tuple[Path, str, tuple[int, ...]]], dict[str, str]]:
+    """{stored name: (file, header dtype, shape)} and the first file's metadata, from the headers alone."""
+    layout, metadata = {}, None
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            meta = sf.metadata() or {}
+            if metadata is not None and meta.get(STORAGE_KEY) != metadata.get(STORAGE_KEY):
+                raise StorageError(StorageFault.DTYPE, f"{f.name} is stored unlike the other shards")
+            metadata = meta if metadata is None else metadata
+            for name in sf.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # older transformers saved this buffer; we derive it from the config
+                part = sf.get_slice(name)
+                layout[name] = (f, part.get_dtype(), tuple(part.get_shape()))
+    return layout, metadata or {}
+
+
+def _check_stored(path: Path, layout: dict, model_shapes: dict[str, tuple[int, ...]], int8: bool) -> None:
+    """Names, dtypes and shapes of the stored tensors against the model's, before any tensor is read."""
+    if int8:
+        dtypes = {n: (HEADER_DTYPES.get(d), s) for n, (_, d, s) in layout.items()}
+        check_layout({n: (d if d is not None else torch.float64, s) for n, (d, s) in dtypes.items()})
+    expected = stored_shapes(model_shapes, int8)
+    stored = {}
+    for name, (_, _, shape) in layout.items():
+        base = name.removesuffix(SCALE_SUFFIX) if int8 else name
+        ours = from_hf_name(base) + (name[len(base) :] if int8 else "")
+        stored[ours] = shape
+    missing, unexpected = set(expected) - set(stored), set(stored) - set(expected)
+    if missing or unexpected:
+        raise StorageError(
+            StorageFault.NAME,
+            f"checkpoint {path} does not match its config: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}",
+        )
+    for name, shape in stored.items():
+        if shape != expected[name]:
+            raise StorageError(StorageFault.SHAPE, f"{path}: {name} has shape {list(shape)}, the config says "
+                               f"{list(expected[name])}")  # fmt: skip
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """The model a checkpoint holds; an int8 one dequantized into `dtype` (default: the dtype it was saved from)."""
     from tether.shared.model import Transformer
 
     path = Path(path)
@@ -165,22 +296,24 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     cfg = config_from_hf(json.loads(cfg_file.read_text()))
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = {}
-    for f in _safetensor_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # older transformers saved this buffer; we derive it from the config
-                state[from_hf_name(name)] = sf.get_tensor(name)
+    layout, metadata = _stored_layout(_safetensor_files(path))
+    storage = metadata.get(STORAGE_KEY)
+    if storage not in (None, INT8_ROWS):
+        raise StorageError(StorageFault.DTYPE, f"{path}: unknown storage {storage!r} (known: {INT8_ROWS})")
+    int8 = storage == INT8_ROWS
     if cfg.tied_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match its config: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
+        layout = {n: v for n, v in layout.items() if not n.startswith("lm_head.weight")}
+    _check_stored(path, layout, {n: tuple(t.shape) for n, t in model.state_dict().items()}, int8)
+    stored = {}
+    for f in sorted({f for f, _, _ in layout.values()}):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            stored |= {name: sf.get_tensor(name) for name, (file, _, _) in layout.items() if file == f}
+    if int8:
+        saved_dtype = getattr(torch, metadata.get(DTYPE_KEY, "float32"), None)
+        if not isinstance(saved_dtype, torch.dtype):
+            raise StorageError(StorageFault.DTYPE, f"{path}: unknown {DTYPE_KEY} {metadata.get(DTYPE_KEY)!r}")
+        stored = dequantize_state(stored, dtype or saved_dtype)
+    state = {from_hf_name(name): t for name, t in stored.items()}
     model.load_state_dict(state, assign=True)
     # Buffers were created on the meta device; rebuild them for real.
     from tether.shared.model import rope_frequencies
