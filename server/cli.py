@@ -10,6 +10,7 @@ tether-server generate --prompt "def fib(n):"           # speculative decoding w
 tether-server serve --port 50051                        # the gRPC server (SIGTERM stops it gracefully)
 tether-server serve --model MODEL_DIR --drafter none --http-port 8000   # any Llama / Qwen2 checkpoint, no drafter
 tether-server warm --cache-dir /var/cache/tether        # compile + tune serve's kernels into a cache dir, exit
+tether-server quantize --model MODEL_DIR --out DIR --storage int8 --max-shard-mb 10   # int8 rows, 10 MB shards
 tether-server <command> --help
 tether-server --version
 
