@@ -44,8 +44,7 @@ from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTERS = [ROOT / "deploy/models/drafter", ROOT / "deploy/models/drafter-moa-tli0",
-                    ROOT / "deploy/models/drafter-eagle"]  # fmt: skip
+DEFAULT_DRAFTERS = [ROOT / "deploy/models/drafter", ROOT / "deploy/models/drafter-eagle"]
 
 
 def heldout_prompts(data: Path, target_dir: Path, n: int, length: int) -> list[list[int]]:

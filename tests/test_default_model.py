@@ -12,8 +12,10 @@ DEFAULT = Path(__file__).resolve().parent.parent / "deploy" / "models" / "target
 
 
 def test_default_model_is_small_moda_and_loads():
+    # Issue #43's budget: the default target's committed files within 48 MB (with its drafters:
+    # tests/deploy/test_models_pipeline.py).
     total = sum(f.stat().st_size for f in DEFAULT.iterdir())
-    assert total <= 8 * 1024 * 1024
+    assert total <= 48_000_000
     model = Transformer.from_pretrained(DEFAULT, dtype=torch.float32)
     tok = Tokenizer.from_pretrained(DEFAULT)
     assert model.cfg.moda and model.cfg.moda_ffn_kv

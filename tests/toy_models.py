@@ -1,17 +1,17 @@
 """The toy model set that the suite's orchestration tests run on, named here once.
 
 The suite names its model instead of taking the shipped default (`default_model_dir()`): the default is chosen for
-users (issue #43 makes it a 19M-parameter target), while the tests that drive servers, clients and benches only need
+users (since issue #43 a 19M-parameter target), while the tests that drive servers, clients and benches only need
 a real trained pair that is fast under TRITON_INTERPRET on CI's two cores. A test that checks the default itself
 (the README's commands, `make demo`, tests/test_default_model.py) keeps calling default_model_dir().
 
-Today the toy set is the shipped one, deploy/models/{target,drafter,drafter-eagle,drafter-moa-tli0} (3.5M
-parameters); once it moves to deploy/models/toy/, TOY_MODELS below is the only line to change.
+The toy set lies in deploy/models/toy/{target,drafter,drafter-eagle,drafter-moa-tli0} (3.5M parameters, the default
+until issue #43 replaced it with the compact recipe's models).
 """
 
 from pathlib import Path
 
-TOY_MODELS = Path(__file__).resolve().parents[1] / "deploy" / "models"
+TOY_MODELS = Path(__file__).resolve().parents[1] / "deploy" / "models" / "toy"
 
 
 def toy_model_dir(name: str = "target") -> Path:

@@ -68,7 +68,7 @@ RUN apt-get update \
     && useradd --system --uid 10001 --gid tether --home-dir /home/tether --create-home --shell /usr/sbin/nologin tether \
     && install -d -o tether -g tether -m 0750 /var/cache/tether
 COPY --from=build /opt/tether /opt/tether
-# The default models (a few MB); mount real ones over /opt/tether/models or pass --model / --drafter.
+# The default models (24 MB: the target in int8 rows, its MoA drafter); mount real ones over /opt/tether/models or pass --model / --drafter.
 COPY deploy/models/target /opt/tether/models/target
 COPY deploy/models/drafter /opt/tether/models/drafter
 COPY deploy/docker/healthcheck.py /opt/tether/healthcheck.py

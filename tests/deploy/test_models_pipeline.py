@@ -135,20 +135,21 @@ def test_compact_pack_and_join(tmp_path: Path):
         assert (here / "runs/compact" / name).read_bytes() == random.Random(i).randbytes(300)
 
 
-def test_compact_weights_committed_as_int8_shards():
-    """The compact target is stored as int8 rows in shards of at most 10 MB (the repository's limit per file), no
+def test_default_weights_are_the_compact_set_as_int8_shards():
+    """The shipped default (deploy/models/{target,drafter,drafter-eagle}, the compact recipe's models) is stored as
+    int8 rows in shards of at most 10 MB (the repository's limit per file), no
     bf16 file beside them, and the three models' weights together stay within issue #43's 48 MB; it loads."""
     import json
 
     from tether.shared.checkpoint import load_model
 
-    target = MODELS / "compact" / "target"
+    target = MODELS / "target"
     index = json.loads((target / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert not (target / "model.safetensors").exists()
     assert index["metadata"]["tether_storage"] == "int8_rows"
     assert all((target / s).stat().st_size <= 10_000_000 for s in shards)
-    drafters = [MODELS / "compact" / d / "drafter.safetensors" for d in ("drafter", "drafter-eagle")]
+    drafters = [MODELS / d / "drafter.safetensors" for d in ("drafter", "drafter-eagle")]
     assert sum(p.stat().st_size for p in [*(target / s for s in shards), *drafters]) <= 48_000_000
     model = load_model(target)
     assert sum(p.numel() for p in model.parameters()) == 19_128_192
