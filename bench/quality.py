@@ -12,6 +12,9 @@ corpus's held-out packages), each prompt encoded with the target's tokenizer:
   bench/spec.py's shape with the root counted), measured by bench/spec.py's `run_chain`; every speculative output
   is checked against the plain continuation (fp32: the run fails if one differs). Ratios to the first EAGLE
   drafter given are keyed by drafter name.
+With `--repetition-penalty`, `--frequency-penalty` or `--presence-penalty` (the sampling controls a user reaches for
+when a model loops), the greedy continuations are written a second time under them and their distinct-4-gram ratio
+is reported beside the plain one (`distinct4_penalised`, with the `controls`); tau is measured on plain greedy only.
 Prints a table, then one JSON line; `--show N` writes the first N continuations' text to stderr. On a shared CPU,
 run it with OMP_NUM_THREADS=1: batch-1 decoding gains nothing from a second thread, and an OpenMP thread waiting for
 a busy core made plain decoding ~15x slower on the 2-core VM (BENCHMARKS.md, "Quality on held-out prompts").
@@ -44,6 +47,7 @@ from tether.server.train_drafter import check_corpus_tokenizer
 from tether.server.train_target import Batches, TrainConfig, heldout_loss
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
+from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
@@ -96,9 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=5, help="draft tokens per chain round")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--show", type=int, default=0, help="write this many continuations' text to stderr")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="a second greedy pass under it (1: none)")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, help="a second greedy pass under it (0: none)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, help="a second greedy pass under it (0: none)")
     args = ap.parse_args(argv)
     if args.new_tokens < 4:
         ap.error("--new-tokens must be at least 4 (a continuation needs a 4-gram)")
+    controls = SamplingControls(repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                                presence_penalty=args.presence_penalty)  # fmt: skip
+    penalised = controls != SamplingControls()
 
     spec = load_spec()
     target = Transformer.from_pretrained(args.target, device=args.device, dtype=torch.float32)
@@ -122,6 +132,15 @@ def main(argv: list[str] | None = None) -> dict:
     ratios = [distinct_ngram_ratio(c) for c in continuations]
     for (pid, text), cont, ratio in list(zip(named, continuations, ratios, strict=True))[: args.show]:
         print(f"--- {pid} (distinct 4-grams {ratio:.3f})\n{text}{tokenizer.decode(cont)}\n", file=sys.stderr)
+    penalised_ratios = []
+    if penalised:
+        with torch.inference_mode():
+            for (pid, text), p in list(zip(named, prompts, strict=True)):
+                cont = [t for c in plain.generate(p, args.new_tokens, controls=controls) for t in c]
+                penalised_ratios.append(distinct_ngram_ratio(cont))
+                if len(penalised_ratios) <= args.show:
+                    print(f"--- {pid} penalised (distinct 4-grams {penalised_ratios[-1]:.3f})\n{text}"
+                          f"{tokenizer.decode(cont)}\n", file=sys.stderr)  # fmt: skip
 
     fp = fingerprint(args.target)
     rows = []
@@ -145,6 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
         "distinct4": float(np.mean(ratios)),
         "distinct4_min": float(np.min(ratios)),
         "plain_tokens_per_s": plain_tps,
+        "controls": {
+            "repetition_penalty": args.repetition_penalty,
+            "frequency_penalty": args.frequency_penalty,
+            "presence_penalty": args.presence_penalty,
+        }
+        if penalised
+        else None,
+        "distinct4_penalised": float(np.mean(penalised_ratios)) if penalised else None,
         "k": args.k,
         "tree": list(DEFAULT_TREE),
         "drafters": rows,
@@ -164,10 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     console = Console(width=150)
     table = Table(title=f"{args.target}: {len(prompts)} held-out prompts, greedy, {args.new_tokens} new tokens")
-    for col in ("params", "held-out loss", "distinct 4-grams (mean)", "lowest", "plain tok/s"):
+    for col in ("params", "held-out loss", "distinct 4-grams (mean)", "lowest", "penalised", "plain tok/s"):
         table.add_column(col, justify="right")
     table.add_row(f"{result['params'] / 1e6:.2f}M", "-" if loss is None else f"{loss:.4f}",
-                  f"{result['distinct4']:.3f}", f"{result['distinct4_min']:.3f}", f"{plain_tps:.1f}")  # fmt: skip
+                  f"{result['distinct4']:.3f}", f"{result['distinct4_min']:.3f}",
+                  "-" if not penalised else f"{result['distinct4_penalised']:.3f}", f"{plain_tps:.1f}")  # fmt: skip
     console.print(table)
     if rows:
         d, w, n = DEFAULT_TREE

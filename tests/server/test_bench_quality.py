@@ -15,6 +15,8 @@ from bench_modules import load_bench
 from tiny_models import save_tiny_pairs
 
 from tether.server.corpus import CorpusFile, CorpusManifest, CorpusPackage, load_tokens
+from tether.server.engine import SpeculativeEngine
+from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
@@ -209,3 +211,28 @@ def test_quality_record(models, capsys) -> None:
     landed = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert [(m["drafter"], m.get("shape")) for m in landed] == [("moa", None), ("moa", [12, 3, 33]),
                                                                ("eagle", None), ("eagle", [12, 3, 33])]  # fmt: skip
+
+
+def test_quality_penalised_pass(models, capsys) -> None:
+    """A penalty adds a second greedy pass whose distinct-4 ratio is the one plain decoding under the same controls
+    gives; the plain figure and the rest of the record do not change."""
+    quality = load_bench("quality")
+    common = ["--target", str(models / "target"), "--prompts", str(models / "prompts.jsonl"), "--new-tokens", "24",
+              "--device", "cpu"]  # fmt: skip
+    plain = quality.main(common)
+    record = quality.main([*common, "--repetition-penalty", "1.5", "--frequency-penalty", "0.5"])
+    capsys.readouterr()
+    assert plain["distinct4_penalised"] is None and plain["controls"] is None
+    assert record["distinct4"] == plain["distinct4"]
+    assert record["controls"] == {"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.0}
+
+    target = Transformer.from_pretrained(models / "target", device="cpu", dtype=torch.float32)
+    tok = Tokenizer.from_pretrained(models / "target")
+    controls = SamplingControls(repetition_penalty=1.5, frequency_penalty=0.5)
+    engine = SpeculativeEngine(target, None)
+    ratios = []
+    for _, text in quality.read_prompt_texts(models / "prompts.jsonl"):
+        with torch.inference_mode():
+            cont = [t for c in engine.generate(tok.encode(text), 24, controls=controls) for t in c]
+        ratios.append(quality.distinct_ngram_ratio(cont))
+    assert record["distinct4_penalised"] == pytest.approx(float(np.mean(ratios)))
