@@ -13,21 +13,29 @@ once per program with the rows' tile held in registers, and finishes in the same
   F.linear would, then the product in fp32 rounded once (tether.kernels.pointwise.silu_mul's rule).
 
 Contract (`linear(x, weight, bias=None, *, residual=None, gated=False, out=None, counters=None)`):
-- x [..., K] with a unit last stride (leading dims flattened to M rows, M <= MAX_ROWS), weight [N, K] contiguous,
+- x [..., K] with a unit last stride (leading dims flattened to M rows), weight [N, K] contiguous,
   fp32 / fp16 / bf16 with one dtype for all; fp32 accumulation (IEEE fp32 dots for fp32 inputs). Returns [..., N]
   (or [..., F] gated) contiguous in x's dtype, or writes `out`. More rows than MAX_ROWS: the same result through
-  F.linear and PyTorch ops (a prefill is compute-bound and cuBLAS's territory).
+  F.linear and PyTorch ops (a long prefill is compute-bound and cuBLAS's territory; those rows are not
+  batch-invariant).
+- Batch-invariant: a row's result does not depend on how many rows come with it or where it sits among them, so a
+  session's verdicts do not change with the load (issue #44). Every row goes through the same arithmetic: rows are
+  taken in tiles of ROW_TILE whatever M is (a dot's instruction shape, hence its rounding, follows the tile's
+  height), the config (tiles, split-K) is tuned per (N, K, GATED) and never per row count, and split-K's partials
+  are added in split order, not in the order the programs finish.
 - Split-K (the autotuner may split K over 2-4 programs per output tile when N is small): the partial sums go to an
-  fp32 workspace and the last program of a tile to finish (an atomic counter per tile) adds them up and writes the
-  tile, so there is still one launch and no memset. `counters` (int32, zeroed, >= counters_needed(N) elements)
-  may be given: every finishing program sets its tile's counter back to 0, so one buffer serves call after call
-  and CUDA graph replays; calls that share one must not run concurrently (the fused model keeps one per layer
+  fp32 workspace and the last program of a tile to finish (an atomic counter per tile) adds them up, in split order,
+  and writes the tile, so there is still one launch and no memset. `counters` (int32, zeroed, >= counters_needed(N)
+  elements) may be given: every finishing program sets its tile's counter back to 0, so one buffer serves call after
+  call and CUDA graph replays; calls that share one must not run concurrently (the fused model keeps one per layer
   weight and runs on one stream). Without it, a zeroed buffer is allocated per call.
-- No host sync; the number of rows is not specialised on within a BLOCK_M bucket (16, 32, 64), so a new batch size
-  rarely compiles. Autotuned per (N, K, BLOCK_M, GATED) with results in Triton's disk cache (server/warm_cache.py).
+- No host sync; the number of rows is not specialised on, so a new batch size never compiles. Autotuned per (N, K,
+  GATED) with results in Triton's disk cache (server/warm_cache.py).
 
-Layout: program (n, s) owns BLOCK_N output columns of every row (two sets, gate and up, when gated) and the s-th
-of SPLIT_K slices of K; BLOCK_N down to 16 gives small N enough programs to keep every SM streaming.
+Layout: program (m, n, s) owns ROW_TILE rows (tile m) by BLOCK_N output columns (two sets, gate and up, when gated)
+and the s-th of SPLIT_K slices of K; BLOCK_N down to 16 gives small N enough programs to keep every SM streaming.
+Row tiles vary fastest in launch order, so the programs that read one weight tile run together and all but the
+first find it in L2.
 
 Pure-PyTorch reference: tether.kernels.naive_linear. Tests (CPU, through Triton's interpreter):
 
@@ -47,7 +55,8 @@ from torch import Tensor
 
 from tether.kernels.moda_prefill import interpreting
 
-MAX_ROWS = 64  # more rows than this go to F.linear: the weights are no longer the whole cost
+MAX_ROWS = 1024  # more rows than this go to F.linear: a long prefill, compute-bound (a verify step stays below)
+ROW_TILE = 64  # rows per program, whatever M is: the batch-invariance rule (module docstring)
 MAX_SPLIT_K = 4
 SPLIT_K_MAX_N = 8192  # wider outputs have programs enough without splitting K (and a workspace stays small)
 _MIN_BLOCK_N = 16
@@ -81,7 +90,7 @@ def linear_fwd_kernel(
     residual,  # [M, N], row stride stride_rm (HAS_RES only)
     out,  # [M, N], row stride stride_om
     partial,  # [SPLIT_K, 2, M, N] fp32 workspace (SPLIT_K > 1 only)
-    counters,  # [>= cdiv(N, BLOCK_N)] int32, zero between calls (SPLIT_K > 1 only)
+    counters,  # [>= cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)] int32, zero between calls (SPLIT_K > 1 only)
     M,
     N,
     K,
@@ -97,9 +106,8 @@ def linear_fwd_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = rows < M
@@ -133,18 +141,21 @@ def linear_fwd_kernel(
         if GATED:
             tl.store(part + M * N + mn, acc_up, mask=ok)
         tl.debug_barrier()  # every thread's partial is stored before the counter says so
-        done = tl.atomic_add(counters + pid_n, 1, sem="acq_rel")
+        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+        done = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         if done == SPLIT_K - 1:
-            # The last of the tile's programs: the others' partials are visible (acquire); add them to ours.
+            # The last of the tile's programs: every partial is visible (acquire). They are added in split order,
+            # its own among them, so the sum does not depend on which program finished last.
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
-                if s != pid_k:
-                    other = partial + s * 2 * M * N
-                    acc += tl.load(other + mn, mask=ok, other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        acc_up += tl.load(other + M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
+                part_s = partial + s * 2 * M * N
+                acc += tl.load(part_s + mn, mask=ok, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_s + M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
             _epilogue(acc, acc_up, rows, cols, M, N, bias, residual, out, stride_rm, stride_om,
                       HAS_BIAS, HAS_RES, GATED)  # fmt: skip
-            tl.atomic_xchg(counters + pid_n, 0)  # ready for the next call (or graph replay)
+            tl.atomic_xchg(counters + tile, 0)  # ready for the next call (or graph replay)
 
 
 def _configs() -> list[triton.Config]:
@@ -166,30 +177,25 @@ def _configs() -> list[triton.Config]:
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Split-K only for narrow outputs (the workspace is sized for those); tiles no taller than a 64-row step
-    needs; at least one config survives."""
-    N, bm = named_args["N"], kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
+    """Split-K only for narrow outputs (the workspace is sized for those); at least one config survives."""
+    N = named_args["N"]
     keep = [c for c in configs if c.kwargs["SPLIT_K"] == 1 or N <= SPLIT_K_MAX_N]
-    if bm >= 64:  # 64-row tiles with 512-wide K steps run out of shared memory at 4+ stages; skip the waste
-        keep = [c for c in keep if c.kwargs["BLOCK_K"] * c.num_stages <= 1536] or keep
+    # 64-row tiles with 512-wide K steps run out of shared memory at 4+ stages; skip the waste
+    keep = [c for c in keep if c.kwargs["BLOCK_K"] * c.num_stages <= 1536] or keep
     return keep or configs[:1]
 
 
 _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 linear_fwd_kernel_autotuned = triton.autotune(
-    configs=_configs(), key=["N", "K", "BLOCK_M", "GATED"], prune_configs_by={"early_config_prune": _prune},
+    configs=_configs(), key=["N", "K", "GATED"], prune_configs_by={"early_config_prune": _prune},
     **_CACHE_RESULTS,
 )(linear_fwd_kernel)  # fmt: skip
 _AUTOTUNE_LOCK = threading.Lock()
 
 
 def counters_needed(n_out: int) -> int:
-    """Elements of a `counters` buffer for an output N wide (one per smallest output tile)."""
-    return -(-n_out // _MIN_BLOCK_N)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+    """Elements of a `counters` buffer for an output N wide (one per smallest output tile of up to MAX_ROWS rows)."""
+    return -(-n_out // _MIN_BLOCK_N) * -(-MAX_ROWS // ROW_TILE)
 
 
 def linear_fwd(
@@ -207,7 +213,7 @@ def linear_fwd(
     num_warps, num_stages) bypasses the autotuner: tests and tuning."""
     M, K = x.shape
     N = out.shape[1]
-    block_m = max(16, _pow2(M))
+    m_tiles = -(-M // ROW_TILE)
     split_max = MAX_SPLIT_K if N <= SPLIT_K_MAX_N else 1
     if config is not None:
         split_max = config["SPLIT_K"]
@@ -220,16 +226,16 @@ def linear_fwd(
         residual.stride(0) if residual is not None else 0, out.stride(0),
     )  # fmt: skip
     meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, GATED=gated,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m)  # fmt: skip
+                PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=ROW_TILE)  # fmt: skip
     if config is not None:
         cfg = dict(config)
         num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
-        grid = (-(-N // cfg["BLOCK_N"]), cfg["SPLIT_K"])
+        grid = (m_tiles, -(-N // cfg["BLOCK_N"]), cfg["SPLIT_K"])
         linear_fwd_kernel[grid](*args, **meta, **cfg, num_warps=num_warps, num_stages=num_stages)
         return out
 
     def grid(m):
-        return (triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"])
+        return (m_tiles, triton.cdiv(N, m["BLOCK_N"]), m["SPLIT_K"])
 
     # The autotuner benchmarks on its first call per key; two threads tuning one key at once would interleave.
     with _AUTOTUNE_LOCK:

@@ -18,14 +18,21 @@ Conventions:
 - A query that sees no key at all (an all-False tree row, no prefix, L = 0) gets zeros, not NaN.
 
 Split-K design (flash-decoding): grid (m tiles, B * Hkv, num_splits). With num_splits == S > 1, split 0 takes the
-row's new-token block (<= Kmax keys, masked) and its depth keys, and splits 1..S-1 each take one of S - 1 equal chunks
-of the committed prefix (per row, so a ragged batch stays balanced); every program runs one online softmax and writes
+row's new-token block (<= Kmax keys, masked) and its depth keys, and splits 1..S-1 each take a chunk of the committed
+prefix; every program runs one online softmax and writes
 an fp32 partial (acc / l and lse = m + log2 l, base 2), and `moda_verify_combine_kernel` merges the partials per (row,
 query, head) with a log-sum-exp weighting. The new tokens and depth get their own program, the first launched,
 because that serial work at the end of a prefix chunk made every chunk's program wait for the slowest one (measured:
 a 20-100 us tail with L = 32). With num_splits == 1 one program does everything and writes the normalised output
-directly (no partials, no second launch). `moda_verify_num_splits` picks S from the GPU's size without a device sync
-(the longest prefix is bounded by the table's width x block size).
+directly (no partials, no second launch).
+
+Batch invariance (the default, `num_splits=None`; issue #44): a row's output does not depend on the other rows of
+the batch, their number, their lengths or the padding, so a session's verdicts do not change with the load. Every
+decision that shapes a row's arithmetic is the row's own: prefix chunks of a fixed `chunk_keys` (verify_config) from
+position 0, always split (S = 1 + the chunks the table's width can hold; a shorter row's extra chunks are empty and
+weigh exactly 0), query tiles of a fixed 64 rows (a dot's instruction shape follows the tile), and the combine adds
+the partials 64 at a time in split order. An explicit `num_splits` (tuning, benchmarks) instead cuts each row's
+prefix into S - 1 equal chunks and sizes the query tile by the batch's Kmax, as the first versions did.
 
 Depth keys are chunk-aware, as in the prefill kernel: a tile's queries own a contiguous run of depth rows of the
 position-major [Kmax * L] layout, scored with tensor-core dots and masked to each row's own L (a per-layer loop of
@@ -44,14 +51,13 @@ gets exact fp32 dots, no TF32); head dims up to 256 (non powers of two are maske
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 LOG2E = 1.4426950408889634
+INVARIANT_TILE_M = 64  # query rows per program under the batch-invariant rule, whatever the batch's Kmax
 
 
 @triton.jit
@@ -99,7 +105,7 @@ def _paged_rows(k_head, v_head, bt_row, pos, kv_ok, stride_kn, stride_ks, stride
 # Batch strides stay specialised: they are Kmax x Hq x D and the like, multiples of 16 for real head sizes, and
 # without that the compiler cannot vectorise the q, depth and output rows (measured: 4K-16K verifies 1.3-1.8x
 # slower on the H200). L, the depth keys per query, is fixed per layer: warm-up's forwards see every value.
-@triton.jit(do_not_specialize=["stride_bt", "stride_mb", "stride_mi", "Kmax", "S"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_mb", "stride_mi", "Kmax", "S", "CHUNK"])
 def moda_verify_fwd_kernel(
     q,  # [B, Kmax, Hq, D]
     k_cache,  # [num_blocks, block_size, Hkv, D]
@@ -140,6 +146,7 @@ def moda_verify_fwd_kernel(
     Kmax,
     L,
     S,
+    CHUNK,  # prefix keys per split (a multiple of BLOCK_N), or 0: S - 1 equal chunks of each row's prefix
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -175,7 +182,7 @@ def moda_verify_fwd_kernel(
         # 1. The committed prefix: all of it with one split, else chunk pid_s - 1 of S - 1 (split 0 takes the
         # new tokens and the depth keys instead: it is launched first, so that serial work never trails a wave).
         if SPLIT:
-            chunk = tl.cdiv(tl.cdiv(prefix, S - 1), BLOCK_N) * BLOCK_N
+            chunk = tl.where(CHUNK > 0, CHUNK, tl.cdiv(tl.cdiv(prefix, S - 1), BLOCK_N) * BLOCK_N)
             start = tl.maximum(pid_s - 1, 0) * chunk
             end = tl.where(pid_s == 0, 0, tl.minimum(start + chunk, prefix))
         else:
@@ -262,19 +269,30 @@ def moda_verify_combine_kernel(
     row = pid_bt.to(tl.int64) * HQ + h  # flat [B, Kmax, Hq] index
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < S
     # The row's length is loaded beside the partials, not before them (one memory round trip less): a padded row's
     # partials were never written, so its result is garbage, and its store is masked off.
     q_len = tl.load(q_lens + b)
-    lse = tl.load(lse_part + row * S + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-    parts = tl.load(
-        o_part + (row * S + offs_s)[:, None] * D + offs_d[None, :],
-        mask=s_ok[:, None] & (offs_d < D)[None, :],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-    out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    # BLOCK_S partials at a time, in split order: past a row's own chunks every partial weighs exactly 0, so the
+    # sums do not depend on S (batch invariance).
+    m = tl.max(tl.load(lse_part + row * S + offs_s, mask=offs_s < S, other=float("-inf")), 0)
+    for s0 in range(BLOCK_S, S, BLOCK_S):
+        m = tl.maximum(m, tl.max(tl.load(lse_part + row * S + s0 + offs_s, mask=s0 + offs_s < S,
+                                         other=float("-inf")), 0))  # fmt: skip
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s_ok = s0 + offs_s < S
+        lse = tl.load(lse_part + row * S + s0 + offs_s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+        parts = tl.load(
+            o_part + (row * S + s0 + offs_s)[:, None] * D + offs_d[None, :],
+            mask=s_ok[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
+        w = tl.exp2(lse - m_safe)  # empty splits weigh 0
+        num += tl.sum(w[:, None] * parts, 0)
+        den += w
+    out = num / tl.maximum(tl.sum(den, 0), 1e-30)
     b64 = b.to(tl.int64)
     tl.store(
         o + b64 * stride_ob + i * stride_ot + h * stride_oh + offs_d,
@@ -293,33 +311,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs programs one by one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def moda_verify_num_splits(
-    programs: int, max_prefix: int, num_sms: int, *, min_keys: int = 256, max_splits: int = 64, per_sm: int = 2
-) -> int:
-    """How many split slots (split 0 for the new tokens and depth, S - 1 prefix chunks) to launch: one wave of
-    `per_sm` programs per SM over `num_sms` (`programs` = programs without splitting: m tiles x B x Hkv; the default
-    tiles fit two programs on an H200 SM, by registers and shared memory), each chunk keeping >= `min_keys` prefix
-    keys so its fixed cost (q load, partial write, the combine) stays small; at most `max_splits`. Chosen from
-    sweeps on the H200 (BENCHMARKS.md): a wave of exactly `per_sm` programs per SM beat other split counts."""
-    if max_prefix < 2 * min_keys or programs >= num_sms:
-        return 1
-    want = per_sm * num_sms // max(programs, 1)
-    return max(1, min(want, max_prefix // min_keys + 1, max_splits))
-
-
 def verify_config(device: torch.device) -> dict:
     """Tile and launch settings of the verify kernel on this device: BLOCK_N (keys per step), num_warps,
-    num_stages, per_sm (programs per SM the split heuristic fills one wave with) and combine_warps. The best of
-    sweeps on the H200 (BENCHMARKS.md: BLOCK_N 32-128, 4-8 warps, 2-4 stages, 8-65 splits, k = 1 to 32, 4K-128K):
-    64-key tiles in 3 stages keep two programs per SM for every query tile (<= 64 rows), and a wave of exactly two
-    programs per SM beat the other split counts; also a sound default elsewhere."""
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "per_sm": 2, "combine_warps": 1}
+    num_stages, combine_warps and chunk_keys. The best of sweeps on the H200 (BENCHMARKS.md: BLOCK_N 32-128, 4-8
+    warps, 2-4 stages, 8-65 splits, k = 1 to 32, 4K-128K): 64-key tiles in 3 stages keep two programs per SM for
+    every query tile (<= 64 rows); also a sound default elsewhere. chunk_keys: the batch-invariant split's prefix
+    keys per chunk (a multiple of BLOCK_N; 64 chunks cover 32K positions in one pass of the combine)."""
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "combine_warps": 1, "chunk_keys": 512}
 
 
 def _tile_m(G: int, kmax: int) -> int:
@@ -340,8 +338,10 @@ def moda_verify_fwd(
     num_splits: int,
     out: Tensor,
     config: dict,
+    chunk: int = 0,
 ) -> Tensor:
-    """Launch the kernels (no checks: `moda_verify` does them); config: see `verify_config`."""
+    """Launch the kernels (no checks: `moda_verify` does them); config: see `verify_config`; `chunk`: prefix keys per
+    split (0: S - 1 equal chunks of each row's prefix)."""
     B, kmax, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -376,17 +376,17 @@ def moda_verify_fwd(
         depth_v.stride(0), depth_v.stride(1), depth_v.stride(2), depth_v.stride(3),
         stride_mb, stride_mi,
         out.stride(0), out.stride(1), out.stride(2),
-        kmax, L, num_splits,
+        kmax, L, num_splits, chunk,
         HKV=Hkv, G=G, D=D, BS=bs, TREE=tree_mask is not None, SPLIT=split, PREC=prec,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if split:
-        # One combine variant for up to 64 splits (the heuristic's cap): a power of two per split count meant a
+        # One combine variant for any split count (64 partials a pass): a power of two per split count meant a
         # compile each time a growing context crossed one.
         moda_verify_combine_kernel[(B * kmax, Hq)](
             o_part, lse_part, out, q_lens, out.stride(0), out.stride(1), out.stride(2), kmax, num_splits,
-            HQ=Hq, D=D, BLOCK_S=max(64, _pow2(num_splits)), BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
+            HQ=Hq, D=D, BLOCK_S=64, BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
         )  # fmt: skip
     return out
 
@@ -407,7 +407,7 @@ def moda_verify(
     *,
     tree_mask: Tensor | None = None,  # [B, Kmax, Kmax] or [Kmax, Kmax] bool, True: new query i sees new key j
     scale: float | None = None,  # default D ** -0.5, for both parts
-    num_splits: int | None = None,  # split-K chunks per row's prefix; None: moda_verify_num_splits
+    num_splits: int | None = None,  # split slots (tuning); None: batch-invariant fixed chunks (module docstring)
     out: Tensor | None = None,  # [B, Kmax, Hq, D] q.dtype; padded rows are left untouched
     config: dict | None = None,  # verify_config's keys (and an optional BLOCK_M): bypass it, for tuning
 ) -> Tensor:
@@ -440,15 +440,15 @@ def moda_verify(
     if B == 0 or kmax == 0:
         return out
     scale = D**-0.5 if scale is None else float(scale)
-    G = Hq // Hkv
     config = verify_config(q.device) if config is None else config
-    block_m = config.get("BLOCK_M") or _tile_m(G, kmax)
+    chunk = 0
     if num_splits is None:
-        # Upper bound of the longest prefix from the table's width: no device sync on the decode path.
-        sms = _num_sms(q.device)
-        programs = _cdiv(G * kmax, block_m) * B * Hkv
-        num_splits = moda_verify_num_splits(programs, block_table.shape[1] * k_cache.shape[1], sms,
-                                            per_sm=config.get("per_sm", 2))  # fmt: skip
+        # Batch-invariant: the chunks the table's width can hold (a bound, no device sync), the query tile fixed.
+        chunk = config.get("chunk_keys", 512)
+        if chunk % config["BLOCK_N"]:
+            raise ValueError(f"chunk_keys {chunk} must be a multiple of BLOCK_N {config['BLOCK_N']}")
+        num_splits = 1 + max(1, _cdiv(block_table.shape[1] * k_cache.shape[1], chunk))
+        config = {**config, "BLOCK_M": config.get("BLOCK_M") or INVARIANT_TILE_M}
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q, k_cache, v_cache, depth_k, depth_v = map(_last_unit, (q, k_cache, v_cache, depth_k, depth_v))
@@ -457,4 +457,4 @@ def moda_verify(
         for t in (block_table, cache_lens, q_lens)
     )
     return moda_verify_fwd(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask,
-                           scale, num_splits, out, config)  # fmt: skip
+                           scale, num_splits, out, config, chunk)  # fmt: skip

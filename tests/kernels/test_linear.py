@@ -1,10 +1,10 @@
 """The skinny linear op (tether.kernels.linear) against its naive reference.
 
-Rows 1-64 (not powers of two), widths and depths that are not multiples of the tiles, bias, residual and gated
-(SwiGLU) epilogues, split-K with the in-kernel reduction and its self-resetting counters, leading dims, the
-fallback past MAX_ROWS; every call writes into NaN-filled outputs, so an element the kernel fails to write fails
-the test. On a machine without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), fp32 and fp16
-(bf16 needs a GPU).
+Rows 1-130 (not powers of two, over several row tiles), widths and depths that are not multiples of the tiles,
+bias, residual and gated (SwiGLU) epilogues, split-K with the in-kernel reduction and its self-resetting counters,
+leading dims, the fallback past MAX_ROWS, and batch invariance (a row's bits whatever rows come with it); every call
+writes into NaN-filled outputs, so an element the kernel fails to write fails the test. On a machine without CUDA
+the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), fp32 and fp16 (bf16 needs a GPU).
 """
 
 import os
@@ -50,7 +50,7 @@ def nan_out(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (7, 200, 100), (16, 64, 1025), (33, 130, 72), (64, 96, 40)])
+@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (7, 200, 100), (16, 64, 1025), (33, 130, 72), (130, 96, 40)])
 def test_plain_bias_residual(dtype, M, N, K):
     x, w, b, r = make(M, N, K, dtype)
     check(linear(x, w, out=nan_out((M, N), dtype)), linear_naive(x, w), dtype)
@@ -95,6 +95,26 @@ def test_pinned_tiles_agree_with_the_default():
     for cfg in ({"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}, {"BLOCK_N": 64, "BLOCK_K": 16, "SPLIT_K": 2}):
         out = linear(x, w, b, residual=r, out=nan_out((12, 100), torch.float32), config=cfg)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
+def test_a_rows_bits_do_not_depend_on_the_other_rows(gated, split):
+    """Batch invariance (issue #44): one row's output, bit for bit, alone and at any place among 1 to 129 other
+    rows (one row tile and three), with split-K's partials added in split order whoever finishes last."""
+    dtype = torch.float32
+    N, K = 70, 200
+    x, w, b, r = make(130, N, K, dtype, gated=gated)
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split, "num_warps": 4, "num_stages": 1}
+    kw = {"gated": True} if gated else {"bias": b}
+    row = x[:1]
+    alone = linear(row, w, **kw, config=cfg)
+    for M, at in [(2, 1), (7, 3), (64, 63), (65, 64), (130, 0), (130, 77), (130, 129)]:
+        batch = x[:M].clone()
+        batch[at] = row[0]
+        out = linear(batch, w, **kw, out=nan_out((M, N), dtype), config=cfg)
+        assert torch.equal(out[at], alone[0]), (M, at)
+        assert not out.isnan().any()
 
 
 def test_leading_dims_and_strided_rows():

@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_target
 
 import tether.shared.attention as attention
-from tether.kernels.moda_verify import moda_verify, moda_verify_num_splits
+from tether.kernels.moda_verify import moda_verify
 from tether.kernels.naive_verify import moda_verify_naive
 from tether.server import kv_pool
 from tether.server.kv_pool import KVPool
@@ -126,7 +126,7 @@ def test_splits_agree_and_padding_kmax():
     batch["tree_mask"] = random_tree_mask(9, torch.Generator().manual_seed(5)).to(DEV)
     outs = [moda_verify(**batch, scale=0.3, num_splits=s) for s in (1, 2, 5, 16)]
     outs.append(moda_verify(**batch, scale=0.3, num_splits=3, config={"BLOCK_N": 16, "num_warps": 2, "num_stages": 1}))
-    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "per_sm": 3, "combine_warps": 4}
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "combine_warps": 4, "chunk_keys": 64}
     outs.append(moda_verify(**batch, scale=0.3, config=cfg))
     assert_rows_close(outs[0], moda_verify_naive(**batch, scale=0.3), q_lens)
     for o in outs[1:]:
@@ -134,14 +134,33 @@ def test_splits_agree_and_padding_kmax():
             torch.testing.assert_close(o[b, :k], outs[0][b, :k], rtol=1e-5, atol=1e-5)
 
 
-def test_num_splits_heuristic():
-    sms = 132
-    assert moda_verify_num_splits(programs=8, max_prefix=100, num_sms=sms) == 1  # short context: no split
-    assert moda_verify_num_splits(programs=256, max_prefix=32768, num_sms=sms) == 1  # the batch fills the GPU
-    s = moda_verify_num_splits(programs=8, max_prefix=32768, num_sms=sms)
-    assert s == 2 * sms // 8  # a lone long row: one wave of two programs per SM
-    assert moda_verify_num_splits(programs=8, max_prefix=1024, num_sms=sms) == 1024 // 256 + 1  # >= 256 keys a chunk
-    assert moda_verify_num_splits(programs=1, max_prefix=1 << 20, num_sms=sms) == 64  # capped
+def rows_of(batch: dict, rows: list[int]) -> dict:
+    """The batch of `rows` only (same pool), its Kmax and table width cut to what those rows need."""
+    q_lens, lens = batch["q_lens"][rows], batch["cache_lens"][rows]
+    kmax, bs = int(q_lens.max()), batch["k_cache"].shape[1]
+    width = -(-int(lens.max()) // bs)
+    sub = {name: batch[name][rows][:, :kmax] for name in ("q", "depth_k", "depth_v")}
+    mask = batch["tree_mask"]
+    sub.update(k_cache=batch["k_cache"], v_cache=batch["v_cache"], cache_lens=lens, q_lens=q_lens,
+               block_table=batch["block_table"][rows][:, :width].contiguous(),
+               tree_mask=None if mask is None else mask[rows][:, :kmax, :kmax])  # fmt: skip
+    return sub
+
+
+@pytest.mark.parametrize(("tree", "chunk"), [(False, 16), (True, 64)])
+def test_a_rows_output_does_not_depend_on_the_batch(tree, chunk):
+    """Batch invariance (the default rule, issue #44): a row's output, bit for bit, is the same alone and in
+    batches of other rows, wherever it sits, whatever their number, lengths, Kmax and table widths (so the split
+    count, from 2 to past one pass of the combine's 64 partials, changes around it)."""
+    lens, q_lens = [130, 1, 63, 1025, 700, 40], [8, 1, 5, 5, 3, 2]
+    batch = make_batch(lens, q_lens, hkv=2, G=3, D=64, L=3, block_size=16, dtype=torch.float32, tree=tree)
+    # chunk 16: the 1025-position row has 65 chunks, past one pass of the combine
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "combine_warps": 1, "chunk_keys": chunk}
+    alone = moda_verify(**rows_of(batch, [0]), config=cfg)[0, :8]
+    assert_rows_close(alone[None], moda_verify_naive(**rows_of(batch, [0]))[:, :8], [8])
+    for rows in ([1, 0], [0, 2], [3, 0], [5, 4, 3, 2, 1, 0], [2, 0, 4]):
+        got = moda_verify(**rows_of(batch, rows), config=cfg)
+        assert torch.equal(got[rows.index(0), :8], alone), rows
 
 
 def test_rejects_bad_shapes():
