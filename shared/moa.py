@@ -38,6 +38,8 @@ from tether.shared.model import Block, DepthStream, FeedForward, RMSNorm, Transf
 from tether.shared.model import rope_frequencies as rope_freqs
 from tether.shared.tli_depth import DepthPredictor, check_tli_depth
 
+LSA_CHUNK = 16  # tokens per LSA computation in a server step (MoADrafter.lsa_rows)
+
 
 class LayerSelfAttention(nn.Module):
     """LSA: [L, N, Hkv, D] K and V of N tokens -> [N, dim] context vectors (server side)."""
@@ -162,6 +164,18 @@ class MoADrafter(DrafterBase):
 
     # ---- server side -------------------------------------------------------------------------------
 
+    def lsa_rows(self, k: Tensor, v: Tensor) -> Tensor:
+        """LSA of N tokens' [L, N, Hkv, D] K/V -> [N, dim], in fixed chunks of LSA_CHUNK tokens (the last one padded
+        with zeros): every chunk is the same computation whatever N is, so a token's vector does not depend on the
+        other tokens of a server step, their number or its place among them (batch invariance, issue #44; one
+        matrix product over all N rows may be tiled and reduced otherwise for another N)."""
+        N = k.shape[1]
+        pad = -N % LSA_CHUNK
+        if pad:
+            k, v = (torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], 1) for t in (k, v))
+        return torch.cat([self.lsa(k[:, i : i + LSA_CHUNK], v[:, i : i + LSA_CHUNK])
+                          for i in range(0, N + pad, LSA_CHUNK)])[:N]  # fmt: skip
+
     def server_delta(self, states: TargetStates, start: int, tokens: list[int]) -> DraftDelta:
         n = self.dcfg.tli
         L = states.k.shape[0]
@@ -169,7 +183,7 @@ class MoADrafter(DrafterBase):
             start=start,
             tokens=list(tokens),
             tensors={
-                "lsa": self.lsa(states.k, states.v),  # [n, dim]
+                "lsa": self.lsa_rows(states.k, states.v),  # [N, dim]
                 "tli_k": states.k[L - n :],  # [N, n, Hkv, D]
                 "tli_v": states.v[L - n :],
             },
