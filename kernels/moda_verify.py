@@ -28,11 +28,13 @@ directly (no partials, no second launch).
 
 Batch invariance (the default, `num_splits=None`; issue #44): a row's output does not depend on the other rows of
 the batch, their number, their lengths or the padding, so a session's verdicts do not change with the load. Every
-decision that shapes a row's arithmetic is the row's own: prefix chunks of a fixed `chunk_keys` (verify_config) from
-position 0, always split (S = 1 + the chunks the table's width can hold; a shorter row's extra chunks are empty and
-weigh exactly 0), query tiles of a fixed 64 rows (a dot's instruction shape follows the tile), and the combine adds
-the partials 64 at a time in split order. An explicit `num_splits` (tuning, benchmarks) instead cuts each row's
-prefix into S - 1 equal chunks and sizes the query tile by the batch's Kmax, as the first versions did.
+decision that shapes a row's arithmetic is the row's own: its prefix is cut from position 0 into chunks of
+max(min_chunk_keys, prefix / max_chunks) keys (verify_config: 256 and 32, so a lone row still spreads over the SMs as
+the earlier batch-wide heuristic did), always split (S = 1 + the most chunks the table's width allows; a row's unused
+split slots are empty and weigh exactly 0), query tiles of a fixed 64 rows (a dot's instruction shape follows the
+tile), and the combine adds the partials 64 at a time in split order. An explicit `num_splits` (tuning, benchmarks)
+instead cuts each row's prefix into S - 1 equal chunks and sizes the query tile by the batch's Kmax, as the first
+versions did.
 
 Depth keys are chunk-aware, as in the prefill kernel: a tile's queries own a contiguous run of depth rows of the
 position-major [Kmax * L] layout, scored with tensor-core dots and masked to each row's own L (a per-layer loop of
@@ -105,7 +107,7 @@ def _paged_rows(k_head, v_head, bt_row, pos, kv_ok, stride_kn, stride_ks, stride
 # Batch strides stay specialised: they are Kmax x Hq x D and the like, multiples of 16 for real head sizes, and
 # without that the compiler cannot vectorise the q, depth and output rows (measured: 4K-16K verifies 1.3-1.8x
 # slower on the H200). L, the depth keys per query, is fixed per layer: warm-up's forwards see every value.
-@triton.jit(do_not_specialize=["stride_bt", "stride_mb", "stride_mi", "Kmax", "S", "CHUNK"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_mb", "stride_mi", "Kmax", "S", "CHUNKS", "MIN_KEYS"])
 def moda_verify_fwd_kernel(
     q,  # [B, Kmax, Hq, D]
     k_cache,  # [num_blocks, block_size, Hkv, D]
@@ -146,7 +148,8 @@ def moda_verify_fwd_kernel(
     Kmax,
     L,
     S,
-    CHUNK,  # prefix keys per split (a multiple of BLOCK_N), or 0: S - 1 equal chunks of each row's prefix
+    CHUNKS,  # a row's prefix is cut into at most CHUNKS chunks (<= S - 1) ...
+    MIN_KEYS,  # ... of at least MIN_KEYS keys (a multiple of BLOCK_N; 0 with CHUNKS = S - 1: S - 1 equal chunks)
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -182,7 +185,7 @@ def moda_verify_fwd_kernel(
         # 1. The committed prefix: all of it with one split, else chunk pid_s - 1 of S - 1 (split 0 takes the
         # new tokens and the depth keys instead: it is launched first, so that serial work never trails a wave).
         if SPLIT:
-            chunk = tl.where(CHUNK > 0, CHUNK, tl.cdiv(tl.cdiv(prefix, S - 1), BLOCK_N) * BLOCK_N)
+            chunk = tl.maximum(MIN_KEYS, tl.cdiv(tl.cdiv(prefix, CHUNKS), BLOCK_N) * BLOCK_N)
             start = tl.maximum(pid_s - 1, 0) * chunk
             end = tl.where(pid_s == 0, 0, tl.minimum(start + chunk, prefix))
         else:
@@ -313,11 +316,13 @@ def _pow2(n: int) -> int:
 
 def verify_config(device: torch.device) -> dict:
     """Tile and launch settings of the verify kernel on this device: BLOCK_N (keys per step), num_warps,
-    num_stages, combine_warps and chunk_keys. The best of sweeps on the H200 (BENCHMARKS.md: BLOCK_N 32-128, 4-8
-    warps, 2-4 stages, 8-65 splits, k = 1 to 32, 4K-128K): 64-key tiles in 3 stages keep two programs per SM for
-    every query tile (<= 64 rows); also a sound default elsewhere. chunk_keys: the batch-invariant split's prefix
-    keys per chunk (a multiple of BLOCK_N; 64 chunks cover 32K positions in one pass of the combine)."""
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "combine_warps": 1, "chunk_keys": 512}
+    num_stages, combine_warps, and the batch-invariant split's min_chunk_keys (a multiple of BLOCK_N) and
+    max_chunks. The best of sweeps on the H200 (BENCHMARKS.md: BLOCK_N 32-128, 4-8 warps, 2-4 stages, 8-65 splits,
+    k = 1 to 32, 4K-128K): 64-key tiles in 3 stages keep two programs per SM for every query tile (<= 64 rows), and
+    a lone long row did best in about 33 splits of >= 256 keys (one wave of two programs per SM at 8 KV heads); also
+    a sound default elsewhere."""
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "combine_warps": 1, "min_chunk_keys": 256,
+            "max_chunks": 32}  # fmt: skip
 
 
 def _tile_m(G: int, kmax: int) -> int:
@@ -338,10 +343,10 @@ def moda_verify_fwd(
     num_splits: int,
     out: Tensor,
     config: dict,
-    chunk: int = 0,
+    chunks: tuple[int, int] | None = None,
 ) -> Tensor:
-    """Launch the kernels (no checks: `moda_verify` does them); config: see `verify_config`; `chunk`: prefix keys per
-    split (0: S - 1 equal chunks of each row's prefix)."""
+    """Launch the kernels (no checks: `moda_verify` does them); config: see `verify_config`; `chunks`: (most
+    chunks, least keys a chunk) of each row's prefix; None: S - 1 equal chunks."""
     B, kmax, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -376,7 +381,7 @@ def moda_verify_fwd(
         depth_v.stride(0), depth_v.stride(1), depth_v.stride(2), depth_v.stride(3),
         stride_mb, stride_mi,
         out.stride(0), out.stride(1), out.stride(2),
-        kmax, L, num_splits, chunk,
+        kmax, L, num_splits, *(chunks or (max(num_splits - 1, 1), 0)),
         HKV=Hkv, G=G, D=D, BS=bs, TREE=tree_mask is not None, SPLIT=split, PREC=prec,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
@@ -441,13 +446,14 @@ def moda_verify(
         return out
     scale = D**-0.5 if scale is None else float(scale)
     config = verify_config(q.device) if config is None else config
-    chunk = 0
+    chunks = None
     if num_splits is None:
-        # Batch-invariant: the chunks the table's width can hold (a bound, no device sync), the query tile fixed.
-        chunk = config.get("chunk_keys", 512)
-        if chunk % config["BLOCK_N"]:
-            raise ValueError(f"chunk_keys {chunk} must be a multiple of BLOCK_N {config['BLOCK_N']}")
-        num_splits = 1 + max(1, _cdiv(block_table.shape[1] * k_cache.shape[1], chunk))
+        # Batch-invariant: the most chunks the table's width allows (a bound, no device sync), the query tile fixed.
+        chunks = (config.get("max_chunks", 32), config.get("min_chunk_keys", 256))
+        if chunks[1] % config["BLOCK_N"] or min(chunks) < 1:
+            raise ValueError(f"min_chunk_keys {chunks[1]} must be a positive multiple of BLOCK_N {config['BLOCK_N']}, "
+                             f"max_chunks {chunks[0]} positive")  # fmt: skip
+        num_splits = 1 + max(1, min(chunks[0], _cdiv(block_table.shape[1] * k_cache.shape[1], chunks[1])))
         config = {**config, "BLOCK_M": config.get("BLOCK_M") or INVARIANT_TILE_M}
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -457,4 +463,4 @@ def moda_verify(
         for t in (block_table, cache_lens, q_lens)
     )
     return moda_verify_fwd(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask,
-                           scale, num_splits, out, config, chunk)  # fmt: skip
+                           scale, num_splits, out, config, chunks)  # fmt: skip

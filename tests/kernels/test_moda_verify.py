@@ -126,7 +126,7 @@ def test_splits_agree_and_padding_kmax():
     batch["tree_mask"] = random_tree_mask(9, torch.Generator().manual_seed(5)).to(DEV)
     outs = [moda_verify(**batch, scale=0.3, num_splits=s) for s in (1, 2, 5, 16)]
     outs.append(moda_verify(**batch, scale=0.3, num_splits=3, config={"BLOCK_N": 16, "num_warps": 2, "num_stages": 1}))
-    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "combine_warps": 4, "chunk_keys": 64}
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "combine_warps": 4, "min_chunk_keys": 64, "max_chunks": 4}
     outs.append(moda_verify(**batch, scale=0.3, config=cfg))
     assert_rows_close(outs[0], moda_verify_naive(**batch, scale=0.3), q_lens)
     for o in outs[1:]:
@@ -147,15 +147,17 @@ def rows_of(batch: dict, rows: list[int]) -> dict:
     return sub
 
 
-@pytest.mark.parametrize(("tree", "chunk"), [(False, 16), (True, 64)])
-def test_a_rows_output_does_not_depend_on_the_batch(tree, chunk):
+@pytest.mark.parametrize(("tree", "max_chunks", "min_keys"), [(False, 80, 16), (True, 8, 32)])
+def test_a_rows_output_does_not_depend_on_the_batch(tree, max_chunks, min_keys):
     """Batch invariance (the default rule, issue #44): a row's output, bit for bit, is the same alone and in
     batches of other rows, wherever it sits, whatever their number, lengths, Kmax and table widths (so the split
     count, from 2 to past one pass of the combine's 64 partials, changes around it)."""
     lens, q_lens = [130, 1, 63, 1025, 700, 40], [8, 1, 5, 5, 3, 2]
     batch = make_batch(lens, q_lens, hkv=2, G=3, D=64, L=3, block_size=16, dtype=torch.float32, tree=tree)
-    # chunk 16: the 1025-position row has 65 chunks, past one pass of the combine
-    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "combine_warps": 1, "chunk_keys": chunk}
+    # 80 chunks of >= 16 keys: the 1025-position row has 65 chunks, past one pass of the combine; 8 of >= 32 keys:
+    # a chunk's length follows each row's prefix.
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "combine_warps": 1, "max_chunks": max_chunks,
+           "min_chunk_keys": min_keys}  # fmt: skip
     alone = moda_verify(**rows_of(batch, [0]), config=cfg)[0, :8]
     assert_rows_close(alone[None], moda_verify_naive(**rows_of(batch, [0]))[:, :8], [8])
     for rows in ([1, 0], [0, 2], [3, 0], [5, 4, 3, 2, 1, 0], [2, 0, 4]):
