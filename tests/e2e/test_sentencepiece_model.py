@@ -21,6 +21,8 @@ spaces before punctuation, never a literal `▁` or `<0x..>`.
 - An edge decodes with the clean-up its server's model folder asks for (Unigram: " ?" reads "?").
 - The server's OpenAI-compatible API on the same model: completions (streamed or not) and chat completions end at
   the second end-of-text id and read as decoded, a completion keeping its first space after the prompt.
+- The edge's OpenAI-compatible API (`tether-client serve`) on the same model: a completion and a chat completion end
+  at the second end-of-text id too, with the text the server's API answers.
 
 Faults strike on events, never on the clock. A few seconds per family on 2 cores.
 """
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from test_edge_api_e2e import Endpoint
 from tiny_models import END_OF_TURN, script_greedy, tiny_moa_drafter, write_sentencepiece_checkpoint
 
 from tether.client.chat import Chat
@@ -190,6 +193,27 @@ def test_the_servers_http_api_answers_with_the_tokenizers_text(model):
     assert chat.choices[0].finish_reason == "stop" and chat.choices[0].message.content.strip() == reply.strip()
     assert chat.usage.prompt_tokens == len(model.chat_ids)  # the template encoded as transformers encodes it
     for text in (choice.text, chat.choices[0].message.content):
+        assert_reads_as_text(text)
+
+
+def test_the_edges_http_api_ends_at_the_second_end_of_text_as_the_servers(model, tmp_path):
+    """`tether-client serve`'s API in front of the same server: the edge drafts, the server verifies, and a
+    completion and a chat completion stop at the second end-of-text id with the server's API's text."""
+    edge = Endpoint(model.address, str(tmp_path / "cache"), "keep", max_new_tokens=24)
+    chat = [{"role": "user", "content": USER}]
+    answers = []
+    try:
+        for ask, name in ((model.api, model.family), (edge.client, edge.backend.model_id)):
+            done = ask.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0)
+            reply = ask.chat.completions.create(model=name, messages=chat, max_tokens=24, temperature=0)
+            answers.append([(r.usage.completion_tokens, c.finish_reason) for r, c in
+                            ((done, done.choices[0]), (reply, reply.choices[0]))])  # fmt: skip
+            answers[-1].append((done.choices[0].text, reply.choices[0].message.content))
+    finally:
+        edge.close()
+    served, on_edge = answers
+    assert on_edge == served and on_edge[:2] == [(len(model.expected), "stop")] * 2
+    for text in on_edge[2]:
         assert_reads_as_text(text)
 
 
