@@ -1,6 +1,11 @@
 """A model flag takes a folder or a hub id already in the local Hugging Face cache (tether.shared.model_source):
 found offline at its revision, nothing downloaded; one typed refusal when it is not cached."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from hub_cache import cache_hub_model
 
@@ -55,3 +60,26 @@ def test_a_cached_snapshot_missing_files_says_which(hub, tmp_path):
         resolve_model_dir("--model", "tether-test/broken", TARGET_FILES, cache_dir=tmp_path)
     assert e.value.reason == Refusal.INCOMPLETE_DIR and "config.json" in str(e.value)
     assert "tether-test/broken" in str(e.value)
+
+
+def test_hf_home_is_where_the_cache_is_looked_for(tmp_path):
+    """With HF_HOME set (and no HF_HUB_CACHE), a hub id is found in HF_HOME/hub, as huggingface_hub puts it there,
+    and the refusal of one that is not cached names that folder. In a child: huggingface_hub reads the variables
+    when it is imported."""
+    snapshot = cache_hub_model(tmp_path / "hub", "tether-test/tiny-qwen2")
+    code = (
+        "import json\n"
+        "from tether.shared.cli_support import TARGET_FILES, CommandError\n"
+        "from tether.shared.model_source import resolve_model_dir\n"
+        "found = str(resolve_model_dir('--model', 'tether-test/tiny-qwen2', TARGET_FILES).path)\n"
+        "try:\n"
+        "    resolve_model_dir('--model', 'tether-test/not-there', TARGET_FILES)\n"
+        "except CommandError as e:\n"
+        "    print(json.dumps([found, str(e)]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env["HF_HOME"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr
+    found, refused = json.loads(run.stdout)
+    assert found == str(snapshot) and f"Hugging Face cache ({tmp_path / 'hub'})" in refused
