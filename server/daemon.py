@@ -53,6 +53,7 @@ from tether.server.generate import DTYPES, attention_backend, default_model_dir,
 from tether.server.http_api import start_http
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
+from tether.server.pool_budget import DEFAULT_SHARE, resolve_kv_pool
 from tether.server.rounds import step_runner
 from tether.server.rpc_server import TLSFiles, make_server
 from tether.server.service import ServiceConfig, TetherService
@@ -98,7 +99,10 @@ class ServeConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
     grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
-    kv_pool_mb: int = 256  # memory of the paged KV pool all sessions share (least recently used evicted past it)
+    # Past the pool the least recently used idle sessions are evicted. Auto: --kv-pool-share of the device's free
+    # memory once the models are loaded, split over --engines (256 MB off CUDA): tether.server.pool_budget.
+    kv_pool_mb: int = 0  # MB of the paged KV pool all sessions share; 0 = auto (a share of the free device memory)
+    kv_pool_share: float = DEFAULT_SHARE  # with --kv-pool-mb 0: the part of the free device memory the pool takes
     kv_block_size: int = 16  # positions per KV block
     prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
     tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
@@ -199,11 +203,14 @@ def service_config(cfg: ServeConfig) -> ServiceConfig:
     ):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    # Auto is the CPU's fixed default here: the engine sizes the pool from the device's free memory once the models
+    # are loaded (pool_budget.resolve_kv_pool). Both flags are checked here, before anything loads.
+    pool = resolve_kv_pool(cfg.kv_pool_mb, cfg.kv_pool_share, "cpu", engines=cfg.engines)
     return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys), model_id=model_name(cfg),
                          max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
                          stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
                          max_model_calls_per_caller=cfg.max_model_calls_per_caller,
-                         kv_pool_bytes=cfg.kv_pool_mb << 20, kv_block_size=cfg.kv_block_size,
+                         kv_pool_bytes=pool.bytes, kv_block_size=cfg.kv_block_size,
                          prefill_chunk=cfg.prefill_chunk)  # fmt: skip
 
 
@@ -313,9 +320,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError(f"--frontends is 0 (gRPC in this process) or more, got {cfg.frontends}")
     if not 1 <= cfg.engines <= MAX_ENGINES:
         raise ValueError(f"--engines is 1 to {MAX_ENGINES}, got {cfg.engines}")
-    if cfg.engines > 1 and (cfg.frontends < 1 or cfg.tp > 1 or cfg.kv_pool_mb < cfg.engines):
-        raise ValueError("--engines E > 1 needs --frontends N >= 1 (they route the calls), --tp 1, and at least E MB "
-                         "of --kv-pool-mb (each engine takes an even share)")  # fmt: skip
+    if cfg.engines > 1 and (cfg.frontends < 1 or cfg.tp > 1 or 0 < cfg.kv_pool_mb < cfg.engines):
+        raise ValueError("--engines E > 1 needs --frontends N >= 1 (they route the calls), --tp 1, and --kv-pool-mb 0 "
+                         "(auto) or at least E MB (each engine takes an even share)")  # fmt: skip
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
     whole, cfg = cfg, engine_share(cfg, 0)  # this process is engine 0: its share of the pool and the limits
@@ -347,7 +354,7 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
     followers, tp_target = [], None
     if cfg.tp > 1:
         kind = "cuda" if device.startswith("cuda") else "cpu"
-        followers, port = start_followers(cfg.tp, cfg.model, kind, cfg.dtype, cfg.kv_pool_mb << 20,
+        followers, port = start_followers(cfg.tp, cfg.model, kind, cfg.dtype, config.kv_pool_bytes,
                                           cfg.kv_block_size, cfg.attention)  # fmt: skip
         cmd_group = join_rank0(cfg.tp, port, kind)
         device = "cuda:0" if kind == "cuda" else "cpu"
