@@ -3,6 +3,8 @@
 
 - ignore_eos: end-of-text (forced first by logit_bias) ends a completion, unless ignore_eos, which runs to
   max_tokens; a stop token id still ends it; the server-only path (bench/link.py's baseline) sends it on Generate;
+- penalties: presence, frequency and repetition penalties and min_p from a request's body decide its greedy tokens
+  as the server's own Generate decides them under the same controls;
 - logprobs: the server's for verified tokens (equal to the target's own processed distribution), the drafter's own
   for tokens drafted offline (ONNX and torch drafters), which each choice lists in "tether": {"drafter_logprobs"};
   the openai package parses the chat shape;
@@ -19,6 +21,7 @@ import argparse
 import math
 import types
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -31,6 +34,8 @@ from tether.client.controls import sampling_params
 from tether.client.server_only import ServerOnlySession
 from tether.client.session import ClientConfig, EdgeSession
 from tether.shared.sampling import token_logprobs
+from tether.v1 import tether_pb2 as pb
+from tether.v1 import tether_pb2_grpc
 
 N = 8  # completion tokens of most requests here
 
@@ -128,6 +133,27 @@ def test_the_server_only_path_sends_ignore_eos_and_bench_link_asks_it(served, ed
     stand_in = types.SimpleNamespace(args=link.settings(["--quick"]), sim=types.SimpleNamespace(address=address),
                                      cache=types.SimpleNamespace(name=str(tmp_path)))  # fmt: skip
     assert sampling_params(link.Rig.config(stand_in), info).ignore_eos  # every mode's cell counts full lengths
+
+
+# ---- penalties ---------------------------------------------------------------------------------------------------
+
+
+def test_penalties_in_a_request_decide_its_tokens_as_on_the_server(served, edge, emitted):
+    """Greedy under the penalties and min_p of the HTTP body: the edge's tokens (drafted under them, verified) are
+    the server's own Generate's under the same controls, and not the plain greedy ones."""
+    address, service, _ = served
+    fields = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05)
+    complete(edge, max_tokens=2 * N, temperature=0, ignore_eos=True, **fields)
+    prompt, fp = service.tokenizer.encode(PROMPT), service.model_fingerprint
+    with grpc.insecure_channel(address) as channel:
+        stub = tether_pb2_grpc.TetherStub(channel)
+
+        def generate(**controls) -> list[int]:
+            sampling = pb.SamplingParams(ignore_eos=True, **controls)
+            req = pb.OpenSession(prompt=prompt, max_new_tokens=2 * N, model_fingerprint=fp, sampling=sampling)
+            return [t for msg in stub.Generate(req, timeout=BOUND_S) for t in msg.tokens]
+
+        assert emitted == generate(**fields) != generate()
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------------------
