@@ -271,6 +271,8 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
             "gc_pause_ms": ratio(delta(after, before, "gc_total_s"), 1e-3),
             "gc_max_pause_ms": 1e3 * after["gc_max_s"] if "gc_max_s" in after else None,
             "client_cpu_ms_per_round": ratio(1e3 * row["client_cpu_s"], rounds)}  # fmt: skip
+    # Sessions the server evicted (rounds refused for them, the clients' resyncs) and rounds retried at capacity.
+    row |= {key: sum(c[key] for c in clients) for key in ("evicted", "resyncs", "capacity_retries")}
     if args.mode == "trace":
         row |= {"tau_recorded": ratio(sum(c["recorded"] for c in clients), rounds),
                 "trace_match": ratio(sum(c["matched"] for c in clients), rounds),
@@ -283,17 +285,24 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
 
 def start_server(args: argparse.Namespace):
     """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process."""
+    import torch
+
     from tether.server import heap
     from tether.server.batcher import warm_up
+    from tether.server.pool_budget import resolve_kv_pool
     from tether.server.rounds import step_runner
     from tether.server.rpc_server import make_server
     from tether.server.service import ServiceConfig, TetherService
 
     target, drafter, tok, fp = load_models(args)
     most = max(args.clients)
-    config = ServiceConfig(max_sessions=max(256, 2 * most), max_streams=max(4096, 2 * most),
+    cuda = target.device.type == "cuda"  # auto --kv-pool-mb: serve's share of the memory free after loading
+    pool = resolve_kv_pool(args.kv_pool_mb, device=str(target.device),
+                           mem_info=torch.cuda.mem_get_info(target.device) if cuda else None)  # fmt: skip
+    print(pool.note, file=sys.stderr, flush=True)
+    config = ServiceConfig(max_sessions=args.max_sessions or max(256, 2 * most), max_streams=max(4096, 2 * most),
                            max_new_tokens=max(1024, args.tokens, (args.warmup_rounds + args.rounds) * (args.k + 1)),
-                           kv_pool_bytes=args.kv_pool_mb << 20,
+                           kv_pool_bytes=pool.bytes,
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
     service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
     if target.backend == "triton":  # as `tether-server serve` does before it listens (--round-graph-tokens k + 1)
@@ -401,6 +410,9 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
     gc_seen = any(r.get("gc_collections") is not None for r in rows)
     if gc_seen:
         cols.insert(-1, "GC: n / ms / max ms")
+    lost = any(r.get("evicted") or r.get("capacity_retries") for r in rows)  # only when the server ran out
+    if lost:
+        cols.insert(-1, "evicted / resyncs / retries")
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
@@ -420,6 +432,8 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
         if gc_seen:
             cells.insert(-1, f"{f(r.get('gc_collections'), '.0f')} / {f(r.get('gc_pause_ms'), '.1f')} / "
                              f"{f(r.get('gc_max_pause_ms'), '.1f')}")  # fmt: skip
+        if lost:
+            cells.insert(-1, f"{r['evicted']} / {r['resyncs']} / {r['capacity_retries']}")
         t.add_row(*cells)
     return t
 
@@ -433,7 +447,8 @@ def add_deployment_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="", help="in-process server: cpu / cuda (default: cuda when present)")
     ap.add_argument("--model", default="", help="in-process server: target directory (default: deploy/models/target)")
     ap.add_argument("--drafter", default="", help="in-process server: drafter directory (default: the shipped one)")
-    ap.add_argument("--kv-pool-mb", type=int, default=256, help="in-process server: KV pool size")
+    ap.add_argument("--kv-pool-mb", type=int, default=0, help="in-process server: KV pool size in MB; 0: auto, as "
+                    "serve's (tether.server.pool_budget: half the free GPU memory, 256 MB on the CPU)")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -466,6 +481,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--max-batch", type=int, default=ServiceConfig.max_batch, help="in-process server: rounds per step at most"
     )
+    ap.add_argument("--max-sessions", type=int, default=0, help="in-process server: sessions held (past it the least "
+                    "recently used idle one is evicted); 0: max(256, 2 x the most --clients)")  # fmt: skip
     ap.add_argument("--frontends", type=int, default=0,
                     help="in-process server: gRPC in this many front-end processes (serve --frontends)")  # fmt: skip
     ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per message / unary call")

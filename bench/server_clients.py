@@ -4,7 +4,10 @@ Contract: bench/server.py starts each client process as `bench/server.py --worke
 passed along as JSON), and that runs `client_process` here. It opens its clients, warms them up, prints
 `{"ready": n}`, waits for "go" on stdin, runs the timed part and prints one JSON line of numbers, which the bench
 process adds up (bench/server.py's module docstring says what each mode does and what is timed).
-- `RoundClient`: one Session stream of random draft chains, one round at a time (`--rate` paces it).
+- `RoundClient`: one Session stream of random draft chains, one round at a time (`--rate` paces it). A session the
+  server evicted (REASON_SESSION_EVICTED / REASON_UNKNOWN_SESSION) is rebuilt as tether.client does: Resync with its
+  full verified history, then a new stream attaches and rounds go on; REASON_CAPACITY is retried after the server's
+  advice. run() counts both ("evicted", "resyncs", "capacity_retries") instead of the client dying.
 - `TraceClient`: the same stream replaying recorded drafts (bench/traces.py), a new session when a trace runs out.
 - `generate_stream` / `generate_until`: the server-only baseline, Generate streams (greedy, ignore_eos: each runs to
   its length).
@@ -24,6 +27,7 @@ import time
 
 import grpc
 
+from tether.client.refusals import LOST, Refusal
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -33,6 +37,14 @@ LOSSLESS = pb.CODEC_FP16_SHUFFLE_ZSTD  # tether.client.session's default codec (
 FIXED_LENGTH = pb.SamplingParams(ignore_eos=True)
 
 
+class Refused(RuntimeError):
+    """A message or call the server refused, with its typed reason and retry advice (`refusal`)."""
+
+    def __init__(self, refusal: Refusal, round_no: int = 0):
+        super().__init__(f"server error on round {round_no}: {pb.ErrorReason.Name(refusal.reason)}: {refusal.message}")
+        self.refusal = refusal
+
+
 class RoundClient:
     """One Session stream: open with a random prompt, then chains of random drafts, one round at a time."""
 
@@ -40,7 +52,10 @@ class RoundClient:
         self.stub, self.args, self.vocab, self.fp = stub, args, vocab, fp
         self.rng = random.Random(seed)
         self.call = None
-        self.session_id, self.root, self.round = "", 0, 0
+        self.session_id, self.resume_token, self.root, self.round = "", "", 0, 0
+        self.history: list[int] = []  # the verified tokens (prompt first): what a resync rebuilds the session from
+        self.prompt_len = 0
+        self.evicted = self.resyncs = self.retries = 0  # over the client's life; run() reports its own part
 
     async def _send(self, msg: pb.ClientMessage) -> pb.ServerMessage:
         await asyncio.wait_for(self.call.write(msg), self.args.rpc_timeout)
@@ -48,9 +63,53 @@ class RoundClient:
         if reply is grpc.aio.EOF:
             raise RuntimeError("the server ended the stream")
         if reply.WhichOneof("body") == "error":
-            e = reply.error
-            raise RuntimeError(f"server error on round {e.round}: {pb.ErrorReason.Name(e.reason)}: {e.message}")
+            raise Refused(Refusal.of_inline(reply.error), reply.error.round)
         return reply
+
+    async def _past_capacity(self, send):
+        """`send()`, again after the server's retry advice while it answers REASON_CAPACITY (full for now)."""
+        while True:
+            try:
+                return await send()
+            except Refused as e:
+                if e.refusal.reason != pb.REASON_CAPACITY:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(e.refusal.retry_after_s or 0.05)
+
+    async def _resync_call(self, req: pb.ResyncRequest) -> pb.ResyncReply:
+        try:
+            return await self.stub.Resync(req, timeout=self.args.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise Refused(Refusal.of_rpc_error(e)) from None
+
+    async def resync(self) -> None:
+        """Rebuild the lost session from its verified history, the root absorbed (the Resync RPC, as tether.client
+        does after an eviction), and attach a new stream: rounds go on from the target's next token."""
+        while True:
+            req = pb.ResyncRequest(session_id=self.session_id, resume_token=self.resume_token,
+                                   verified_length=len(self.history), offline_tokens=[self.root],
+                                   history=self.history, prompt_length=self.prompt_len, delta_codec=LOSSLESS,
+                                   model_fingerprint=self.fp)  # fmt: skip
+            reply = await self._past_capacity(lambda req=req: self._resync_call(req))
+            self.history.append(self.root)
+            if reply.verified_length != len(self.history):
+                raise RuntimeError(f"resync left {reply.verified_length} positions verified, not {len(self.history)}")
+            self.session_id, self.resume_token = reply.session_id, reply.resume_token
+            self.call.cancel()  # the evicted session's stream
+            self.call = self.stub.Session(timeout=self.args.timeout)
+            attach = pb.AttachSession(session_id=self.session_id, resume_token=self.resume_token)
+            try:
+                attached = (await self._send(pb.ClientMessage(attach=attach))).attached
+            except Refused as e:
+                if e.refusal.reason not in LOST:
+                    raise
+                self.evicted += 1  # evicted again before it attached: rebuild it from where it now stands
+                self.root = reply.target_token
+                continue
+            self.root, self.round = attached.root, attached.last_round
+            self.resyncs += 1
+            return
 
     def prompt(self) -> tuple[list[int], int]:
         """The next session's prompt and max_new_tokens."""
@@ -72,17 +131,21 @@ class RoundClient:
         self.call = self.stub.Session(timeout=self.args.timeout)
         prompt, max_new = self.prompt()
         req = pb.OpenSession(prompt=prompt, max_new_tokens=max_new, model_fingerprint=self.fp, delta_codec=LOSSLESS)
-        reply = await self._send(pb.ClientMessage(open=req))
+        reply = await self._past_capacity(lambda: self._send(pb.ClientMessage(open=req)))
         for _ in range(reply.opened.delta_parts):  # a long prompt's delta comes in parts
             await asyncio.wait_for(self.call.read(), self.args.rpc_timeout)
         self.session_id, self.root, self.round = reply.opened.session_id, reply.opened.first_token, 0
+        self.resume_token, self.history, self.prompt_len = reply.opened.resume_token, list(prompt), len(prompt)
 
     async def run(self, n: int | None = None, until: float = 0.0, rate: float = 0.0) -> dict:
         """n rounds, or (n None) rounds until `until` (time.perf_counter), paced to `rate` tokens/s when set: a
         round goes when the tokens gained so far are due at that rate (a client behind its budget catches up
         back to back). Counts (rounds, scored and gained tokens, trace matches) cover the verdicts that arrived
-        by `until`; lat_s has every round's latency (write to verdict)."""
+        by `until`; lat_s has every round's latency (write to verdict); evicted / resyncs / capacity_retries what it
+        met (a round refused for an evicted session is sent again after the resync, one refused for capacity after
+        the retry advice: its latency includes the wait)."""
         out = {"lat_s": [], "rounds": 0, "scored": 0, "gained": 0, "matched": 0, "recorded": 0, "reopens": 0}
+        before = self.counts()
         t0 = time.perf_counter()
         budget = 0  # tokens gained, due at t0 + budget / rate
         if n is None and not until:
@@ -104,8 +167,16 @@ class RoundClient:
             root, drafts = self.root, self.drafts()
             msg = pb.ClientMessage(round=pb.DraftRound(round=self.round, root=root, tokens=drafts))
             t1 = time.perf_counter()
-            v = (await self._send(msg)).verdict
+            try:
+                v = (await self._past_capacity(lambda msg=msg: self._send(msg))).verdict
+            except Refused as e:
+                if e.refusal.reason not in LOST:
+                    raise
+                self.evicted += 1
+                await self.resync()
+                continue
             t2 = time.perf_counter()
+            self.history += [root, *drafts[: v.accepted]]  # what the verdict verified (the bonus is the next root)
             out["lat_s"].append(t2 - t1)
             self.root = v.bonus
             budget += v.accepted + 1
@@ -114,7 +185,11 @@ class RoundClient:
                 out["scored"] += len(drafts) + 1
                 out["gained"] += v.accepted + 1
             self.verdict(root, v, out, not until or t2 <= until)
-        return out
+        return out | {name: count - before[name] for name, count in self.counts().items()}
+
+    def counts(self) -> dict[str, int]:
+        """What the server's evictions cost this client so far: rounds refused, resyncs, retries at capacity."""
+        return {"evicted": self.evicted, "resyncs": self.resyncs, "capacity_retries": self.retries}
 
     async def close(self) -> None:
         if self.call is None:

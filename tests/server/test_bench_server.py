@@ -33,6 +33,19 @@ def test_random_rounds_record(bench):
     assert one["speedup"] == 1.0 and three["speedup"] > 0
 
 
+def test_clients_resync_when_the_server_evicts_their_sessions(bench):
+    """Three clients, two sessions held: an open or a resync evicts the least recently used idle session, whose next
+    round is refused (REASON_SESSION_EVICTED); its client resyncs with the full history, attaches and goes on. After
+    the warm-up at most two of the three sessions are held, so the timed rounds see a resync whatever the timing."""
+    argv = ["--device", "cpu", "--clients", "3", "--rounds", "3", "--warmup-rounds", "1", "--k", "3", "--prompt-len",
+            "16", "--max-sessions", "2", "--timeout", "120"]  # fmt: skip
+    record = bench.main([*argv, *toy_model_flags()])
+    (row,) = record["rows"]
+    assert record["args"]["max_sessions"] == 2 and row["clients"] == 3
+    assert row["rounds"] == 9 and row["tau"] >= 1  # every client sent every round: none died
+    assert row["resyncs"] >= 1 and row["evicted"] >= row["resyncs"] and row["capacity_retries"] >= 0
+
+
 def test_random_rounds_through_a_front_end_process(bench):
     """--frontends: the same rounds, gRPC in another process; its CPU time is counted as the server's."""
     record = bench.main(["--device", "cpu", "--clients", "2", "--rounds", "2", "--warmup-rounds", "1", "--k", "3",
