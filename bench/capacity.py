@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not os.path.exists(args.traces):
             if service is None:
                 raise SystemExit(f"{args.traces} does not exist (record it with bench/server.py --record-traces)")
-            server.record_traces(sargs, args.traces, service.target, service.drafter, service.tokenizer,
-                                 service.model_fingerprint)  # fmt: skip
+            e = service.engine
+            server.record_traces(sargs, args.traces, e.target, e.drafter, e.tokenizer, e.model_fingerprint)
         recorded = traces.load(args.traces)
         tokens = args.tokens or recorded["tokens"]
         with server.ServerProbe(service, args.metrics_url, rpc) as probe:

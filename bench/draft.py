@@ -38,7 +38,7 @@ from rich.table import Table
 
 from tether.client.onnx_drafter import OnnxDrafter
 from tether.server.client_export import ClientExporter
-from tether.server.generate import default_model_dir, load
+from tether.server.model_loading import default_model_dir, load
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint

@@ -27,9 +27,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.client.session import ClientConfig, EdgeSession, Event
-from tether.server.generate import default_model_dir, load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import default_model_dir, load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
@@ -49,7 +51,7 @@ def measure(target: Transformer, drafter, tok, n: int, args, cache: str) -> dict
     config = ServiceConfig(max_prompt_tokens=n + 64, max_new_tokens=256, kv_pool_bytes=1 << 30)
     reps = []
     for _ in range(2):
-        service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
+        service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp))
         server, port = make_server(service, "127.0.0.1:0")
         server.start()
         reps.append((service, server, f"127.0.0.1:{port}"))
@@ -71,7 +73,7 @@ def measure(target: Transformer, drafter, tok, n: int, args, cache: str) -> dict
         while len(session.tokens) < 12:
             time.sleep(0.005)
         for service, server, _ in reps:
-            if service.sessions:
+            if service.engine.sessions:
                 marks["kill"] = time.monotonic()
                 server.stop(None)
                 return

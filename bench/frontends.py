@@ -29,9 +29,11 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
-from tether.server.generate import default_model_dir, load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import default_model_dir, load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.v1 import tether_pb2 as pb
@@ -123,11 +125,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     target, tok = load(args.model, "cpu", "float32")
     drafter = load_drafter(args.drafter, target)
     config = ServiceConfig(max_streams=max(4096, 2 * args.streams), max_calls_per_key=max(512, 2 * args.unary))
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fingerprint(args.model))
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fingerprint(args.model)))
     try:
         rows = [measure(service, n, args) for n in args.frontends]
     finally:
-        service.close()
+        service.engine.close()
     t = Table(title=f"routing only: {args.streams} streams x {args.messages} refused rounds, {args.unary} unary "
               f"callers; {os.cpu_count()} cores")  # fmt: skip
     for c in ("front ends", "messages", "messages/s", "engine CPU us / message", "front ends CPU us / message"):

@@ -124,10 +124,12 @@ def start_server(args: argparse.Namespace):
     import torch
 
     from tether.server.batcher import warm_up
-    from tether.server.generate import default_model_dir, load, pick_device
+    from tether.server.engine_core import Engine
     from tether.server.http_api import start_http
+    from tether.server.model_loading import default_model_dir, load, pick_device
     from tether.server.rpc_server import make_server
-    from tether.server.service import ServiceConfig, TetherService
+    from tether.server.serve_config import ServiceConfig
+    from tether.server.service import TetherService
     from tether.shared.checkpoint import fingerprint
     from tether.shared.drafter import load_drafter
     from tether.shared.openai_app import HttpConfig
@@ -140,12 +142,13 @@ def start_server(args: argparse.Namespace):
         drafter = load_drafter(args.drafter or default_model_dir("drafter"), target, target_fingerprint=fp)
     torch.set_grad_enabled(False)
     config = ServiceConfig(max_new_tokens=max(1024, args.tokens), max_streams=max(4096, 2 * max(args.clients)))
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp))
     if target.backend == "triton":
-        warm_up(target, service.pool)  # as `tether-server serve` does before it listens
+        warm_up(target, service.engine.pool)  # as `tether-server serve` does before it listens
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
-    http, http_port = start_http(service, config.model_id, HttpConfig(max_streams=max(256, 2 * max(args.clients))))
+    http_config = HttpConfig(max_streams=max(256, 2 * max(args.clients)))
+    http, http_port = start_http(service.engine, config.model_id, http_config)
     return service, server, http, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{port}"
 
 
@@ -188,8 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
         where = f"server at {url}"
     else:
         service, server, http, url, address = start_server(args)
-        vocab = service.target.cfg.vocab_size
-        where = f"in-process server on {service.target.device} ({platform.machine()})"
+        vocab = service.engine.target.cfg.vocab_size
+        where = f"in-process server on {service.engine.target.device} ({platform.machine()})"
     rows = []
     try:
         warm = bodies(args, 1, vocab)
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         if http is not None:
             http.stop()
             server.stop(grace=None)
-            service.close()
+            service.engine.close()
     from rich.console import Console
 
     Console(width=150).print(table(args, rows, where))

@@ -31,9 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 from rich.table import Table
 
-from tether.server.generate import default_model_dir, load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import default_model_dir, load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.v1 import tether_pb2 as pb
@@ -135,7 +137,9 @@ def main() -> None:
     fp = fingerprint(args.model)
     rows = []
     for n in args.streams:
-        service = TetherService(target, drafter, tok, ServiceConfig(max_streams=max(4096, 2 * n)), model_fingerprint=fp)
+        service = TetherService(
+            Engine(target, drafter, tok, ServiceConfig(max_streams=max(4096, 2 * n)), model_fingerprint=fp)
+        )
         rows.append(measure(service, n, args, fp))
     title = f"answers while idle streams are held ({args.probes} probes each, loopback, client in its own process)"
     table = Table(title=title)

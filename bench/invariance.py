@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server import rounds
-from tether.server.generate import default_model_dir, load
 from tether.server.kv_pool import KVPool
+from tether.server.model_loading import default_model_dir, load
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter

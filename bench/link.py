@@ -149,31 +149,28 @@ def bench_module(name: str) -> ModuleType:
 
 
 class LocalServer:
-    """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process, built with serve's own
-    functions and defaults: its service config, model loading, on the Triton backend its kernel warm-up (which also
+    """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process, by serve's own engine
+    (tether.server.engine_core.Engine.build) with serve's defaults: on the Triton backend its kernel warm-up (which also
     captures the step graphs a `--cache-dir` recorded and those of k = 5 rounds), then the settled heap."""
 
     def __init__(self, args: argparse.Namespace):
         import torch
 
-        from tether.server import daemon, heap
-        from tether.server.generate import pick_device
+        from tether.server.engine_core import Engine
+        from tether.server.model_loading import pick_device
         from tether.server.rpc_server import make_server
+        from tether.server.serve_config import ServeConfig
         from tether.server.service import TetherService
 
         extra = {k: v for k, v in (("model", args.model), ("drafter", args.drafter)) if v}
-        cfg = daemon.ServeConfig(device=pick_device(args.device), cache_dir=args.cache_dir, **extra)
+        cfg = ServeConfig(device=pick_device(args.device), cache_dir=args.cache_dir, **extra)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             fail(f"--device {cfg.device}: this host has no CUDA device (--device cpu, or --server HOST:PORT)")
         self.device = cfg.device
-        with torch.no_grad():
-            target, tokenizer, drafter, fp = daemon.load_models(cfg, cfg.device)
-            self.service = TetherService(target, drafter, tokenizer, daemon.service_config(cfg), model_fingerprint=fp)
-            self.warm = "no kernel warm-up"
-            if target.backend == "triton":
-                self.warm = daemon.warm_kernels(target, self.service.pool, daemon.use_cache(cfg), drafter,
-                                                 cfg.round_graph_tokens)  # fmt: skip
-        heap.settle()
+        engine = Engine.build(cfg)
+        self.warm = engine.warm_up()
+        engine.settle()
+        self.service = TetherService(engine)
         self.server, port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -186,11 +183,8 @@ class LocalServer:
         return f"cpu ({os.cpu_count()} cores), in-process server"
 
     def close(self) -> None:
-        from tether.server import heap
-
         self.server.stop(grace=1).wait(30)
-        self.service.close()
-        heap.release()  # settle()'s frozen heap back to the collector: what this process does next may free it
+        self.service.engine.close()  # and settle()'s frozen heap back to the collector
 
 
 class Rig:

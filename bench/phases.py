@@ -57,12 +57,12 @@ PHASES = [
     ("tether.server.rounds", "_commit"),
     ("tether.server.batcher", "_finish"),
     ("tether.server.service", "TetherService._verdict_reply"),
-    ("tether.server.service", "TetherService._delta"),
+    ("tether.server.engine_core", "Engine.encode_delta"),
     ("tether.shared.wire", "encode_bf16_bundle"),
     # Not on the batcher: a session's open on the model threads (its prefill, then its prompt's delta encoded), which
     # clients that end their sessions often pay again and again under the same GIL.
     ("tether.server.verifier", "SequenceVerifier.open"),
-    ("tether.server.service", "TetherService._delta_parts"),
+    ("tether.server.engine_core", "Engine.delta_parts"),
 ]
 
 

@@ -144,7 +144,7 @@ class ServerProbe:
             out["cpu_s"] = clients().cpu_s() + sum(map(process_cpu_s, self.frontends()))  # not the client processes
             out |= memory(self.service)
             out |= {f"gc_{k}": v for k, v in self.pauses.snapshot(reset_max=True).items()}  # max: since last sample
-            m = self.service.metrics
+            m = self.service.engine.metrics
             fams = [*m.batch_size.collect(), *m.verify_seconds.collect(), *m.batch_seconds.collect()]
             samples = [s for f in fams for s in f.samples]
         elif self.metrics_url:
@@ -180,8 +180,8 @@ def memory(service) -> dict:
     import torch
 
     cuda = torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
-    return {"sessions": len(service.table), "kv_blocks_used": service.pool.used_blocks, "rss_mb": rss_mb(),
-            "cuda_mb": cuda}  # fmt: skip
+    e = service.engine
+    return {"sessions": len(e.table), "kv_blocks_used": e.pool.used_blocks, "rss_mb": rss_mb(), "cuda_mb": cuda}
 
 
 def delta(after: dict, before: dict, key: str) -> float | None:
@@ -289,10 +289,12 @@ def start_server(args: argparse.Namespace):
 
     from tether.server import heap
     from tether.server.batcher import warm_up
+    from tether.server.engine_core import Engine
     from tether.server.pool_budget import resolve_kv_pool
     from tether.server.rounds import step_runner
     from tether.server.rpc_server import make_server
-    from tether.server.service import ServiceConfig, TetherService
+    from tether.server.serve_config import ServiceConfig
+    from tether.server.service import TetherService
 
     target, drafter, tok, fp = load_models(args)
     most = max(args.clients)
@@ -304,10 +306,10 @@ def start_server(args: argparse.Namespace):
                            max_new_tokens=max(1024, args.tokens, (args.warmup_rounds + args.rounds) * (args.k + 1)),
                            kv_pool_bytes=pool.bytes,
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp))
     if target.backend == "triton":  # as `tether-server serve` does before it listens (--round-graph-tokens k + 1)
-        warm_up(target, service.pool, drafter=drafter)
-        runner = step_runner(target, service.pool)
+        warm_up(target, service.engine.pool, drafter=drafter)
+        runner = step_runner(target, service.engine.pool)
         runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
     heap.settle()  # as serve does before it listens
     server, port = make_server(service, "127.0.0.1:0", frontends=args.frontends)
@@ -320,7 +322,7 @@ def stop_server(service, server) -> None:
     from tether.server import heap
 
     server.stop(grace=1).wait(30)
-    service.close()
+    service.engine.close()
     heap.release()
 
 
@@ -334,7 +336,7 @@ def gpu_round_ms(service, args: argparse.Namespace, rounds_n: int = 20) -> float
     kernels of the batcher's call (the replayed step, the drafter's server part, the verdicts' and deltas' copies)
     summed by torch.profiler, per round. What a one-client round costs beyond it is the request path's. None
     without an in-process CUDA server."""
-    if service is None or service.target.device.type != "cuda":
+    if service is None or service.engine.target.device.type != "cuda":
         return None
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -343,15 +345,16 @@ def gpu_round_ms(service, args: argparse.Namespace, rounds_n: int = 20) -> float
     from tether.server.verifier import SequenceVerifier
     from tether.shared.speculative import DraftTree
 
-    rng, vocab = random.Random(0), service.target.cfg.vocab_size
-    ver = SequenceVerifier(service.target, service.drafter, capacity=args.prompt_len + (rounds_n + 4) * (args.k + 1),
-                           pool=service.pool)  # fmt: skip
+    e = service.engine
+    rng, vocab = random.Random(0), e.target.cfg.vocab_size
+    ver = SequenceVerifier(e.target, e.drafter, capacity=args.prompt_len + (rounds_n + 4) * (args.k + 1),
+                           pool=e.pool)  # fmt: skip
     try:
         root, _ = ver.open([rng.randrange(vocab) for _ in range(args.prompt_len)])
 
         def one_round() -> int:
             tree = DraftTree.chain(root, [rng.randrange(vocab) for _ in range(args.k)])
-            ((verdict, _),) = verify_batch(service.target, [(ver, tree)], host_deltas=True)
+            ((verdict, _),) = verify_batch(service.engine.target, [(ver, tree)], host_deltas=True)
             return verdict.bonus
 
         for _ in range(3):  # any capture outside the profile
@@ -452,7 +455,7 @@ def add_deployment_options(ap: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from tether.server.service import ServiceConfig  # the in-process server's defaults
+    from tether.server.serve_config import ServiceConfig  # the in-process server's defaults
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="random", choices=["random", "trace", "generate"])
@@ -500,7 +503,7 @@ def load_models(args: argparse.Namespace):
     """The default models (or --model / --drafter) on --device: target, drafter, tokenizer, target fingerprint."""
     import torch
 
-    from tether.server.generate import default_model_dir, load
+    from tether.server.model_loading import default_model_dir, load
     from tether.shared.checkpoint import fingerprint
     from tether.shared.drafter import load_drafter
 
@@ -563,8 +566,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.traces and not os.path.exists(args.traces):
             if service is None:
                 raise SystemExit(f"{args.traces} does not exist (record it with --record-traces)")
-            record_traces(args, args.traces, service.target, service.drafter, service.tokenizer,
-                          service.model_fingerprint)  # fmt: skip
+            record_traces(args, args.traces, service.engine.target, service.engine.drafter, service.engine.tokenizer,
+                          service.engine.model_fingerprint)  # fmt: skip
         recorded = traces.load(args.traces) if args.traces else None
         with probe:
             for n in args.clients:

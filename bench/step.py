@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server.fuse import fuse
-from tether.server.generate import attention_backend, default_model_dir, load
 from tether.server.kv_pool import KVPool
+from tether.server.model_loading import attention_backend, default_model_dir, load
 from tether.server.rounds import configure_steps, step_batch, step_runner, verify_batch
 from tether.server.step import StepConfig
 from tether.server.verifier import SequenceVerifier
@@ -218,15 +218,17 @@ def generate_rpc(args, target, drafter, tok, prompt: list[int]) -> dict:
     """A real server on loopback; one Generate stream of --tokens tokens, timed from its first token."""
     import grpc
 
+    from tether.server.engine_core import Engine
     from tether.server.rpc_server import make_server
-    from tether.server.service import ServiceConfig, TetherService
+    from tether.server.serve_config import ServiceConfig
+    from tether.server.service import TetherService
     from tether.shared.checkpoint import fingerprint
     from tether.v1 import tether_pb2 as pb
     from tether.v1 import tether_pb2_grpc
 
     fp = fingerprint(args.model)
     config = ServiceConfig(max_new_tokens=args.tokens)
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fp)
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     try:
@@ -244,7 +246,7 @@ def generate_rpc(args, target, drafter, tok, prompt: list[int]) -> dict:
         return {"tokens": n, "messages": msgs, "s": wall, "tokens_per_s": (n - 1) / wall}
     finally:
         server.stop(grace=1).wait(10)
-        service.close()
+        service.engine.close()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server.fuse import fuse
-from tether.server.generate import attention_backend
 from tether.server.kv_pool import KVPool
+from tether.server.model_loading import attention_backend
 from tether.server.rounds import configure_steps, step_batch, step_runner
 from tether.server.step import StepConfig
 from tether.server.tp import apply_tp, init_distributed, spawn, under_torchrun

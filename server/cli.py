@@ -171,23 +171,27 @@ def local_models(cfg: ConfigWithModels) -> tuple[ConfigWithModels, str | None]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tether.server.daemon import ServeConfig, serve
+    from tether.server.daemon import serve
+    from tether.server.serve_config import ServeConfig
 
     cfg, hub_id = local_models(build_config(ServeConfig, args))
     return serve(dataclasses.replace(cfg, served_model_name=cfg.served_model_name or hub_id or ""))
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from tether.server.daemon import ServeConfig, warm
+    from tether.server.daemon import warm
+    from tether.server.serve_config import ServeConfig
 
     return warm(local_models(build_config(ServeConfig, args))[0])  # the flags warm does not take keep serve's defaults
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.server.generate import GenerateConfig, generate_text
+    from tether.server.logs import configure_logging
     from tether.shared.logits_processing import ControlError
 
     cfg, _ = local_models(build_config(GenerateConfig, args))
+    configure_logging("text", "warning")  # the engine's start-up lines are serve's to log; here only the text shows
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
@@ -257,13 +261,13 @@ def _train_drafter_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    from tether.server.daemon import CHOICES, TYPES, ServeConfig
+    from tether.server.serve_config import CHOICES, TYPES, ServeConfig
 
     add_dataclass_args(p, ServeConfig, choices=CHOICES, types=TYPES)
 
 
 def _warm_args(p: argparse.ArgumentParser) -> None:
-    from tether.server.daemon import CHOICES, TYPES, WARM_FIELDS, ServeConfig
+    from tether.server.serve_config import CHOICES, TYPES, WARM_FIELDS, ServeConfig
 
     skip = [n for n in ServeConfig.__dataclass_fields__ if n not in WARM_FIELDS]
     add_dataclass_args(p, ServeConfig, skip=skip, choices=CHOICES, types=TYPES)

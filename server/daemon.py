@@ -32,111 +32,29 @@ before the first `serve` (a Kubernetes initContainer, a provisioning step; an im
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import hashlib
-import json
 import logging
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from tether.server import heap
-from tether.server.batcher import warm_up
+from tether.server.engine_core import Engine, use_cache
 from tether.server.engines import EngineWorkers, engine_share
-from tether.server.generate import DTYPES, attention_backend, default_model_dir, load, pick_device
 from tether.server.http_api import start_http
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
-from tether.server.pool_budget import DEFAULT_SHARE, resolve_kv_pool
-from tether.server.rounds import step_runner
+from tether.server.model_loading import attention_backend, pick_device
 from tether.server.rpc_server import TLSFiles, make_server
-from tether.server.service import ServiceConfig, TetherService
-from tether.server.tp_serve import TPTarget, join_rank0, shard, start_followers
-from tether.server.warm_cache import (
-    count_entries,
-    current_dir,
-    kernel_cache_dir,
-    load_shapes,
-    record_shapes,
-    use_cache_dir,
-)
-from tether.shared.chat_template import ChatFormat
-from tether.shared.checkpoint import fingerprint
-from tether.shared.cli_support import CommandError, Refusal, address_in_use, host, port, port_or_off
-from tether.shared.drafter import load_drafter
+from tether.server.serve_config import ServeConfig, ServiceConfig, service_config
+from tether.server.service import TetherService
+from tether.shared.cli_support import CommandError, Refusal, address_in_use
 from tether.shared.ids import MAX_ENGINES
-from tether.shared.model import Transformer
-from tether.shared.weights import ONNX_PRECISIONS, client_part_tensors
+from tether.shared.weights import ONNX_PRECISIONS
 
 log = logging.getLogger("tether.server")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    model: str = str(default_model_dir())  # target model directory, or a hub id in the local Hugging Face cache
-    revision: str = ""  # the hub revision (branch, tag or commit) when --model is a hub id; empty: main
-    drafter: str = str(default_model_dir("drafter"))  # drafter directory trained for that target; "none": no drafter
-    host: str = "127.0.0.1"  # address to listen on
-    port: int = 50051  # port to listen on (0 = any free port)
-    device: str = ""  # "cpu" / "cuda"; empty = cuda when present
-    dtype: str = ""  # weights and activations; empty = bfloat16 on CUDA, float32 on CPU
-    attention: str = "auto"  # attention backend; auto = the Triton MoDA kernels on CUDA, the reference elsewhere
-    max_sessions: int = 256  # sessions held at once (the least recently used idle one is evicted past it)
-    max_sessions_per_key: int = 64  # sessions one API key may hold at once
-    session_lease_s: float = 300.0  # a session idle this long expires: its quota and KV memory go back
-    stream_idle_s: float = 120.0  # a Session stream that sends nothing this long is closed (its session stays)
-    max_streams: int = 4096  # Session and Generate streams open at once, over all callers
-    max_model_calls_per_caller: int = 128  # calls of one key (without keys, one host) waiting for the model threads
-    api_keys: str = ""  # file with one API key per line ('#' comments); empty = no authentication
-    metrics_port: int = 0  # Prometheus metrics over HTTP on host:metrics_port; 0 = off
-    tls_cert: str = ""  # PEM certificate: serve over TLS (with tls_key)
-    tls_key: str = ""  # PEM private key of tls_cert
-    tls_client_ca: str = ""  # PEM CA bundle: require client certificates signed by it (mTLS)
-    grace_s: float = 5.0  # seconds in-flight calls get to finish on shutdown
-    # Past the pool the least recently used idle sessions are evicted. Auto: --kv-pool-share of the device's free
-    # memory once the models are loaded, split over --engines (256 MB off CUDA): tether.server.pool_budget.
-    kv_pool_mb: int = 0  # MB of the paged KV pool all sessions share; 0 = auto (a share of the free device memory)
-    kv_pool_share: float = DEFAULT_SHARE  # with --kv-pool-mb 0: the part of the free device memory the pool takes
-    kv_block_size: int = 16  # positions per KV block
-    prefill_chunk: int = 2048  # prompt / resync-history positions per prefill forward (bounds attention memory)
-    tp: int = 1  # tensor-parallel ranks: one process per GPU, rank 0 speaks gRPC (gloo ranks on CPU)
-    log_format: str = "text"  # json: one JSON object per line with session ids (for log pipelines)
-    log_level: str = "info"  # the least severe log records written
-    cache_dir: str = ""  # keeps compiled kernels + autotuning across restarts (DIR/triton); empty = Triton's default
-    # The ONNX client part is exported on its first request, per precision, and kept in DIR/onnx with --cache-dir.
-    onnx_precisions: str = ""  # export these before the port opens: a comma list of fp32, fp16, int8 (e.g. fp32,int8)
-    http_host: str = "127.0.0.1"  # address of the OpenAI-compatible HTTP API
-    http_port: int = -1  # port of the OpenAI-compatible HTTP API: -1 = off, 0 = any free port
-    http_max_streams: int = 256  # HTTP generations at once; past it requests get 429 with Retry-After
-    http_max_n: int = 8  # choices (n) one HTTP request may ask for; each is a generation of http_max_streams
-    served_model_name: str = ""  # name in ModelInfo and /v1/models; empty: tether-default, or the model folder's name
-    round_graph_tokens: int = 6  # capture at start the step graphs of rounds this long (k + 1), all batches; 0 = none
-    frontends: int = 0  # gRPC in this many front-end processes sharing the port, the models here; 0 = in this process
-    # Several engine processes on the device, each with a copy of the models, its share of the KV pool and sessions;
-    # the front ends route each session's calls to the engine holding it (tether.server.engines). Needs frontends.
-    engines: int = 1  # engine processes (the host work of one process bounds rounds/s before the GPU does)
-
-
-# The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
-CHOICES = {"dtype": ("", *DTYPES), "attention": ("auto", "triton", "reference", "sdpa"), "log_format": ("text", "json"),
-           "log_level": ("debug", "info", "warning", "error")}  # fmt: skip
-TYPES = {
-    "host": host("--port"),
-    "http_host": host("--http-port"),
-    "port": port,
-    "metrics_port": port,
-    "http_port": port_or_off,
-}
-
-# The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
-WARM_FIELDS = ("model", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_block_size", "prefill_chunk",
-               "cache_dir", "round_graph_tokens", "log_format", "log_level")  # fmt: skip
 
 
 def check_ports(cfg: ServeConfig) -> None:
@@ -154,84 +72,24 @@ def check_ports(cfg: ServeConfig) -> None:
                            "in use by another process: stop it, or pick another port")  # fmt: skip
 
 
-def start_metrics(service: TetherService, host_name: str, number: int) -> None:
+def start_metrics(engine: Engine, host_name: str, number: int) -> None:
     """Prometheus metrics over HTTP on host_name:number, or one CommandError when it cannot listen there."""
     try:
-        serve_metrics(service.metrics, host_name, number)
+        serve_metrics(engine.metrics, host_name, number)
     except OSError as e:
         reason = Refusal.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else Refusal.CANNOT_LISTEN
         raise CommandError(reason, f"--metrics-port {number}: cannot listen on {host_name}:{number}: "
                            f"{e.strerror or e}") from None  # fmt: skip
 
 
-def start_http_api(service: TetherService, model_id: str, config) -> tuple[object, int]:
+def start_http_api(engine: Engine, model_id: str, config) -> tuple[object, int]:
     """The OpenAI-compatible HTTP API (tether.server.http_api), or one CommandError when it cannot listen."""
     try:
-        return start_http(service, model_id, config)
+        return start_http(engine, model_id, config)
     except OSError as e:
         reason = Refusal.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else Refusal.CANNOT_LISTEN
         raise CommandError(reason, f"--http-port {config.port}: cannot listen on {config.host}:{config.port}: "
                            f"{e.strerror or e}") from None  # fmt: skip
-
-
-def read_api_keys(path: str) -> frozenset[str]:
-    if not path:
-        return frozenset()
-    keys = [ln.strip() for ln in Path(path).read_text().splitlines()]
-    keys = frozenset(k for k in keys if k and not k.startswith("#"))
-    if not keys:
-        raise ValueError(f"{path} holds no API keys")
-    return keys
-
-
-def use_cache(cfg: ServeConfig) -> Path:
-    """Point Triton at --cache-dir (before anything compiles, and before --tp followers start: they inherit
-    TRITON_CACHE_DIR); the directory Triton's cache is in either way."""
-    kernel_dir = use_cache_dir(cfg.cache_dir) if cfg.cache_dir else kernel_cache_dir()
-    log.info("kernel cache %s: %d files", kernel_dir, count_entries(kernel_dir))
-    return kernel_dir
-
-
-def service_config(cfg: ServeConfig) -> ServiceConfig:
-    for name in (
-        "max_sessions",
-        "max_sessions_per_key",
-        "max_streams",
-        "max_model_calls_per_caller",
-        "session_lease_s",
-        "stream_idle_s",
-    ):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    # Auto is the CPU's fixed default here: the engine sizes the pool from the device's free memory once the models
-    # are loaded (pool_budget.resolve_kv_pool). Both flags are checked here, before anything loads.
-    pool = resolve_kv_pool(cfg.kv_pool_mb, cfg.kv_pool_share, "cpu", engines=cfg.engines)
-    return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys), model_id=model_name(cfg),
-                         max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
-                         stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
-                         max_model_calls_per_caller=cfg.max_model_calls_per_caller,
-                         kv_pool_bytes=pool.bytes, kv_block_size=cfg.kv_block_size,
-                         prefill_chunk=cfg.prefill_chunk)  # fmt: skip
-
-
-def model_name(cfg: ServeConfig) -> str:
-    """--served-model-name (serve sets it to the hub id of a --model given as one), else "tether-default" for the
-    default models, else the model directory's name."""
-    if cfg.served_model_name:
-        return cfg.served_model_name
-    model = Path(cfg.model).resolve()
-    return "tether-default" if model == default_model_dir().resolve() else model.name
-
-
-def load_models(cfg: ServeConfig, device: str):
-    t0 = time.perf_counter()
-    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
-    model_fp = fingerprint(cfg.model)
-    drafter = None
-    if cfg.drafter != "none":
-        drafter = load_drafter(cfg.drafter, target, target_fingerprint=model_fp)
-    log.info("models loaded in %.1f s", time.perf_counter() - t0, extra={"event": "models_loaded"})
-    return target, tokenizer, drafter, model_fp
 
 
 def _http_config(cfg: ServeConfig, config: ServiceConfig):
@@ -242,50 +100,8 @@ def _http_config(cfg: ServeConfig, config: ServiceConfig):
                       tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
 
 
-def warm_kernels(target, pool, kernel_dir: Path, drafter=None, round_tokens: int = 0) -> str:
-    """serve's kernel warm-up (batcher.warm_up) on the Triton backend, then the step graphs: those an earlier run
-    recorded, and with a drafter those of every batch size and width for rounds of `round_tokens` tokens; "warm
-    cache" when it added no file to Triton's cache (everything was there), "cold cache" when it compiled or tuned
-    anything."""
-    if not (isinstance(target, Transformer) and target.backend == "triton"):
-        return "no kernel warm-up"
-    from tether.kernels.moda_prefill import interpreting
-
-    before, t0 = count_entries(kernel_dir), time.perf_counter()
-    warm_up(target, pool, drafter=drafter)
-    root, runner = current_dir(), step_runner(target, pool)
-    if root is not None:  # the step graphs the last run captured (serve records them when it stops)
-        n = runner.capture_shapes(load_shapes(root, _shapes_key(target, pool)), drafter=drafter)
-        log.info("captured %d step graphs recorded by an earlier run", n)
-    if drafter is not None and round_tokens > 0:
-        t1 = time.perf_counter()
-        n = runner.capture_shapes(runner.round_shapes(round_tokens), drafter=drafter)
-        log.info("captured %d step graphs for rounds of %d tokens in %.1f s", n, round_tokens, time.perf_counter() - t1)
-    seconds, added = time.perf_counter() - t0, count_entries(kernel_dir) - before
-    if interpreting():
-        state = "interpreted kernels, nothing cached"
-    else:
-        state = "cold cache" if added > 0 else "warm cache"
-    log.info("warm-up: attention kernels compiled and tuned in %.1f s (%s: %d new files in %s, %d before)", seconds,
-             state, added, kernel_dir, before, extra={"event": "warm_up", "warm_up_s": round(seconds, 2),
-                                                      "cache_files_added": added})  # fmt: skip
-    return state
-
-
-def _shapes_key(target: Transformer, pool) -> str:
-    """Step graphs are captured for one model, dtype and block size."""
-    ident = json.dumps([target.cfg.to_dict(), str(pool.k.dtype), pool.block_size], sort_keys=True)
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def _record_shapes(target, pool) -> None:
-    root = current_dir()
-    if root is not None and isinstance(target, Transformer) and target.backend == "triton":
-        record_shapes(root, _shapes_key(target, pool), step_runner(target, pool).shapes())
-
-
 def warm(cfg: ServeConfig) -> int:
-    """`tether-server warm`: load the models, run serve's kernel warm-up into the cache directory, exit."""
+    """`tether-server warm`: build the engine, run serve's kernel warm-up into the cache directory, exit."""
     t_start = time.perf_counter()
     configure_logging(cfg.log_format, cfg.log_level)
     device = pick_device(cfg.device)
@@ -293,16 +109,13 @@ def warm(cfg: ServeConfig) -> int:
     if backend != "triton":
         raise ValueError(f"nothing to warm on {device}: the {backend} attention backend compiles no kernels "
                          "(the Triton kernels need a CUDA device)")  # fmt: skip
-    kernel_dir = use_cache(cfg)
-    config = service_config(cfg)
-    target, tokenizer, drafter, model_fp = load_models(cfg, device)
     torch.set_grad_enabled(False)
-    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp)
+    engine = Engine.build(cfg)
     try:
-        state = warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
+        state = engine.warm_up()
     finally:
-        service.close()
-    print(f"warmed {kernel_dir} in {time.perf_counter() - t_start:.1f} s ({state})", flush=True)
+        engine.close()
+    print(f"warmed {engine.kernel_dir} in {time.perf_counter() - t_start:.1f} s ({state})", flush=True)
     return 0
 
 
@@ -326,9 +139,7 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
     whole, cfg = cfg, engine_share(cfg, 0)  # this process is engine 0: its share of the pool and the limits
-    config = service_config(cfg)
-    if whole.engines > 1:
-        config = dataclasses.replace(config, engine=0)
+    service_config(cfg)  # its limits checked before anything loads
     precisions = [p for p in cfg.onnx_precisions.split(",") if p]
     if not set(precisions) <= set(ONNX_PRECISIONS):
         raise ValueError(f"--onnx-precisions takes {', '.join(ONNX_PRECISIONS)}, got {cfg.onnx_precisions!r}")
@@ -338,68 +149,43 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams and --http-max-n "
                          "at least 1")  # fmt: skip
     check_ports(cfg)
-    kernel_dir = use_cache(cfg)
-    workers = EngineWorkers(whole) if whole.engines > 1 else None  # they load and warm up while this one does
+    workers = None
+    if whole.engines > 1:
+        use_cache(cfg)  # before the engine processes start: they inherit Triton's cache directory
+        workers = EngineWorkers(whole)  # they load and warm up while this one does
     try:
-        return _serve(cfg, whole, config, device, precisions, kernel_dir, workers, t_start, ready)
+        return _serve(cfg, whole, precisions, workers, t_start, ready)
     finally:
         if workers is not None:
             workers.stop()
 
 
-def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: str, precisions: list[str],
-           kernel_dir: Path, workers: EngineWorkers | None, t_start: float,
+def _serve(cfg: ServeConfig, whole: ServeConfig, precisions: list[str], workers: EngineWorkers | None, t_start: float,
            ready: threading.Event | None) -> int:  # fmt: skip
     """serve, once its flags are checked: `cfg` is this engine's share of `whole`, the command line's."""
-    followers, tp_target = [], None
-    if cfg.tp > 1:
-        kind = "cuda" if device.startswith("cuda") else "cpu"
-        followers, port = start_followers(cfg.tp, cfg.model, kind, cfg.dtype, config.kv_pool_bytes,
-                                          cfg.kv_block_size, cfg.attention)  # fmt: skip
-        cmd_group = join_rank0(cfg.tp, port, kind)
-        device = "cuda:0" if kind == "cuda" else "cpu"
-    target, tokenizer, drafter, model_fp = load_models(cfg, device)
     torch.set_grad_enabled(False)
-    extra = {}
-    if cfg.tp > 1:
-        # The client part ships whole weights: take them before this rank keeps only its shard.
-        if drafter is not None:
-            part = client_part_tensors(target, drafter)
-            extra["client_weights"] = {k: v.detach().cpu().clone() for k, v in part.items()}
-        tp_target = TPTarget(shard(target, 0, cfg.tp), cmd_group)
-        extra["pool"] = tp_target.make_pool(config.kv_pool_bytes, config.kv_block_size)
-        target = tp_target
-    if cfg.cache_dir:
-        extra["export_dir"] = Path(cfg.cache_dir).expanduser() / "onnx"
-    chat = ChatFormat.from_model_dir(cfg.model, tokenizer)
-    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, chat_format=chat, **extra)
+    engine = Engine.build(cfg, engine_index=0 if whole.engines > 1 else None)
+    config = engine.config
+    service = TetherService(engine)
     for precision in precisions:
         t0 = time.perf_counter()
-        service.exporter.part(precision)
+        engine.exporter.part(precision)
         log.info("ONNX client part (%s) ready in %.1f s", precision, time.perf_counter() - t0)
-    cache_state = warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
-    frozen = heap.settle()  # start-up's heap out of every later collection's walk (tether.server.heap)
-    pauses = heap.GCPauses(service.metrics.gc_pause).install()
-    log.info("heap settled: %d objects frozen out of the garbage collector's walks", frozen)
+    cache_state = engine.warm_up()
+    engine.settle()
     tls = TLSFiles(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     engines = workers.wait_ready() if workers is not None else []
 
     def give_back() -> None:
         """What start-up took, when a port was taken since serve checked it."""
-        pauses.remove()
-        heap.release()
-        service.close()
-        if tp_target is not None:
-            tp_target.stop()
-            for p in followers:
-                p.terminate()
+        engine.close()
 
     server = None
     try:
         server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
                                    engines=engines, log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
         if cfg.metrics_port:
-            start_metrics(service, cfg.host, cfg.metrics_port)
+            start_metrics(engine, cfg.host, cfg.metrics_port)
     except CommandError:
         if server is not None:
             server.stop(None)  # the front ends, if any, already took calls
@@ -416,7 +202,7 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
     http = None
     if cfg.http_port >= 0:
         try:
-            http, http_port = start_http_api(service, config.model_id, _http_config(cfg, config))
+            http, http_port = start_http_api(engine, config.model_id, _http_config(cfg, config))
         except CommandError:
             server.stop(None).wait(10)
             give_back()
@@ -435,18 +221,10 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, config: ServiceConfig, device: 
         http.stop()
     if not server.stop(grace=cfg.grace_s).wait(cfg.grace_s + 10):
         log.warning("calls still running %.0f s after the grace period; exiting anyway", cfg.grace_s + 10)
-    _record_shapes(target, service.pool)
-    pauses.remove()
-    heap.release()
-    service.close()
-    if tp_target is not None:
-        stopped = tp_target.stop()
-        for p in followers:
-            p.join(timeout=30 if stopped else 0)
-            if p.is_alive():
-                p.terminate()
+    engine.record_shapes()
+    engine.close()
     print("stopped", flush=True)
-    if tp_target is not None:
+    if cfg.tp > 1:
         # A handler stuck in a collective would block the interpreter's exit (it joins the gRPC worker threads).
         os._exit(0)
     return 0

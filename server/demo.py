@@ -53,9 +53,11 @@ from tether.client.session_types import Stats
 from tether.client.split_view import SplitView
 from tether.client.transport import Backoff, LinkDown, Replicas, ServerError
 from tether.netsim.proxy import LinkConfig, NetSimThread
-from tether.server.generate import default_model_dir, load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import default_model_dir, load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.tokenizer import Tokenizer
@@ -285,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     target, tok = load(default_model_dir(), "cpu")
     drafter = load_drafter(default_model_dir("drafter"), target)
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
+    service = TetherService(
+        Engine(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(default_model_dir()))
+    )
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port), LinkConfig(latency_ms=args.latency_ms, jitter_ms=2))

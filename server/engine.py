@@ -70,14 +70,17 @@ class SpeculativeEngine:
         k: int = 5,
         support: int = 8,
         tree: tuple[int, int, int] | None = None,
+        pool: KVPool | None = None,
     ):
+        """`pool`: the paged pool the sequence lives in on the "triton" backend (an Engine's, warmed up: its
+        rounds replay the step graphs captured over it); None: one of its own, made on first use."""
         self.target = target
         self.drafter = drafter
         self.k = k  # draft tokens per round (chain drafting)
         self.support = support  # top-K support of the drafter distribution sent with a sampled draft
         self.tree = tree  # (depth, top_k, total_tokens): EAGLE-2 dynamic tree drafting instead of a chain
         self.stats = EngineStats()
-        self._pool: KVPool | None = None
+        self._pool = pool
 
     @torch.inference_mode()
     def generate(

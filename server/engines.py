@@ -44,6 +44,15 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
+from tether.server.engine_core import Engine
+from tether.server.logs import configure_logging
+from tether.server.metrics import serve_metrics
+from tether.server.rpc_server import event_loop
+from tether.server.serve_config import ServeConfig
+from tether.server.service import TetherService
+
 log = logging.getLogger("tether.server")
 
 READY_TIMEOUT_S = 900.0  # a cold start compiles every kernel (minutes on a GPU) before an engine listens
@@ -163,29 +172,14 @@ class EngineSocket:
 
 def run_worker(cfg, index: int, path: str) -> int:
     """Engine `index`: load, warm up, listen on `path`, say "ready" on stdout, serve until stdin ends."""
-    import torch
-
-    from tether.server import heap
-    from tether.server.daemon import load_models, service_config, use_cache, warm_kernels
-    from tether.server.generate import pick_device
-    from tether.server.logs import configure_logging
-    from tether.server.metrics import serve_metrics
-    from tether.server.rpc_server import event_loop
-    from tether.server.service import TetherService
-    from tether.shared.chat_template import ChatFormat
-
     configure_logging(cfg.log_format, cfg.log_level)
-    kernel_dir = use_cache(cfg)
-    config = dataclasses.replace(service_config(cfg), engine=index)
-    target, tokenizer, drafter, model_fp = load_models(cfg, pick_device(cfg.device))
     torch.set_grad_enabled(False)
-    chat = ChatFormat.from_model_dir(cfg.model, tokenizer)
-    service = TetherService(target, drafter, tokenizer, config, model_fingerprint=model_fp, chat_format=chat)
-    warm_kernels(target, service.pool, kernel_dir, drafter, cfg.round_graph_tokens)
-    heap.settle()
-    pauses = heap.GCPauses(service.metrics.gc_pause).install()
+    engine = Engine.build(cfg, engine_index=index)
+    engine.warm_up()
+    engine.settle()
+    service = TetherService(engine)
     if cfg.metrics_port:
-        serve_metrics(service.metrics, cfg.host, cfg.metrics_port)
+        serve_metrics(engine.metrics, cfg.host, cfg.metrics_port)
     loop = event_loop()
     listener = EngineSocket(service, loop, path)
     asyncio.run_coroutine_threadsafe(listener.start(), loop).result()
@@ -202,15 +196,11 @@ def run_worker(cfg, index: int, path: str) -> int:
         service.release_all()
 
     asyncio.run_coroutine_threadsafe(release(), loop).result()
-    pauses.remove()
-    heap.release()
-    service.close()
+    engine.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tether.server.daemon import ServeConfig
-
     ap = argparse.ArgumentParser(description="an engine process of tether-server serve --engines E (started by serve)")
     ap.add_argument("--index", type=int, required=True, help="this engine's index, 1 .. E-1")
     ap.add_argument("--socket", required=True, help="the Unix socket to listen on for the front ends")

@@ -2,16 +2,17 @@
 
 Contract: `generate_text(GenerateConfig, on_text)` loads a model directory (config.json, model.safetensors,
 tokenizer.json) and, unless `drafter` is "none", a drafter directory trained for that exact target (checked by
-fingerprint). It decodes through tether.server.engine and calls `on_text` with each newly completed piece of
-text as it is produced (UTF-8 safe: a character split across tokens is emitted once whole), and `on_start` once,
-when the models are loaded and the prompt accepted, just before decoding (the CLI echoes the prompt there, so a
-failure never follows it). Returns a summary dict: text, token_ids, rounds, tau, new_tokens, wall_s, tokens_per_s,
-and time to first token two ways: `ttft_s` from the start of decoding (the models ready) and `ttft_from_start_s`
-from `started` (a time.perf_counter() reading: the CLI passes its process's start; default: the call), with
-`ready_s`, `started` to the models ready. A cuda `device` that this machine lacks, and a model directory that is
-missing, empty or incomplete, are a CommandError (tether.shared.cli_support) before anything loads. The sampling
-rule is GenerateConfig.controls (min_p, the penalties, logit_bias: tether.shared.logits_processing); the text
-ends after any end-of-text id of the model or a `stop_token_ids` id (left out of the text).
+fingerprint), as the engine serve builds (tether.server.engine_core: its kernels warmed up into `cache_dir`, its paged
+pool, its step graphs). It decodes through tether.server.engine over that pool and calls `on_text` with each newly
+completed piece of text as it is produced (UTF-8 safe: a character split across tokens is emitted once whole), and
+`on_start` once, when the models are loaded and the prompt accepted, just before decoding (the CLI echoes the prompt
+there, so a failure never follows it). Returns a summary dict: text, token_ids, rounds, tau, new_tokens, wall_s,
+tokens_per_s, and time to first token two ways: `ttft_s` from the start of decoding (the models ready) and
+`ttft_from_start_s` from `started` (a time.perf_counter() reading: the CLI passes its process's start; default: the
+call), with `ready_s`, `started` to the models ready. A cuda `device` that this machine lacks, and a model directory
+that is missing, empty or incomplete, are a CommandError (tether.shared.cli_support) before anything loads. The sampling
+rule is GenerateConfig.controls (min_p, the penalties, logit_bias: tether.shared.logits_processing); the text ends after
+any end-of-text id of the model or a `stop_token_ids` id (left out of the text).
 
     tether-server generate --prompt "def fib(n):" --max-new-tokens 64            # default target + drafter
     tether-server generate --drafter none --prompt "def fib(n):"                 # plain decoding
@@ -23,24 +24,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tether.server.engine import SpeculativeEngine
-from tether.shared.attention import register_backend
-from tether.shared.checkpoint import fingerprint
-from tether.shared.cli_support import TARGET_FILES, check_model_dir, require_device
-from tether.shared.drafter import load_drafter
+from tether.server.engine_core import Engine
+from tether.server.model_loading import default_model_dir, pick_device
+from tether.server.serve_config import ServeConfig
 from tether.shared.logits_processing import SamplingControls
-from tether.shared.model import Transformer
-from tether.shared.tokenizer import Tokenizer
-
-
-def default_model_dir(name: str = "target") -> Path:
-    """deploy/models/NAME of the source checkout (editable install), else of the current directory."""
-    beside_source = Path(__file__).resolve().parent.parent / "deploy" / "models" / name
-    return beside_source if beside_source.exists() else Path("deploy/models") / name
 
 
 @dataclass(frozen=True)
@@ -62,6 +53,10 @@ class GenerateConfig:
     repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens (1: off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # ID=BIAS pairs, each bias in [-100, 100]
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the text besides the model's end-of-text ids
+    # As serve's --cache-dir: the compiled kernels, their tuning and the step graphs' shapes kept across runs, so a
+    # second run on a GPU compiles nothing (empty: Triton's own cache directory).
+    cache_dir: str = ""
+    kv_pool_mb: int = 256  # memory of the KV pool the generation's sequence lives in (as serve's --kv-pool-mb)
 
     @property
     def controls(self) -> SamplingControls:
@@ -79,62 +74,26 @@ def logit_bias_pair(text: str) -> tuple[int, float]:
     return int(token), float(bias)
 
 
-def pick_device(requested: str) -> str:
-    """`requested` when this machine has it (a CommandError otherwise); "" is cuda when present, else cpu."""
-    if requested:
-        require_device(requested)
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def attention_backend(device: str, requested: str = "auto") -> str:
-    """The attention backend for a model on `device`: "auto" is the Triton MoDA kernels on CUDA (registered
-    here: the server is the only place that imports them) and the PyTorch reference elsewhere. "triton" on the
-    CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): slow, for tests."""
-    name = ("triton" if device.startswith("cuda") else "reference") if requested == "auto" else requested
-    if name == "triton":
-        from tether.kernels.moda import moda_backend
-        from tether.kernels.moda_prefill import interpreting
-
-        if not device.startswith("cuda") and not interpreting():
-            raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1, for tests): use "
-                             "--attention auto or reference")  # fmt: skip
-
-        register_backend("triton", moda_backend)
-    return name
-
-
-def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "auto", *,
-         fused: bool | None = None) -> tuple[Transformer, Tokenizer]:  # fmt: skip
-    """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere; attention as in
-    `attention_backend`; `fused` (default: on the "triton" backend) applies tether.server.fuse's transform (not
-    for a tensor-parallel shard, which re-slices each projection itself)."""
-    check_model_dir("model", str(model_dir), TARGET_FILES)
-    model_dir = Path(model_dir)
-    if dtype and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    dtype = DTYPES[dtype] if dtype else torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = Transformer.from_pretrained(model_dir, device=device, dtype=dtype)
-    model.backend = attention_backend(device, attention)
-    if model.backend == "triton" if fused is None else fused:
-        from tether.server.fuse import fuse  # imports the kernels: only where they run
-
-        fuse(model)
-    return model, Tokenizer.from_pretrained(model_dir)
-
-
 def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None, *,
                   on_start: Callable[[], None] | None = None, started: float | None = None) -> dict:  # fmt: skip
     started = time.perf_counter() if started is None else started
     controls = cfg.controls  # its ranges checked before anything loads
-    device = pick_device(cfg.device)
-    model, tok = load(cfg.model, device)
-    drafter = None
-    if cfg.drafter != "none":
-        drafter = load_drafter(cfg.drafter, model, target_fingerprint=fingerprint(cfg.model))
+    # The engine serve builds, warmed up the same way (kernels compiled and tuned once into the cache, then read
+    # from it): one generation is a session of it.
+    serve_cfg = ServeConfig(model=cfg.model, revision=cfg.revision, drafter=cfg.drafter, device=pick_device(cfg.device),
+                            cache_dir=cfg.cache_dir, kv_pool_mb=cfg.kv_pool_mb, round_graph_tokens=0,
+                            max_sessions=1)  # fmt: skip
+    engine = Engine.build(serve_cfg)
+    try:
+        engine.warm_up()
+        return _generate(cfg, engine, controls, on_text, on_start, started)
+    finally:
+        engine.close()
+
+
+def _generate(cfg: GenerateConfig, engine: Engine, controls: SamplingControls, on_text: Callable[[str], None] | None,
+              on_start: Callable[[], None] | None, started: float) -> dict:  # fmt: skip
+    model, tok, drafter = engine.target, engine.tokenizer, engine.drafter
     prompt_ids = tok.encode(cfg.prompt)
     if not prompt_ids:
         prompt_ids = [tok.eos_id]  # an empty prompt starts a fresh document
@@ -146,7 +105,7 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
     controls.check_vocab(model.cfg.vocab_size)
     generator = torch.Generator().manual_seed(cfg.seed)
     text_stream = tok.detokenizer(context=prompt_ids)  # the continuation reads as it does after the prompt
-    engine = SpeculativeEngine(model, drafter, k=cfg.k)
+    spec = SpeculativeEngine(model, drafter, k=cfg.k, pool=engine.pool)
     new: list[int] = []
     pieces: list[str] = []
 
@@ -160,7 +119,7 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         on_start()
     t0 = time.perf_counter()
     first = None  # when the first token came
-    chunks = engine.generate(prompt_ids, cfg.max_new_tokens, controls=controls, generator=generator,
+    chunks = spec.generate(prompt_ids, cfg.max_new_tokens, controls=controls, generator=generator,
                              stop_ids=(*tok.eos_ids, *cfg.stop_token_ids))  # fmt: skip
     for chunk in chunks:
         if first is None and chunk:
@@ -174,8 +133,8 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         "token_ids": new,
         "prompt_tokens": len(prompt_ids),
         "new_tokens": len(new),
-        "rounds": engine.stats.rounds,
-        "tau": round(engine.stats.tau, 4),
+        "rounds": spec.stats.rounds,
+        "tau": round(spec.stats.tau, 4),
         "drafter": None if drafter is None else f"{drafter.dcfg.kind} (TLI {drafter.dcfg.tli})",
         "wall_s": round(wall, 4),
         "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else None,

@@ -1,29 +1,29 @@
 """The server's OpenAI-compatible HTTP API: the target answers /v1/completions and /v1/chat/completions itself.
 
 Contract:
-- `ServiceBackend(service, model_id)` is tether.shared.openai_app's Backend over a TetherService: a request's
-  prompt and sampling (every control of tether.shared.openai_api.Sampling) go through the service's own checks
-  and its server-only decoding (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share
+- `EngineBackend(engine, model_id)` is tether.shared.openai_app's Backend over an Engine (tether.server.engine_core):
+  a request's prompt and sampling (every control of tether.shared.openai_api.Sampling) go through the engine's own
+  checks and its server-only decoding (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share
   the paged KV pool, the model threads and the batcher with every gRPC Session and Generate stream, and are
-  batched with them. The service's refusals map onto HTTP: REASON_INVALID_REQUEST 400 (its param the field at
+  batched with them. The engine's refusals map onto HTTP: REASON_INVALID_REQUEST 400 (its param the field at
   fault), REASON_TOO_LONG 400 (context_length_exceeded), REASON_CAPACITY 503 with Retry-After. With
   Sampling.logprobs each chunk carries its tokens' log-probabilities: the processed distribution each token was
   drawn from (logit_bias and penalties applied, then temperature, top-k, top-p, min-p; greedy at temperature 1:
   tether.shared.sampling.token_logprobs), vLLM's "processed_logprobs". `outstanding`
   counts generations whose KV has not been given back yet; `wait_released(timeout)` waits until there are none
   (tests, shutdown).
-- `start_http(service, model_id, config)` serves the API on the gRPC server's event loop
+- `start_http(engine, model_id, config)` serves the API on the gRPC server's event loop
   (tether.server.rpc_server.event_loop: uvicorn runs there as a task, so one loop routes both protocols and the
-  model work stays on the service's threads) and returns the running server and its port; OSError, its message
-  one line naming the address, when it cannot listen (a port in use). Each request is observed in the service's
+  model work stays on the engine's threads) and returns the running server and its port; OSError, its message
+  one line naming the address, when it cannot listen (a port in use). Each request is observed in the engine's
   metrics (ServiceMetrics.http: tether_http_* on the metrics port) and logged in one line on "tether.http".
 
-Why the same loop: handlers on both sides only route (decode() awaits futures of the service's model threads and
-batcher); one loop means the service's state (its generation count, the session table's claims) is touched from
+Why the same loop: handlers on both sides only route (decode() awaits futures of the engine's model threads and
+batcher); one loop means the engine's state (its generation count, the session table's claims) is touched from
 one thread, as tether.server.service assumes. What is CPU-bound in a request (JSON, the chat template, the
 tokenizer) runs on the app's worker threads (tether.shared.openai_app), never on that loop.
 
-    server, port = start_http(service, "tether-default", HttpConfig(port=8000))
+    server, port = start_http(engine, "tether-default", HttpConfig(port=8000))
     ...
     server.stop()
 """
@@ -35,13 +35,13 @@ import threading
 from collections.abc import AsyncIterator
 
 from tether.server.auth import http_callers
+from tether.server.engine_core import Engine
 from tether.server.errors import Reason, RequestError
 from tether.server.rpc_server import event_loop
-from tether.server.service import TetherService
 from tether.shared.openai_api import ApiError, ErrorKind, Sampling, Tokens
 from tether.v1 import tether_pb2 as pb
 
-# The service's refusals as HTTP errors; anything else it raises for a request is a server bug (500).
+# The engine's refusals as HTTP errors; anything else it raises for a request is a server bug (500).
 KINDS = {
     Reason.REASON_INVALID_REQUEST: ErrorKind.INVALID_REQUEST,
     Reason.REASON_TOO_LONG: ErrorKind.CONTEXT_LENGTH,
@@ -64,33 +64,33 @@ def sampling_params(sampling: Sampling) -> pb.SamplingParams:
                              stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos)  # fmt: skip
 
 
-class ServiceBackend:
-    """An OpenAIApp backend decoding on a TetherService (see the module docstring)."""
+class EngineBackend:
+    """An OpenAIApp backend decoding on an Engine (see the module docstring)."""
 
     drafts_offline = False  # the target decides every token
 
-    def __init__(self, service: TetherService, model_id: str):
-        self.service, self.model_id = service, model_id
-        self.chat = service.chat_format
-        self.max_context = service.target.cfg.max_seq_len
-        self.max_prompt_tokens = service.config.max_prompt_tokens
-        self.max_new_tokens = service.config.max_new_tokens
+    def __init__(self, engine: Engine, model_id: str):
+        self.plain, self.model_id = engine.plain, model_id
+        self.chat = engine.chat_format
+        self.max_context = engine.target.cfg.max_seq_len
+        self.max_prompt_tokens = engine.config.max_prompt_tokens
+        self.max_new_tokens = engine.config.max_new_tokens
         self.outstanding = 0  # generations whose KV is still held (any thread)
         self._released = threading.Condition()
 
     async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]:
         params = sampling_params(sampling)
         try:
-            ids = self.service.check_generation(prompt, params)
+            ids = self.plain.check_generation(prompt, params)
         except RequestError as e:
             raise api_error(e) from None
         with self._released:
             self.outstanding += 1
         # Decoding ends where the app's text does: at the stop tokens, and at end-of-text unless ignore_eos.
         reported = None if sampling.logprobs is None else []
-        chunks = self.service.decode(ids, params, max_tokens, released=self._release,
-                                     stop_ids=self.service.stop_ids(params), logprobs=reported,
-                                     top_logprobs=sampling.logprobs or 0)  # fmt: skip
+        chunks = self.plain.decode(ids, params, max_tokens, released=self._release,
+                                   stop_ids=self.plain.stop_ids(params), logprobs=reported,
+                                   top_logprobs=sampling.logprobs or 0)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):
                 sent = 0
@@ -112,12 +112,12 @@ class ServiceBackend:
             return self._released.wait_for(lambda: self.outstanding == 0, timeout)
 
 
-def start_http(service: TetherService, model_id: str, config):
-    """Serve the OpenAI-compatible API for `service` on the gRPC event loop: (HttpServer, bound port). `config` is
+def start_http(engine: Engine, model_id: str, config):
+    """Serve the OpenAI-compatible API for `engine` on the gRPC event loop: (HttpServer, bound port). `config` is
     a tether.shared.openai_app.HttpConfig."""
     from tether.shared.openai_app import HttpServer, OpenAIApp
 
-    app = OpenAIApp(ServiceBackend(service, model_id), config, observer=service.metrics.http)
-    app.asgi = http_callers(app.asgi, service.config.api_keys)  # each client's model work counted as its own
+    app = OpenAIApp(EngineBackend(engine, model_id), config, observer=engine.metrics.http)
+    app.asgi = http_callers(app.asgi, engine.config.api_keys)  # each client's model work counted as its own
     server = HttpServer(app, config)
     return server, server.start(event_loop())

@@ -1,7 +1,7 @@
 """Server-only decoding: the target decodes a prompt alone, for the Generate RPC and for the OpenAI-compatible HTTP
 API (tether.server.http_api), through one loop.
 
-Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
+Contract (`PlainDecoder`, owned by the engine, tether.server.engine_core):
 - `check_generation(prompt, sampling)` checks a prompt (ids in the vocabulary, not empty, within
   max_prompt_tokens and the KV pool) and sampling values (tether.server.validation.Checks.sampling: the controls,
   stop_token_ids) before anything is allocated: RequestError otherwise.
@@ -18,14 +18,13 @@ Contract (`PlainDecoding`, a part of tether.server.service.TetherService):
   when the step in flight on a model thread ends (work not yet started is dropped: tether.server.model_work);
   `released` is called then. A full pool raises RequestError(REASON_CAPACITY) with retry advice, and so does a
   caller over its share of the model threads' queue.
-- `Generate` is the RPC: the prompt checked, then `decode`'s chunks as GeneratedTokens, ending after any of
-  `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
-  stream runs to its length) and the request's stop_token_ids. With SamplingParams.logprobs each message carries its
-  tokens' log-probabilities (GeneratedTokens.logprobs), as `decode` reports them.
+- `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
+  stream runs to its length) and the request's stop_token_ids. The Generate RPC (tether.server.service) streams
+  `decode`'s chunks as GeneratedTokens, with their log-probabilities when asked.
 
-The mixin runs on the service's event loop and uses its table, threads, batcher, checks and metrics.
+Its methods run on the engine's event loop; it is given the engine's table, model threads, batcher and checks.
 
-    async with contextlib.aclosing(service.decode(prompt, pb.SamplingParams(), 64)) as chunks:
+    async with contextlib.aclosing(engine.plain.decode(prompt, pb.SamplingParams(), 64)) as chunks:
         async for tokens in chunks:
             ...
 """
@@ -33,15 +32,16 @@ The mixin runs on the service's event loop and uses its table, threads, batcher,
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 import torch
 
+from tether.server.batcher import RoundBatcher
 from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
-from tether.server.logprob_wire import wire_logprobs
-from tether.server.validation import invalid, requested_logprobs, sampling_controls
+from tether.server.model_work import ModelWork
+from tether.server.sessions import SessionTable
+from tether.server.validation import Checks, invalid, sampling_controls
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
 from tether.shared.sampling import TokenLogprobs
 from tether.shared.speculative import DraftTree, through_stop
@@ -50,11 +50,15 @@ from tether.v1 import tether_pb2 as pb
 POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
 
 
-class PlainDecoding:
-    """Generate and the HTTP API's decoding, over TetherService's state (see the module docstring)."""
+class PlainDecoder:
+    """Generate's and the HTTP API's decoding (see the module docstring)."""
 
-    _generating: int  # server-only generations decoding now (event loop only; TetherService starts it at 0)
-    eos_ids: tuple[int, ...]  # every end-of-text id of the model (TetherService)
+    def __init__(self, target, config, table: SessionTable, work: ModelWork, batcher: RoundBatcher, check: Checks,
+                 eos_ids: tuple[int, ...]):  # fmt: skip
+        self.target, self.config, self.table, self.work, self.batcher, self.check = (target, config, table, work,
+                                                                                     batcher, check)  # fmt: skip
+        self.eos_ids = eos_ids  # every end-of-text id of the model
+        self.generating = 0  # server-only generations decoding now (event loop only: no lock)
 
     def check_generation(self, prompt: Sequence[int], sampling: pb.SamplingParams) -> list[int]:
         """A server-only generation's prompt and sampling, checked before anything is allocated (Generate and the
@@ -65,26 +69,6 @@ class PlainDecoding:
         self.check.sampling(sampling)
         self.check.fits_pool(len(ids), "prompt")
         return ids
-
-    async def Generate(self, request: pb.OpenSession, context) -> AsyncIterator[pb.GeneratedTokens]:
-        """Plain decoding on the server, streamed token by token (the baseline tether's drafting competes with)."""
-        try:
-            self.check.fingerprint(request.model_fingerprint)
-            prompt = self.check_generation(request.prompt, request.sampling)
-        except RequestError as e:
-            await self._abort(context, e, "generate")
-        top = requested_logprobs(request.sampling)  # checked by check_generation
-        reported = None if top is None else []
-        chunks = self.decode(prompt, request.sampling, request.max_new_tokens, stop_ids=self.stop_ids(request.sampling),
-                             logprobs=reported, top_logprobs=top or 0)  # fmt: skip
-        try:
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    self.metrics.bytes_out.labels(kind="tokens").inc(4 * len(chunk))
-                    entries = wire_logprobs(reported[-len(chunk) :]) if reported is not None else ()
-                    yield pb.GeneratedTokens(tokens=chunk, logprobs=entries)
-        except RequestError as e:
-            await self._abort(context, e, "generate")
 
     def stop_ids(self, sampling: pb.SamplingParams) -> frozenset[int]:
         """The ids that end a generation: the request's stop tokens, and the end-of-text ids unless it ignores them."""
@@ -100,7 +84,8 @@ class PlainDecoding:
         the length ends it). RequestError(REASON_CAPACITY) when the KV pool is full.
         Closing the generator ends the generation at once; its KV goes back when the step in flight (if any) has
         finished, and then `released` is called (on whichever thread that is)."""
-        n = min(self._max_new(max_new_tokens), self.target.cfg.max_seq_len - len(prompt))
+        limit = self.config.max_new_tokens
+        n = min(min(max_new_tokens or limit, limit), self.target.cfg.max_seq_len - len(prompt))
         generator = torch.Generator().manual_seed(sampling.seed)
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)
@@ -122,7 +107,7 @@ class PlainDecoding:
 
         # A stream alone decodes 16 chained steps per replay; with others, each stream's next token is a round of the
         # batcher, verified in one step with every other stream's and every Session's rounds.
-        self._generating += 1  # handlers all run on the one event loop: no lock
+        self.generating += 1
         work: concurrent.futures.Future | None = None
         try:
             work = self.work.submit(ver.open, prompt, stoppable=True)
@@ -130,7 +115,7 @@ class PlainDecoding:
             yield reported([token])
             left = 0 if token in stop else n - 1
             while left > 0 and ver.room > 0:
-                if self._generating == 1:
+                if self.generating == 1:
                     work = self.work.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
                     chunk = await self.work.wait(work)
                 else:
@@ -142,7 +127,7 @@ class PlainDecoding:
         except PoolExhausted:
             raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S) from None
         finally:
-            self._generating -= 1
+            self.generating -= 1
             if work is None or work.done():
                 give_back()
             else:  # still running on a thread: the cache goes back when it is done with it

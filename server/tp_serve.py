@@ -241,7 +241,7 @@ def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_distributed("nccl" if device == "cuda" else "gloo")
     cmd_group = dist.new_group(backend="gloo")
-    from tether.server.generate import load
+    from tether.server.model_loading import load
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     model, _ = load(model_dir, dev, dtype, attention, fused=False)

@@ -43,7 +43,7 @@ from rich.console import Console
 
 from tether.server.corpus import CorpusManifest
 from tether.server.engine import SpeculativeEngine
-from tether.server.generate import default_model_dir
+from tether.server.model_loading import default_model_dir
 from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import require_device

@@ -76,7 +76,7 @@ def _servers_released():
     for server in list(_made["servers"]):
         server.stop(None)  # a no-op for one already stopped
     for service in list(_made["services"]):
-        service.close()
+        service.engine.close()
     _made["servers"] = weakref.WeakSet()
     _made["services"] = weakref.WeakSet()
 

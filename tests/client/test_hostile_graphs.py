@@ -266,7 +266,9 @@ def test_a_part_with_a_hostile_graph_is_refused_before_onnxruntime_sees_it(serve
     real = ort.InferenceSession
     monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: created.append(1) or real(*a, **k))
     with pytest.raises(ServerDataError) as e:
-        fetch_onnx_part(Tamper(s.stub, files=loop_in_step(s.service.exporter.part("fp32"))), s.info, tmp_path / "c")
+        fetch_onnx_part(
+            Tamper(s.stub, files=loop_in_step(s.service.engine.exporter.part("fp32"))), s.info, tmp_path / "c"
+        )
     assert e.value.problem == Problem.GRAPH and "step.onnx" in str(e.value) and "\n" not in str(e.value)
     assert created == []
 
@@ -288,7 +290,7 @@ def test_tether_client_ends_in_one_line_with_status_2(servers, tmp_path, capsys)
     s = servers()
     liar = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     tether_pb2_grpc.add_TetherServicer_to_server(
-        LyingServer(s.stub, loop_in_step(s.service.exporter.part("fp32"))), liar
+        LyingServer(s.stub, loop_in_step(s.service.engine.exporter.part("fp32"))), liar
     )
     port = liar.add_insecure_port("127.0.0.1:0")
     liar.start()

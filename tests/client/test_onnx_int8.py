@@ -22,7 +22,7 @@ from tether.client import onnx_drafter
 from tether.client.onnx_drafter import OnnxDrafter, load_stored
 from tether.client.onnx_int8 import MS_DOMAIN, int8_matmuls, seven_bit
 from tether.server.client_export import ClientExporter
-from tether.server.generate import load
+from tether.server.model_loading import load
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint

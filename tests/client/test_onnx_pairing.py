@@ -29,9 +29,11 @@ from tether.client.errors import Problem, ServerDataError
 from tether.client.onnx_drafter import ArrayDelta
 from tether.client.onnx_pairing import OnnxClientPart, fetch_onnx_part
 from tether.client.pairing import build_client_models, fetch_client_part
-from tether.server.generate import load as load_model
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load as load_model
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.codecs import Codec, encode_many
@@ -53,8 +55,8 @@ class Served:
         self.target, self.tok = load_model(toy_model_dir(), "cpu")
         self.drafter = load_drafter(toy_model_dir(name), self.target)
         fp = fingerprint(toy_model_dir())
-        self.service = TetherService(self.target, self.drafter, self.tok, ServiceConfig(), model_fingerprint=fp,
-                                     export_dir=export_dir)  # fmt: skip
+        self.service = TetherService(Engine(self.target, self.drafter, self.tok, ServiceConfig(), model_fingerprint=fp,
+                                     export_dir=export_dir))  # fmt: skip
         self.server, port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -65,7 +67,7 @@ class Served:
     def close(self):
         self.channel.close()
         self.server.stop(grace=None)
-        self.service.close()
+        self.service.engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +171,7 @@ class Relay:
 
 def test_a_broken_download_resumes_and_a_cached_part_is_not_fetched_again(servers, tmp_path):
     s = servers()
-    exports = s.service.exporter.exports
+    exports = s.service.engine.exporter.exports
     cut = Relay(s.stub, cut_after=7)  # the manifest, the small files, then into step.safetensors's 10 MiB
     with pytest.raises(ConnectionError):
         fetch_onnx_part(cut, s.info, tmp_path)
@@ -183,7 +185,7 @@ def test_a_broken_download_resumes_and_a_cached_part_is_not_fetched_again(server
     cached = Relay(s.stub)
     assert fetch_onnx_part(cached, s.info, tmp_path).nbytes == part.nbytes
     assert [r.manifest_only for r in cached.requests] == [True]  # the manifest, and nothing else to fetch
-    assert s.service.exporter.exports == max(exports, 1)  # exported once for this server, whoever asked
+    assert s.service.engine.exporter.exports == max(exports, 1)  # exported once for this server, whoever asked
 
 
 class Tamper(Relay):
@@ -282,7 +284,7 @@ HOSTILE = {
 def test_a_hostile_part_is_refused_with_its_problem(servers, tmp_path, case):
     s = servers()
     edit, files, problem = HOSTILE[case]
-    liar = Tamper(s.stub, edit, files(s.service.exporter.part("fp32")) if files else None)
+    liar = Tamper(s.stub, edit, files(s.service.engine.exporter.part("fp32")) if files else None)
     with pytest.raises(ServerDataError) as e:
         fetch_onnx_part(liar, s.info, tmp_path / "cache")
     assert e.value.problem == problem, e.value
@@ -310,7 +312,7 @@ def test_a_graph_that_names_a_file_we_did_not_supply_does_not_load(servers, tmp_
     step.safetensors: onnxruntime would read it from the working directory, where such a file now lies. The graph
     check refuses it (external data the description does not list) before onnxruntime sees it."""
     s = servers()
-    part = s.service.exporter.part("fp32")
+    part = s.service.engine.exporter.part("fp32")
     files = rewritten(drop_embeddings, lambda d: d["graphs"]["step"]["weights"]["tensors"].pop(
         "target.embed_tokens.weight"))(part)  # fmt: skip
     monkeypatch.chdir(tmp_path)

@@ -23,9 +23,12 @@ from tether.client.server_only import ServerOnlySession, fetch_tokenizer, server
 from tether.client.session import ClientConfig, EdgeSession
 from tether.client.transport import FormatNotOffered
 from tether.client.weight_cache import WeightCache
-from tether.server.generate import GenerateConfig, generate_text, load
+from tether.server.engine_core import Engine
+from tether.server.generate import GenerateConfig, generate_text
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.tokenizer import Tokenizer
@@ -41,8 +44,8 @@ class Served:
     """A server of the toy target, with its drafter or none, and a stub on its own channel."""
 
     def __init__(self, target, tok, drafter=None):
-        self.service = TetherService(target, drafter, tok, ServiceConfig(),
-                                     model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
+        self.service = TetherService(Engine(target, drafter, tok, ServiceConfig(),
+                                     model_fingerprint=fingerprint(toy_model_dir())))  # fmt: skip
         self.server, port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
@@ -53,7 +56,7 @@ class Served:
     def close(self) -> None:
         self.channel.close()
         self.server.stop(None)
-        self.service.close()
+        self.service.engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,11 @@ from toy_models import toy_model_dir
 
 from tether.client.session import AFFINITY_HEADER, ClientConfig, EdgeSession
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import SERVICE_NAME, make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.v1 import tether_pb2 as pb
@@ -224,8 +226,8 @@ class Recorder(grpc.aio.ServerInterceptor):
 class Replica:
     def __init__(self, models):
         target, drafter, tok, _ = models
-        self.service = TetherService(target, drafter, tok, ServiceConfig(api_keys=frozenset({API_KEY})),
-                                     model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
+        self.service = TetherService(Engine(target, drafter, tok, ServiceConfig(api_keys=frozenset({API_KEY})),
+                                     model_fingerprint=fingerprint(toy_model_dir())))  # fmt: skip
         self.recorder = Recorder()
         self.server, self.port = make_server(self.service, "127.0.0.1:0", interceptors=[self.recorder])
         self.server.start()
@@ -465,7 +467,7 @@ def test_failover_through_envoy_when_the_sessions_replica_dies(models, certs, cl
         while len(session.tokens) < 30:
             time.sleep(0.01)
         for i, r in enumerate(replicas):
-            if r.service.sessions:
+            if r.service.engine.sessions:
                 r.stop()
                 killed.append(i)
                 return

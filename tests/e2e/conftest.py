@@ -4,9 +4,11 @@ import pytest
 from toy_models import toy_model_dir
 
 from tether.client import session as session_module
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -21,8 +23,8 @@ def start_server():
     def start(edit=None):
         target, tok = load(toy_model_dir(), "cpu")
         drafter = load_drafter(toy_model_dir("drafter"), target)
-        service = TetherService(target, drafter, tok, ServiceConfig(),
-                                model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
+        service = TetherService(Engine(target, drafter, tok, ServiceConfig(),
+                                model_fingerprint=fingerprint(toy_model_dir())))  # fmt: skip
         if edit is not None:
             edit(service)
         server, port = make_server(service, "127.0.0.1:0")
@@ -33,14 +35,14 @@ def start_server():
     yield start
     for server, service in servers:
         server.stop(None)
-        service.close()  # its batcher thread would keep it, its KV pool among it, to the end of the run
+        service.engine.close()  # its batcher thread would keep it, its KV pool among it, to the end of the run
 
 
 @pytest.fixture(scope="module")
 def default_server(start_server):
     """The toy models' server: (address, tokenizer, model fingerprint)."""
     address, service = start_server()
-    return address, service.tokenizer, service.model_fingerprint
+    return address, service.engine.tokenizer, service.engine.model_fingerprint
 
 
 @pytest.fixture

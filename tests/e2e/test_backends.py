@@ -86,8 +86,8 @@ def tensors_only(start_server):
     """A server from before the ONNX client part: its model info lists the tensors alone."""
 
     def tensors_only(service):
-        del service.model_info.client_part_formats[:]
-        service.model_info.client_part_formats.append(pb.CLIENT_PART_TENSORS)
+        del service.engine.model_info.client_part_formats[:]
+        service.engine.model_info.client_part_formats.append(pb.CLIENT_PART_TENSORS)
 
     return start_server(tensors_only)[0]
 

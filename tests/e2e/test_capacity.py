@@ -15,10 +15,12 @@ import torch
 from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import load
+from tether.server.engine_core import Engine
 from tether.server.kv_pool import KVPool
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -50,7 +52,7 @@ def test_sixteen_clients_on_a_server_too_small_for_them_all_finish_with_plain_gr
     config = ServiceConfig(max_sessions=8) if limit == "sessions" else ServiceConfig(
         kv_pool_bytes=_pool_bytes(target, 5 * per_session)
     )  # fmt: skip
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fingerprint(toy_model_dir()))
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fingerprint(toy_model_dir())))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     cfg = ClientConfig(server=f"127.0.0.1:{port}", max_new_tokens=N_NEW, policy="rewind", k=4,
@@ -95,7 +97,7 @@ def test_sixteen_clients_on_a_server_too_small_for_them_all_finish_with_plain_gr
         server.stop(None)
     for i, r in enumerate(results):
         assert r.token_ids == plain[i], f"client {i} differs from plain greedy decoding"
-    get = service.metrics.registry.get_sample_value
+    get = service.engine.metrics.registry.get_sample_value
     if limit == "sessions":
         assert get("tether_evictions_total", {"reason": "sessions"}) >= CLIENTS - 8  # the pressure was real
         assert sum(r.stats.rebuilt for r in results) >= 1
@@ -104,4 +106,4 @@ def test_sixteen_clients_on_a_server_too_small_for_them_all_finish_with_plain_gr
             r.stats.outages for r in results
         )  # fmt: skip
         assert pressure >= 1
-    assert not service.sessions and service.pool.used_blocks == 0  # every client closed its session
+    assert not service.engine.sessions and service.engine.pool.used_blocks == 0  # every client closed its session

@@ -25,9 +25,11 @@ from toy_models import toy_model_dir
 from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, SessionLost, State
 from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -53,7 +55,7 @@ def models():
 
 def make_service(models) -> TetherService:
     target, drafter, tok, _ = models
-    return TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
+    return TetherService(Engine(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir())))
 
 
 def serve(service: TetherService, port: int = 0):
@@ -68,7 +70,7 @@ def stop(server) -> None:
 
 
 def server_verifier(service: TetherService, session_id: str):
-    return service.sessions[session_id].verifier
+    return service.engine.sessions[session_id].verifier
 
 
 def after_each_resync_call(service: TetherService, hook) -> None:
@@ -85,7 +87,7 @@ def after_each_resync_call(service: TetherService, hook) -> None:
 
 
 def refused(service: TetherService, code: str) -> float:
-    return service.metrics.registry.get_sample_value("tether_errors_total", {"code": code}) or 0.0
+    return service.engine.metrics.registry.get_sample_value("tether_errors_total", {"code": code}) or 0.0
 
 
 # ---- faults struck on events ------------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def run_with_faults(models, tmp_path, policy: str, outages: list[Outage], on_eve
     after_each_resync_call(service, lambda: holder[0].on_resync_call())
     server, port = serve(service)
     if limit:  # the service's own check only: gRPC's limit stays, so the weights still come in big chunks
-        service.config = dataclasses.replace(service.config, max_message_bytes=limit)
+        service.engine.config = dataclasses.replace(service.engine.config, max_message_bytes=limit)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
     session = EdgeSession(client_config(sim.address, tmp_path, policy, piece))
@@ -424,5 +426,5 @@ def test_opens_that_fail_leave_no_stream_behind(models, tmp_path, monkeypatch):
         session.close()
         sim.stop()
         stop(server)
-        service.close()
+        service.engine.close()
     assert len(made) == 3 and all(id(s) in closed for s in made)

@@ -32,9 +32,11 @@ from tether.client.cli import main
 from tether.client.server_only import ServerOnlySession, load_tokenizer
 from tether.client.session import ClientConfig, EdgeSession
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
@@ -67,8 +69,8 @@ def servers(models):
     def start(drafter: bool = True, template: str | None = None):
         target, draft, tok = models
         chat = ChatFormat(template, {}, tok) if template else None
-        service = TetherService(target, draft if drafter else None, tok, ServiceConfig(),
-                                model_fingerprint=fingerprint(toy_model_dir()), chat_format=chat)  # fmt: skip
+        service = TetherService(Engine(target, draft if drafter else None, tok, ServiceConfig(),
+                                model_fingerprint=fingerprint(toy_model_dir()), chat_format=chat))  # fmt: skip
         server, port = make_server(service, "127.0.0.1:0")
         server.start()
         started.append((server, service))
@@ -77,7 +79,7 @@ def servers(models):
     yield start
     for server, service in started:
         server.stop(None)
-        service.close()  # its batcher and executor threads would keep it, its KV pool among it, to the end
+        service.engine.close()  # its batcher and executor threads would keep it, its KV pool among it, to the end
 
 
 def config(address: str, tmp_path, **kw) -> ClientConfig:
@@ -108,18 +110,18 @@ def fresh_reply(address: str, tmp_path, prompt_ids: list[int], stop_ids) -> list
 def test_a_chat_keeps_one_server_session_and_its_replies_are_a_fresh_sessions(servers, tmp_path):
     address, service = servers(template=VERBATIM)
     chat, session = paired_chat(address, tmp_path)
-    opened = service.metrics.registry.get_sample_value("tether_sessions_opened_total") or 0
+    opened = service.engine.metrics.registry.get_sample_value("tether_sessions_opened_total") or 0
     ids, results = [], []
     try:
         for text in TURNS:
             results.append(chat.reply(text))
             ids.append(session.session_id)
-        assert service.sessions.keys() == {ids[0]}  # one session, still held between turns
+        assert service.engine.sessions.keys() == {ids[0]}  # one session, still held between turns
     finally:
         chat.close()
-    assert not service.sessions  # closed at the end
+    assert not service.engine.sessions  # closed at the end
     assert len(set(ids)) == 1 and [r.stats.reopened for r in results] == [0, 0, 0]
-    assert (service.metrics.registry.get_sample_value("tether_sessions_opened_total") or 0) == opened + 1
+    assert (service.engine.metrics.registry.get_sample_value("tether_sessions_opened_total") or 0) == opened + 1
     for prev, r in zip(results, results[1:], strict=False):  # the turn's Resync: only what the session lacked
         held = len(prev.prompt_ids) + len(prev.token_ids) - 1  # all but the last token (the root) was verified
         assert r.stats.resync_bytes == [(4 * (len(r.prompt_ids) - held), r.stats.resync_bytes[0][1])]
@@ -173,7 +175,7 @@ def test_the_server_unreachable_between_turns_drafts_alone_then_resyncs_into_the
     assert back.tags == ["verified"] * len(back.token_ids) and back.stats.reopened == back.stats.rebuilt == 0
     assert after == held
     assert back.token_ids == fresh_reply(address, tmp_path, back.prompt_ids, chat.conversation.format.stop_ids)
-    assert not service.sessions
+    assert not service.engine.sessions
 
 
 def test_ctrl_c_stops_a_reply_which_stays_in_the_conversation(servers, tmp_path):
@@ -198,7 +200,7 @@ def test_ctrl_c_stops_a_reply_which_stays_in_the_conversation(servers, tmp_path)
     assert chat.conversation.messages[1] == {"role": "assistant",
                                              "content": session.models.tokenizer.decode(cut.token_ids)}  # fmt: skip
     assert not whole.stats.stopped and whole.stats.reopened == 0
-    assert not service.sessions
+    assert not service.engine.sessions
 
 
 # ---- the command line ----------------------------------------------------------------------------------------
@@ -212,15 +214,15 @@ def test_chat_from_a_pipe_answers_each_line_and_closes_its_session(servers, tmp_
     out, err = capsys.readouterr()
     assert err.startswith(f"connecting to {address}\n")
     assert err.count("tokens/s") == len(TURNS) and "first token" in err
-    assert out.count("\n") >= len(TURNS) and not service.sessions
+    assert out.count("\n") >= len(TURNS) and not service.engine.sessions
 
 
 def test_a_chat_in_the_builtin_template_keeps_one_server_session(servers, tmp_path, monkeypatch, capsys):
     """The toy models' replies start with a newline or a space after "assistant:"; the built-in template renders
     them back exactly, so every turn extends the server session (a Resync) and none reopens it."""
     address, service = servers()
-    assert json.loads(service.model_info.chat_format_json)["builtin"]
-    metric = service.metrics.registry.get_sample_value
+    assert json.loads(service.engine.model_info.chat_format_json)["builtin"]
+    metric = service.engine.metrics.registry.get_sample_value
     opened = metric("tether_sessions_opened_total") or 0
     extended = metric("tether_resyncs_total", {"outcome": "extended"}) or 0
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TURNS) + "\n"))
@@ -229,7 +231,7 @@ def test_a_chat_in_the_builtin_template_keeps_one_server_session(servers, tmp_pa
     assert capsys.readouterr().err.count("tokens/s") == len(TURNS)
     assert (metric("tether_sessions_opened_total") or 0) == opened + 1
     assert (metric("tether_resyncs_total", {"outcome": "extended"}) or 0) == extended + len(TURNS) - 1
-    assert not service.sessions
+    assert not service.engine.sessions
 
 
 def test_a_message_the_template_refuses_is_answered_in_one_line_and_the_chat_goes_on(servers, tmp_path, monkeypatch,
@@ -244,7 +246,7 @@ def test_a_message_the_template_refuses_is_answered_in_one_line_and_the_chat_goe
     err = capsys.readouterr().err
     refusals = [line for line in err.splitlines() if line.startswith("[tether: not sent:")]
     assert refusals == ["[tether: not sent: the chat template refused the conversation: no such message]"]
-    assert err.count("tokens/s") == 1 and "Traceback" not in err and not service.sessions
+    assert err.count("tokens/s") == 1 and "Traceback" not in err and not service.engine.sessions
 
 
 def test_ctrl_c_in_generate_ends_it_with_130_and_closes_the_session(servers, tmp_path, monkeypatch, capsys):
@@ -262,7 +264,7 @@ def test_ctrl_c_in_generate_ends_it_with_130_and_closes_the_session(servers, tmp
     args = ["generate", "--server", address, "--prompt", PROMPT, "--cache-dir", str(tmp_path / "cache"), "--plain"]
     assert main(args) == 130
     err = capsys.readouterr().err
-    assert "stopped" in err and "Traceback" not in err and not service.sessions
+    assert "stopped" in err and "Traceback" not in err and not service.engine.sessions
 
 
 def test_generate_reads_the_prompt_from_stdin_or_a_file_and_reports_ttft_and_rate(servers, tmp_path, monkeypatch,
@@ -311,18 +313,18 @@ def test_generate_and_chat_stream_from_a_server_without_a_drafter(servers, model
     assert "server-only" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TURNS[:2]) + "\n"))
     assert main(["chat", *common]) == 0
-    assert capsys.readouterr().err.count("server-only") == 2 and not service.sessions
+    assert capsys.readouterr().err.count("server-only") == 2 and not service.engine.sessions
 
 
 def test_a_tampered_tokenizer_from_a_server_without_a_drafter_is_refused_in_one_line(servers, tmp_path, capsys):
     address, service = servers(drafter=False)
-    data = service.tokenizer_files[TOKENIZER_TENSOR]
-    service.tokenizer_files = {TOKENIZER_TENSOR: data[:-2] + b" }"}  # the manifest's sha256 no longer holds
+    data = service.engine.tokenizer_files[TOKENIZER_TENSOR]
+    service.engine.tokenizer_files = {TOKENIZER_TENSOR: data[:-2] + b" }"}  # the manifest's sha256 no longer holds
     try:
         args = ["generate", "--prompt", PROMPT, "--server", address, "--cache-dir", str(tmp_path / "cache")]
         assert main(args) == 2
     finally:
-        service.tokenizer_files = {TOKENIZER_TENSOR: data}
+        service.engine.tokenizer_files = {TOKENIZER_TENSOR: data}
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and err.startswith(f"connecting to {address}\n")
     assert "invalid weight checksum" in err and "Traceback" not in err

@@ -35,7 +35,7 @@ from tether.client.controls import ControlsNotOffered
 from tether.client.edge_api import EdgeBackend, chat_format
 from tether.client.server_only import ServerOnlySession
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import load
+from tether.server.model_loading import load
 from tether.server.verifier import SequenceVerifier
 from tether.shared.drafter import load_drafter
 from tether.shared.logits_processing import SamplingControls
@@ -112,10 +112,10 @@ def server(served):
     """The module's server for one test: its watch reset, and its model info as served again afterwards."""
     address, service, watch = served
     info = pb.ModelInfo()
-    info.CopyFrom(service.model_info)
+    info.CopyFrom(service.engine.model_info)
     watch.reset()
     yield served
-    service.model_info.CopyFrom(info)
+    service.engine.model_info.CopyFrom(info)
     watch.reset()
 
 
@@ -210,10 +210,10 @@ def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(server, paired
         plain = session.run(PROMPT).token_ids
     finally:
         session.close()
-    eos = service.tokenizer.eos_id
+    eos = service.engine.tokenizer.eos_id
     assert eos not in plain[:8] and len(plain) == 12
     # The model's second end-of-text id, as a Llama 3 instruct model lists two; then a stop id of the request.
-    service.model_info.eos_ids[:] = [eos, plain[5]]
+    service.engine.model_info.eos_ids[:] = [eos, plain[5]]
     for cfg, end in ((base, plain[5]), (dataclasses.replace(base, stop_token_ids=(plain[3],)), plain[3])):
         want = plain[: plain.index(end) + 1]
         session = EdgeSession(cfg)
@@ -240,7 +240,7 @@ def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(server, mod
     assert end not in [first, *drafts[:3]] and end != tok.eos_id
     address, service, watch = server
     watch.reset(cut=True)
-    service.model_info.eos_ids[:] = [tok.eos_id, end]  # as Llama 3 instruct lists <|end_of_text|>, <|eot_id|>
+    service.engine.model_info.eos_ids[:] = [tok.eos_id, end]  # as Llama 3 instruct lists <|end_of_text|>, <|eot_id|>
     session = EdgeSession(config(address, paired_once, max_offline_tokens=OFFLINE))
     try:
         result = session.run(PROMPT)
@@ -389,14 +389,14 @@ def test_the_edge_api_passes_a_requests_controls_to_its_session(server, paired_o
 
 def test_a_server_that_does_not_apply_the_controls_is_refused_before_a_download(server, tmp_path):
     address, service, _ = server
-    service.model_info.sampling_controls = False  # as a server older than the controls says
+    service.engine.model_info.sampling_controls = False  # as a server older than the controls says
     session = EdgeSession(config(address, str(tmp_path), presence_penalty=0.5))
     try:
         with pytest.raises(ControlsNotOffered, match="presence_penalty"):
             session.pair()
         info = session.model_info()
         with pytest.raises(ControlsNotOffered, match="presence_penalty"):
-            ServerOnlySession(session.stub, session.metadata, session.cfg, info, service.tokenizer)
+            ServerOnlySession(session.stub, session.metadata, session.cfg, info, service.engine.tokenizer)
     finally:
         session.close()
     assert not any(tmp_path.iterdir())  # nothing was downloaded

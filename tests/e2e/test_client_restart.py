@@ -12,9 +12,11 @@ import sys
 import torch
 from toy_models import toy_model_dir
 
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -43,7 +45,9 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_killed_client_resumes_from_its_session_file(tmp_path):
     target, tok = load(toy_model_dir(), "cpu")
     drafter = load_drafter(toy_model_dir("drafter"), target)
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
+    service = TetherService(
+        Engine(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
+    )
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     state = tmp_path / "session.json"

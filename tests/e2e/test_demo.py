@@ -18,7 +18,7 @@ from rich.console import Console
 
 from tether.client.session_types import Event, Result, State, Stats
 from tether.client.split_view import STATUS_ROWS, SplitView
-from tether.server.generate import default_model_dir
+from tether.server.model_loading import default_model_dir
 from tether.shared.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)

@@ -198,7 +198,7 @@ def stopped(monkeypatch) -> threading.Event:
 
 def closed_on_the_server(endpoint: Endpoint, service, ids: list[str]) -> bool:
     assert endpoint.backend.wait_released(BOUND_S)
-    held = service.sessions
+    held = service.engine.sessions
     return bool(ids) and all(i and i not in held for i in ids)
 
 
@@ -225,7 +225,7 @@ def test_greedy_completion_equals_tether_server_generate(keep, reference):
 def test_chat_streaming_and_not_with_the_servers_template(keep, upstream):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os"}]
     done = keep.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
-    chat = upstream[1].chat_format
+    chat = upstream[1].engine.chat_format
     assert done.usage.prompt_tokens == len(chat.encode(chat.render(messages)))
     assert done.choices[0].message.role == "assistant" and done.object == "chat.completion"
     chunks = list(keep.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
@@ -267,8 +267,8 @@ def test_the_servers_limits_and_refusals_as_openai_errors(keep, upstream):
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     assert httpx.post(url, json={"prompt": "x", "max_tokens": 129}, timeout=BOUND_S).status_code == 400
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
-    pool = service.pool
-    hog = service.table.lend(pool.num_blocks * pool.block_size)  # every free block of the server's KV pool taken
+    pool = service.engine.pool
+    hog = service.engine.table.lend(pool.num_blocks * pool.block_size)  # every free block of the server's KV pool taken
     try:
         hog.reserve(pool.free_blocks * pool.block_size)
         for stream in (False, True):
@@ -276,7 +276,7 @@ def test_the_servers_limits_and_refusals_as_openai_errors(keep, upstream):
             assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
             assert r.json()["error"]["code"] == "overloaded" and "full" in r.json()["error"]["message"]
     finally:
-        service.table.give_back(hog)
+        service.engine.table.give_back(hog)
     keep.sim.cut()  # the server cannot be reached: nothing can be drafted before it has verified the prompt
     try:
         r = httpx.post(url, json=body, timeout=BOUND_S)
@@ -348,7 +348,7 @@ def test_a_stop_string_ends_the_generation_and_its_server_session(keep, upstream
     stop = text[40:44]
     want = text[: text.index(stop)]
     covering = next(n for n in range(1, N_LONG + 1)
-                    if stop in upstream[1].tokenizer.decode(reference_long["token_ids"][:n]))  # fmt: skip
+                    if stop in upstream[1].engine.tokenizer.decode(reference_long["token_ids"][:n]))  # fmt: skip
     hold = Hold(stopped, after=covering)  # the text holding the stop string was sent; nothing more until stopped
     sessions: list[EdgeSession] = []
     ids: list[str] = []

@@ -94,8 +94,8 @@ def eos_of(edge: Endpoint) -> int:
 def target_logprobs(service, prompt: list[int], tokens: list[int], top: int) -> list:
     """The target's greedy logprobs of `tokens` after `prompt`: one forward over the sequence, each row the
     distribution of the next position (no controls: the rule at temperature 1)."""
-    cache = service.target.new_cache(1, len(prompt) + len(tokens))
-    rows = service.target.prefill(torch.tensor([prompt + tokens[:-1]]), cache).logits[0, len(prompt) - 1 :]
+    cache = service.engine.target.new_cache(1, len(prompt) + len(tokens))
+    rows = service.engine.target.prefill(torch.tensor([prompt + tokens[:-1]]), cache).logits[0, len(prompt) - 1 :]
     return [token_logprobs(r.float().numpy(), t, top) for r, t in zip(rows, tokens, strict=True)]
 
 
@@ -123,8 +123,8 @@ def test_the_server_only_path_sends_ignore_eos_and_bench_link_asks_it(served, ed
         lengths = []
         for ignore in (False, True):
             cfg = ClientConfig(server=address, max_new_tokens=N, logit_bias=((eos, 100.0),), ignore_eos=ignore)
-            run = ServerOnlySession(session.stub, session.metadata, cfg, info, service.tokenizer, stop_ids=())
-            lengths.append(len(run.run(service.tokenizer.encode(PROMPT)).token_ids))
+            run = ServerOnlySession(session.stub, session.metadata, cfg, info, service.engine.tokenizer, stop_ids=())
+            lengths.append(len(run.run(service.engine.tokenizer.encode(PROMPT)).token_ids))
     finally:
         session.close()
     assert lengths == [1, N]  # Generate stops at end-of-text unless told, whatever the client's own stop ids
@@ -144,7 +144,7 @@ def test_penalties_in_a_request_decide_its_tokens_as_on_the_server(served, edge,
     address, service, _ = served
     fields = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05)
     complete(edge, max_tokens=2 * N, temperature=0, ignore_eos=True, **fields)
-    prompt, fp = service.tokenizer.encode(PROMPT), service.model_fingerprint
+    prompt, fp = service.engine.tokenizer.encode(PROMPT), service.engine.model_fingerprint
     with grpc.insecure_channel(address) as channel:
         stub = tether_pb2_grpc.TetherStub(channel)
 
@@ -163,7 +163,7 @@ def test_verified_tokens_carry_the_servers_logprobs(served, edge, emitted):
     service = served[1]
     body = complete(edge, max_tokens=N, temperature=0, logprobs=3)
     choice = choice_of(body)
-    want = target_logprobs(service, service.tokenizer.encode(PROMPT), emitted, 3)
+    want = target_logprobs(service, service.engine.tokenizer.encode(PROMPT), emitted, 3)
     lp = choice["logprobs"]
     assert len(emitted) == N and choice["tether"]["drafter_logprobs"] == []
     assert lp["token_logprobs"] == pytest.approx([e.logprob for e in want], abs=1e-3)
@@ -199,7 +199,7 @@ def test_offline_tokens_carry_the_drafters_own_logprobs_named_in_the_choice(serv
     assert len(values) == len(emitted) and all(math.isfinite(v) and v <= 0 for v in values)
     for i in drafted:  # greedy: each token is the drafter's most probable one, so its top entry
         assert max(choice["logprobs"]["top_logprobs"][i].values()) == pytest.approx(values[i])
-    want = [e.logprob for e in target_logprobs(service, service.tokenizer.encode(PROMPT), emitted, 2)]
+    want = [e.logprob for e in target_logprobs(service, service.engine.tokenizer.encode(PROMPT), emitted, 2)]
     verified = [i for i in range(len(values)) if i not in drafted]
     assert [values[i] for i in verified] == pytest.approx([want[i] for i in verified], abs=1e-3)
     assert [values[i] for i in drafted] != pytest.approx([want[i] for i in drafted], abs=1e-3)  # not the target's
@@ -231,7 +231,7 @@ def test_serve_takes_max_n():
 def test_a_sampled_sessions_controls_travel_on_open_and_every_resync_and_rounds_keep_top_k(served, paired_once):
     address, service, watch = served
     watch.reset(cut=True)  # the first verdict cut: OFFLINE tokens alone, then resyncs (one with the history)
-    vocab = service.target.cfg.vocab_size
+    vocab = service.engine.target.cfg.vocab_size
     cfg = ClientConfig(server=address, cache_dir=paired_once, max_new_tokens=24, k=4, tree="chain", pipeline=False,
                        codec="raw", backoff_initial_s=0.01, backoff_max_s=0.05, max_offline_tokens=OFFLINE,
                        temperature=0.9, top_k=3, top_p=0.95, min_p=0.01, presence_penalty=0.2, frequency_penalty=0.1,

@@ -12,9 +12,11 @@ import torch
 from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession, generate
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -29,7 +31,7 @@ def replicas(n: int):
     fp = fingerprint(toy_model_dir())
     out = []
     for _ in range(n):
-        service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fp)
+        service = TetherService(Engine(target, drafter, tok, ServiceConfig(), model_fingerprint=fp))
         server, port = make_server(service, "127.0.0.1:0")
         server.start()
         out.append((service, server, f"127.0.0.1:{port}"))
@@ -37,7 +39,7 @@ def replicas(n: int):
 
 
 def sessions_opened(service: TetherService) -> float:
-    return service.metrics.registry.get_sample_value("tether_sessions_opened_total") or 0.0
+    return service.engine.metrics.registry.get_sample_value("tether_sessions_opened_total") or 0.0
 
 
 def stop(server) -> None:

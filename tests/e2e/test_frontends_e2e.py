@@ -11,9 +11,11 @@ import torch
 from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 
@@ -25,8 +27,8 @@ PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
 def test_the_edge_client_through_front_ends_writes_the_targets_greedy_text(tmp_path):
     target, tok = load(toy_model_dir(), "cpu")
     drafter = load_drafter(toy_model_dir("drafter"), target)
-    service = TetherService(target, drafter, tok, ServiceConfig(api_keys=frozenset({"edge-key"})),
-                            model_fingerprint=fingerprint(toy_model_dir()))  # fmt: skip
+    service = TetherService(Engine(target, drafter, tok, ServiceConfig(api_keys=frozenset({"edge-key"})),
+                            model_fingerprint=fingerprint(toy_model_dir())))  # fmt: skip
     try:
         server, port = make_server(service, "127.0.0.1:0", frontends=2)
         server.start()
@@ -38,12 +40,12 @@ def test_the_edge_client_through_front_ends_writes_the_targets_greedy_text(tmp_p
                 result = session.run(PROMPT)
             finally:
                 session.close()
-            opened = service.metrics.registry.get_sample_value("tether_sessions_opened_total")
-            left = set(service.sessions)
+            opened = service.engine.metrics.registry.get_sample_value("tether_sessions_opened_total")
+            left = set(service.engine.sessions)
         finally:
             server.stop(None)
     finally:
-        service.close()
+        service.engine.close()
     assert result.stats.outages == 0 and set(result.tags) == {"verified"}
     assert result.stats.rounds > 0 and result.stats.weights_bytes > 0
     assert opened == 1 and not left  # one session, the key's, and the client's Close under that key reached it

@@ -18,9 +18,11 @@ from toy_models import toy_model_dir
 
 from tether.client.cli import main
 from tether.client.session import ClientConfig, EdgeSession
-from tether.server.generate import load
+from tether.server.engine_core import Engine
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.codecs import Codec, EncodedTensor, decode_many, encode_many
 from tether.shared.drafter import load_drafter
@@ -38,7 +40,9 @@ def upstream():
     target, tok = load(toy_model_dir(), "cpu")
     drafter = load_drafter(toy_model_dir("drafter"), target)
     plain = list(target.generate(torch.tensor([tok.encode(PROMPT)]), N_NEW))
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
+    service = TetherService(
+        Engine(target, drafter, tok, ServiceConfig(), model_fingerprint=fingerprint(toy_model_dir()))
+    )
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}", plain, target.cfg.vocab_size

@@ -43,10 +43,12 @@ from tether.client.live_view import ChatStream, PlainStream
 from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.client.session_types import Result
 from tether.netsim.proxy import NetSimThread
-from tether.server.generate import load
+from tether.server.engine_core import Engine
 from tether.server.http_api import start_http
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.openai_app import HttpConfig
@@ -84,12 +86,12 @@ class Model:
         chain = [*self.continuation, self.end_of_turn]
         script_greedy(self.folder, {**dict.fromkeys(starts, chain[0]), **dict(zip(chain[:-1], chain[1:], strict=True))})
         target, self.tok = load(self.folder, "cpu")
-        self.service = TetherService(target, tiny_moa_drafter(target), self.tok, ServiceConfig(),
-                                     model_fingerprint=fingerprint(self.folder), chat_format=self.chat)  # fmt: skip
+        self.service = TetherService(Engine(target, tiny_moa_drafter(target), self.tok, ServiceConfig(),
+                                     model_fingerprint=fingerprint(self.folder), chat_format=self.chat))  # fmt: skip
         self.server, port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.address = f"127.0.0.1:{port}"
-        self.http, http_port = start_http(self.service, family, HttpConfig(port=0))
+        self.http, http_port = start_http(self.service.engine, family, HttpConfig(port=0))
         self.api = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
                                  timeout=BOUND_S)  # fmt: skip
 
@@ -102,7 +104,7 @@ class Model:
     def close(self) -> None:
         self.http.stop()
         self.server.stop(None)
-        self.service.close()
+        self.service.engine.close()
 
 
 @pytest.fixture(scope="module", params=sorted(CONTINUATION))

@@ -41,8 +41,8 @@ MAX_OFFLINE = 8  # tokens the client writes alone in one outage before it waits 
 def served(start_server):
     """(address, service, the target's plain greedy continuation of PROMPT)."""
     address, service = start_server()
-    prompt = torch.tensor([service.tokenizer.encode(PROMPT)])
-    return address, service, list(service.target.generate(prompt, N_NEW))
+    prompt = torch.tensor([service.engine.tokenizer.encode(PROMPT)])
+    return address, service, list(service.engine.target.generate(prompt, N_NEW))
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ def chains_only(start_server):
     """A server that verifies chains only: max_tree_nodes 0, what one older than tree rounds says too."""
 
     def no_trees(service):
-        service.model_info.max_tree_nodes = 0
+        service.engine.model_info.max_tree_nodes = 0
 
     return start_server(no_trees)[0]
 
@@ -297,7 +297,7 @@ def test_sampled_rounds_drafted_ahead_and_trees_follow_the_targets_law(served, p
     Trees go without q (point-mass proposals). Fixed seeds, so the outcome is fixed for given code; the same
     statistic tells the target's law at T=0.7 apart (power)."""
     address, service, _ = served
-    target, prompt = service.target, service.tokenizer.encode(SPREAD)
+    target, prompt = service.engine.target, service.engine.tokenizer.encode(SPREAD)
     every, cooler, ahead = LogLikelihood(), LogLikelihood(), 0
     for seed in range(SAMPLES):
         cfg = ClientConfig(server=address, max_new_tokens=EMITTED, temperature=1.0, seed=seed, pipeline=True,

@@ -28,7 +28,7 @@ def test_phases_count_every_step_and_round_and_unwrap(bench):
         assert r["calls"] > 0 and r["wall_s"] >= 0 and r["cpu_s"] >= 0 and r["wall_ms_per_step"] is not None
     opened = [r for r in record["phases"] if r["thread"].startswith("tether-model")]
     assert sum(r["calls"] for r in opened if r["phase"] == "SequenceVerifier.open") == 2  # each client's session
-    assert sum(r["calls"] for r in opened if r["phase"] == "TetherService._delta_parts") == 2
+    assert sum(r["calls"] for r in opened if r["phase"] == "Engine.delta_parts") == 2
     assert rounds.verify_batch is real_verify and service.TetherService._verdict_reply is real_reply
     assert record["hops"] == []  # in process: no front ends to time
 

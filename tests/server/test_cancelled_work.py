@@ -18,8 +18,10 @@ from tiny_models import tiny_moa_drafter, tiny_target
 from tether.client.refusals import Refusal
 from tether.server import batcher as batcher_module
 from tether.server.auth import peer_host
+from tether.server.engine_core import Engine
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -59,7 +61,7 @@ def serve(models):
     def make(frontends: int = 0, **config):
         target, drafter, tok = models
         config = {"max_prompt_tokens": 64, "max_sessions": 8, "model_threads": 1} | config
-        service = TetherService(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP)
+        service = TetherService(Engine(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP))
         server, port = make_server(service, "127.0.0.1:0", frontends=frontends)
         server.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -83,14 +85,14 @@ def test_rounds_whose_callers_went_away_are_dropped_before_the_step_and_free_the
     monkeypatch.setattr(batcher_module, "verify_batch", gate)
     clients = [Client(stub) for _ in range(3)]
     opened = [c.send(open_msg([1, 2, 3, 4, 5])).opened for c in clients]
-    verifiers = [service.sessions[o.session_id].verifier for o in opened]
+    verifiers = [service.engine.sessions[o.session_id].verifier for o in opened]
     for c, o in zip(clients, opened, strict=True):  # A's round is taken into a step, held there; B's and C's queue
         c.outbox.put(pb.ClientMessage(round=pb.DraftRound(round=1, root=o.first_token, tokens=[1, 2])))
         if c is clients[0]:
             assert gate.holding.wait(FAIL_S)
-    until(lambda: service.batcher.inbox.qsize() == 2, "B's and C's rounds queued", FAIL_S)
+    until(lambda: service.engine.batcher.inbox.qsize() == 2, "B's and C's rounds queued", FAIL_S)
     clients[1].replies.cancel()  # B goes away while its round waits for the step in flight
-    b = service.sessions[opened[1].session_id]
+    b = service.engine.sessions[opened[1].session_id]
     until(lambda: b.busy == 0, "B's session released while the step is still held", FAIL_S)
     gate.release.set()
     assert clients[0].replies.next().verdict.round == 1 and clients[2].replies.next().verdict.round == 1
@@ -104,7 +106,7 @@ def test_opens_and_rebuilds_cancelled_while_queued_never_prefill_and_give_their_
     serve, monkeypatch
 ):
     service, stub = serve()
-    target = service.target
+    target = service.engine.target
     gate = Gate(target.prefill, hold=1, record=lambda ids, *a, **kw: ids.shape[1])
     monkeypatch.setattr(target, "prefill", gate)
     first, second = Client(stub), Client(stub)
@@ -112,32 +114,36 @@ def test_opens_and_rebuilds_cancelled_while_queued_never_prefill_and_give_their_
     assert gate.holding.wait(FAIL_S)
     second.outbox.put(open_msg([4, 5, 6, 0]))  # queued behind it
     rebuilds = [stub.Resync.future(rebuild([3, 1, 4, 1, 5, 2, 6])) for _ in range(3)]
-    until(lambda: len(service.sessions) == 5, "an open and three rebuilds queued", FAIL_S)
+    until(lambda: len(service.engine.sessions) == 5, "an open and three rebuilds queued", FAIL_S)
     second.replies.cancel()
     for call in rebuilds:
         call.cancel()
-    until(lambda: len(service.sessions) == 1, "the cancelled calls' sessions retired at once", FAIL_S)
+    until(lambda: len(service.engine.sessions) == 1, "the cancelled calls' sessions retired at once", FAIL_S)
     gate.release.set()
-    assert first.replies.next().opened.session_id in service.sessions
+    assert first.replies.next().opened.session_id in service.engine.sessions
     assert gate.calls == [3]  # one prefill: the first open's; nothing queued behind it ever ran
     first.close()
-    (session,) = service.sessions.values()
+    (session,) = service.engine.sessions.values()
     stub.Close(pb.CloseRequest(session_id=session.id), timeout=FAIL_S)
-    assert service.pool.used_blocks == 0 and service.table.blocks_held() == 0
+    assert service.engine.pool.used_blocks == 0 and service.engine.table.blocks_held() == 0
 
 
 def test_a_long_rebuild_stops_between_prefill_chunks_once_its_caller_has_gone(serve, monkeypatch):
     service, stub = serve(prefill_chunk=4)
-    target = service.target
+    target = service.engine.target
     gate = Gate(target.prefill, hold=2, record=lambda ids, *a, **kw: ids.shape[1])
     monkeypatch.setattr(target, "prefill", gate)
     call = stub.Resync.future(rebuild([(3 * i + 1) % VOCAB for i in range(32)]))  # 8 chunks of 4
     assert gate.holding.wait(FAIL_S)  # in its second chunk
     call.cancel()
     # The cancel reaches the server over the wire: release the chunk only once the server has seen the caller go.
-    until(lambda: service.work.told_to_stop() == 1, "the server told the rebuild its caller has gone", FAIL_S)
+    until(lambda: service.engine.work.told_to_stop() == 1, "the server told the rebuild its caller has gone", FAIL_S)
     gate.release.set()
-    until(lambda: not service.sessions and service.pool.used_blocks == 0, "the rebuild's session retired", FAIL_S)
+    until(
+        lambda: not service.engine.sessions and service.engine.pool.used_blocks == 0,
+        "the rebuild's session retired",
+        FAIL_S,
+    )
     assert gate.calls == [4, 4]  # the chunk in flight finished; none after it started
 
 
@@ -156,7 +162,7 @@ def test_a_session_whose_open_answer_never_went_out_is_retired_and_one_answered_
 
         handler = service.Session(messages(), None)
         sid = (await anext(handler)).opened.session_id
-        assert sid in service.sessions
+        assert sid in service.engine.sessions
         if answered:  # gRPC asks for the next message: the Opened went out
             reading = asyncio.ensure_future(anext(handler))
             await asked.wait()
@@ -168,29 +174,29 @@ def test_a_session_whose_open_answer_never_went_out_is_retired_and_one_answered_
         return sid
 
     gone = asyncio.run(open_then(answered=False))
-    assert gone not in service.sessions and service.pool.used_blocks == 0
+    assert gone not in service.engine.sessions and service.engine.pool.used_blocks == 0
     held = asyncio.run(open_then(answered=True))
-    assert held in service.sessions and service.pool.used_blocks > 0
+    assert held in service.engine.sessions and service.engine.pool.used_blocks > 0
 
 
 @pytest.mark.parametrize("frontends", [0, 1])
 def test_a_caller_over_its_queued_model_calls_is_refused_with_retry_advice(serve, monkeypatch, frontends):
     """Counted per host (no API keys here), in the engine, whether a front end carried the calls or not."""
     service, stub = serve(frontends, max_model_calls_per_caller=2)
-    target = service.target
+    target = service.engine.target
     gate = Gate(target.prefill, hold=1, record=lambda ids, *a, **kw: ids.shape[1])
     monkeypatch.setattr(target, "prefill", gate)
     history = [3, 1, 4, 1, 5]
     waiting = [stub.Resync.future(rebuild(history)) for _ in range(2)]  # one in the model thread, one queued
     assert gate.holding.wait(FAIL_S)
-    until(lambda: len(service.sessions) == 2, "both rebuilds handed to the model thread's queue", FAIL_S)
-    assert service.work.queued("host ipv4:127.0.0.1") == 2
+    until(lambda: len(service.engine.sessions) == 2, "both rebuilds handed to the model thread's queue", FAIL_S)
+    assert service.engine.work.queued("host ipv4:127.0.0.1") == 2
     with pytest.raises(grpc.RpcError) as e:
         stub.Resync(rebuild(history), timeout=FAIL_S)
     refusal = Refusal.of_rpc_error(e.value)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.reason == pb.REASON_CAPACITY
     assert refusal.retry_after_s > 0
-    assert len(service.sessions) == 2  # the refused call left nothing behind
+    assert len(service.engine.sessions) == 2  # the refused call left nothing behind
     gate.release.set()
     assert all(w.result(timeout=FAIL_S).rebuilt for w in waiting)  # the caller's queue drained: it is served again
     assert stub.Resync(rebuild(history), timeout=FAIL_S).rebuilt

@@ -27,7 +27,7 @@ from toy_models import toy_model_flags
 
 from tether.server.cli import main
 from tether.server.rpc_server import event_loop, make_server
-from tether.server.service import ServiceConfig
+from tether.server.serve_config import ServiceConfig
 from tether.shared import env
 from tether.shared.cli_support import CommandError, Refusal, address_in_use
 from tether.v1 import tether_pb2_grpc
@@ -206,6 +206,7 @@ def test_serve_and_generate_take_a_cached_hub_id_and_serve_names_the_model_after
     import huggingface_hub.constants
 
     from tether.server import daemon, generate
+    from tether.server.serve_config import model_name
 
     clean_env.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     snapshot = cache_hub_model(tmp_path, "tether-test/tiny-llama", "llama", revision="v1")
@@ -217,7 +218,7 @@ def test_serve_and_generate_take_a_cached_hub_id_and_serve_names_the_model_after
     assert main(["serve", *hub, "--served-model-name", "mine"]) == 0
     served, generated, named = seen
     assert served.model == generated.model == str(snapshot) and served.drafter == "none"
-    assert daemon.model_name(served) == "tether-test/tiny-llama" and daemon.model_name(named) == "mine"
+    assert model_name(served) == "tether-test/tiny-llama" and model_name(named) == "mine"
 
 
 def test_a_model_directory_from_a_variable_is_checked_too(clean_env, tmp_path, capsys):

@@ -14,9 +14,11 @@ from tiny_models import tiny_moa_drafter, tiny_target
 import tether.server.client_export as client_export
 from tether.client.refusals import Refusal
 from tether.server.client_export import ClientExporter, ExportError
+from tether.server.engine_core import Engine
 from tether.server.onnx_export import export_client_onnx, split_weights
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import (
     TOKENIZER_TENSOR,
@@ -156,14 +158,14 @@ def test_concurrent_first_requests_share_one_export_off_the_event_loop(tmp_path,
 def served(tmp_path):
     target, drafter, _ = tiny_part()
     tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
-    service = TetherService(target, drafter, tok, ServiceConfig(), model_fingerprint=FP, export_dir=tmp_path)
+    service = TetherService(Engine(target, drafter, tok, ServiceConfig(), model_fingerprint=FP, export_dir=tmp_path))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield service, tether_pb2_grpc.TetherStub(channel)
     channel.close()
     server.stop(grace=None)
-    service.close()
+    service.engine.close()
 
 
 def fetch(stub, fmt, **kw) -> list[pb.WeightChunk]:
@@ -180,7 +182,7 @@ def test_model_info_lists_the_formats_and_each_streams_its_manifest(served):
     assert tensors.format == pb.CLIENT_PART_TENSORS and any(e.dtype == "bfloat16" for e in tensors.tensors)
     messages = fetch(stub, pb.CLIENT_PART_ONNX_INT8)
     man = messages[0].manifest
-    assert man.format == pb.CLIENT_PART_ONNX_INT8 and man.drafter_fingerprint == service.drafter_fingerprint
+    assert man.format == pb.CLIENT_PART_ONNX_INT8 and man.drafter_fingerprint == service.engine.drafter_fingerprint
     assert [e.name for e in man.tensors] == list(onnx_entries("moa"))
     sent = {e.name: b"" for e in man.tensors}
     for m in messages[1:]:
@@ -205,7 +207,7 @@ def test_a_failed_export_is_an_internal_refusal_and_is_tried_again(served, monke
     refusal = Refusal.of_rpc_error(e.value)
     assert refusal.code == grpc.StatusCode.INTERNAL and refusal.reason == pb.REASON_INTERNAL
     with pytest.raises(ExportError):
-        service.exporter.part("fp16")
+        service.engine.exporter.part("fp16")
     assert stub.GetModelInfo(pb.GetModelInfoRequest()).model_fingerprint == FP  # the server stays up
     monkeypatch.undo()
     assert fetch(stub, pb.CLIENT_PART_ONNX_FP16, manifest_only=True)[0].manifest.format == pb.CLIENT_PART_ONNX_FP16

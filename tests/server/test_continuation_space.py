@@ -13,9 +13,12 @@ import pytest
 from sse import sse_events
 from tiny_models import script_greedy, write_sentencepiece_checkpoint
 
-from tether.server.generate import GenerateConfig, generate_text, load
+from tether.server.engine_core import Engine
+from tether.server.generate import GenerateConfig, generate_text
 from tether.server.http_api import start_http
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.model_loading import load
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.openai_api import TextStream
@@ -59,9 +62,9 @@ def test_generate_keeps_the_first_space(folder):
 def test_completions_keep_the_first_space_and_a_chat_reply_is_its_own(folder):
     target, tok = load(folder, "cpu")
     chat = ChatFormat.from_model_dir(folder, tok)
-    service = TetherService(target, None, tok, ServiceConfig(), model_fingerprint=fingerprint(folder),
-                            chat_format=chat)  # fmt: skip
-    http, port = start_http(service, "sp", HttpConfig(port=0))
+    service = TetherService(Engine(target, None, tok, ServiceConfig(), model_fingerprint=fingerprint(folder),
+                            chat_format=chat))  # fmt: skip
+    http, port = start_http(service.engine, "sp", HttpConfig(port=0))
     url = f"http://127.0.0.1:{port}/v1"
     try:
         body = {"model": "sp", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
@@ -79,4 +82,4 @@ def test_completions_keep_the_first_space_and_a_chat_reply_is_its_own(folder):
         assert reply["usage"]["prompt_tokens"] == len(ids) and "▁" not in content
     finally:
         http.stop()
-        service.close()
+        service.engine.close()

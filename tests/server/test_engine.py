@@ -141,7 +141,7 @@ def test_eagle_budget_matches_moa():
 def test_attention_backend_is_the_kernels_on_cuda_and_the_reference_elsewhere(monkeypatch):
     import pytest
 
-    from tether.server.generate import attention_backend
+    from tether.server.model_loading import attention_backend
 
     assert attention_backend("cpu") == "reference" and attention_backend("cpu", "sdpa") == "sdpa"
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -27,9 +27,9 @@ from test_service import FP, VOCAB, open_msg, plain, run_session, to_delta
 from tiny_models import tiny_moa_drafter, tiny_target
 from toy_models import toy_model_flags
 
-from tether.server.daemon import ServeConfig
 from tether.server.engines import EngineSocket, engine_share
 from tether.server.rpc_server import make_server
+from tether.server.serve_config import ServeConfig
 from tether.shared.ids import engine_of, is_session_id, new_session_id
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
@@ -63,13 +63,13 @@ def engines():
                 asyncio.run_coroutine_threadsafe(other.stop(), other.loop).result(timeout=BOUND_S)
         finally:
             for s in services:
-                s.close()
+                s.engine.close()
             shutil.rmtree(folder, ignore_errors=True)
 
 
 def holder(engines, session_id: str) -> int:
     """Which service holds the session (exactly one must)."""
-    (k,) = [k for k, s in enumerate(engines.services) if session_id in s.sessions]
+    (k,) = [k for k, s in enumerate(engines.services) if session_id in s.engine.sessions]
     return k
 
 
@@ -150,7 +150,7 @@ def test_attach_resync_and_close_reach_the_engine_that_holds_the_session(engines
     assert reply.session_id == opened.session_id and holder(engines, opened.session_id) == 1
 
     engines.stub.Close(pb.CloseRequest(session_id=opened.session_id), timeout=BOUND_S)
-    assert all(opened.session_id not in s.sessions for s in engines.services)
+    assert all(opened.session_id not in s.engine.sessions for s in engines.services)
 
 
 def test_an_engine_gone_ends_its_streams_unavailable_and_its_sessions_are_rebuilt_on_a_live_one(engines):

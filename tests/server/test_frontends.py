@@ -32,8 +32,10 @@ from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.refusals import Refusal
 from tether.server import frontend_wire as wire
+from tether.server.engine_core import Engine
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -54,7 +56,7 @@ def until(condition, what: str, bound_s: float = BOUND_S):
 
 def service_for(target, drafter, tok, **config) -> TetherService:
     config = {"max_prompt_tokens": 64, "max_sessions": 8} | config
-    return TetherService(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP)
+    return TetherService(Engine(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def fronted(models):
             for h in handles:
                 h.stop(None)
         finally:
-            service.close()
+            service.engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def keyed(models):
             if handle is not None:
                 handle.stop(None)
         finally:
-            service.close()
+            service.engine.close()
 
 
 class Stream(Client):
@@ -164,13 +166,13 @@ def test_session_rounds_through_front_ends_equal_plain_greedy_and_repeats_are_id
     prompt = [1, 2, 3, 4, 5, 6, 0, 1]
     out, sid, *_ = run_session(fronted.stub, fronted.drafter, prompt, 30, repeat_every=2)
     assert out == plain(fronted.target, prompt, len(out))
-    assert sid in fronted.service.sessions  # the engine holds it after the stream ended
+    assert sid in fronted.service.engine.sessions  # the engine holds it after the stream ended
 
 
 def test_model_info_and_refusals_keep_status_details_and_reason_across_the_hop(fronted):
     stub, direct = fronted.stub, fronted.direct
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=BOUND_S)
-    assert info.SerializeToString() == fronted.service.model_info.SerializeToString()
+    assert info.SerializeToString() == fronted.service.engine.model_info.SerializeToString()
 
     # Call-level aborts: the google.rpc.Status details (the typed reason) travel as trailing metadata.
     unknown = pb.ResyncRequest(session_id="0" * 32, resume_token="0" * 32, verified_length=3, offline_tokens=[1],
@@ -269,15 +271,15 @@ def test_generate_streams_plain_decoding_and_a_client_going_away_cancels_it_in_t
     The long generation cancelled here would otherwise stop on credit after WINDOW unread replies and hold its KV."""
     target, service, stub = fronted.target, fronted.service, fronted.stub
     prompt = [2, 6, 1, 3]
-    held = service.pool.used_blocks
+    held = service.engine.pool.used_blocks
     req = pb.OpenSession(prompt=prompt, max_new_tokens=40, model_fingerprint=FP)
     assert [t for m in stub.Generate(req, timeout=BOUND_S) for t in m.tokens] == plain(target, prompt, 40)
-    assert service.pool.used_blocks == held
+    assert service.engine.pool.used_blocks == held
     long = pb.OpenSession(prompt=prompt, max_new_tokens=1024, model_fingerprint=FP)  # 1 + 64 replies of 16 tokens
     stream = stub.Generate(long, timeout=BOUND_S)
     assert list(next(stream).tokens) == plain(target, prompt, 1)
     stream.cancel()
-    until(lambda: engine_calls(fronted.handle) == 0 and service.pool.used_blocks == held,
+    until(lambda: engine_calls(fronted.handle) == 0 and service.engine.pool.used_blocks == held,
           "the engine's handler cancelled and its KV given back")  # fmt: skip
 
 
@@ -312,19 +314,19 @@ def test_api_keys_are_checked_by_the_front_end_and_the_caller_reaches_the_engine
         anonymous.send(open_msg([1, 2, 3]))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     anonymous.close()
-    assert not keyed.service.sessions  # refused before the engine saw it
+    assert not keyed.service.engine.sessions  # refused before the engine saw it
 
     client = Stream(stub, metadata=KEY_A)
     opened = client.send(open_msg([1, 2, 3])).opened
     client.close()
-    assert opened.session_id in keyed.service.sessions
+    assert opened.session_id in keyed.service.engine.sessions
     with pytest.raises(grpc.RpcError) as e:
         stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=KEY_B, timeout=BOUND_S)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND  # key-b's view: key-a's session does not exist
     assert Refusal.of_rpc_error(e.value).reason == pb.REASON_UNKNOWN_SESSION
-    assert opened.session_id in keyed.service.sessions
+    assert opened.session_id in keyed.service.engine.sessions
     stub.Close(pb.CloseRequest(session_id=opened.session_id), metadata=KEY_A, timeout=BOUND_S)
-    assert opened.session_id not in keyed.service.sessions
+    assert opened.session_id not in keyed.service.engine.sessions
 
 
 # ---- the processes -----------------------------------------------------------------------------------------------
@@ -358,7 +360,7 @@ def test_front_ends_killed_are_replaced_on_the_port_and_a_held_session_is_attach
 
     replaced(fronted, killed)
     until(lambda: engine_calls(handle) == 0, "the dead front ends' calls cancelled in the engine")
-    assert opened.session_id in fronted.service.sessions  # the engine kept it through the drop
+    assert opened.session_id in fronted.service.engine.sessions  # the engine kept it through the drop
 
     with grpc.insecure_channel(f"127.0.0.1:{fronted.port}") as channel:
         client = Stream(tether_pb2_grpc.TetherStub(channel))
@@ -455,7 +457,7 @@ def test_stop_ends_the_streams_and_the_processes_and_gives_back_all_kv(models):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 client = Stream(tether_pb2_grpc.TetherStub(channel))
                 opened = client.send(open_msg([1, 2, 3, 4])).opened
-                assert service.pool.used_blocks > 0 and opened.session_id in service.sessions
+                assert service.engine.pool.used_blocks > 0 and opened.session_id in service.engine.sessions
                 handle.stop(grace=None).wait()
                 with pytest.raises(grpc.RpcError) as e:
                     next(client.replies)
@@ -466,9 +468,9 @@ def test_stop_ends_the_streams_and_the_processes_and_gives_back_all_kv(models):
         assert all(p.returncode is not None for p in handle.host.procs)
         assert [p.returncode for p in handle.host.procs] == [0, 0]  # they stopped on STOP, nobody killed them
         assert not os.path.exists(handle.host.dir)
-        assert service.pool.free_blocks == service.pool.num_blocks and not service.sessions
+        assert service.engine.pool.free_blocks == service.engine.pool.num_blocks and not service.engine.sessions
     finally:
-        service.close()
+        service.engine.close()
 
 
 def test_stop_while_a_front_end_is_started_again_stops_that_one_too(models, monkeypatch):
@@ -505,7 +507,7 @@ def test_stop_while_a_front_end_is_started_again_stops_that_one_too(models, monk
         try:
             handle.stop(None)  # a no-op once stopped; otherwise what a failure left running goes
         finally:
-            service.close()
+            service.engine.close()
 
 
 # ---- the frames --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from toy_models import toy_model_dir, toy_model_flags
 
 from tether.server.cli import main
-from tether.server.generate import load
+from tether.server.model_loading import load
 from tether.shared import env
 from tether.shared.logits_processing import SamplingControls
 

@@ -20,10 +20,13 @@ import pytest
 from sse import sse_events
 from toy_models import toy_model_dir
 
-from tether.server.generate import GenerateConfig, generate_text, load
+from tether.server.engine_core import Engine
+from tether.server.generate import GenerateConfig, generate_text
 from tether.server.http_api import start_http
+from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
@@ -46,10 +49,10 @@ def api():
     drafter = load_drafter(toy_model_dir("drafter"), target, target_fingerprint=fp)
     chat = ChatFormat.from_model_dir(toy_model_dir(), tok)
     config = ServiceConfig(max_prompt_tokens=256, max_new_tokens=128, model_id=MODEL)
-    service = TetherService(target, drafter, tok, config, model_fingerprint=fp, chat_format=chat)
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp, chat_format=chat))
     server, grpc_port = make_server(service, "127.0.0.1:0")
     server.start()
-    http, port = start_http(service, MODEL, HttpConfig(port=0, max_streams=MAX_STREAMS))
+    http, port = start_http(service.engine, MODEL, HttpConfig(port=0, max_streams=MAX_STREAMS))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     yield {"service": service, "app": http.app, "backend": http.app.backend, "client": client,
@@ -67,12 +70,12 @@ def reference():
 
 
 class Gate:
-    """Replaces service.decode: each generation yields its first chunk, then waits at the gate until `open`
+    """Replaces service.engine.plain.decode: each generation yields its first chunk, then waits at the gate until `open`
     (or until `count` generations have reached it), so the test knows they are in flight."""
 
     def __init__(self, service, count: int = 0):
         self.service, self.count = service, count
-        self.inner = service.decode
+        self.inner = service.engine.plain.decode
         self.reached = threading.Semaphore(0)
         self.waiting = 0
         self.gate = asyncio.Event()
@@ -87,11 +90,11 @@ class Gate:
         from tether.server.rpc_server import event_loop
 
         self.service_loop = event_loop()
-        self.service.decode = self.decode
+        self.service.engine.plain.decode = self.decode
         return self
 
     def __exit__(self, *exc):
-        del self.service.decode
+        del self.service.engine.plain.decode
         self.open()
 
     async def decode(self, *args, **kwargs):
@@ -133,7 +136,7 @@ def test_greedy_completion_equals_tether_server_generate(api, reference):
 
 
 def test_token_id_prompt_and_top_k_one_are_greedy(api, reference):
-    ids = ChatFormat.from_model_dir(toy_model_dir(), api["service"].tokenizer).encode(PROMPT)
+    ids = ChatFormat.from_model_dir(toy_model_dir(), api["service"].engine.tokenizer).encode(PROMPT)
     done = api["client"].completions.create(model=MODEL, prompt=ids, max_tokens=48, temperature=1.5,
                                              extra_body={"top_k": 1})  # fmt: skip
     assert done.choices[0].text == reference["text"]  # top-k 1 leaves the argmax alone: sampling it is greedy
@@ -143,7 +146,7 @@ def test_chat_streaming_and_not_with_the_openai_client(api):
     client = api["client"]
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os"}]
     done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
-    chat = api["service"].chat_format
+    chat = api["service"].engine.chat_format
     assert done.usage.prompt_tokens == len(chat.encode(chat.render(messages)))
     assert done.choices[0].message.role == "assistant" and done.object == "chat.completion"
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
@@ -229,7 +232,7 @@ def test_errors_have_openais_shape_and_status(api, path, body, status, param, co
 
 
 def test_a_refused_conversation_is_the_callers_400_and_a_broken_template_the_servers_500(api, monkeypatch):
-    tok = api["service"].tokenizer
+    tok = api["service"].engine.tokenizer
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     monkeypatch.setattr(api["backend"], "chat", ChatFormat("{{ raise_exception('no, thanks') }}", {}, tok))
     r = httpx.post(api["url"] + "/v1/chat/completions", json=body, timeout=BOUND_S)
@@ -268,8 +271,8 @@ def test_at_capacity_429_and_503_with_retry_after(api):
         app.live -= MAX_STREAMS
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
-    pool = service.pool
-    hog = service.table.lend(pool.num_blocks * pool.block_size)  # every free block of the KV pool held elsewhere
+    pool = service.engine.pool
+    hog = service.engine.table.lend(pool.num_blocks * pool.block_size)  # every free block of the KV pool held elsewhere
     try:
         hog.reserve(pool.free_blocks * pool.block_size)
         for stream in (False, True):
@@ -278,13 +281,13 @@ def test_at_capacity_429_and_503_with_retry_after(api):
             assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "server_error",
                                          "param": None, "code": "overloaded"}  # fmt: skip
     finally:
-        service.table.give_back(hog)
-    assert api["backend"].wait_released(BOUND_S) and service.pool.used_blocks == 0
+        service.engine.table.give_back(hog)
+    assert api["backend"].wait_released(BOUND_S) and service.engine.pool.used_blocks == 0
     assert httpx.post(api["url"] + "/v1/completions", json=body, timeout=BOUND_S).status_code == 200
 
 
 def test_api_keys_are_required_except_for_health(api):
-    keyed, port = start_http(api["service"], MODEL, HttpConfig(port=0, api_keys=frozenset({"k1", "k2"})))
+    keyed, port = start_http(api["service"].engine, MODEL, HttpConfig(port=0, api_keys=frozenset({"k1", "k2"})))
     try:
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/health").status_code == 200
@@ -304,21 +307,21 @@ def test_api_keys_are_required_except_for_health(api):
 
 def test_a_streaming_client_that_goes_away_frees_its_generation(api):
     service, backend = api["service"], api["backend"]
-    held = service.pool.used_blocks
+    held = service.engine.pool.used_blocks
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "stream": True}
     with Gate(service) as gate:
         with httpx.stream("POST", api["url"] + "/v1/completions", json=body, timeout=BOUND_S) as r:
             assert r.status_code == 200
             assert gate.reached.acquire(timeout=BOUND_S)  # the generation is in flight, held at the gate
-            assert service.pool.used_blocks > held
+            assert service.engine.pool.used_blocks > held
         # the response is closed (the connection with it): the server notices and closes the generation
         assert backend.wait_released(BOUND_S)
-    assert service.pool.used_blocks == held and service._generating == 0 and api["app"].live == 0
+    assert service.engine.pool.used_blocks == held and service.engine.plain.generating == 0 and api["app"].live == 0
 
 
 def test_a_waiting_client_that_goes_away_frees_its_generation(api):
     service, backend = api["service"], api["backend"]
-    held = service.pool.used_blocks
+    held = service.engine.pool.used_blocks
     host, port = api["url"].removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 120}).encode()
     with Gate(service) as gate:
@@ -328,7 +331,7 @@ def test_a_waiting_client_that_goes_away_frees_its_generation(api):
         assert gate.reached.acquire(timeout=BOUND_S)
         sock.close()
         assert backend.wait_released(BOUND_S)
-    assert service.pool.used_blocks == held and api["app"].live == 0
+    assert service.engine.pool.used_blocks == held and api["app"].live == 0
 
 
 def test_http_streams_and_a_grpc_generate_stream_at_once(api):
@@ -338,10 +341,10 @@ def test_http_streams_and_a_grpc_generate_stream_at_once(api):
     prompts = ["import os\n", "def main(argv):\n    ", "def f(x):\n"]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0).choices[0].text
              for p in prompts]  # fmt: skip
-    grpc_prompt = service.tokenizer.encode("for i in range(10):\n")
+    grpc_prompt = service.engine.tokenizer.encode("for i in range(10):\n")
     request = pb.OpenSession(prompt=grpc_prompt, max_new_tokens=20)
     grpc_alone = [t for m in stub.Generate(request) for t in m.tokens]
-    batches = service.metrics.batch_size.collect()[0].samples
+    batches = service.engine.metrics.batch_size.collect()[0].samples
     before = next(s.value for s in batches if s.name.endswith("_count"))
     results: dict = {}
 
@@ -359,7 +362,7 @@ def test_http_streams_and_a_grpc_generate_stream_at_once(api):
         for t in threads:
             t.join(BOUND_S)
     assert [results[i] for i in range(3)] == alone and results["grpc"] == grpc_alone
-    batches = service.metrics.batch_size.collect()[0].samples
+    batches = service.engine.metrics.batch_size.collect()[0].samples
     assert next(s.value for s in batches if s.name.endswith("_count")) > before  # decoded through the batcher
 
 

@@ -10,10 +10,12 @@ import torch
 from sse import sse_events
 from tiny_models import tiny_target
 
+from tether.server.engine_core import Engine
 from tether.server.errors import Reason, RequestError
 from tether.server.http_api import api_error, sampling_params, start_http
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.openai_api import TextStream, parse_completion
 from tether.shared.openai_app import HttpConfig
@@ -29,11 +31,11 @@ BOUND_S = 60  # a safety net, never a timing assumption
 def api():
     tok = Tokenizer.train(texts=["def f(x):\n    return x + 1\n"] * 20, vocab_size=260)
     target = tiny_target(vocab_size=tok.vocab_size)
-    service = TetherService(target, None, tok, ServiceConfig(max_prompt_tokens=64, max_new_tokens=32),
-                            model_fingerprint=FP)  # fmt: skip
+    service = TetherService(Engine(target, None, tok, ServiceConfig(max_prompt_tokens=64, max_new_tokens=32),
+                            model_fingerprint=FP))  # fmt: skip
     server, _ = make_server(service, "127.0.0.1:0")
     server.start()
-    http, port = start_http(service, MODEL, HttpConfig(port=0))
+    http, port = start_http(service.engine, MODEL, HttpConfig(port=0))
     yield service, f"http://127.0.0.1:{port}/v1"
     http.stop()
     server.stop(grace=None)
@@ -41,10 +43,10 @@ def api():
 
 def expected_text(service, prompt: list[int], n: int, controls: SamplingControls, stop_ids=frozenset()) -> str:
     """What the app shows for the model's own decoding with these controls (its TextStream, its stop ids)."""
-    chat = service.chat_format
+    chat = service.engine.chat_format
     text = TextStream(chat.tokenizer, stop_ids=chat.stop_ids | stop_ids, hidden_ids=chat.hidden_ids)
     out = []
-    for token in service.target.generate(torch.tensor([prompt]), n, controls=controls):
+    for token in service.engine.target.generate(torch.tensor([prompt]), n, controls=controls):
         out.append(text.push(token))
         if text.finish_reason:
             break
@@ -80,7 +82,7 @@ def test_completions_with_controls_equal_plain_decoding_with_them(api, name):
 def test_chat_with_a_penalty_equals_plain_decoding_with_it(api):
     service, url = api
     messages = [{"role": "user", "content": "def f(x):"}]
-    prompt = service.chat_format.encode(service.chat_format.render(messages))
+    prompt = service.engine.chat_format.encode(service.engine.chat_format.render(messages))
     body = {"messages": messages, "max_tokens": 16, "temperature": 0, "presence_penalty": 2, "frequency_penalty": 1}
     r = post(url + "/chat/completions", body)
     assert r.status_code == 200, r.text
@@ -90,7 +92,7 @@ def test_chat_with_a_penalty_equals_plain_decoding_with_it(api):
 
 def test_stop_token_ids_end_the_text(api):
     service, url = api
-    tokens = list(service.target.generate(torch.tensor([PROMPT]), 16))
+    tokens = list(service.engine.target.generate(torch.tensor([PROMPT]), 16))
     stop = tokens[4]
     r = post(url + "/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop_token_ids": [stop]})
     choice = r.json()["choices"][0]
@@ -131,7 +133,7 @@ def test_the_service_refusal_of_a_field_keeps_its_name():
 def reference_logprobs(service, prompt: list[int], tokens: list[int], controls: SamplingControls, top: int) -> list:
     """What each token's logprobs must be: the processed distribution of its position, from the model's own
     step-by-step forward (tether.shared.sampling.token_logprobs over SamplingControls' processing)."""
-    target, out = service.target, []
+    target, out = service.engine.target, []
     cache = target.new_cache(1, len(prompt) + len(tokens))
     logits = target.prefill(torch.tensor([prompt]), cache, last_only=True).logits[0, -1]
     for m, token in enumerate(tokens):
@@ -146,12 +148,12 @@ def reference_logprobs(service, prompt: list[int], tokens: list[int], controls: 
 def test_completion_logprobs_are_the_processed_distributions(api):
     service, url = api
     controls = SamplingControls(frequency_penalty=1.0, logit_bias={50: 3.0})
-    tokens = list(service.target.generate(torch.tensor([PROMPT]), 6, controls=controls))
+    tokens = list(service.engine.target.generate(torch.tensor([PROMPT]), 6, controls=controls))
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3, "frequency_penalty": 1.0,
             "logit_bias": {"50": 3}, "ignore_eos": True}  # fmt: skip
     lp = post(url + "/completions", body).json()["choices"][0]["logprobs"]
     expected = reference_logprobs(service, PROMPT, tokens, controls, 3)
-    text = service.tokenizer.decode
+    text = service.engine.tokenizer.decode
     assert lp["tokens"] == [text([t]) for t in tokens]
     assert lp["token_logprobs"] == pytest.approx([e.logprob for e in expected], abs=1e-4)
     for got, e in zip(lp["top_logprobs"], expected, strict=True):
@@ -213,7 +215,8 @@ def test_logprobs_of_choices_decoded_together_equal_each_alone(api):
 
 def test_serve_sets_the_most_choices_a_request_may_ask_for():
     from tether.server.cli import build_parser
-    from tether.server.daemon import ServeConfig, _http_config
+    from tether.server.daemon import _http_config
+    from tether.server.serve_config import ServeConfig
     from tether.shared.cli_support import build_config
 
     cfg = build_config(ServeConfig, build_parser().parse_args(["serve", "--http-max-n", "3"]))
@@ -224,7 +227,7 @@ def test_ignore_eos_decodes_through_end_of_text_on_the_server(api):
     """ignore_eos travels to the server's decoding (SamplingParams.ignore_eos): with end-of-text every token's
     pick, the completion runs to max_tokens; without it, decoding ends at the first."""
     service, url = api
-    eos = service.tokenizer.eos_id
+    eos = service.engine.tokenizer.eos_id
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
     through = post(url + "/completions", body | {"ignore_eos": True}).json()
     assert through["usage"]["completion_tokens"] == 6 and through["choices"][0]["finish_reason"] == "length"

@@ -395,7 +395,8 @@ def test_the_metrics_port_serves_metrics_only_with_the_http_series(tok):
 
 
 def test_serve_refuses_a_busy_http_port_in_one_line_before_loading_models():
-    from tether.server.daemon import ServeConfig, check_ports
+    from tether.server.daemon import check_ports
+    from tether.server.serve_config import ServeConfig
     from tether.shared.cli_support import CommandError, Refusal
 
     with socket.socket() as busy:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tether.server.cli import build_parser, main
-from tether.server.daemon import ServeConfig
+from tether.server.serve_config import ServeConfig
 from tether.shared import env
 from tether.shared.cli_support import build_config
 from tether.shared.tokenizer import Tokenizer
@@ -96,7 +96,7 @@ def test_variables_reach_the_config_and_the_command_line_wins(clean_env):
 
 
 def test_the_bound_on_a_callers_queued_model_calls_reaches_the_service(clean_env):
-    from tether.server.daemon import service_config
+    from tether.server.serve_config import service_config
 
     cfg = build_config(ServeConfig, build_parser().parse_args(["serve", "--max-model-calls-per-caller", "3"]))
     assert service_config(cfg).max_model_calls_per_caller == 3

@@ -12,8 +12,10 @@ from toy_models import toy_model_flags
 
 from tether.client.refusals import Refusal
 from tether.client.weight_cache import WeightCache
+from tether.server.engine_core import Engine
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.codecs import decode_many
 from tether.shared.drafter import DraftDelta
 from tether.shared.tokenizer import Tokenizer
@@ -30,8 +32,8 @@ def served():
     target = tiny_target(vocab_size=VOCAB)
     drafter = tiny_moa_drafter(target)
     tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
-    service = TetherService(target, drafter, tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8),
-                            model_fingerprint=FP)  # fmt: skip
+    service = TetherService(Engine(target, drafter, tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8),
+                            model_fingerprint=FP))  # fmt: skip
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -94,8 +96,10 @@ def test_a_service_dropped_without_close_is_freed_and_ends_its_threads():
     gets the memory back once it lets the service go."""
     target = tiny_target(vocab_size=VOCAB)
     tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
-    service = TetherService(target, tiny_moa_drafter(target), tok, ServiceConfig(max_sessions=2), model_fingerprint=FP)
-    threads = (service.batcher.worker,)
+    service = TetherService(
+        Engine(target, tiny_moa_drafter(target), tok, ServiceConfig(max_sessions=2), model_fingerprint=FP)
+    )
+    threads = (service.engine.batcher.worker,)
     assert all(t.is_alive() for t in threads)
     ref = weakref.ref(service)
     del service
@@ -111,7 +115,7 @@ def test_model_info(served):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.model_fingerprint == FP and info.tli_layers == 1 and info.protocol_version == 1
     assert len(info.drafter_fingerprint) == 64 and pb.CODEC_INT8_ZSTD in info.codecs
-    assert info.HasField("eos_id") and info.eos_id == service.tokenizer.eos_id
+    assert info.HasField("eos_id") and info.eos_id == service.engine.tokenizer.eos_id
 
 
 def test_session_rounds_equal_plain_greedy_and_repeats_are_idempotent(served):
@@ -139,7 +143,7 @@ def test_weight_download_resumed_halfway_has_identical_sha256(served, tmp_path):
     assert cache.resume_point(manifest) is None
     loaded = cache.load(manifest)
     for e in manifest:
-        assert tensor_bytes(loaded[e.name]) == tensor_bytes(service.weights[e.name])
+        assert tensor_bytes(loaded[e.name]) == tensor_bytes(service.engine.weights[e.name])
 
 
 def test_bad_inputs_get_their_status_and_service_goes_on(served):
@@ -207,7 +211,7 @@ def test_overlapping_rounds_are_verified_when_their_guess_held_and_refused_as_st
     for wrong in (draft_round(3, (g[6] + 1) % VOCAB, g[7:8], after=n + 6), draft_round(3, g[6], g[7:8], after=n + 5)):
         e = client.send(wrong).error
         assert (e.reason, e.round, e.code) == (pb.REASON_STALE_ROUND, 3, grpc.StatusCode.FAILED_PRECONDITION.value[0])
-    assert service.metrics.registry.get_sample_value("tether_stale_rounds_total") >= 2
+    assert service.engine.metrics.registry.get_sample_value("tether_stale_rounds_total") >= 2
     v3 = client.send(draft_round(3, g[6], g[7:9])).verdict
     assert (v3.round, v3.accepted, v3.bonus, v3.delta.start) == (3, 2, g[9], n + 6)
     client.close()
@@ -261,7 +265,7 @@ def test_a_resync_reply_over_the_message_limit_is_refused_and_a_smaller_piece_wo
     one = stub.Resync(pb.ResyncRequest(session_id=sid, resume_token=token, verified_length=verified,
                                        offline_tokens=offline[:1], model_fingerprint=FP)).ByteSize()  # fmt: skip
     config = service.config
-    service.config = dataclasses.replace(config, max_message_bytes=1024 + (size + one) // 2)
+    service.engine.config = dataclasses.replace(config, max_message_bytes=1024 + (size + one) // 2)
     try:
         with pytest.raises(grpc.RpcError) as e:
             stub.Resync(req)
@@ -271,7 +275,7 @@ def test_a_resync_reply_over_the_message_limit_is_refused_and_a_smaller_piece_wo
                                              offline_tokens=offline[:1], model_fingerprint=FP))  # fmt: skip
         assert reply.verified_length == verified + 1
     finally:
-        service.config = config
+        service.engine.config = config
 
 
 def test_serve_command_answers_then_stops_on_sigterm():
@@ -298,9 +302,9 @@ def test_serve_command_answers_then_stops_on_sigterm():
 
 def test_api_keys_authenticate_and_bind_sessions(served):
     target, drafter, service, _ = served
-    keyed = TetherService(target, drafter, service.tokenizer,
+    keyed = TetherService(Engine(target, drafter, service.engine.tokenizer,
                           ServiceConfig(api_keys=frozenset({"key-a", "key-b"}), max_sessions_per_key=1),
-                          model_fingerprint=FP)  # fmt: skip
+                          model_fingerprint=FP))  # fmt: skip
     server, port = make_server(keyed, "127.0.0.1:0")
     server.start()
     try:
@@ -342,10 +346,10 @@ def test_metrics_count_rounds_tokens_bytes_and_errors(served):
     from prometheus_client import generate_latest
 
     target, drafter, service, stub = served
-    before = service.metrics.registry.get_sample_value("tether_rounds_total")
+    before = service.engine.metrics.registry.get_sample_value("tether_rounds_total")
     run_session(stub, drafter, [2, 2, 2], 10)
-    text = generate_latest(service.metrics.registry).decode()
-    assert service.metrics.registry.get_sample_value("tether_rounds_total") > before
+    text = generate_latest(service.engine.metrics.registry).decode()
+    assert service.engine.metrics.registry.get_sample_value("tether_rounds_total") > before
     for name in ("tether_accepted_tokens_total", "tether_tau_bucket", 'tether_bytes_out_total{kind="kv_delta"}',
                  "tether_verify_seconds_count", "tether_sessions "):  # fmt: skip
         assert name in text, name
@@ -422,7 +426,9 @@ def test_health_and_reflection(served):
 
 def test_least_recently_used_session_is_evicted_then_rebuilt_by_resync(served):
     target, drafter, service, _ = served
-    small = TetherService(target, drafter, service.tokenizer, ServiceConfig(max_sessions=2), model_fingerprint=FP)
+    small = TetherService(
+        Engine(target, drafter, service.engine.tokenizer, ServiceConfig(max_sessions=2), model_fingerprint=FP)
+    )
     server, port = make_server(small, "127.0.0.1:0")
     server.start()
     try:
@@ -442,7 +448,7 @@ def test_least_recently_used_session_is_evicted_then_rebuilt_by_resync(served):
             reply = stub.Resync(req)
             assert reply.rebuilt and reply.verified_length == 4
             assert reply.target_token == plain(target, [1, 2, 3], 2)[1]
-        assert small.metrics.registry.get_sample_value("tether_evictions_total", {"reason": "sessions"}) >= 1
+        assert small.engine.metrics.registry.get_sample_value("tether_evictions_total", {"reason": "sessions"}) >= 1
     finally:
         server.stop(grace=None)
 
@@ -451,8 +457,8 @@ def test_kv_memory_pressure_evicts_the_idle_session_and_resync_rebuilds_it_exact
     target, drafter, service, _ = served
     block = 4 * 2 * target.cfg.n_layers * target.cfg.n_kv_heads * target.cfg.head_dim * 4  # 4 rows, K+V, fp32
     config = ServiceConfig(kv_pool_bytes=8 * block, kv_block_size=4, max_prompt_tokens=64)
-    small = TetherService(target, drafter, service.tokenizer, config, model_fingerprint=FP)
-    assert small.pool.num_blocks == 8
+    small = TetherService(Engine(target, drafter, service.engine.tokenizer, config, model_fingerprint=FP))
+    assert small.engine.pool.num_blocks == 8
     server, port = make_server(small, "127.0.0.1:0")
     server.start()
     try:
@@ -471,7 +477,7 @@ def test_kv_memory_pressure_evicts_the_idle_session_and_resync_rebuilds_it_exact
                 other = Client(stub)
                 assert other.send(open_msg(p)).WhichOneof("body") == "opened"
                 other.close()
-            assert small.pool.used_blocks <= 8
+            assert small.engine.pool.used_blocks <= 8
             lost = a.send(pb.ClientMessage(round=pb.DraftRound(round=2, root=v.bonus)))
             assert lost.error.code == grpc.StatusCode.NOT_FOUND.value[0]
             a.close()
@@ -487,7 +493,7 @@ def test_kv_memory_pressure_evicts_the_idle_session_and_resync_rebuilds_it_exact
             assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and err.reason == pb.REASON_TOO_LONG
             assert huge.send(open_msg([1, 2])).WhichOneof("body") == "opened"
             huge.close()
-        get = small.metrics.registry.get_sample_value
+        get = small.engine.metrics.registry.get_sample_value
         assert get("tether_evictions_total", {"reason": "memory"}) >= 1
         assert get("tether_kv_blocks") == 8 and 0 < get("tether_kv_blocks_used") <= 8
     finally:
@@ -525,11 +531,11 @@ def test_a_new_stream_attaches_to_the_held_session_after_resync(served):
 def test_server_only_generate_streams_plain_decoding(served):
     target, _, service, stub = served
     prompt = [2, 6, 1, 3]
-    held = service.pool.used_blocks
+    held = service.engine.pool.used_blocks
     req = pb.OpenSession(prompt=prompt, max_new_tokens=12, model_fingerprint=FP)
     tokens = [t for msg in stub.Generate(req) for t in msg.tokens]
     assert tokens == plain(target, prompt, 12)
-    assert service.pool.used_blocks == held  # its KV blocks went back when the stream ended
+    assert service.engine.pool.used_blocks == held  # its KV blocks went back when the stream ended
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.OpenSession(prompt=[1, 99], model_fingerprint=FP)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -539,17 +545,17 @@ def test_generate_beside_other_streams_decodes_through_the_batcher(served):
     """With other Generate streams decoding, each token is a round of the batcher (batched with every other stream
     and Session round): the same tokens as plain decoding."""
     target, _, service, stub = served
-    before = service.metrics.batch_size.collect()[0].samples
+    before = service.engine.metrics.batch_size.collect()[0].samples
     count = lambda samples: next(s.value for s in samples if s.name.endswith("_count"))  # noqa: E731
-    service._generating += 1  # as if another stream were decoding
+    service.engine.plain.generating += 1  # as if another stream were decoding
     try:
         req = pb.OpenSession(prompt=[5, 1, 4], max_new_tokens=9, model_fingerprint=FP)
         tokens = [t for msg in stub.Generate(req) for t in msg.tokens]
     finally:
-        service._generating -= 1
+        service.engine.plain.generating -= 1
     assert tokens == plain(target, [5, 1, 4], 9)
     assert (
-        count(service.metrics.batch_size.collect()[0].samples) - count(before) == 8
+        count(service.engine.metrics.batch_size.collect()[0].samples) - count(before) == 8
     )  # one round per token after the first
 
 
@@ -589,8 +595,8 @@ def test_json_logs_carry_session_ids(served, capsys):
 
 def test_a_long_prompts_delta_arrives_in_parts_under_the_message_limit(served):
     target, drafter, service, _ = served
-    small = TetherService(target, drafter, service.tokenizer, ServiceConfig(max_message_bytes=8192),
-                          model_fingerprint=FP)  # fmt: skip
+    small = TetherService(Engine(target, drafter, service.engine.tokenizer, ServiceConfig(max_message_bytes=8192),
+                          model_fingerprint=FP))  # fmt: skip
     server, port = make_server(small, "127.0.0.1:0")
     server.start()
     try:

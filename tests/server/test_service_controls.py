@@ -13,8 +13,10 @@ from test_service import Client, open_msg, run_session, to_delta
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.refusals import Refusal
+from tether.server.engine_core import Engine
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
@@ -49,8 +51,8 @@ def served():
     trained = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
     eos_prompt, second = second_eos(target)
     tok = Tokenizer.from_json(trained.to_json(), eos_ids=[second])
-    service = TetherService(target, tiny_moa_drafter(target), tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8),
-                            model_fingerprint=FP)  # fmt: skip
+    config = ServiceConfig(max_prompt_tokens=64, max_sessions=8)
+    service = TetherService(Engine(target, tiny_moa_drafter(target), tok, config, model_fingerprint=FP))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -84,17 +86,17 @@ def test_model_info_names_every_end_of_text_id_and_the_controls(served):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert list(info.eos_ids) == [0, second] and info.eos_id == 0
     assert info.sampling_controls and not info.clean_up_tokenization_spaces
-    cleaning = Tokenizer.from_json(service.tokenizer.to_json(), clean_up_spaces=True)
-    alone = TetherService(target, None, cleaning, ServiceConfig(kv_pool_bytes=1 << 20), model_fingerprint=FP)
+    cleaning = Tokenizer.from_json(service.engine.tokenizer.to_json(), clean_up_spaces=True)
+    alone = TetherService(Engine(target, None, cleaning, ServiceConfig(kv_pool_bytes=1 << 20), model_fingerprint=FP))
     try:
-        assert alone.model_info.clean_up_tokenization_spaces and alone.model_info.sampling_controls
+        assert alone.engine.model_info.clean_up_tokenization_spaces and alone.engine.model_info.sampling_controls
     finally:
-        alone.close()
+        alone.engine.close()
 
 
 def test_generate_with_controls_equals_plain_decoding_with_them(served):
     target, service, stub, _ = served
-    ends = service.eos_ids  # Generate ends after any of them
+    ends = service.engine.eos_ids  # Generate ends after any of them
     for name, (wire, controls) in cases(target).items():
         got = generate(stub, PROMPT, 16, wire)
         assert got == plain(target, PROMPT, 16, controls, stop_ids=ends), name
@@ -106,14 +108,14 @@ def test_session_rounds_with_controls_equal_plain_decoding_with_them(served):
     own context (accepted drafts included), so the text is plain decoding's with the controls."""
     target, service, stub, _ = served
     for name, (wire, controls) in cases(target).items():
-        out, *_ = run_session(stub, service.drafter, PROMPT, 20, sampling=wire)
+        out, *_ = run_session(stub, service.engine.drafter, PROMPT, 20, sampling=wire)
         assert out == plain(target, PROMPT, len(out), controls), name
 
 
 def test_a_rebuilt_session_counts_the_history_after_its_prompt_length_as_generated(served):
     target, service, stub, _ = served
     wire, controls = pb.SamplingParams(frequency_penalty=2.0), SamplingControls(frequency_penalty=2.0)
-    out, *_, verified, root = run_session(stub, service.drafter, PROMPT, 20, sampling=wire)
+    out, *_, verified, root = run_session(stub, service.engine.drafter, PROMPT, 20, sampling=wire)
     history = (PROMPT + out)[:verified]
     rebuild = pb.ResyncRequest(verified_length=verified, offline_tokens=[root], history=history, sampling=wire,
                                prompt_length=len(PROMPT), model_fingerprint=FP)  # fmt: skip
@@ -178,7 +180,7 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(served):
 
 def test_a_stop_token_and_the_second_end_of_text_id_end_the_stream(served):
     target, service, stub, (eos_prompt, second) = served
-    full = plain(target, PROMPT, 16, stop_ids=service.eos_ids)
+    full = plain(target, PROMPT, 16, stop_ids=service.engine.eos_ids)
     stop = full[3]
     got = generate(stub, PROMPT, 16, pb.SamplingParams(stop_token_ids=[stop]))
     assert got == full[: full.index(stop) + 1] and len(got) < len(full)
@@ -234,7 +236,7 @@ def test_session_verdicts_report_their_emitted_tokens_logprobs(served):
     controls = SamplingControls(presence_penalty=1.0)
     client = Client(stub)
     opened = client.send(open_msg(PROMPT, sampling=pb.SamplingParams(presence_penalty=1.0, logprobs=3))).opened
-    drafter = service.drafter
+    drafter = service.engine.drafter
     drafter.begin(to_delta(opened.delta))
     out, got, root = [opened.first_token], unwired([opened.first_logprob]), opened.first_token
     for rnd in range(1, 6):

@@ -19,9 +19,11 @@ from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.refusals import Refusal
 from tether.server.auth import identity
+from tether.server.engine_core import Engine
 from tether.server.logs import configure_logging
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.tokenizer import Tokenizer
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -51,8 +53,8 @@ class Served:
     def __init__(self, models, **config):
         target, drafter, tok = models
         config.setdefault("max_prompt_tokens", 64)
-        self.service = TetherService(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP)
-        self.clock = self.service.table.clock = FakeClock()
+        self.service = TetherService(Engine(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP))
+        self.clock = self.service.engine.table.clock = FakeClock()
         self.server, self.port = make_server(self.service, "127.0.0.1:0")
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -63,7 +65,7 @@ class Served:
 
     def held(self) -> int:
         """Blocks the sessions and streams own: what the pool must have in use."""
-        return sum(len(s.verifier.cache.blocks) for s in self.service.sessions.values())
+        return sum(len(s.verifier.cache.blocks) for s in self.service.engine.sessions.values())
 
     def close(self):
         self.channel.close()
@@ -160,16 +162,16 @@ def test_blocks_in_use_equal_the_live_sessions_under_random_valid_and_invalid_ca
             except grpc.RpcError as e:
                 name = Refusal.of_rpc_error(e).reason_name
                 outcomes[name] = outcomes.get(name, 0) + 1
-            assert s.service.pool.used_blocks == s.held(), f"step {step} ({op}) leaked"
+            assert s.service.engine.pool.used_blocks == s.held(), f"step {step} ({op}) leaked"
         assert outcomes.get("ok", 0) > 50 and len(outcomes) >= 4, outcomes
-        evictions = s.service.metrics.registry.get_sample_value
+        evictions = s.service.engine.metrics.registry.get_sample_value
         assert sum(evictions("tether_evictions_total", {"reason": r}) or 0 for r in ("sessions", "memory", "lease"))
         for k, sid, *_ in known:
             try:
                 s.stub.Close(pb.CloseRequest(session_id=sid), metadata=s.meta(k))
             except grpc.RpcError:
                 pass  # evicted or closed before
-        assert not s.service.sessions and s.service.pool.used_blocks == 0
+        assert not s.service.engine.sessions and s.service.engine.pool.used_blocks == 0
     finally:
         s.close()
 
@@ -179,7 +181,7 @@ def test_blocks_in_use_equal_the_live_sessions_under_random_valid_and_invalid_ca
 
 def test_resync_generate_and_rounds_validate_as_open_does(served):
     s, stub = served, served.stub
-    out, sid, token, verified, root = run_session(stub, tiny_moa_drafter(s.service.target), [1, 2, 3], 6)
+    out, sid, token, verified, root = run_session(stub, tiny_moa_drafter(s.service.engine.target), [1, 2, 3], 6)
     good = dict(session_id=sid, resume_token=token, verified_length=verified, offline_tokens=[root])
     for sampling in (pb.SamplingParams(temperature=float("nan")), pb.SamplingParams(temperature=-1.0),
                      pb.SamplingParams(temperature=0.5, top_p=float("nan")), pb.SamplingParams(top_p=2.0)):  # fmt: skip
@@ -247,7 +249,7 @@ def test_unauthenticated_calls_log_nothing_they_sent_and_no_field_forges_a_line(
 def test_another_keys_session_looks_like_no_session_and_its_id_cannot_be_taken(models):
     s = Served(models, api_keys=frozenset(KEYS.values()))
     try:
-        out, sid, token, verified, root = run_session(s.stub, tiny_moa_drafter(s.service.target), [1, 2, 3], 6,
+        out, sid, token, verified, root = run_session(s.stub, tiny_moa_drafter(s.service.engine.target), [1, 2, 3], 6,
                                                       metadata=s.meta("a"))  # fmt: skip
         history = ([1, 2, 3] + out)[:verified]
         mine = dict(session_id=sid, resume_token=token, verified_length=verified, offline_tokens=[root])
@@ -260,12 +262,12 @@ def test_another_keys_session_looks_like_no_session_and_its_id_cannot_be_taken(m
         # With the history, b gets a session of its own under a new id; a's is untouched.
         rebuilt = s.stub.Resync(resync_req(**mine, history=history), metadata=s.meta("b"))
         assert rebuilt.rebuilt and rebuilt.session_id != sid
-        assert s.service.sessions[sid].owner != s.service.sessions[rebuilt.session_id].owner
+        assert s.service.engine.sessions[sid].owner != s.service.engine.sessions[rebuilt.session_id].owner
         assert s.stub.Resync(resync_req(**mine), metadata=s.meta("a")).session_id == sid
         # A lost session is rebuilt under a new id too: its old id stays dead for every key.
         s.stub.Close(pb.CloseRequest(session_id=sid), metadata=s.meta("a"))
         again = s.stub.Resync(resync_req(**mine, history=history), metadata=s.meta("a"))
-        assert again.session_id not in (sid, rebuilt.session_id) and sid not in s.service.sessions
+        assert again.session_id not in (sid, rebuilt.session_id) and sid not in s.service.engine.sessions
     finally:
         s.close()
 
@@ -288,17 +290,19 @@ def test_sessions_of_clients_that_died_expire_and_give_back_quota_and_kv(models)
         other = Client(s.stub, metadata=s.meta("b"))
         assert other.send(open_msg([1, 2])).WhichOneof("body") == "opened"  # other keys never were
         other.close()
-        held = s.service.pool.used_blocks
+        held = s.service.engine.pool.used_blocks
         s.clock.now += 60.0
         assert c.send(open_msg([1, 2])).WhichOneof("body") == "opened"
         c.close()
-        assert s.service.pool.used_blocks < held and all(o.session_id not in s.service.sessions for o in dead)
+        assert s.service.engine.pool.used_blocks < held and all(
+            o.session_id not in s.service.engine.sessions for o in dead
+        )
         lost = Client(s.stub, metadata=s.meta("a"))
         err = lost.send(pb.ClientMessage(attach=pb.AttachSession(session_id=dead[0].session_id,
                                                                  resume_token=dead[0].resume_token))).error  # fmt: skip
         assert err.code == grpc.StatusCode.NOT_FOUND.value[0]  # its client would resync with the history
         lost.close()
-        assert s.service.metrics.registry.get_sample_value("tether_evictions_total", {"reason": "lease"}) >= 3
+        assert s.service.engine.metrics.registry.get_sample_value("tether_evictions_total", {"reason": "lease"}) >= 3
     finally:
         s.close()
 
@@ -339,7 +343,7 @@ def test_a_thousand_idle_streams_leave_health_and_model_info_answering(served):
 
     status, fp = hold_idle_streams(served, 1000, probe)
     assert status == health_pb2.HealthCheckResponse.SERVING and fp == FP
-    out, *_ = run_session(served.stub, tiny_moa_drafter(served.service.target), [1, 2, 3], 6)
+    out, *_ = run_session(served.stub, tiny_moa_drafter(served.service.engine.target), [1, 2, 3], 6)
     assert len(out) >= 6  # and a real client still gets its rounds verified
 
 
@@ -354,7 +358,7 @@ def test_idle_streams_are_closed_and_streams_past_the_cap_are_refused_as_retryab
         next(replies)  # nothing more is sent: the server closes the stream once its idle limit passes
     r = Refusal.of_rpc_error(e.value)
     assert (r.code, r.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED, pb.REASON_STREAM_IDLE)
-    assert opened.session_id in served.service.sessions  # the session stays held: the client can attach again
+    assert opened.session_id in served.service.engine.sessions  # the session stays held: the client can attach again
 
     async def ninth(channel):
         call = tether_pb2_grpc.TetherStub(channel).Session()
@@ -362,7 +366,7 @@ def test_idle_streams_are_closed_and_streams_past_the_cap_are_refused_as_retryab
             await call.read()
         return Refusal.of_rpc_error(e.value)
 
-    served.service.config = dataclasses.replace(served.service.config, stream_idle_s=600.0)
+    served.service.engine.config = dataclasses.replace(served.service.config, stream_idle_s=600.0)
     r = hold_idle_streams(served, 8, ninth)
     assert (r.code, r.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, pb.REASON_CAPACITY) and r.retry_after_s > 0
 

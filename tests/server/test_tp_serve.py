@@ -12,7 +12,7 @@ import pytest
 import torch
 from toy_models import toy_model_dir, toy_model_flags
 
-from tether.server.generate import load
+from tether.server.model_loading import load
 from tether.server.verifier import target_states
 from tether.shared.codecs import Codec, decode_many
 from tether.shared.drafter import DraftDelta, load_drafter

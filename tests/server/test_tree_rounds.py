@@ -25,8 +25,10 @@ import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
+from tether.server.engine_core import Engine
 from tether.server.rpc_server import make_server
-from tether.server.service import ServiceConfig, TetherService
+from tether.server.serve_config import ServiceConfig
+from tether.server.service import TetherService
 from tether.shared.codecs import decode_many
 from tether.shared.drafter import POSITION_AXIS, DraftDelta
 from tether.shared.speculative import target_probs
@@ -48,7 +50,7 @@ def served():
     drafter = tiny_moa_drafter(target)
     tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
     config = ServiceConfig(max_prompt_tokens=64, max_sessions=16, max_draft_tokens=LIMIT, max_new_tokens=96)
-    service = TetherService(target, drafter, tok, config, model_fingerprint=FP)
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=FP))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -426,7 +428,7 @@ def test_chain_and_tree_rounds_in_one_step_get_their_verdicts_alone(served, monk
     for name, client in clients.items():
         client.post(round_of(name, first[name]))
     for _ in range(6000):  # until all four wait in the batcher's inbox (bounded: 60 s at most)
-        if service.batcher.inbox.qsize() == len(prompts):
+        if service.engine.batcher.inbox.qsize() == len(prompts):
             break
         threading.Event().wait(0.01)
     release.set()

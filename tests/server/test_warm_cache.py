@@ -22,9 +22,10 @@ import triton
 from toy_models import toy_model_flags
 
 from tether.kernels import moda_prefill
-from tether.server import daemon, generate, warm_cache
+from tether.server import daemon, engine_core, model_loading, warm_cache
 from tether.server.cli import build_parser, main
 from tether.server.kv_pool import KVPool
+from tether.server.serve_config import ServeConfig
 from tether.server.warm_cache import SHAPES_FILE, load_shapes, record_shapes, use_cache_dir
 from tether.shared.cli_support import build_config
 
@@ -176,7 +177,7 @@ KERNELS = ("prefill_G4_D32.cubin", "prefill_G4_D32.autotune.json", "verify_split
 def gpu_warm_up(monkeypatch) -> list:
     """The models load as the "triton" backend on the CPU (they never run), and the kernel warm-up is a stand-in
     for Triton on a GPU: it writes into Triton's current cache each kernel that is not there yet."""
-    monkeypatch.setattr(generate, "attention_backend", lambda device, requested="auto": "triton")
+    monkeypatch.setattr(model_loading, "attention_backend", lambda device, requested="auto": "triton")
     monkeypatch.setattr(daemon, "attention_backend", lambda device, requested="auto": "triton")
     monkeypatch.setattr(moda_prefill, "interpreting", lambda: False)
     pools = []
@@ -190,7 +191,7 @@ def gpu_warm_up(monkeypatch) -> list:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(b"compiled")
 
-    monkeypatch.setattr(daemon, "warm_up", warm_up)
+    monkeypatch.setattr(engine_core, "warm_up", warm_up)
     return pools
 
 
@@ -212,7 +213,7 @@ def serve_once(monkeypatch, *argv: str) -> int:
         ["serve", *toy_model_flags(), "--port", "0", "--device", "cpu", "--kv-pool-mb", "8", *argv]
     )
     try:
-        return daemon.serve(build_config(daemon.ServeConfig, args), ready=ready)
+        return daemon.serve(build_config(ServeConfig, args), ready=ready)
     finally:
         ready.set()
         stopper.join()
