@@ -31,12 +31,12 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server.engine import target_states
+from tether.server.model_loading import default_model_dir
 from tether.shared.codecs import Codec, EncodedTensor, decode, decode_many, encode, encode_many
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 PLAIN_ZSTD = "zstd, no shuffle"
 
 
@@ -107,8 +107,8 @@ def row(name, items, codec, raw, encoded, enc, dec, err, messages) -> dict:
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "deploy/models/target")
-    ap.add_argument("--drafter", type=Path, default=ROOT / "deploy/models/drafter")
+    ap.add_argument("--target", type=Path, default=default_model_dir())
+    ap.add_argument("--drafter", type=Path, default=default_model_dir("drafter"))
     ap.add_argument("--module", default="json.decoder", help="standard-library module whose source is the text")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--round", type=int, default=4, help="tokens verified per round (per-round delta size)")

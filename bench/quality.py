@@ -43,6 +43,7 @@ from rich.table import Table
 
 from tether.client.session_types import ClientConfig
 from tether.server.engine import SpeculativeEngine
+from tether.server.model_loading import default_model_dir
 from tether.server.train_drafter import check_corpus_tokenizer
 from tether.server.train_target import Batches, TrainConfig, heldout_loss
 from tether.shared.checkpoint import fingerprint
@@ -90,7 +91,7 @@ def corpus_loss(target: Transformer, corpus: Path, target_dir: Path, seq_len: in
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "deploy/models/target")
+    ap.add_argument("--target", type=Path, default=default_model_dir())
     ap.add_argument("--drafter", type=Path, nargs="*", default=[], help="drafter folders paired with the target")
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL from bench/heldout_prompts.py")
     ap.add_argument("--corpus", type=Path, help="corpus folder for held-out loss on its val.bin")

@@ -37,14 +37,14 @@ from rich.table import Table
 
 from tether.server.corpus import build_corpus, load_tokens
 from tether.server.engine import SpeculativeEngine, target_states
+from tether.server.model_loading import default_model_dir
 from tether.server.train_drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTERS = [ROOT / "deploy/models/drafter", ROOT / "deploy/models/drafter-eagle"]
+DEFAULT_DRAFTERS = [default_model_dir("drafter"), default_model_dir("drafter-eagle")]
 
 
 def heldout_prompts(data: Path, target_dir: Path, n: int, length: int) -> list[list[int]]:
@@ -144,7 +144,7 @@ def tree_table(rows: list[dict], shapes: list[tuple[int, int, int]]) -> Table:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "deploy/models/target")
+    ap.add_argument("--target", type=Path, default=default_model_dir())
     ap.add_argument("--drafters", type=Path, nargs="*", default=DEFAULT_DRAFTERS)
     ap.add_argument("--data", type=Path, default=Path("data/corpus"), help="corpus directory with val.bin")
     ap.add_argument("--prompts", type=int, default=32)

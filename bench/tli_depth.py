@@ -31,14 +31,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server.corpus import build_corpus, load_tokens
+from tether.server.model_loading import default_model_dir
 from tether.server.train_drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tli_depth import lower_entries
 from tether.shared.tokenizer import Tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @torch.inference_mode()
@@ -71,7 +70,7 @@ def tli_rows(target: Transformer, drafter, tokens: torch.Tensor) -> dict[str, di
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=ROOT / "deploy/models/target")
+    ap.add_argument("--target", type=Path, default=default_model_dir())
     ap.add_argument("--drafter", type=Path, default=None, help="MoA drafter directory (its TLI N and predictor)")
     ap.add_argument("--tli", type=int, default=3, help="TLI N when no --drafter is given (the default drafter's)")
     ap.add_argument("--data", type=Path, default=Path("data/corpus"), help="corpus directory with val.bin")

@@ -213,11 +213,13 @@ def test_serve_and_generate_take_a_cached_hub_id_and_serve_names_the_model_after
     seen = []
     clean_env.setattr(daemon, "serve", lambda cfg: seen.append(cfg) or 0)
     clean_env.setattr(generate, "generate_text", lambda cfg, *a, **k: seen.append(cfg) or {"text": ""})
+    clean_env.setattr(daemon, "warm", lambda cfg: seen.append(cfg) or 0)
     hub = ["--model", "tether-test/tiny-llama", "--revision", "v1", "--drafter", "none"]
     assert main(["serve", *hub]) == 0 and main(["generate", *hub, "--prompt", "x", "--json"]) == 0
     assert main(["serve", *hub, "--served-model-name", "mine"]) == 0
-    served, generated, named = seen
-    assert served.model == generated.model == str(snapshot) and served.drafter == "none"
+    assert main(["warm", *hub]) == 0  # warm takes --revision too: it compiles for the same snapshot serve loads
+    served, generated, named, warmed = seen
+    assert served.model == generated.model == warmed.model == str(snapshot) and served.drafter == "none"
     assert model_name(served) == "tether-test/tiny-llama" and model_name(named) == "mine"
 
 
