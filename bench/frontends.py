@@ -30,8 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tether.server.engine_core import Engine
+from tether.server.launch import LaunchPlan, listen
 from tether.server.model_loading import default_model_dir, load
-from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
@@ -88,7 +88,7 @@ async def client(port: int, streams: int, unary: int, messages: int) -> dict:
 
 
 def measure(service, frontends: int, args) -> dict:
-    server, port = make_server(service, "127.0.0.1:0", frontends=frontends)
+    server, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=frontends))
     server.start()
     try:
         cmd = [sys.executable, __file__, "--worker", str(port), "--streams", str(args.streams), "--unary",

@@ -290,9 +290,9 @@ def start_server(args: argparse.Namespace):
     from tether.server import heap
     from tether.server.batcher import warm_up
     from tether.server.engine_core import Engine
+    from tether.server.launch import LaunchPlan, listen
     from tether.server.pool_budget import resolve_kv_pool
     from tether.server.rounds import step_runner
-    from tether.server.rpc_server import make_server
     from tether.server.serve_config import ServiceConfig
     from tether.server.service import TetherService
 
@@ -312,7 +312,7 @@ def start_server(args: argparse.Namespace):
         runner = step_runner(target, service.engine.pool)
         runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
     heap.settle()  # as serve does before it listens
-    server, port = make_server(service, "127.0.0.1:0", frontends=args.frontends)
+    server, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=args.frontends))
     server.start()
     return service, server, port
 

@@ -44,14 +44,14 @@ import torch
 from tether.server.engine_core import Engine, use_cache
 from tether.server.engines import EngineWorkers, engine_share
 from tether.server.http_api import start_http
+from tether.server.launch import LaunchPlan, listen, start_engines
 from tether.server.logs import configure_logging
 from tether.server.metrics import serve_metrics
 from tether.server.model_loading import attention_backend, pick_device
-from tether.server.rpc_server import TLSFiles, make_server
+from tether.server.rpc_server import TLSFiles
 from tether.server.serve_config import ServeConfig, ServiceConfig, service_config
 from tether.server.service import TetherService
 from tether.shared.cli_support import CommandError, Refusal, address_in_use
-from tether.shared.ids import MAX_ENGINES
 from tether.shared.weights import ONNX_PRECISIONS
 
 log = logging.getLogger("tether.server")
@@ -125,17 +125,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     device = pick_device(cfg.device)
     if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_client_ca and not cfg.tls_cert):
         raise ValueError("TLS needs both --tls-cert and --tls-key (and --tls-client-ca only with them)")
-    if cfg.tp < 1:
-        raise ValueError(f"--tp must be at least 1, got {cfg.tp}")
+    plan = LaunchPlan.of(cfg)
     if cfg.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1, got {cfg.prefill_chunk}")
-    if cfg.frontends < 0:
-        raise ValueError(f"--frontends is 0 (gRPC in this process) or more, got {cfg.frontends}")
-    if not 1 <= cfg.engines <= MAX_ENGINES:
-        raise ValueError(f"--engines is 1 to {MAX_ENGINES}, got {cfg.engines}")
-    if cfg.engines > 1 and (cfg.frontends < 1 or cfg.tp > 1 or 0 < cfg.kv_pool_mb < cfg.engines):
-        raise ValueError("--engines E > 1 needs --frontends N >= 1 (they route the calls), --tp 1, and --kv-pool-mb 0 "
-                         "(auto) or at least E MB (each engine takes an even share)")  # fmt: skip
     if cfg.tp > 1 and device.startswith("cuda") and torch.cuda.device_count() < cfg.tp:
         raise ValueError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, this host has {torch.cuda.device_count()}")
     whole, cfg = cfg, engine_share(cfg, 0)  # this process is engine 0: its share of the pool and the limits
@@ -149,22 +141,21 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
         raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams and --http-max-n "
                          "at least 1")  # fmt: skip
     check_ports(cfg)
-    workers = None
-    if whole.engines > 1:
+    if plan.engines > 1:
         use_cache(cfg)  # before the engine processes start: they inherit Triton's cache directory
-        workers = EngineWorkers(whole)  # they load and warm up while this one does
+    workers = start_engines(plan, whole)  # they load and warm up while this one does
     try:
-        return _serve(cfg, whole, precisions, workers, t_start, ready)
+        return _serve(cfg, plan, precisions, workers, t_start, ready)
     finally:
         if workers is not None:
             workers.stop()
 
 
-def _serve(cfg: ServeConfig, whole: ServeConfig, precisions: list[str], workers: EngineWorkers | None, t_start: float,
+def _serve(cfg: ServeConfig, plan: LaunchPlan, precisions: list[str], workers: EngineWorkers | None, t_start: float,
            ready: threading.Event | None) -> int:  # fmt: skip
-    """serve, once its flags are checked: `cfg` is this engine's share of `whole`, the command line's."""
+    """serve, once its flags are checked: `cfg` is this engine's share of the command line's (engine 0's)."""
     torch.set_grad_enabled(False)
-    engine = Engine.build(cfg, engine_index=0 if whole.engines > 1 else None)
+    engine = Engine.build(cfg, engine_index=0 if plan.engines > 1 else None)
     config = engine.config
     service = TetherService(engine)
     for precision in precisions:
@@ -182,8 +173,8 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, precisions: list[str], workers:
 
     server = None
     try:
-        server, port = make_server(service, f"{cfg.host}:{cfg.port}", tls=tls, frontends=cfg.frontends,
-                                   engines=engines, log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
+        server, port = listen(service, f"{cfg.host}:{cfg.port}", plan, tls=tls, engine_sockets=engines,
+                              log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
         if cfg.metrics_port:
             start_metrics(engine, cfg.host, cfg.metrics_port)
     except CommandError:
@@ -195,9 +186,7 @@ def _serve(cfg: ServeConfig, whole: ServeConfig, precisions: list[str], workers:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    notes = [f"tensor-parallel over {cfg.tp} ranks"] if cfg.tp > 1 else []
-    notes += [f"{cfg.frontends} front-end processes"] if cfg.frontends else []
-    notes += [f"{whole.engines} engine processes"] if whole.engines > 1 else []
+    notes = plan.notes()
     print(f"listening on {cfg.host}:{port}" + (f" ({', '.join(notes)})" if notes else ""), flush=True)
     http = None
     if cfg.http_port >= 0:

@@ -183,30 +183,10 @@ def make_server(
     *,
     tls: TLSFiles | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    frontends: int = 0,
-    engines: Sequence[str] = (),
-    log_format: str = "text",
-    log_level: str = "warning",
 ) -> tuple[ServerHandle, int]:
     """A server for `service` bound to `address` ("host:0" picks a free port), over TLS when `tls` is given;
-    `interceptors` run after authentication. Returns the handle (not yet serving) and the port.
-    With `frontends` > 0, gRPC runs in that many front-end processes instead, which take calls as soon as this
-    returns (tether.server.frontend_host; they log in `log_format` at `log_level`), and `interceptors` are not
-    supported; `engines`: the sockets of further engine processes the front ends also route to (serve --engines,
-    tether.server.engines)."""
-    if engines and not frontends:
-        raise ValueError("more engines than this process need front ends to route their calls")
-    if frontends:
-        from tether.server.frontend_host import start_frontends
-
-        if interceptors:
-            raise ValueError("interceptors run inside the gRPC server: not with front-end processes")
-        check_free(address)  # the front ends bind with SO_REUSEPORT, which would join a listener that has it too
-        try:
-            return start_frontends(service, address, frontends, tls=tls, engines=engines, log_format=log_format,
-                                   log_level=log_level)  # fmt: skip
-        except OSError as e:  # a front end could not bind, or died before it said so
-            raise CommandError(Refusal.CANNOT_LISTEN, str(e)) from None
+    `interceptors` run after authentication. Returns the handle (not yet serving) and the port. gRPC in front-end
+    processes instead is tether.server.launch.listen's choice."""
     handle = ServerHandle(service, interceptors)
     try:
         port = handle.bind(address, tls)

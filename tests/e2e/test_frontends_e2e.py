@@ -1,5 +1,5 @@
 """The edge client (tether.client) against the toy models served through two front-end processes
-(`make_server(..., frontends=2)`, what `tether-server serve --frontends 2` runs): pairing downloads the client part
+(`launch.listen` with two front ends, what `tether-server serve --frontends 2` runs): pairing downloads the client part
 through them, the rounds (pipelined, overlapping the verdicts: several messages of a stream in flight) cross the
 engine's socket, the bearer key is checked in a front end and the caller it names reaches the engine, which closes
 the session at the end. The greedy text equals plain decoding by the target.
@@ -12,8 +12,8 @@ from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession
 from tether.server.engine_core import Engine
+from tether.server.launch import LaunchPlan, listen
 from tether.server.model_loading import load
-from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
@@ -30,7 +30,7 @@ def test_the_edge_client_through_front_ends_writes_the_targets_greedy_text(tmp_p
     service = TetherService(Engine(target, drafter, tok, ServiceConfig(api_keys=frozenset({"edge-key"})),
                             model_fingerprint=fingerprint(toy_model_dir())))  # fmt: skip
     try:
-        server, port = make_server(service, "127.0.0.1:0", frontends=2)
+        server, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=2))
         server.start()
         try:
             cfg = ClientConfig(server=f"127.0.0.1:{port}", max_new_tokens=NEW, api_key="edge-key",

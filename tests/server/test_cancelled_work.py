@@ -19,7 +19,7 @@ from tether.client.refusals import Refusal
 from tether.server import batcher as batcher_module
 from tether.server.auth import peer_host
 from tether.server.engine_core import Engine
-from tether.server.rpc_server import make_server
+from tether.server.launch import LaunchPlan, listen
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def serve(models):
         target, drafter, tok = models
         config = {"max_prompt_tokens": 64, "max_sessions": 8, "model_threads": 1} | config
         service = TetherService(Engine(target, drafter, tok, ServiceConfig(**config), model_fingerprint=FP))
-        server, port = make_server(service, "127.0.0.1:0", frontends=frontends)
+        server, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=frontends))
         server.start()
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         made.append((server, channel))

@@ -28,7 +28,7 @@ from tiny_models import tiny_moa_drafter, tiny_target
 from toy_models import toy_model_flags
 
 from tether.server.engines import EngineSocket, engine_share
-from tether.server.rpc_server import make_server
+from tether.server.launch import LaunchPlan, listen
 from tether.server.serve_config import ServeConfig
 from tether.shared.ids import engine_of, is_session_id, new_session_id
 from tether.shared.tokenizer import Tokenizer
@@ -49,7 +49,7 @@ def engines():
 
         other = EngineSocket(services[1], event_loop(), str(Path(folder) / "e1.sock"))
         asyncio.run_coroutine_threadsafe(other.start(), other.loop).result(timeout=BOUND_S)
-        handle, port = make_server(services[0], "127.0.0.1:0", frontends=1, engines=[other.path])
+        handle, port = listen(services[0], "127.0.0.1:0", LaunchPlan(frontends=1), engine_sockets=[other.path])
         handle.start()
         until(lambda: len(other.connections) == 1, "the front end linked to engine 1")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -1,5 +1,5 @@
-"""The gRPC server with front-end processes (`make_server(..., frontends=N)`): gRPC in N processes, the service's
-handlers in this one, every tether.v1.Tether call carried between them as frames over a Unix socket.
+"""The gRPC server with front-end processes (`launch.listen` with `LaunchPlan(frontends=N)`): gRPC in N processes, the
+service's handlers in this one, every tether.v1.Tether call carried between them as frames over a Unix socket.
 
 What the hop must not change: rounds, refusals (status, details, typed reason), weight downloads and the caller's
 identity are what the in-process server gives for the same service; health and reflection are answered; flow
@@ -33,6 +33,7 @@ from tiny_models import tiny_moa_drafter, tiny_target
 from tether.client.refusals import Refusal
 from tether.server import frontend_wire as wire
 from tether.server.engine_core import Engine
+from tether.server.launch import LaunchPlan, listen
 from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
@@ -74,7 +75,7 @@ def fronted(models):
     service = service_for(target, drafter, tok)
     handles = []
     try:
-        handle, port = make_server(service, "127.0.0.1:0", frontends=2)
+        handle, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=2))
         handles.append(handle)
         handle.start()
         direct, direct_port = make_server(service, "127.0.0.1:0")
@@ -99,7 +100,7 @@ def keyed(models):
     service = service_for(target, drafter, tok, api_keys=frozenset({"key-a", "key-b"}))
     handle = None
     try:
-        handle, port = make_server(service, "127.0.0.1:0", frontends=1)
+        handle, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=1))
         handle.start()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             yield SimpleNamespace(service=service, handle=handle, stub=tether_pb2_grpc.TetherStub(channel))
@@ -450,7 +451,7 @@ def test_config_splits_the_stream_limit_and_carries_keys_only_where_there_are_so
 def test_stop_ends_the_streams_and_the_processes_and_gives_back_all_kv(models):
     target, drafter, tok = models
     service = service_for(target, drafter, tok)
-    handle, port = make_server(service, "127.0.0.1:0", frontends=2)
+    handle, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=2))
     try:
         handle.start()
         try:
@@ -478,7 +479,7 @@ def test_stop_while_a_front_end_is_started_again_stops_that_one_too(models, monk
     stopped: the replacement, let go once stop has begun, must be told to stop as well and exit on its own."""
     target, drafter, tok = models
     service = service_for(target, drafter, tok)
-    handle, _ = make_server(service, "127.0.0.1:0", frontends=2)
+    handle, _ = listen(service, "127.0.0.1:0", LaunchPlan(frontends=2))
     try:
         host = handle.host
         spawn = host._spawn
