@@ -43,6 +43,9 @@ memory); then, in random mode with an in-process CUDA server, the GPU's own time
 (torch.profiler's kernel time), which the one-client p50 is compared with. Trace rows add the recording's tau
 over the same rounds and the share of rounds whose verdict matched it. Generate rows: tokens/s, per stream, TTFT
 and CPU per token. Prints a table, then one JSON line.
+Engine CPU per round (`engine_cpu_us_per_round`, defined in bench/engine_cpu.py): the CPU time of the process holding
+the models over the window, per round verified, by thread; `engine_host_cpu_us_per_round` leaves out the models' own
+compute on a CPU device, standing for a GPU server's host work (column "engine CPU us all/host", per round).
 
     python bench/server.py --clients 1 32 128                    # CUDA when present, random drafts, k=5
     python bench/server.py --device cpu --clients 1 8 32 --rounds 20
@@ -97,15 +100,6 @@ def clients():
     return sibling("server_clients")
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU time of another process of ours (Linux /proc; 0 elsewhere or once it has gone)."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 # ---- the bench process --------------------------------------------------------------------------------------
 
 
@@ -141,7 +135,9 @@ class ServerProbe:
     def sample(self) -> dict:
         out: dict = {}
         if self.service is not None:
-            out["cpu_s"] = clients().cpu_s() + sum(map(process_cpu_s, self.frontends()))  # not the client processes
+            engine = sibling("engine_cpu")
+            out["cpu_s"] = clients().cpu_s() + sum(map(engine.process_cpu_s, self.frontends()))  # not the clients
+            out["engine"] = engine.sample(self.frontends())
             out |= memory(self.service)
             out |= {f"gc_{k}": v for k, v in self.pauses.snapshot(reset_max=True).items()}  # max: since last sample
             m = self.service.engine.metrics
@@ -273,6 +269,8 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
             "client_cpu_ms_per_round": ratio(1e3 * row["client_cpu_s"], rounds)}  # fmt: skip
     # Sessions the server evicted (rounds refused for them, the clients' resyncs) and rounds retried at capacity.
     row |= {key: sum(c[key] for c in clients) for key in ("evicted", "resyncs", "capacity_retries")}
+    if "engine" in after:
+        row |= sibling("engine_cpu").per_round(after["engine"], before["engine"], rounds, "cuda" not in args.device)
     if args.mode == "trace":
         row |= {"tau_recorded": ratio(sum(c["recorded"] for c in clients), rounds),
                 "trace_match": ratio(sum(c["matched"] for c in clients), rounds),
@@ -402,7 +400,7 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
     t = Table(title=f"Session rounds, {what}, prompt {args.prompt_len if args.mode == 'random' else 'as recorded'}, "
               f"{timed}, {where}")  # fmt: skip
     cols = ["clients", "rounds/s", "speed-up", "scored tok/s", "accepted tok/s", "tau", "p50 / p99 ms", "mean batch",
-            "server round / batch ms", "CPU ms/round server / clients", "wall s"]  # fmt: skip
+            "server round / batch ms", "CPU ms/round server / clients", "engine CPU us all/host", "wall s"]  # fmt: skip
     if args.mode == "trace":
         cols[6:6] = ["tau recorded", "trace match"]
     if args.duration > 0 and args.rate > 0:
@@ -424,6 +422,7 @@ def table(args: argparse.Namespace, rows: list[dict], where: str):
                  f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}", f(r["mean_batch"], ".2f"),
                  f"{f(r['server_verify_ms'], '.1f')} / {f(r['server_batch_ms'], '.2f')}",
                  f"{f(r['server_cpu_ms_per_round'], '.1f')} / {f(r['client_cpu_ms_per_round'], '.1f')}",
+                 f"{f(r.get('engine_cpu_us_per_round'), '.0f')} / {f(r.get('engine_host_cpu_us_per_round'), '.0f')}",
                  f"{r['wall_s']:.2f}"]  # fmt: skip
         if args.mode == "trace":
             cells[6:6] = [f(r["tau_recorded"], ".2f"), "-" if r["trace_match"] is None else f"{r['trace_match']:.0%}"]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tether.server.compute_meter import MODEL_COMPUTE
 from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepConfig, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
@@ -264,7 +265,9 @@ def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], 
     if runner is not None and runner.bucket(len(trees), max(sizes), 0, states) is not None:
         batch = step_batch(caches, trees)
         with runner.lock:
-            yield runner.forward(batch, states=states)
+            with MODEL_COMPUTE.measure():
+                step = runner.forward(batch, states=states)
+            yield step
         return
     dev, B, tq = target.device, len(trees), max(sizes)
     view = cache_view(caches, sizes, in_place=in_place)
@@ -281,8 +284,9 @@ def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], 
             mask[i, :, :L] = True
         mask[i, :n, base : base + n] = tree.ancestor_mask()
         mask[i, torch.arange(n, tq), base + torch.arange(n, tq)] = True  # padding sees itself only
-    out = target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
-                     hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+    with MODEL_COMPUTE.measure():
+        out = target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
+                         hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
     yield out, None
 
 
@@ -295,7 +299,8 @@ def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, li
     idx = torch.tensor([b * T + j for b, _, path, _ in rows for j in path], device=out.logits.device)
     flat = TargetStates(k=out.k.flatten(1, 2)[:, idx], v=out.v.flatten(1, 2)[:, idx],
                         hidden=out.hidden[0].flatten(0, 1)[idx])  # fmt: skip
-    tensors = drafter.server_delta(flat, 0, [t for *_, tokens in rows for t in tokens]).tensors
+    with MODEL_COMPUTE.measure():
+        tensors = drafter.server_delta(flat, 0, [t for *_, tokens in rows for t in tokens]).tensors
     if host:
         tensors = _to_host(tensors, sync=True)
     deltas, at = [], 0
@@ -326,7 +331,9 @@ def every_token_delta(out: ForwardOutput, drafter, rows: int, runner: StepRunner
     the verdicts' copy: one wait per round instead of two, and no gather that waits on the verdicts. The server
     parts are per position, so a row's slice (`slice_deltas`) equals what gather_deltas computes for it. `runner`
     made `out` (its step graph has a graph of the server part beside it: StepRunner.server_part)."""
-    return _to_host(runner.server_part(drafter, out, rows), sync=False)
+    with MODEL_COMPUTE.measure():
+        part = runner.server_part(drafter, out, rows)
+    return _to_host(part, sync=False)
 
 
 def slice_deltas(tensors: dict[str, Tensor], T: int,
