@@ -7,7 +7,9 @@ commit: the caller decides what survives. `advance(T)` keeps all pending rows (p
 `truncate(n)` rewinds. Depth K/V are not cached: MoDA's depth keys are same-position only, so each forward
 rebuilds them for its own tokens.
 
-The server's batched verifier uses a paged pool with the same per-layer row layout instead.
+The server's batched verifier uses a paged pool with the same per-layer row layout instead. Both satisfy
+tether.shared.contracts.SequenceCache: this one has no in-place attention (`attend` is None), and `reserve` /
+`release` only check and do nothing, its memory being taken whole at construction.
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ class KVCache:
         self.k[layer, :, self.length : end] = k
         self.v[layer, :, self.length : end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
+               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+        """No in-place kernel path: the model writes the rows and runs its attention backend over them."""
+        return None
+
+    def reserve(self, n: int) -> None:
+        """Room for n rows past the committed length is already allocated; only the capacity is checked."""
+        if self.length + n > self.capacity:
+            raise ValueError(f"KV cache full: {self.length + n} positions needed, capacity {self.capacity}")
+
+    def release(self) -> None:
+        """Nothing to give back: the buffers go with the cache."""
 
     def advance(self, n: int) -> None:
         """Commit the first n pending rows."""

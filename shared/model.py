@@ -23,6 +23,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from tether.shared.attention import get_backend
 from tether.shared.config import ModelConfig
 from tether.shared.kv_cache import KVCache
 from tether.shared.logits_processing import SamplingControls
+
+if TYPE_CHECKING:
+    from tether.shared.contracts import ForwardCache, SequenceCache
 
 
 class RMSNorm(nn.Module):
@@ -195,7 +199,7 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         depth: DepthStream,
-        cache: KVCache | None,
+        cache: ForwardCache | None,
         cache_layer: int,
         tree_mask: Tensor | None,
         backend: str,
@@ -204,17 +208,19 @@ class Block(nn.Module):
         """One block over new tokens. Keys are the cache's rows plus the new ones, or `prefix_kv` rows
         [B, S, Hkv, D] plus the new ones (drafter training feeds the target's exact K/V that way).
 
-        A cache that attends in place (it has `attend(layer, q, k, v, depth_k, depth_v, *, scale, tree_mask)`,
-        e.g. the server's paged pool read by a paged kernel) stores the new K/V and computes the attention itself,
-        with the backend's contract; no keys are gathered for it."""
+        A cache that attends in place (its `attend(layer, q, k, v, depth_k, depth_v, *, scale, tree_mask)` returns
+        the output, e.g. the server's paged pool read by a paged kernel; tether.shared.contracts.ForwardCache) stores
+        the new K/V and computes the attention itself, with the backend's contract; no keys are gathered for it."""
         c, pre = self.cfg, self.cfg.norm_position == "pre"
         h = self.attn_norm(x) if pre else x
         q, k, v = self.attn.qkv(h, cos, sin)  # [B, T, H, D]
         depth_k, depth_v = depth.read()
+        # Still a probe: PagedCache and SlotView (server/kv_pool.py) and the batch views of server/rounds.py have no
+        # `attend` returning None yet (ForwardCache); once they do, this is `o = cache.attend(...)` for any cache.
         attend = getattr(cache, "attend", None)
-        if attend is not None:
-            o = attend(cache_layer, q, k, v, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
-        else:
+        o = None if attend is None else attend(cache_layer, q, k, v, depth_k, depth_v, scale=c.head_dim**-0.5,
+                                               tree_mask=tree_mask)  # fmt: skip
+        if o is None:
             if cache is not None:
                 keys, vals = cache.write(cache_layer, k, v)
             elif prefix_kv is not None:
@@ -288,6 +294,11 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype: what a KV pool for this model holds."""
+        return self.embed_tokens.weight.dtype
+
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(self.inv_freq, positions)
 
@@ -303,7 +314,7 @@ class Transformer(nn.Module):
         self,
         input_ids: Tensor,
         *,
-        cache: KVCache | None = None,
+        cache: ForwardCache | None = None,
         positions: Tensor | None = None,
         tree_mask: Tensor | None = None,
         hidden_layers: Sequence[int] = (),
@@ -370,17 +381,17 @@ class Transformer(nn.Module):
         """Full-sequence forward: input ids [B, T] -> logits [B, T, vocab]."""
         return self.run(input_ids).logits
 
-    def prefill(self, input_ids: Tensor, cache: KVCache, **kw) -> ForwardOutput:
+    def prefill(self, input_ids: Tensor, cache: SequenceCache, **kw) -> ForwardOutput:
         out = self.run(input_ids, cache=cache, **kw)
         cache.advance(input_ids.shape[1])
         return out
 
-    def verify(self, input_ids: Tensor, cache: KVCache, **kw) -> ForwardOutput:
+    def verify(self, input_ids: Tensor, cache: SequenceCache, **kw) -> ForwardOutput:
         """Score k new tokens against the cache; their K/V stay pending until the caller commits."""
         return self.run(input_ids, cache=cache, **kw)
 
     def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> KVCache:
-        return KVCache(self.cfg, batch_size, capacity, device=self.device, dtype=self.embed_tokens.weight.dtype)
+        return KVCache(self.cfg, batch_size, capacity, device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
     def generate(
