@@ -32,9 +32,8 @@ import torch
 
 from tether.server.kv_pool import KVPool
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier, target_states
-from tether.shared.drafter_runtime import DrafterBase
+from tether.shared.contracts import SpeculativeDrafter, Target
 from tether.shared.logits_processing import SamplingControls
-from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree, Verdict, through_stop
 
 __all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
@@ -64,8 +63,8 @@ class EngineStats:
 class SpeculativeEngine:
     def __init__(
         self,
-        target: Transformer,
-        drafter: DrafterBase | None = None,
+        target: Target,
+        drafter: SpeculativeDrafter | None = None,
         *,
         k: int = 5,
         support: int = 8,
@@ -114,12 +113,12 @@ class SpeculativeEngine:
     def _pool_for(self, capacity: int) -> KVPool | None:
         """On the "triton" backend the sequence lives in a paged pool, so its rounds run as the server's replayed
         steps do (tether.server.step); kept across calls, so the step graphs are captured once."""
-        if getattr(self.target, "backend", None) != "triton":
+        if self.target.backend != "triton":
             return None
         blocks = -(-capacity // BLOCK_SIZE)
         if self._pool is None or self._pool.num_blocks < blocks:
-            w = self.target.embed_tokens.weight
-            self._pool = KVPool(self.target.cfg, blocks, BLOCK_SIZE, device=w.device, dtype=w.dtype)
+            t = self.target
+            self._pool = KVPool(t.cfg, blocks, BLOCK_SIZE, device=t.device, dtype=t.dtype)
         return self._pool
 
     def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, stops: frozenset[int],

@@ -28,11 +28,12 @@ from collections.abc import Callable
 
 import torch
 
-from tether.server.kv_pool import KVPool, PagedCache
+from tether.server.kv_pool import KVPool
 from tether.server.rounds import decode_runner, forward_rows, gather_deltas, verify_batch
+from tether.shared.contracts import SequenceCache, ServerDrafter, Target
 from tether.shared.drafter import DraftDelta, TargetStates
 from tether.shared.logits_processing import LogitsProcessing, SamplingControls
-from tether.shared.model import ForwardOutput, Transformer
+from tether.shared.model import ForwardOutput
 from tether.shared.sampling import TokenLogprobs, sample_token, token_logprobs
 from tether.shared.speculative import DraftTree, Verdict
 
@@ -51,8 +52,8 @@ def target_states(out: ForwardOutput) -> TargetStates:
 class SequenceVerifier:
     def __init__(
         self,
-        target: Transformer,
-        drafter=None,
+        target: Target,
+        drafter: ServerDrafter | None = None,
         *,
         capacity: int,
         temperature: float = 0.0,
@@ -61,7 +62,7 @@ class SequenceVerifier:
         generator: torch.Generator | None = None,
         pool: KVPool | None = None,
         prefill_chunk: int = 2048,
-        cache: PagedCache | None = None,
+        cache: SequenceCache | None = None,
         controls: SamplingControls | None = None,
         logprobs: int | None = None,
     ):
@@ -81,6 +82,7 @@ class SequenceVerifier:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk  # prompt positions per prefill forward
         capacity = min(capacity, target.cfg.max_seq_len)
+        self.cache: SequenceCache
         if cache is not None:  # lent by the session table, which gives it back
             self.cache = cache
         else:
@@ -123,13 +125,11 @@ class SequenceVerifier:
         takes its blocks now and raises PoolExhausted when the pool cannot give them)."""
         if n > self.room:
             raise ValueError(f"a tree of {n} nodes does not fit the {self.room} positions left")
-        if isinstance(self.cache, PagedCache):
-            self.cache.reserve(n)
+        self.cache.reserve(n)
 
     def release(self) -> None:
         """Give the KV memory back (a paged cache returns its blocks to the pool)."""
-        if isinstance(self.cache, PagedCache):
-            self.cache.release()
+        self.cache.release()
 
     @property
     def room(self) -> int:

@@ -115,4 +115,4 @@ def load_drafter(path: str | Path, target, *, target_fingerprint: str | None = N
         )
     drafter = build_drafter(target, dcfg)
     drafter.load_state_dict(load_drafter_weights(path))
-    return drafter.to(device=target.device, dtype=target.embed_tokens.weight.dtype).eval()
+    return drafter.to(device=target.device, dtype=target.dtype).eval()
