@@ -47,7 +47,8 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.multiprocessing.spawn import ProcessException
 
-from tether.shared.drafter import DraftDelta, TargetStates
+from tether.shared.contracts import ServerDrafter
+from tether.shared.drafter import DraftDelta, DrafterConfig, TargetStates
 from tether.shared.model import Transformer
 
 __all__ = ["apply_tp", "init_distributed", "spawn", "all_reduce", "gather_heads", "gather_states", "GatherKV"]
@@ -116,9 +117,13 @@ class GatherKV:
     MoA's LSA (and the TLI K/V it ships) are defined over all of them. Every rank must call server_delta
     (the gather is a collective), which the verifier does when every rank runs the same rounds."""
 
-    def __init__(self, drafter, group=None):
+    def __init__(self, drafter: ServerDrafter, group=None):
         self.drafter = drafter
         self.group = group
+
+    @property
+    def dcfg(self) -> DrafterConfig:
+        return self.drafter.dcfg
 
     def server_delta(self, states: TargetStates, start: int, tokens: list[int]) -> DraftDelta:
         return self.drafter.server_delta(gather_states(states, self.group), start, tokens)
@@ -200,7 +205,7 @@ def apply_tp(model: Transformer, rank: int, world_size: int, group=None) -> Tran
         _column_parallel(block.ffn.gate_proj, rank, world_size)
         _column_parallel(block.ffn.up_proj, rank, world_size)
         _row_parallel(block.ffn.down_proj, rank, world_size, group)
-        if hasattr(block, "ffn_kv_proj"):
+        if local.moda_ffn_kv:  # the block has an ffn_kv_proj exactly then (tether.shared.model.Block)
             # Output rows are [2 (K, V), Hkv, D]: take this rank's KV heads from each half.
             _column_parallel(block.ffn_kv_proj, rank, world_size, groups=2)
     return model

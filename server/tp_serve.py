@@ -37,15 +37,18 @@ from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
 from tether.server.rounds import register_runner, step_config
 from tether.server.step import Bucket, StepBatch, StepOutput, StepRunner
 from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
+from tether.shared.config import ModelConfig
+from tether.shared.contracts import ForwardCache, SequenceCache
 from tether.shared.model import ForwardOutput, Transformer
 
 log = logging.getLogger("tether.server")
 
 
-def _window_of(cache, n_new: int) -> dict:
+def _window_of(cache: ForwardCache, n_new: int) -> dict:
     """The pool window of a forward as tensors every rank can rebuild it from: write_slots, write_rows and either
     read_slots (a gathering SlotView) or the paged kernel's block_table, cache_lens and q_lens (PagedKernelView).
-    `cache` is a PagedCache (one sequence), a batcher's PagedBatchView or its PagedKernelView."""
+    `cache` is a PagedCache (one sequence), a batcher's PagedBatchView or its PagedKernelView. Told apart by type
+    until each of them answers its own window (a `window(n_new)` method in server/kv_pool.py and server/rounds.py)."""
     if isinstance(cache, PagedCache):
         cache.reserve(n_new)
         L = cache.length
@@ -131,15 +134,42 @@ class TPPool(KVPool):
 
 
 class TPTarget:
-    """Rank 0's handle on the tensor-parallel model: the Transformer interface the service uses (run, prefill,
-    verify, cfg, device, ...), with every forward broadcast to the other ranks first."""
+    """Rank 0's handle on the tensor-parallel model: a tether.shared.contracts.Target (run, prefill, verify, cfg,
+    device, dtype, backend, tp, new_cache), with every forward broadcast to the other ranks first."""
 
     def __init__(self, model: Transformer, cmd_group):
         self.model, self.cmd_group = model, cmd_group
         self.lock = threading.Lock()
         self.pool: KVPool | None = None
 
+    # ---- the Target members that are the shard's own ----------------------------------------------------------
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg  # the shard's: heads and ffn_dim divided by the world size
+
+    @property
+    def backend(self) -> str:
+        return self.model.backend
+
+    @property
+    def tp(self) -> tuple[int, int]:
+        return self.model.tp
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, batch_size: int = 1, capacity: int | None = None) -> SequenceCache:
+        return self.model.new_cache(batch_size, capacity)  # whose forwards then refuse it (_window_of)
+
     def __getattr__(self, name: str):
+        # The rest of the shard (embed_tokens, layers, ...) for code written against a Transformer: the drafter and
+        # the engine's pool sizing (server/engine_core.py reads embed_tokens; `dtype` is the Target member for it).
         return getattr(self.model, name)
 
     def broadcast(self, cmd: dict, local):
@@ -164,7 +194,7 @@ class TPTarget:
         self,
         input_ids: Tensor,
         *,
-        cache=None,
+        cache: ForwardCache | None = None,
         positions: Tensor | None = None,
         tree_mask: Tensor | None = None,
         hidden_layers: Sequence[int] = (),
@@ -182,12 +212,12 @@ class TPTarget:
             dist.broadcast_object_list([cmd], src=0, group=self.cmd_group)
             return _execute(self.model, self.pool, cmd)
 
-    def prefill(self, input_ids: Tensor, cache, **kw) -> ForwardOutput:
+    def prefill(self, input_ids: Tensor, cache: SequenceCache, **kw) -> ForwardOutput:
         out = self.run(input_ids, cache=cache, **kw)
         cache.advance(input_ids.shape[1])
         return out
 
-    def verify(self, input_ids: Tensor, cache, **kw) -> ForwardOutput:
+    def verify(self, input_ids: Tensor, cache: SequenceCache, **kw) -> ForwardOutput:
         return self.run(input_ids, cache=cache, **kw)
 
     def stop(self, timeout_s: float = 10.0) -> bool:
