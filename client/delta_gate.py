@@ -42,7 +42,9 @@ import numpy as np
 
 from tether.client.errors import Problem, ServerDataError
 from tether.shared.config import ModelConfig
+from tether.shared.contracts import Drafter
 from tether.shared.drafter_config import POSITION_AXIS, ArrayDelta, DrafterConfig
+from tether.shared.logits_processing import LogitsProcessing
 from tether.shared.wire import CodecError, parse_many, values
 
 DELTA_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # what a delta's tensors may travel as
@@ -109,7 +111,7 @@ class DeltaGate:
 
     def __init__(
         self,
-        drafter,
+        drafter: Drafter,
         layout: DeltaLayout,
         coverable: Callable[[int], list[int]],
         refuse: Callable[[str], Exception],
@@ -143,6 +145,17 @@ class DeltaGate:
     def draft_tree(self, root: int, **kwargs):
         self._check_root(root)
         return self.inner.draft_tree(root, **kwargs)
+
+    # The rest of the Drafter contract, passed through: nothing in them comes from the server.
+
+    def feed(self, tokens: list[int], processing: LogitsProcessing | None = None) -> int | None:
+        return self.inner.feed(tokens, processing=processing)
+
+    def discard_drafts(self) -> None:
+        self.inner.discard_drafts()
+
+    def verified_length(self) -> int:
+        return self.inner.verified_length()
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.layout.vocab_size:

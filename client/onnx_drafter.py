@@ -4,7 +4,7 @@ Runs the graphs tether.server.onnx_export writes (MoA with any TLI N, and EAGLE)
 drafts as tether.shared.drafter_runtime.DrafterBase over the same deltas. It imports numpy, onnxruntime,
 safetensors and the standard library only, never torch, so an edge install can leave torch out.
 
-Contract (as DrafterBase; the differences are marked *):
+Contract (tether.shared.contracts.Drafter, as DrafterBase; the differences are marked *):
 - `OnnxDrafter.load(dir, threads=1, tree_width=0)` reads onnx_drafter.json, checks each graph's sha256 and returns
   the MoA or EAGLE runtime. `threads` is onnxruntime's intra-op thread count (0: one per core); the graphs are so
   small that one thread drafts about as fast as a pool (measured on 2 cores) and leaves a core to the rest of the
@@ -170,7 +170,7 @@ def _session(
 
 class OnnxDrafter:
     """Common driver: chain and tree drafting over a subclass's _reset/_adopt/_step/_tree_step/_drop_drafted,
-    the same contract as DrafterBase's."""
+    a tether.shared.contracts.Drafter as DrafterBase is."""
 
     kind = ""
 

@@ -110,7 +110,7 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 def drafter_loss(drafter, tokens: torch.Tensor, target: Transformer, cfg: DrafterTrainConfig, rng, progress: float):
     """One batch's loss, and a dict of its parts for the log."""
     L, N = target.cfg.n_layers, drafter.dcfg.tli
-    predictor = getattr(drafter, "depth_predictor", None)
+    predictor = drafter.depth_predictor
     with torch.no_grad(), autocast(cfg.device):
         out = target.run(tokens, hidden_layers=(L - N, L), return_kv=True, return_depth=predictor is not None)
     h_in, h_out = out.hidden[0].float(), out.hidden[1].float()
@@ -157,7 +157,7 @@ def depth_loss(predictor, target: Transformer, out, tokens, ca_out: torch.Tensor
 
 def depth_only_loss(drafter, tokens: torch.Tensor, target: Transformer, cfg: DrafterTrainConfig):
     """A depth_only_steps batch: the predictor's regression alone, or None for a drafter without a predictor."""
-    predictor = getattr(drafter, "depth_predictor", None)
+    predictor = drafter.depth_predictor
     if predictor is None:
         return None, {}
     with torch.no_grad(), autocast(cfg.device):

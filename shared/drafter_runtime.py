@@ -1,4 +1,4 @@
-"""The client-side drafting loop every drafter shares: begin, draft, commit.
+"""The client-side drafting loop every drafter shares: begin, draft, commit (tether.shared.contracts.Drafter).
 
 Contract: a drafter subclass provides `_reset(capacity)` (fresh caches), `_adopt(delta)` (take verified states
 of positions [delta.start, delta.start + n), drop any drafted rows, and make the next draft start after them),

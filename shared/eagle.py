@@ -50,6 +50,7 @@ class EagleDrafter(DrafterBase):
         self.fc = nn.Linear(2 * t.dim, t.dim, bias=True)
         self.layer = Block(self.layer_cfg, 0)
         self.register_buffer("inv_freq", rope_freqs(self.layer_cfg), persistent=False)
+        self.depth_predictor = None  # MoA's TLI depth predictor (tether.shared.tli_depth): EAGLE runs no TLI
 
     def server_delta(self, states: TargetStates, start: int, tokens: list[int]) -> DraftDelta:
         return DraftDelta(start=start, tokens=list(tokens), tensors={"hidden": states.hidden})
