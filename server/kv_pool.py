@@ -36,6 +36,8 @@ from torch import Tensor
 
 from tether.shared.config import ModelConfig
 
+_PREFIXES = [list(range(n)) for n in range(257)]  # the chain prefixes PagedCache.in_place compares a path with
+
 
 class PoolExhausted(RuntimeError):
     """The pool has too few free blocks and nothing more can be reclaimed."""
@@ -119,6 +121,8 @@ class KVPool:
         src: list[int] = []
         dst: list[int] = []
         for c, path in zip(caches, paths, strict=True):
+            if c.in_place(path):
+                continue
             for s, d in zip(*c.accept_slots(path), strict=True):
                 if s != d:  # an accepted chain prefix is already in place
                     src.append(s)
@@ -233,6 +237,17 @@ class PagedCache:
     def accept(self, path: Tensor | list[int]) -> None:
         """Commit the pending rows at offsets `path` (increasing), moving them to consecutive positions."""
         self.pool.accept([self], [list(map(int, path))])
+
+    def in_place(self, path: Sequence[int]) -> bool:
+        """Whether `path` is a chain prefix 0, 1, ..., n - 1 of rows written: accepting it moves nothing (the
+        checks accept_slots makes, at the cost of one list comparison: most rows of a step are such prefixes)."""
+        n = len(path)
+        if n >= len(_PREFIXES) or path != _PREFIXES[n]:
+            return False
+        self._check()
+        if n and self.length + n - 1 >= self.written:
+            raise ValueError("accepted path reaches past the rows written")
+        return True
 
     def accept_slots(self, path: Sequence[int]) -> tuple[list[int], list[int]]:
         """Where `accept(path)` moves rows: (source slots, destination slots), both host lists."""

@@ -339,21 +339,25 @@ def every_token_delta(out: ForwardOutput, drafter, rows: int, runner: StepRunner
 def slice_deltas(tensors: dict[str, Tensor], T: int,
                  rows: Sequence[tuple[int, int, list[int], list[int]]]) -> list[ArrayDelta]:  # fmt: skip
     """Each row's delta out of every_token_delta's tensors (after the stream has reached them), as numpy arrays of
-    bfloat16 bits, the form the wire sends (ArrayDelta, as a client decodes it): each tensor goes to numpy once per
-    step, and a row's part is a numpy view for a contiguous path (a chain's accepted prefix) or a gathered copy for
-    a tree's. Per row that is a few numpy slices where torch took microseconds per call on the batcher's thread."""
-    bits = {k: t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16
-            else f32_to_bf16(t.float().numpy()) for k, t in tensors.items()}  # fmt: skip
-    deltas = []
-    for b, start, path, tokens in rows:
-        first = b * T + path[0]
-        if path == list(range(path[0], path[0] + len(path))):
-            at = slice(first, first + len(path))
-            parts = {k: a[(slice(None),) * POSITION_AXIS[k] + (at,)] for k, a in bits.items()}
+    bfloat16 bits, the form the wire sends (ArrayDelta, as a client decodes it). One gather per tensor for the whole
+    step takes every row's accepted positions, in row order (fp32 tensors, on the CPU, are converted after it: only
+    those positions); a row's part is then a numpy view of its consecutive run. Per row that is one basic slice per
+    tensor, where a copy or a fancy index per row, and before that torch calls, cost microseconds each on the
+    batcher's thread."""
+    sizes = [len(path) for _, _, path, _ in rows]
+    idx = np.fromiter((b * T + j for b, _, path, _ in rows for j in path), np.int64, sum(sizes))  # [N]
+    bits = {}
+    for k, t in tensors.items():
+        if t.dtype == torch.bfloat16:
+            bits[k] = np.take(t.view(torch.int16).numpy().view(np.uint16), idx, axis=POSITION_AXIS[k])
         else:
-            idx = [b * T + j for j in path]
-            parts = {k: np.take(a, idx, axis=POSITION_AXIS[k]) for k, a in bits.items()}
-        deltas.append(ArrayDelta(start, list(tokens), parts))
+            bits[k] = f32_to_bf16(np.take(t.float().numpy(), idx, axis=POSITION_AXIS[k]))
+    lead = {k: (slice(None),) * POSITION_AXIS[k] for k in bits}
+    deltas, at = [], 0
+    for (_, start, _, tokens), n in zip(rows, sizes, strict=True):
+        span = slice(at, at + n)
+        deltas.append(ArrayDelta(start, list(tokens), {k: a[lead[k] + (span,)] for k, a in bits.items()}))
+        at += n
     return deltas
 
 
@@ -379,9 +383,8 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
     trees = [tree for _, tree in items]
     caches = [ver.cache for ver, _ in items]
     lens = [c.length for c in caches]
-    want = any(ver.drafter is not None for ver, _ in items)
     drafters = {id(ver.drafter): ver.drafter for ver, _ in items if ver.drafter is not None}
-    with forward_rows(target, caches, trees, states=want) as (out, greedy):
+    with forward_rows(target, caches, trees, states=bool(drafters)) as (out, greedy):
         # Every verdict on the device in one pass and one copy back, decided before any is committed, so a row
         # that fails (a malformed q) fails alone. A step already decided the greedy ones inside its graph.
         verdicts: list[Verdict | Exception]
@@ -397,25 +400,32 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
                                    [c.top_p for c in controls], [ver.generator for ver, _ in items],
                                    [c.top_k for c in controls], min_ps=[c.min_p for c in controls],
                                    processing=[ver.processing_at(tree._tokens[0]) for ver, tree in items])  # fmt: skip
-        for i, ((ver, tree), v) in enumerate(zip(items, verdicts, strict=True)):
-            if ver.logprobs is not None and not isinstance(v, Exception):
-                ver.report(out.logits[i], tree, v)  # before the commit: the verifier's counts are the round's
-        deltas: dict[int, DraftDelta] = {}
+        # One pass over the rows: each verdict's emitted tokens once (the delta's and the record's), its drafter.
+        ok: list[int] = []
+        emitted: dict[int, list[int]] = {}
         by_drafter: dict[int, list[int]] = {}
-        for i, ((ver, _), v) in enumerate(zip(items, verdicts, strict=True)):
-            if ver.drafter is not None and not isinstance(v, Exception):
+        for i, ((ver, tree), v) in enumerate(zip(items, verdicts, strict=True)):
+            if isinstance(v, Exception):
+                continue
+            if ver.logprobs is not None:
+                ver.report(out.logits[i], tree, v)  # before the commit: the verifier's counts are the round's
+            ok.append(i)
+            path = v.path
+            # A chain's accepted prefix (most rows) is a slice of its tokens.
+            emitted[i] = tree._tokens[: len(path)] if path[-1] == len(path) - 1 else [tree._tokens[j] for j in path]
+            if ver.drafter is not None:
                 by_drafter.setdefault(id(ver.drafter), []).append(i)
+        deltas: dict[int, DraftDelta | ArrayDelta] = {}
         for rows in by_drafter.values():
-            spans = [(i, lens[i], verdicts[i].path, [trees[i]._tokens[j] for j in verdicts[i].path]) for i in rows]
+            spans = [(i, lens[i], verdicts[i].path, emitted[i]) for i in rows]
             if early is not None:
                 found = slice_deltas(early, out.logits.shape[1], spans)
             else:
                 found = gather_deltas(out, items[rows[0]][0].drafter, spans, host=host)
             deltas.update(zip(rows, found, strict=True))
-    ok = [i for i, v in enumerate(verdicts) if not isinstance(v, Exception)]
     _commit([caches[i] for i in ok], [verdicts[i].path for i in ok])
     for i in ok:  # what the sequence's later penalties count
-        items[i][0].record(lens[i], [trees[i]._tokens[j] for j in verdicts[i].path])
+        items[i][0].record(lens[i], emitted[i])
     return [v if isinstance(v, Exception) else (v, deltas.get(i)) for i, v in enumerate(verdicts)]
 
 
