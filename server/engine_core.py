@@ -63,9 +63,9 @@ from tether.server.warm_cache import (
 from tether.shared import wire
 from tether.shared.chat_template import ChatFormat
 from tether.shared.codecs import Codec, encode_many
+from tether.shared.contracts import Target
 from tether.shared.drafter import DraftDelta
 from tether.shared.drafter_config import ArrayDelta
-from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import (
     TOKENIZER_TENSOR,
@@ -92,7 +92,7 @@ def use_cache(cfg: ServeConfig) -> Path:
 class Engine:
     def __init__(
         self,
-        target: Transformer,
+        target: Target,
         drafter,
         tokenizer: Tokenizer,
         config: ServiceConfig | None = None,
@@ -166,7 +166,7 @@ class Engine:
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
-                                              dtype=target.embed_tokens.weight.dtype)  # fmt: skip
+                                              dtype=target.dtype)  # fmt: skip
         limits = TableLimits(c.max_sessions, c.max_sessions_per_key, c.session_lease_s, c.engine)
         self.table = SessionTable(self.pool, self.new_verifier, limits, metrics=self.metrics)
         self.check = Checks(target.cfg.vocab_size, model_fingerprint, self.pool)
@@ -242,7 +242,7 @@ class Engine:
         "warm cache" when it added no file to Triton's cache (everything was there), "cold cache" when it compiled or
         tuned anything."""
         target, pool, drafter = self.target, self.pool, self.drafter
-        if not (isinstance(target, Transformer) and target.backend == "triton"):
+        if not (target.backend == "triton" and target.tp[1] == 1):  # a tensor-parallel target's steps run eagerly
             return "no kernel warm-up"
         from tether.kernels.moda_prefill import interpreting  # noqa: PLC0415 (the kernels only where they run)
 
@@ -275,7 +275,7 @@ class Engine:
     def record_shapes(self) -> None:
         """Keep the shapes of the step graphs captured here, for the next start's warm-up."""
         root, target = current_dir(), self.target
-        if root is not None and isinstance(target, Transformer) and target.backend == "triton":
+        if root is not None and target.backend == "triton" and target.tp[1] == 1:
             record_shapes(root, self._shapes_key(), step_runner(target, self.pool).shapes())
 
     def settle(self) -> int:

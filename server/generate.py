@@ -53,9 +53,8 @@ class GenerateConfig:
     repetition_penalty: float = 1.0  # > 0, over prompt and generated tokens (1: off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # ID=BIAS pairs, each bias in [-100, 100]
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the text besides the model's end-of-text ids
-    # As serve's --cache-dir: the compiled kernels, their tuning and the step graphs' shapes kept across runs, so a
-    # second run on a GPU compiles nothing (empty: Triton's own cache directory).
-    cache_dir: str = ""
+    # A second run on a GPU then compiles nothing: the kernels, their tuning and the step graphs' shapes are kept.
+    cache_dir: str = ""  # compiled kernels kept across runs, as serve's --cache-dir (empty: Triton's own cache)
     kv_pool_mb: int = 256  # memory of the KV pool the generation's sequence lives in (as serve's --kv-pool-mb)
 
     @property
