@@ -290,7 +290,6 @@ def start_server(args: argparse.Namespace):
     from tether.server.engine_core import Engine
     from tether.server.launch import LaunchPlan, listen
     from tether.server.pool_budget import resolve_kv_pool
-    from tether.server.rounds import step_runner
     from tether.server.serve_config import ServiceConfig
     from tether.server.service import TetherService
 
@@ -307,7 +306,7 @@ def start_server(args: argparse.Namespace):
     service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp))
     if target.backend == "triton":  # as `tether-server serve` does before it listens (--round-graph-tokens k + 1)
         warm_up(target, service.engine.pool, drafter=drafter)
-        runner = step_runner(target, service.engine.pool)
+        runner = service.engine.runner
         runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
     heap.settle()  # as serve does before it listens
     server, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=args.frontends))

@@ -38,7 +38,7 @@ from rich.table import Table
 from tether.server.fuse import fuse
 from tether.server.kv_pool import KVPool
 from tether.server.model_loading import attention_backend, default_model_dir, load
-from tether.server.rounds import configure_steps, step_batch, step_runner, verify_batch
+from tether.server.rounds import step_batch, verify_batch
 from tether.server.step import StepConfig
 from tether.server.verifier import SequenceVerifier
 from tether.shared.config import preset
@@ -93,9 +93,8 @@ def verify_rounds(args: argparse.Namespace, device: torch.device) -> dict:
             kv_bytes = 2 * cfg.n_layers * B * ctx * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
             roof_ms = (wbytes + kv_bytes) / bw * 1e3
             for graphs in (True, False):
-                configure_steps(StepConfig(graphs=graphs))
                 blocks = B * (-(-(ctx + args.k + 16) // 16) + 1)
-                pool = KVPool(cfg, blocks, 16, device=device, dtype=dtype)
+                pool = KVPool(cfg, blocks, 16, device=device, dtype=dtype, step_config=StepConfig(graphs=graphs))
                 vers = []
                 for _ in range(B):
                     v = SequenceVerifier(model, None, capacity=ctx + args.k + 16, pool=pool)
@@ -139,7 +138,6 @@ def verify_rounds(args: argparse.Namespace, device: torch.device) -> dict:
                 del pool, vers
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    configure_steps(StepConfig())
     del model
     return {"preset": args.preset, "moda": args.moda, "copy_gb_s": bw / 1e9, "weights_gb": wbytes / 1e9, "rows": rows}
 
@@ -149,7 +147,7 @@ def step_ms(model: Transformer, vers: list[SequenceVerifier], items, device: tor
     The rows' pending K/V are rewritten each time and never committed."""
     if device.type != "cuda":
         return float("nan")
-    runner = step_runner(model, vers[0].cache.pool)
+    runner = vers[0].cache.pool.runner_for(model)
     batch = step_batch([v.cache for v in vers], [t for _, t in items])
     times = []
     with runner.lock:

@@ -38,8 +38,7 @@ from rich.table import Table
 from tether.server.fuse import fuse
 from tether.server.kv_pool import KVPool
 from tether.server.model_loading import attention_backend
-from tether.server.rounds import configure_steps, step_batch, step_runner
-from tether.server.step import StepConfig
+from tether.server.rounds import step_batch
 from tether.server.tp import apply_tp, init_distributed, spawn, under_torchrun
 from tether.server.verifier import SequenceVerifier
 from tether.shared.config import preset
@@ -146,7 +145,6 @@ def step_rows(model: Transformer, args: argparse.Namespace, device: torch.device
     """Time the server's step (see the module docstring) on this rank; every rank replays the same graphs."""
     cuda, c = device.type == "cuda", model.cfg
     dtype = model.embed_tokens.weight.dtype
-    configure_steps(StepConfig(graphs=cuda))
     g = torch.Generator().manual_seed(1)
     for batch in args.batch:
         for ctx in args.ctx:
@@ -163,7 +161,7 @@ def step_rows(model: Transformer, args: argparse.Namespace, device: torch.device
                                          torch.randint(c.vocab_size, (k - 1,), generator=g).tolist())
                          for _ in vers]  # fmt: skip
                 step = step_batch([v.cache for v in vers], trees)
-                runner = step_runner(model, pool)
+                runner = pool.runner_for(model)
                 with runner.lock:  # the rows' pending K/V are rewritten each time and never committed
                     times = timed_ms(lambda r=runner, s=step: r.forward(s, states=False), args.warmup, args.iters, cuda)
                 row(
@@ -180,7 +178,6 @@ def step_rows(model: Transformer, args: argparse.Namespace, device: torch.device
                 del pool, vers, runner
                 if cuda:
                     torch.cuda.empty_cache()
-    configure_steps(StepConfig())
 
 
 def report(args: argparse.Namespace, results: dict[int, dict]) -> dict:

@@ -46,7 +46,6 @@ from tether.server.model_loading import load_models, pick_device
 from tether.server.model_work import ModelWork
 from tether.server.plain_decoding import PlainDecoder
 from tether.server.pool_budget import resolve_kv_pool
-from tether.server.rounds import step_runner
 from tether.server.serve_config import ServeConfig, ServiceConfig, service_config
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.tp_serve import TPTarget, join_rank0, shard, start_followers
@@ -167,6 +166,9 @@ class Engine:
         self.metrics = ServiceMetrics()
         self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
                                               dtype=target.dtype)  # fmt: skip
+        # The step runner of this engine's rounds, made here once (the pool owns it; a tensor-parallel pool makes its
+        # broadcasting kind): on the "triton" backend, the one that runs fixed-shape steps.
+        self.runner = self.pool.runner_for(target) if target.backend == "triton" else None
         limits = TableLimits(c.max_sessions, c.max_sessions_per_key, c.session_lease_s, c.engine)
         self.table = SessionTable(self.pool, self.new_verifier, limits, metrics=self.metrics)
         self.check = Checks(target.cfg.vocab_size, model_fingerprint, self.pool)
@@ -248,7 +250,7 @@ class Engine:
 
         before, t0 = count_entries(self.kernel_dir), time.perf_counter()
         warm_up(target, pool, drafter=drafter)
-        root, runner = current_dir(), step_runner(target, pool)
+        root, runner = current_dir(), self.runner
         if root is not None:  # the step graphs the last run captured (serve records them when it stops)
             n = runner.capture_shapes(load_shapes(root, self._shapes_key()), drafter=drafter)
             log.info("captured %d step graphs recorded by an earlier run", n)
@@ -276,7 +278,7 @@ class Engine:
         """Keep the shapes of the step graphs captured here, for the next start's warm-up."""
         root, target = current_dir(), self.target
         if root is not None and target.backend == "triton" and target.tp[1] == 1:
-            record_shapes(root, self._shapes_key(), step_runner(target, self.pool).shapes())
+            record_shapes(root, self._shapes_key(), self.runner.shapes())
 
     def settle(self) -> int:
         """Start-up's heap out of every later collection's walk (tether.server.heap), each pause timed; the count

@@ -19,6 +19,10 @@ Contract:
   (vLLM's slot mapping), the cache interface the model calls; the batcher and tensor-parallel ranks use it.
 - `PagedKernelView(pool, write_slots, write_rows, block_table, cache_lens, q_lens)`: the same window for the
   paged verify kernel, which reads the rows in place (the model calls its `attend`).
+- `pool.runner_for(target)` is the StepRunner of that target's fixed-shape steps over this pool (tether.server.step),
+  made once and owned by the pool: its owner (the Engine) makes it at construction, anyone else on the first step.
+  `step_config` (a constructor argument) is how those steps run, graphs or eager; a tensor-parallel pool
+  (tether.server.tp_serve.TPPool) makes its own kind of runner.
 
     pool = KVPool.for_budget(model.cfg, 256 << 20, block_size=16, device="cuda", dtype=torch.bfloat16)
     cache = pool.sequence(capacity=2048)
@@ -30,11 +34,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from tether.shared.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tether.server.step import StepConfig, StepRunner
+    from tether.shared.contracts import Target
 
 _PREFIXES = [list(range(n)) for n in range(257)]  # the chain prefixes PagedCache.in_place compares a path with
 
@@ -52,7 +61,9 @@ class KVPool:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        step_config: StepConfig | None = None,
     ):
+        """`step_config`: how this pool's step runner runs its steps (None: StepConfig(), graphs on CUDA)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one row ({num_blocks=}, {block_size=})")
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -68,6 +79,8 @@ class KVPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self._lock = threading.Lock()
         self.reclaim: Callable[[int], bool] | None = None  # frees blocks on demand; False when it cannot
+        self.step_config = step_config
+        self._runner: StepRunner | None = None  # runner_for's: the one step runner of this pool
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -138,6 +151,20 @@ class KVPool:
         # Gather before scattering: source and destination slots may overlap.
         self.k_flat[:, dst] = self.k_flat[:, src].clone()
         self.v_flat[:, dst] = self.v_flat[:, src].clone()
+
+    def runner_for(self, target: Target) -> StepRunner:
+        """The step runner of `target`'s steps over this pool: made on the first call, then the same one (its graphs
+        live as long as the pool). Asked for another target, a new one replaces it (a test's second model)."""
+        runner = self._runner
+        if runner is None or runner.target is not target:
+            runner = self._runner = self.make_runner(target)
+        return runner
+
+    def make_runner(self, target: Target) -> StepRunner:
+        """A new step runner for `target` over this pool, with the pool's step_config."""
+        from tether.server.step import StepRunner  # noqa: PLC0415 (tether.server.step imports this module)
+
+        return StepRunner(target, self, self.step_config)
 
     def sequence(self, capacity: int) -> PagedCache:
         return PagedCache(self, capacity)

@@ -18,7 +18,8 @@ Contract:
 
 How the forward runs, fastest first:
 - the target on the "triton" backend with every sequence in one paged pool and the batch within a step bucket:
-  tether.server.step's StepRunner, a fixed-shape step replayed from a CUDA graph on the GPU;
+  the pool's StepRunner (KVPool.runner_for: made once, by the pool's owner), a fixed-shape step replayed from a
+  CUDA graph on the GPU;
 - the same kernel view at the batch's exact size, eagerly (`PagedKernelView`: the paged verify kernel reads each
   row's cache in place through its block table);
 - otherwise `PagedBatchView` gathers each row's prefix from the pool through a slot table (tensor-parallel ranks
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from tether.server.compute_meter import MODEL_COMPUTE
-from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, PoolExhausted, SlotView
-from tether.server.step import StepBatch, StepConfig, StepRunner
+from tether.server.kv_pool import PagedCache, PagedKernelView, PoolExhausted, SlotView
+from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.drafter_config import ArrayDelta
@@ -138,42 +138,11 @@ def cache_view(caches: list, new_lens: list[int], *, in_place: bool = False) -> 
     return BatchCacheView(caches, new_lens)
 
 
-# ---- the step runner of each (pool, target) ---------------------------------------------------------------------
-
-_runners: weakref.WeakKeyDictionary[KVPool, StepRunner] = weakref.WeakKeyDictionary()
-_step_config = StepConfig()
-
-
-def configure_steps(config: StepConfig) -> None:
-    """The StepConfig of runners made from now on (benchmarks and tests compare graphs on and off with it)."""
-    global _step_config
-    _step_config = config
-
-
-def step_runner(target: Transformer, pool: KVPool) -> StepRunner:
-    """The pool's step runner for this target, made on first use (or the one `register_runner` gave it)."""
-    runner = _runners.get(pool)
-    if runner is None or runner.target is not target:
-        runner = _runners[pool] = StepRunner(target, pool, _step_config)
-    return runner
-
-
-def register_runner(pool: KVPool, runner: StepRunner) -> None:
-    """Serve this pool's steps with a runner made elsewhere: a tensor-parallel target's, which broadcasts each
-    step to the other ranks before replaying its own (tether.server.tp_serve). `runner.target` is the target
-    whose rounds it serves."""
-    _runners[pool] = runner
-
-
-def step_config() -> StepConfig:
-    """The StepConfig runners are made with now (configure_steps)."""
-    return _step_config
-
-
 def decode_runner(target: Transformer, cache) -> StepRunner | None:
-    """The step runner that can decode this cache's sequence in chained one-token steps, if any."""
+    """The step runner that can decode this cache's sequence in chained one-token steps, if any (its pool's: a
+    tensor-parallel target's steps are broadcast ones, which do not chain)."""
     if isinstance(target, Transformer) and attends_in_place(target, [cache]):
-        return step_runner(target, cache.pool)
+        return cache.pool.runner_for(target)
     return None
 
 
@@ -261,7 +230,7 @@ def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], 
     verdict packed as tether.shared.acceptance.pack does (else None). Valid inside the `with` only."""
     sizes = [len(t) for t in trees]
     in_place = attends_in_place(target, caches)
-    runner = step_runner(target, caches[0].pool) if in_place else None
+    runner = caches[0].pool.runner_for(target) if in_place else None
     if runner is not None and runner.bucket(len(trees), max(sizes), 0, states) is not None:
         batch = step_batch(caches, trees)
         with runner.lock:
@@ -392,7 +361,7 @@ def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftT
         controls = [ver.controls for ver, _ in items]
         if greedy is not None and all(c.temperature == 0 and not c.processes_logits for c in controls):
             if host and len(drafters) == 1:
-                runner = step_runner(target, caches[0].pool)
+                runner = caches[0].pool.runner_for(target)
                 early = every_token_delta(out, next(iter(drafters.values())), len(items), runner)
             verdicts = unpack_verdicts(trees, greedy.cpu())  # the one wait: the deltas' copies came before it
         else:

@@ -11,7 +11,7 @@ Commands travel over a gloo group (CPU, pickled) and tensors over the device gro
 A lock on rank 0 keeps commands in one order: gRPC threads and the batcher never interleave collectives.
 On the "triton" backend every rank's shard is fused after sharding (tether.server.fuse) and the batcher's steps
 go through `TPStepRunner`: rank 0 broadcasts the step's host metadata (a StepBatch), then every rank runs its
-own StepRunner on it (eagerly for now: see TPTarget.make_pool); the K/V heads a drafter needs are gathered after
+own StepRunner on it (eagerly for now: see TPPool.make_runner); the K/V heads a drafter needs are gathered after
 the step.
 
     tether-server serve --tp 2                  # one process per GPU, rank 0 listens
@@ -34,8 +34,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
-from tether.server.rounds import register_runner, step_config
-from tether.server.step import Bucket, StepBatch, StepOutput, StepRunner
+from tether.server.step import Bucket, StepBatch, StepConfig, StepOutput, StepRunner
 from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
 from tether.shared.config import ModelConfig
 from tether.shared.contracts import ForwardCache, SequenceCache
@@ -121,11 +120,19 @@ class TPStepRunner:
 
 
 class TPPool(KVPool):
-    """Rank 0's pool shard: slot copies (accepted tree paths) are mirrored on every rank."""
+    """Rank 0's pool shard: slot copies (accepted tree paths) are mirrored on every rank, and its step runner is a
+    TPStepRunner."""
 
     def __init__(self, *args, broadcast, **kw):
         super().__init__(*args, **kw)
         self._broadcast = broadcast
+
+    def make_runner(self, target: TPTarget) -> TPStepRunner:
+        # Steps run eagerly on every rank for now: replayed from CUDA graphs (NCCL inside), serve gave wrong tokens
+        # on two H200s (tests/server/test_tp_serve.py) although the same fused shards replayed by bench/tp.py, and
+        # by StepRunners without TPTarget, matched the single-GPU model; eager steps pass. Issue #14 follows it up.
+        config = dataclasses.replace(self.step_config or StepConfig(), graphs=False)
+        return TPStepRunner(target, StepRunner(target.model, self, config))
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         self._broadcast(
@@ -182,11 +189,6 @@ class TPTarget:
         """The pool shard of rank 0; followers build theirs from the same arguments (`follow`)."""
         self.pool = TPPool.for_budget(self.model.cfg, budget_bytes, block_size, device=self.model.device,
                                       dtype=self.model.embed_tokens.weight.dtype, broadcast=self.broadcast)  # fmt: skip
-        # Steps run eagerly on every rank for now: replayed from CUDA graphs (NCCL inside), serve gave wrong tokens
-        # on two H200s (tests/server/test_tp_serve.py) although the same fused shards replayed by bench/tp.py, and
-        # by StepRunners without TPTarget, matched the single-GPU model; eager steps pass. Issue #14 follows it up.
-        config = dataclasses.replace(step_config(), graphs=False)
-        register_runner(self.pool, TPStepRunner(self, StepRunner(self.model, self.pool, config)))
         return self.pool
 
     @torch.inference_mode()

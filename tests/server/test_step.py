@@ -68,29 +68,25 @@ def run_sessions(target, drafter, config: StepConfig | None, backend: str, host_
     """Three rounds of three sessions (ragged chains and trees, contexts across block edges), batched; returns the
     verdicts, the deltas and every session's committed pool rows."""
     target.backend = backend
-    if config is not None:
-        rounds.configure_steps(config)
-    try:
-        pool = KVPool(target.cfg, num_blocks=40, block_size=5, device=DEV, dtype=target.embed_tokens.weight.dtype)
-        vers, roots = sessions(target, drafter, pool, [[1, 2], [3, 4, 5, 6, 1, 2, 3], list(range(1, 7)) * 3])
-        got = []
-        for trees in rounds_of(5, target.cfg.vocab_size, len(vers), 3):
-            trees = [
-                DraftTree(torch.cat([torch.tensor([r]), t.tokens[1:]]), t.parents)
-                for r, t in zip(roots, trees, strict=True)
-            ]
-            res = rounds.verify_batch(target, list(zip(vers, trees, strict=True)), host_deltas=host_deltas)
-            got.append([(v.path, v.bonus, as_float(d)) for v, d in res])
-            roots = [v.bonus for v, _ in res]
-        kv = [pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length].float().cpu() for v in vers]
-        scratch = pool.k[:, pool.scratch].clone()
-        used = pool.used_blocks
-        for v in vers:
-            v.release()
-        assert pool.used_blocks == 0 and used > 0
-        return got, kv, scratch
-    finally:
-        rounds.configure_steps(StepConfig())
+    dtype = target.embed_tokens.weight.dtype
+    pool = KVPool(target.cfg, num_blocks=40, block_size=5, device=DEV, dtype=dtype, step_config=config)
+    vers, roots = sessions(target, drafter, pool, [[1, 2], [3, 4, 5, 6, 1, 2, 3], list(range(1, 7)) * 3])
+    got = []
+    for trees in rounds_of(5, target.cfg.vocab_size, len(vers), 3):
+        trees = [
+            DraftTree(torch.cat([torch.tensor([r]), t.tokens[1:]]), t.parents)
+            for r, t in zip(roots, trees, strict=True)
+        ]
+        res = rounds.verify_batch(target, list(zip(vers, trees, strict=True)), host_deltas=host_deltas)
+        got.append([(v.path, v.bonus, as_float(d)) for v, d in res])
+        roots = [v.bonus for v, _ in res]
+    kv = [pool.k[:, v.cache.blocks].flatten(1, 2)[:, : v.length].float().cpu() for v in vers]
+    scratch = pool.k[:, pool.scratch].clone()
+    used = pool.used_blocks
+    for v in vers:
+        v.release()
+    assert pool.used_blocks == 0 and used > 0
+    return got, kv, scratch
 
 
 def assert_same(a, b, tol):
@@ -248,7 +244,7 @@ def test_captured_shapes_are_captured_again_by_a_new_runner(triton_backend):
     root = ver.open([1, 2, 3])[0]
     ver.decode(root, 5)
     ver.verify(DraftTree.chain(root, [4, 5]))
-    shapes = rounds.step_runner(target, pool).shapes()
+    shapes = pool.runner_for(target).shapes()
     assert any(len(s) == 2 for s in shapes) and any(len(s) == 4 for s in shapes)
     fresh = StepRunner(target, pool)
     assert fresh.capture_shapes(shapes + [[999, 1], [3, 3, 3]]) == len(shapes)
@@ -262,7 +258,7 @@ def test_rounds_capture_nothing_after_their_shapes_were_captured_up_front(triton
     target.backend = "triton"
     drafter = tiny_moa_drafter(target).to(DEV)
     pool = KVPool(target.cfg, num_blocks=60, block_size=4, device=DEV)
-    runner = rounds.step_runner(target, pool)
+    runner = pool.runner_for(target)
     runner.capture_shapes(runner.round_shapes(3), drafter=drafter)
     before = sorted(runner.shapes())
     vers, roots = sessions(target, drafter, pool, [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 30])
@@ -362,7 +358,7 @@ def test_one_server_part_graph_serves_every_width_of_a_shape(triton_backend):
     target.backend = "triton"
     drafter = tiny_moa_drafter(target, tli=2).to(DEV)
     pool = KVPool(target.cfg, num_blocks=200, block_size=2, device=DEV)
-    runner = rounds.step_runner(target, pool)
+    runner = pool.runner_for(target)
     for prompt_len in (9, 40):  # 5 and 20 blocks of 2: widths 8 and 32
         prompts = [[(7 * i + j) % 37 for i in range(prompt_len)] for j in range(2)]
         batched, roots = sessions(target, drafter, pool, prompts)
