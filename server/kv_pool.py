@@ -254,6 +254,11 @@ class PagedCache:
         vf[new] = v[0].to(vf.dtype)
         return kf[seen][None], vf[seen][None]
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
+               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+        """No in-place path for one sequence: the model writes the rows and runs its attention backend over them."""
+        return None
+
     def advance(self, n: int) -> None:
         """Commit the first n pending rows."""
         self._check()
@@ -338,6 +343,11 @@ class SlotView:
         kf, vf = _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
+               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+        """A gathering view: the model writes the rows and runs its attention backend over the gathered keys."""
+        return None
+
 
 class PagedKernelView:
     """One verify forward's window on a pool shard, read IN PLACE by the paged MoDA verify kernel
@@ -362,6 +372,11 @@ class PagedKernelView:
         self.block_table = block_table.to(dev, torch.int32)  # [B, max_blocks]
         self.cache_lens = cache_lens.to(dev, torch.int32)  # [B] committed + new rows
         self.q_lens = q_lens.to(dev, torch.int32)  # [B] new rows
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Refused: the kernel reads the pool in place, so there are no gathered keys to hand back (`attend` never
+        answers None, so the model never asks)."""
+        raise TypeError("PagedKernelView attends in place: the model calls its attend, not write")
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
                *, scale: float, tree_mask: Tensor | None) -> Tensor:  # fmt: skip

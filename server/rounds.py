@@ -41,9 +41,10 @@ from tether.server.compute_meter import MODEL_COMPUTE
 from tether.server.kv_pool import PagedCache, PagedKernelView, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
+from tether.shared.contracts import Target
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.drafter_config import ArrayDelta
-from tether.shared.model import ForwardOutput, Transformer
+from tether.shared.model import ForwardOutput
 from tether.shared.speculative import DraftTree, Verdict
 from tether.shared.wire import f32_to_bf16
 
@@ -71,6 +72,11 @@ class BatchCacheView:
             pk[i, :L] = kk[0, :L]
             pv[i, :L] = vv[0, :L]
         return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
+               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+        """A gathering view (PagedBatchView too): the model writes the rows and runs its attention backend."""
+        return None
 
 
 def _new_rows(caches: list[PagedCache], new_lens: list[int]) -> tuple[Tensor, Tensor]:
@@ -117,12 +123,12 @@ def paged_kernel_view(caches: list[PagedCache], new_lens: list[int]) -> PagedKer
     return view
 
 
-def attends_in_place(target: Transformer, caches: list) -> bool:
+def attends_in_place(target: Target, caches: list) -> bool:
     """Whether a batch of these caches runs through the paged verify kernel: a target on the "triton" backend
     (single process, or tensor-parallel: every rank then attends over its shard of the pool) with every sequence
     in one pool."""
     return (
-        getattr(target, "backend", None) == "triton"
+        target.backend == "triton"
         and all(isinstance(c, PagedCache) for c in caches)
         and len({id(c.pool) for c in caches}) == 1
     )
@@ -138,10 +144,10 @@ def cache_view(caches: list, new_lens: list[int], *, in_place: bool = False) -> 
     return BatchCacheView(caches, new_lens)
 
 
-def decode_runner(target: Transformer, cache) -> StepRunner | None:
+def decode_runner(target: Target, cache) -> StepRunner | None:
     """The step runner that can decode this cache's sequence in chained one-token steps, if any (its pool's: a
     tensor-parallel target's steps are broadcast ones, which do not chain)."""
-    if isinstance(target, Transformer) and attends_in_place(target, [cache]):
+    if target.tp[1] == 1 and attends_in_place(target, [cache]):
         return cache.pool.runner_for(target)
     return None
 
@@ -223,7 +229,7 @@ def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> Step
 
 
 @contextlib.contextmanager
-def forward_rows(target: Transformer, caches: list, trees: Sequence[DraftTree], *,
+def forward_rows(target: Target, caches: list, trees: Sequence[DraftTree], *,
                  states: bool) -> Iterator[tuple[ForwardOutput, Tensor | None]]:  # fmt: skip
     """One forward of each tree after its cache's committed rows (their K/V written as pending rows). Yields the
     ForwardOutput (row i, token j: trees[i]'s node j; rows padded) and, from a fixed-shape step, every row's greedy
@@ -332,7 +338,7 @@ def slice_deltas(tensors: dict[str, Tensor], T: int,
 
 @torch.inference_mode()
 def verify_batch(
-    target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]], *, host_deltas: bool = False
+    target: Target, items: list[tuple[SequenceVerifier, DraftTree]], *, host_deltas: bool = False
 ) -> list[tuple[Verdict, DraftDelta | None] | Exception]:
     """See the module docstring; `host_deltas` puts the deltas' tensors in host memory."""
     results: list = [None] * len(items)
@@ -348,7 +354,7 @@ def verify_batch(
     return results
 
 
-def _verify_rows(target: Transformer, items: list[tuple[SequenceVerifier, DraftTree]], host: bool) -> list:
+def _verify_rows(target: Target, items: list[tuple[SequenceVerifier, DraftTree]], host: bool) -> list:
     trees = [tree for _, tree in items]
     caches = [ver.cache for ver, _ in items]
     lens = [c.length for c in caches]

@@ -215,11 +215,9 @@ class Block(nn.Module):
         h = self.attn_norm(x) if pre else x
         q, k, v = self.attn.qkv(h, cos, sin)  # [B, T, H, D]
         depth_k, depth_v = depth.read()
-        # Still a probe: PagedCache and SlotView (server/kv_pool.py) and the batch views of server/rounds.py have no
-        # `attend` returning None yet (ForwardCache); once they do, this is `o = cache.attend(...)` for any cache.
-        attend = getattr(cache, "attend", None)
-        o = None if attend is None else attend(cache_layer, q, k, v, depth_k, depth_v, scale=c.head_dim**-0.5,
-                                               tree_mask=tree_mask)  # fmt: skip
+        o = None
+        if cache is not None:  # every ForwardCache answers: None unless it attends in place
+            o = cache.attend(cache_layer, q, k, v, depth_k, depth_v, scale=c.head_dim**-0.5, tree_mask=tree_mask)
         if o is None:
             if cache is not None:
                 keys, vals = cache.write(cache_layer, k, v)

@@ -13,22 +13,16 @@ from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.delta_gate import DeltaGate
 from tether.client.onnx_drafter import OnnxDrafter, OnnxEagleDrafter, OnnxMoADrafter
-from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
+from tether.server.kv_pool import KVPool, PagedKernelView, SlotView
 from tether.server.rounds import BatchCacheView, PagedBatchView
 from tether.server.tp import GatherKV
 from tether.server.tp_serve import TPTarget
 from tether.shared import contracts
 from tether.shared.drafter import DrafterConfig, build_drafter
 
-# Members an implementation still lacks, each waiting on a file being changed elsewhere (see shared/model.py's
-# probe of `attend`): a gap not listed here fails, and so does a listed one that has been closed.
-PENDING: dict[type, set[str]] = {
-    PagedCache: {"attend"},
-    SlotView: {"attend"},
-    PagedKernelView: {"write"},  # it reads the pool in place: its `write` would refuse
-    BatchCacheView: {"attend"},
-    PagedBatchView: {"attend"},
-}
+# Members an implementation still lacks, each waiting on a file being changed elsewhere: a gap not listed here
+# fails, and so does a listed one that has been closed. None now.
+PENDING: dict[type, set[str]] = {}
 
 
 def members(proto: type) -> dict[str, object]:
@@ -135,6 +129,18 @@ def test_kv_cache_attends_through_the_backend(target):
     with pytest.raises(ValueError, match="KV cache full"):
         cache.reserve(9)
     cache.release()  # nothing to give back
+
+
+def test_paged_caches_attend_through_the_backend_and_the_kernel_view_refuses_write(target):
+    """A pool sequence and the gathering views answer `attend` with None (the model writes and gathers); the kernel
+    view reads the pool in place and has no keys to give back, so its `write` refuses."""
+    caches = _caches(target)
+    q = torch.zeros(1, 1, target.cfg.n_heads, target.cfg.head_dim)
+    k = torch.zeros(1, 1, target.cfg.n_kv_heads, target.cfg.head_dim)
+    for name in ("PagedCache", "SlotView", "BatchCacheView", "PagedBatchView"):
+        assert caches[name].attend(0, q, k, k, None, None, scale=1.0, tree_mask=None) is None, name
+    with pytest.raises(TypeError, match="attends in place"):
+        caches["PagedKernelView"].write(0, k, k)
 
 
 def test_targets(target):
