@@ -285,8 +285,6 @@ def start_server(args: argparse.Namespace):
     """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process."""
     import torch
 
-    from tether.server import heap
-    from tether.server.batcher import warm_up
     from tether.server.engine_core import Engine
     from tether.server.launch import LaunchPlan, listen
     from tether.server.pool_budget import resolve_kv_pool
@@ -303,24 +301,20 @@ def start_server(args: argparse.Namespace):
                            max_new_tokens=max(1024, args.tokens, (args.warmup_rounds + args.rounds) * (args.k + 1)),
                            kv_pool_bytes=pool.bytes,
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
-    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp))
-    if target.backend == "triton":  # as `tether-server serve` does before it listens (--round-graph-tokens k + 1)
-        warm_up(target, service.engine.pool, drafter=drafter)
-        runner = service.engine.runner
-        runner.capture_shapes(runner.round_shapes(args.k + 1), drafter=drafter)
-    heap.settle()  # as serve does before it listens
+    # Warmed up and settled as `tether-server serve` does before it listens (--round-graph-tokens k + 1).
+    engine = Engine(target, drafter, tok, config, model_fingerprint=fp, round_graph_tokens=args.k + 1)
+    engine.warm_up()
+    engine.settle()
+    service = TetherService(engine)
     server, port = listen(service, "127.0.0.1:0", LaunchPlan(frontends=args.frontends))
     server.start()
     return service, server, port
 
 
 def stop_server(service, server) -> None:
-    """Stop what start_server started, and hand its frozen heap back to the collector."""
-    from tether.server import heap
-
+    """Stop what start_server started; the engine hands its frozen heap back to the collector."""
     server.stop(grace=1).wait(30)
     service.engine.close()
-    heap.release()
 
 
 def baseline(rows: list[dict]) -> dict:
