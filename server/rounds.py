@@ -20,8 +20,8 @@ How the forward runs, fastest first:
 - the target on the "triton" backend with every sequence in one paged pool and the batch within a step bucket:
   the pool's StepRunner (KVPool.runner_for: made once, by the pool's owner), a fixed-shape step replayed from a
   CUDA graph on the GPU;
-- the same kernel view at the batch's exact size, eagerly (`PagedKernelView`: the paged verify kernel reads each
-  row's cache in place through its block table);
+- the same StepBatch and step function at the batch's own size, eagerly, when no bucket holds it
+  (StepRunner.eager: the paged verify kernel reads each row's cache in place through its block table);
 - otherwise `PagedBatchView` gathers each row's prefix from the pool through a slot table (tensor-parallel ranks
   replay those slots), or `BatchCacheView` copies from per-sequence caches.
 """
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from tether.server.compute_meter import MODEL_COMPUTE
-from tether.server.kv_pool import PagedCache, PagedKernelView, PoolExhausted, SlotView
+from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
 from tether.shared.contracts import Target
@@ -109,20 +109,6 @@ class PagedBatchView(BatchCacheView):
         return self.slot_view.write(layer, k, v)
 
 
-def paged_kernel_view(caches: list[PagedCache], new_lens: list[int]) -> PagedKernelView:
-    """The in-place kernel view of one ragged batch of pool sequences: reserves each row's new slots, then
-    hands the kernel the rows' block tables (with `lens` / `lmax`, the committed lengths, for the caller)."""
-    lens = [c.length for c in caches]
-    pool = caches[0].pool
-    write_slots, write_rows = _new_rows(caches, new_lens)
-    table, committed = pool.block_tables(caches)  # [B, max_blocks] int32, [B] int32
-    q_lens = torch.tensor(new_lens, dtype=torch.int32, device=pool.device)
-    # The kernel counts the round's rows as cached: attend writes them into their slots first.
-    view = PagedKernelView(pool, write_slots, write_rows, table, committed + q_lens, q_lens)
-    view.lens, view.lmax = lens, max(lens)
-    return view
-
-
 def attends_in_place(target: Target, caches: list) -> bool:
     """Whether a batch of these caches runs through the paged verify kernel: a target on the "triton" backend
     (single process, or tensor-parallel: every rank then attends over its shard of the pool) with every sequence
@@ -134,11 +120,9 @@ def attends_in_place(target: Target, caches: list) -> bool:
     )
 
 
-def cache_view(caches: list, new_lens: list[int], *, in_place: bool = False) -> BatchCacheView | PagedKernelView:
-    """The batch view for these caches: the in-place kernel view when asked, else the gathering paged one when
-    they all live in one pool, else the per-row one."""
-    if in_place:
-        return paged_kernel_view(caches, new_lens)
+def cache_view(caches: list, new_lens: list[int]) -> BatchCacheView:
+    """The gathering batch view for these caches: the paged one when they all live in one pool, else the per-row
+    one. (Caches the paged kernel reads in place run as a step instead: forward_rows.)"""
     if all(isinstance(c, PagedCache) for c in caches) and len({id(c.pool) for c in caches}) == 1:
         return PagedBatchView(caches, new_lens)
     return BatchCacheView(caches, new_lens)
@@ -234,29 +218,28 @@ def forward_rows(target: Target, caches: list, trees: Sequence[DraftTree], *,
     """One forward of each tree after its cache's committed rows (their K/V written as pending rows). Yields the
     ForwardOutput (row i, token j: trees[i]'s node j; rows padded) and, from a fixed-shape step, every row's greedy
     verdict packed as tether.shared.acceptance.pack does (else None). Valid inside the `with` only."""
-    sizes = [len(t) for t in trees]
-    in_place = attends_in_place(target, caches)
-    runner = caches[0].pool.runner_for(target) if in_place else None
-    if runner is not None and runner.bucket(len(trees), max(sizes), 0, states) is not None:
+    if attends_in_place(target, caches):
+        # One input path: the step's StepBatch, replayed in its bucket or, larger than every bucket, run eagerly.
+        runner = caches[0].pool.runner_for(target)
         batch = step_batch(caches, trees)
         with runner.lock:
             with MODEL_COMPUTE.measure():
                 step = runner.forward(batch, states=states)
             yield step
         return
+    # The gathering views (another backend, or caches outside one pool): keys [B, Lmax + Tq], their own mask.
+    sizes = [len(t) for t in trees]
     dev, B, tq = target.device, len(trees), max(sizes)
-    view = cache_view(caches, sizes, in_place=in_place)
+    view = cache_view(caches, sizes)
     tokens = torch.zeros(B, tq, dtype=torch.long)
     positions = torch.zeros(B, tq, dtype=torch.long)
-    # In place: the new tokens' own visibility [B, Tq, Tq]; gathered: the whole [B, Tq, Lmax + Tq].
-    base = 0 if in_place else view.lmax
+    base = view.lmax
     mask = torch.zeros(B, tq, base + tq, dtype=torch.bool)
     for i, (tree, L, n) in enumerate(zip(trees, view.lens, sizes, strict=True)):
         tokens[i, :n] = tree.tokens
         positions[i, :n] = tree.positions(L)
         positions[i, n:] = L  # padding rows: any valid position; nobody sees them
-        if not in_place:
-            mask[i, :, :L] = True
+        mask[i, :, :L] = True
         mask[i, :n, base : base + n] = tree.ancestor_mask()
         mask[i, torch.arange(n, tq), base + torch.arange(n, tq)] = True  # padding sees itself only
     with MODEL_COMPUTE.measure():

@@ -13,7 +13,8 @@ Contract:
   flat pool slots their K/V go to, its block table and lengths (tether.server.batcher builds them).
 - `runner.forward(batch, states=...)` pads the batch up to its bucket (rows, tokens per row, block-table width:
   the smallest configured sizes that hold it), copies the metadata into that bucket's static buffers, and replays
-  its graph (captured on first use), or runs the same function eagerly (graphs off, or the CPU). It returns a
+  its graph (captured on first use), or runs the same function eagerly (graphs off, or the CPU); a batch larger
+  than every bucket runs that function eagerly at its own shape (`runner.eager`: no padding, greedy None). It returns a
   StepOutput: the target's ForwardOutput for the padded batch (logits [Bb, Tb, V] and, with `states`, k/v
   [n_layers, Bb, Tb, Hkv, D] and the last hidden state [Bb, Tb, dim]) and every row's greedy verdict, decided inside
   the step (tether.shared.acceptance.greedy_packed). These are views of the graph's own memory: they hold until the
@@ -85,7 +86,7 @@ class StepBatch:
 
 class StepOutput(NamedTuple):
     out: ForwardOutput  # the padded batch's forward (views of the step's memory)
-    greedy: Tensor  # [Bb, Tb + 3] long: every row's greedy verdict, tether.shared.acceptance.pack's layout
+    greedy: Tensor | None  # [Bb, Tb + 3] long: every row's greedy verdict, pack's layout (None: an eager step)
 
 
 def _round_up(n: int, sizes: tuple[int, ...]) -> int | None:
@@ -150,18 +151,25 @@ class _Graph:
 
     def run(self, runner: StepRunner) -> StepOutput:
         """The step itself, from the device buffers: what a graph captures."""
-        B, T, W, states = self.bucket
+        B, T, _, states = self.bucket
         tokens, positions, parents, slots, lens, q_lens, table = self.meta.split(self.sizes)
-        # Every new row is scattered, in order (write_rows None): padding into the scratch block.
-        view = PagedKernelView(runner.pool, slots, None, table.view(B, W).to(torch.int32),
-                               lens.to(torch.int32), q_lens.to(torch.int32))  # fmt: skip
-        target = runner.target
-        tokens = tokens.view(B, T)
-        out = target.run(tokens, cache=view, positions=positions.view(B, T), tree_mask=self.mask,
-                         hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+        out = _forward(runner, self.bucket, tokens, positions, slots, lens, q_lens, table, self.mask)
         if states and runner.use_graphs:
             out = runner.shared_states(B, T, out)
-        return StepOutput(out, greedy_packed(out.logits, tokens, parents.view(B, T), q_lens))
+        return StepOutput(out, greedy_packed(out.logits, tokens.view(B, T), parents.view(B, T), q_lens))
+
+
+def _forward(runner: StepRunner, shape: Bucket, tokens: Tensor, positions: Tensor, slots: Tensor, lens: Tensor,
+             q_lens: Tensor, table: Tensor, mask: Tensor) -> ForwardOutput:  # fmt: skip
+    """The target's forward of a step of `shape` from its device tensors (flat tokens, positions and slots [B * T],
+    lens and q_lens [B], table [B * W]; mask [B, T, T]): a bucket's graph and an eager step both run it."""
+    B, T, W, states = shape
+    # Every new row is scattered, in order (write_rows None): padding into the scratch block.
+    view = PagedKernelView(runner.pool, slots, None, table.view(B, W).to(torch.int32),
+                           lens.to(torch.int32), q_lens.to(torch.int32))  # fmt: skip
+    target = runner.target
+    return target.run(tokens.view(B, T), cache=view, positions=positions.view(B, T), tree_mask=mask,
+                      hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
 
 
 def _server_part(drafter, out: ForwardOutput, rows: int) -> dict[str, Tensor]:
@@ -293,16 +301,35 @@ class StepRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, *, states: bool) -> StepOutput:
-        """One step (see the module docstring); hold `self.lock` until the outputs have been copied out."""
+        """One step (see the module docstring); hold `self.lock` until the outputs have been copied out. A batch no
+        bucket holds runs eagerly at its own shape (`eager`)."""
         with self.lock:
             b, t = batch.tokens.shape
             bucket = self.bucket(b, t, batch.block_table.shape[1], states)
             if bucket is None:
-                raise ValueError(f"no step bucket holds {b} rows of {t} tokens (tether.server.rounds runs it eagerly)")
+                return self.eager(batch, states=states)
             g = self._graphs.get(bucket) or self._graphs.setdefault(bucket, _Graph(self, bucket))
             g.stage(self, batch)
             self._last = g
             return self._replay(g)
+
+    @torch.inference_mode()
+    def eager(self, batch: StepBatch, *, states: bool) -> StepOutput:
+        """The step's forward at the batch's own shape: the same StepBatch and function as a bucket's, uploaded in
+        one copy, without padding, static buffers or a graph (a step larger than every bucket: one of a kind, so
+        nothing is kept for it). Its outputs are its own tensors; `greedy` is None (the caller decides the verdicts
+        from the logits)."""
+        b, t = batch.tokens.shape
+        w = batch.block_table.shape[1]
+        slots = np.where(batch.slots < 0, self.scratch_slot, batch.slots)  # padding: the scratch block
+        flat = np.concatenate([batch.tokens.ravel(), batch.positions.ravel(), slots.ravel(), batch.cache_lens,
+                               batch.q_lens, batch.block_table.ravel()])  # fmt: skip
+        dev = self.pool.device
+        sizes = (b * t, b * t, b * t, b, b, b * w)
+        tokens, positions, slots_d, lens, q_lens, table = torch.from_numpy(flat).to(dev).split(sizes)
+        mask = torch.from_numpy(batch.tree_mask).to(dev)
+        out = _forward(self, Bucket(b, t, w, states), tokens, positions, slots_d, lens, q_lens, table, mask)
+        return StepOutput(out, None)
 
     def shared_states(self, rows: int, tokens: int, out: ForwardOutput) -> ForwardOutput:
         """`out` with its K/V and last hidden state copied into the buffers every step of `rows` x `tokens` shares

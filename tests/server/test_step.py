@@ -110,6 +110,16 @@ def test_bucketed_steps_equal_the_gathering_path(triton_backend):
     assert_same(stepped, reference, 1e-4)
 
 
+def test_steps_larger_than_every_bucket_run_eagerly_and_equal_the_gathering_path(triton_backend):
+    """A batch no bucket holds runs as the same StepBatch, eagerly at its own shape (StepRunner.eager): the verdicts,
+    deltas and pool rows of the reference path that gathers each row's cache."""
+    target = tiny_target(vocab_size=7).to(DEV)
+    drafter = tiny_moa_drafter(target).to(DEV)
+    eager = run_sessions(target, drafter, StepConfig(batch_buckets=(1,), token_buckets=(1,)), "triton")
+    reference = run_sessions(target, drafter, None, "reference")
+    assert_same(eager, reference, 1e-4)
+
+
 def test_the_batchers_deltas_equal_the_gathering_path(triton_backend):
     """The batcher's deltas (host_deltas: the drafter's server part over every token of the step, on CUDA a graph
     replayed beside the step's over its padded rows, then sliced per row) across rounds that reuse buckets with new
