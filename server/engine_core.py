@@ -326,9 +326,6 @@ class Engine:
         """`fn(*args)` on a model thread (tether.server.model_work), cancelled with its call."""
         return await self.work.wait(self.work.submit(fn, *args, stoppable=stoppable), claim)
 
-    def max_new(self, requested: int) -> int:
-        return min(requested or self.config.max_new_tokens, self.config.max_new_tokens)
-
     def capacity(self, length: int, max_new: int) -> int:
         """Positions a session of `length` verified tokens and `max_new` to come is given."""
         return min(length + max_new + self.config.max_draft_tokens + 1, self.target.cfg.max_seq_len)

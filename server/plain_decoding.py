@@ -84,8 +84,7 @@ class PlainDecoder:
         the length ends it). RequestError(REASON_CAPACITY) when the KV pool is full.
         Closing the generator ends the generation at once; its KV goes back when the step in flight (if any) has
         finished, and then `released` is called (on whichever thread that is)."""
-        limit = self.config.max_new_tokens
-        n = min(min(max_new_tokens or limit, limit), self.target.cfg.max_seq_len - len(prompt))
+        n = min(self.config.max_new(max_new_tokens), self.target.cfg.max_seq_len - len(prompt))
         generator = torch.Generator().manual_seed(sampling.seed)
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)

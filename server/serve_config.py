@@ -44,6 +44,10 @@ class ServiceConfig:
     max_model_calls_per_caller: int = 128  # calls of one key (or, without keys, one host) waiting for those threads
     engine: int | None = None  # with serve --engines: this process's index, written into its session ids
 
+    def max_new(self, requested: int) -> int:
+        """A generation's length: what it asked for (0: the server's limit), at most max_new_tokens."""
+        return min(requested or self.max_new_tokens, self.max_new_tokens)
+
 
 @dataclass(frozen=True)
 class ServeConfig:

@@ -235,7 +235,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         if len(req.request_id) > 128:
             raise invalid("request_id is longer than 128 characters")
         self.engine.check.fits_pool(len(prompt), "prompt")
-        capacity = self.engine.capacity(len(prompt), self.engine.max_new(req.max_new_tokens))
+        capacity = self.engine.capacity(len(prompt), self.engine.config.max_new(req.max_new_tokens))
         session, claim = await self.engine.table.create(caller, req.sampling, codec, capacity)
         async with claim:
             try:
