@@ -44,7 +44,6 @@ Pure-PyTorch reference: tether.kernels.naive_linear. Tests (CPU, through Triton'
 
 from __future__ import annotations
 
-import inspect
 import threading
 
 import torch
@@ -53,14 +52,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from tether.kernels.moda_prefill import interpreting
+from tether.kernels.utils import AUTOTUNE_CACHE, FLOAT_DTYPES, cdiv, dot_precision, interpreting
 
 MAX_ROWS = 1024  # more rows than this go to F.linear: a long prefill, compute-bound (a verify step stays below)
 ROW_TILE = 64  # rows per program, whatever M is: the batch-invariance rule (module docstring)
 MAX_SPLIT_K = 4
 SPLIT_K_MAX_N = 8192  # wider outputs have programs enough without splitting K (and a workspace stays small)
 _MIN_BLOCK_N = 16
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -185,17 +183,15 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return keep or configs[:1]
 
 
-_CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 linear_fwd_kernel_autotuned = triton.autotune(
-    configs=_configs(), key=["N", "K", "GATED"], prune_configs_by={"early_config_prune": _prune},
-    **_CACHE_RESULTS,
-)(linear_fwd_kernel)  # fmt: skip
+    configs=_configs(), key=["N", "K", "GATED"], prune_configs_by={"early_config_prune": _prune}, **AUTOTUNE_CACHE
+)(linear_fwd_kernel)
 _AUTOTUNE_LOCK = threading.Lock()
 
 
 def counters_needed(n_out: int) -> int:
     """Elements of a `counters` buffer for an output N wide (one per smallest output tile of up to MAX_ROWS rows)."""
-    return -(-n_out // _MIN_BLOCK_N) * -(-MAX_ROWS // ROW_TILE)
+    return cdiv(n_out, _MIN_BLOCK_N) * cdiv(MAX_ROWS, ROW_TILE)
 
 
 def linear_fwd(
@@ -213,7 +209,7 @@ def linear_fwd(
     num_warps, num_stages) bypasses the autotuner: tests and tuning."""
     M, K = x.shape
     N = out.shape[1]
-    m_tiles = -(-M // ROW_TILE)
+    m_tiles = cdiv(M, ROW_TILE)
     split_max = MAX_SPLIT_K if N <= SPLIT_K_MAX_N else 1
     if config is not None:
         split_max = config["SPLIT_K"]
@@ -226,11 +222,11 @@ def linear_fwd(
         residual.stride(0) if residual is not None else 0, out.stride(0),
     )  # fmt: skip
     meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, GATED=gated,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=ROW_TILE)  # fmt: skip
+                PREC=dot_precision(x.dtype), BLOCK_M=ROW_TILE)  # fmt: skip
     if config is not None:
         cfg = dict(config)
         num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
-        grid = (m_tiles, -(-N // cfg["BLOCK_N"]), cfg["SPLIT_K"])
+        grid = (m_tiles, cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"])
         linear_fwd_kernel[grid](*args, **meta, **cfg, num_warps=num_warps, num_stages=num_stages)
         return out
 
@@ -258,7 +254,7 @@ def linear(
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight must be [N, {K}], got {tuple(weight.shape)}")
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+    if x.dtype not in FLOAT_DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share one of fp32, fp16, bf16, got {x.dtype}, {weight.dtype}")
     if gated and (weight.shape[0] % 2 or bias is not None or residual is not None):
         raise ValueError("gated takes an even number of weight rows (gate, then up) and no bias or residual")

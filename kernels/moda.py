@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether.kernels.moda_prefill import interpreting, moda_attention, moda_attention_fwd
+from tether.kernels.moda_prefill import moda_attention, moda_attention_fwd
 from tether.kernels.moda_verify import moda_verify
+from tether.kernels.utils import FLOAT_DTYPES, interpreting
 from tether.shared.attention import moda_attention_reference
 
 __all__ = ["kernel_supports", "moda_attention", "moda_attention_fwd", "moda_backend", "moda_verify"]
@@ -34,11 +35,7 @@ VERIFY_MIN_PREFIX = 512  # cached rows from which it does (shorter prefixes are 
 
 def kernel_supports(q: Tensor) -> bool:
     """Whether the kernels can run on q's device in this process (CUDA, or the Triton CPU interpreter)."""
-    return (q.is_cuda or (interpreting() and q.device.type == "cpu")) and q.dtype in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-    )
+    return (q.is_cuda or (interpreting() and q.device.type == "cpu")) and q.dtype in FLOAT_DTYPES
 
 
 def as_pages(k: Tensor) -> tuple[Tensor, Tensor] | None:

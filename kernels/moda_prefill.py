@@ -28,9 +28,6 @@ Layout choices (the MoDA paper's "flash layout, chunk-aware, group-aware" kernel
 
 from __future__ import annotations
 
-import inspect
-import math
-import os
 import threading
 
 import torch
@@ -38,11 +35,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
+from tether.kernels.utils import (
+    AUTOTUNE_CACHE,
+    LOG2E,
+    dot_precision,
+    interpreting,
+    last_dim_contiguous,
+    online_softmax_step,
+    pow2,
+)
 
 _AUTOTUNE_LOCK = threading.Lock()
 
@@ -67,18 +68,6 @@ def _autotune_configs() -> list[triton.Config]:
         (64, 32, 4, 3),
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
-
-
-@triton.jit
-def _online_update(s, vb, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold one block of log2-domain scores s [BLOCK_M, BLOCK_N] and its values vb [BLOCK_N, BLOCK_D] into the
-    running max m_i, denominator l_i [BLOCK_M] and numerator acc [BLOCK_M, BLOCK_D] (all fp32)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["T", "Tk", "L"])
@@ -181,7 +170,7 @@ def moda_attention_fwd_kernel(
         kb = tl.load(k + offs_n.to(tl.int64)[None, :] * stride_kt + offs_d[:, None], mask=mask_d[:, None], other=0.0)
         vb = tl.load(v + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         s = tl.dot(qb, kb, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        m_i, l_i, acc = _online_update(s, vb, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(s, vb, m_i, l_i, acc, DOT_PRECISION)
     # phase 2: the causal boundary (or the key tail), masked
     for start in range(n_full, n_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -201,7 +190,7 @@ def moda_attention_fwd_kernel(
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= t_r[:, None] + P)
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_update(s, vb, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(s, vb, m_i, l_i, acc, DOT_PRECISION)
 
     # phase 3: depth keys of the tile's positions, one contiguous position-major slice; row t sees only its own L
     if HAS_DEPTH:
@@ -225,7 +214,7 @@ def moda_attention_fwd_kernel(
             )
             s = tl.dot(qb, dkb, input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(mask_c[None, :] & (t_c[None, :] == t_r[:, None]), s, float("-inf"))
-            m_i, l_i, acc = _online_update(s, dvb, m_i, l_i, acc, DOT_PRECISION)
+            m_i, l_i, acc = online_softmax_step(s, dvb, m_i, l_i, acc, DOT_PRECISION)
 
     acc = acc / l_i[:, None]
     o_rows = t_r.to(tl.int64) * stride_ot + (i_h * G + g_r) * stride_oh
@@ -236,16 +225,11 @@ def moda_attention_fwd_kernel(
     )
 
 
-# Tuning results go to Triton's disk cache where this Triton can (3.2+): a restarted server then skips the
-# benchmarking (the compiled kernels are cached anyway), which took most of a cold warm-up on the H200.
-_CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+# Tuning results go to Triton's disk cache (AUTOTUNE_CACHE): a restarted server then skips the benchmarking (the
+# compiled kernels are cached anyway), which took most of a cold warm-up on the H200.
 moda_attention_fwd_kernel_autotuned = triton.autotune(
-    configs=_autotune_configs(), key=["G", "D", "CAUSAL", "HAS_DEPTH", "IS_VARLEN"], **_CACHE_RESULTS
+    configs=_autotune_configs(), key=["G", "D", "CAUSAL", "HAS_DEPTH", "IS_VARLEN"], **AUTOTUNE_CACHE
 )(moda_attention_fwd_kernel)
-
-
-def _last_dim_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def moda_attention_fwd(
@@ -301,9 +285,9 @@ def moda_attention_fwd(
     if out.numel() == 0:
         return out
 
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     if L:
-        dk, dv = _last_dim_contiguous(depth_k), _last_dim_contiguous(depth_v)
+        dk, dv = last_dim_contiguous(depth_k), last_dim_contiguous(depth_v)
         sdk, sdv = dk.stride()[:4], dv.stride()[:4]
     else:
         dk, dv, sdk, sdv = None, None, (0, 0, 0, 0), (0, 0, 0, 0)
@@ -325,7 +309,7 @@ def moda_attention_fwd(
         dv,
         out,
         cu_seqlens,
-        scale * math.log2(math.e),
+        scale * LOG2E,
         T,
         Tk,
         L,
@@ -339,12 +323,12 @@ def moda_attention_fwd(
     consts = dict(
         G=G,
         D=D,
-        BLOCK_D=max(16, 1 << max(0, D - 1).bit_length()),
+        BLOCK_D=max(16, pow2(D)),
         CAUSAL=causal,
         HAS_DEPTH=L > 0,
         IS_VARLEN=cu_seqlens is not None,
         # fp32 inputs get true fp32 dots (what the reference computes); fp16 / bf16 ignore it
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     if config is None:
         # Triton's autotuner keeps the call's arguments on the shared kernel object while it benchmarks: two

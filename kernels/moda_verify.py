@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-LOG2E = 1.4426950408889634
+from tether.kernels.utils import LOG2E, cdiv, dot_precision, last_dim_contiguous, online_softmax_step, pow2
+
 INVARIANT_TILE_M = 64  # query rows per program under the batch-invariant rule, whatever the batch's Kmax
 
 
@@ -77,20 +78,15 @@ def _attend_tile(
     qk_scale,
     PREC: tl.constexpr,
 ):
-    """One online-softmax step over BLOCK_N key rows given by their addresses (paged cache rows, or depth rows)."""
+    """One online-softmax step over BLOCK_N key rows given by their addresses (paged cache rows, or depth rows): load
+    them in the query's dtype, score, mask by `vis`, fold into the state (utils.online_softmax_step)."""
     dtype = q_tile.dtype
     nd_ok = kv_ok[:, None] & d_ok[None, :]
     kt = tl.load(k_rows[:, None] + offs_d[None, :], mask=nd_ok, other=0.0).to(dtype)
     vt = tl.load(v_rows[:, None] + offs_d[None, :], mask=nd_ok, other=0.0).to(dtype)
     s = tl.dot(q_tile, tl.trans(kt), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
     s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0 / 0
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vt, input_precision=PREC)
-    return m_new, l_i, acc
+    return online_softmax_step(s, vt, m_i, l_i, acc, PREC)
 
 
 @triton.jit
@@ -304,16 +300,6 @@ def moda_verify_combine_kernel(
     )
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (host side: triton.next_power_of_2 / triton.cdiv are JIT functions whose
-    Python calls cost microseconds, and this wrapper runs once per layer per verify step)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 def verify_config(device: torch.device) -> dict:
     """Tile and launch settings of the verify kernel on this device: BLOCK_N (keys per step), num_warps,
     num_stages, combine_warps, and the batch-invariant split's min_chunk_keys (a multiple of BLOCK_N) and
@@ -326,7 +312,7 @@ def verify_config(device: torch.device) -> dict:
 
 
 def _tile_m(G: int, kmax: int) -> int:
-    return max(16, min(64, _pow2(G * kmax)))
+    return max(16, min(64, pow2(G * kmax)))
 
 
 def moda_verify_fwd(
@@ -361,15 +347,15 @@ def moda_verify_fwd(
             mask = mask.contiguous()
         stride_mb, stride_mi = (0, mask.stride(0)) if mask.dim() == 2 else (mask.stride(0), mask.stride(1))
     block_m, block_n = config.get("BLOCK_M") or _tile_m(G, kmax), config["BLOCK_N"]
-    block_d = max(16, _pow2(D))
-    prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"  # an fp32 cache gets exact fp32 dots
+    block_d = max(16, pow2(D))
+    prec = dot_precision(k_cache.dtype)  # an fp32 cache gets exact fp32 dots
     split = num_splits > 1
     if split:
         o_part = torch.empty(B, kmax, Hq, num_splits, D, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(B, kmax, Hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # never read
-    grid = (_cdiv(G * kmax, block_m), B * Hkv, num_splits)
+    grid = (cdiv(G * kmax, block_m), B * Hkv, num_splits)
     moda_verify_fwd_kernel[grid](
         q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, mask, out, o_part, lse_part,
         scale * LOG2E,
@@ -394,10 +380,6 @@ def moda_verify_fwd(
             HQ=Hq, D=D, BLOCK_S=64, BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
         )  # fmt: skip
     return out
-
-
-def _last_unit(x: Tensor | None) -> Tensor | None:
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
 def moda_verify(
@@ -453,11 +435,11 @@ def moda_verify(
         if chunks[1] % config["BLOCK_N"] or min(chunks) < 1:
             raise ValueError(f"min_chunk_keys {chunks[1]} must be a positive multiple of BLOCK_N {config['BLOCK_N']}, "
                              f"max_chunks {chunks[0]} positive")  # fmt: skip
-        num_splits = 1 + max(1, min(chunks[0], _cdiv(block_table.shape[1] * k_cache.shape[1], chunks[1])))
+        num_splits = 1 + max(1, min(chunks[0], cdiv(block_table.shape[1] * k_cache.shape[1], chunks[1])))
         config = {**config, "BLOCK_M": config.get("BLOCK_M") or INVARIANT_TILE_M}
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    q, k_cache, v_cache, depth_k, depth_v = map(_last_unit, (q, k_cache, v_cache, depth_k, depth_v))
+    q, k_cache, v_cache, depth_k, depth_v = map(last_dim_contiguous, (q, k_cache, v_cache, depth_k, depth_v))
     block_table, cache_lens, q_lens = (
         t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
         for t in (block_table, cache_lens, q_lens)

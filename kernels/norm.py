@@ -36,8 +36,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tether.kernels.utils import FLOAT_DTYPES, cdiv, pow2
+
 MAX_D = 8192
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -74,15 +75,10 @@ def rms_norm_fwd_kernel(
     tl.store(out + rows64[:, None] * D + cols[None, :], y.to(out.dtype.element_ty), mask=ok)
 
 
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (host side, cheaper than triton.next_power_of_2 on the decode path)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 def rms_norm_config(D: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps) for rows of D elements: ~1K elements per program for short rows (up to 16
     rows), one row otherwise; one warp per 256 elements, 1 to 8."""
-    block_d = _pow2(D)
+    block_d = pow2(D)
     block_r = max(1, min(16, 1024 // block_d))
     return block_r, block_d, min(8, max(1, block_r * block_d // 256))
 
@@ -97,7 +93,7 @@ def rms_norm_fwd(
         return
     block_r, block_d, num_warps = rms_norm_config(D)
     has_res = residual is not None
-    rms_norm_fwd_kernel[(-(-n_rows // block_r),)](
+    rms_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
         x, residual if has_res else x, weight, out, res_out if has_res else out,
         n_rows, x.stride(0), residual.stride(0) if has_res else 0, eps,
         D=D, RESIDUAL=has_res, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
@@ -132,7 +128,7 @@ def rms_norm(
         raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
     if D > MAX_D:
         raise ValueError(f"rows of {D} > {MAX_D} elements are not supported")
-    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+    if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x and weight must be fp32, fp16 or bf16, got {x.dtype}, {weight.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")

@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tether.kernels.utils import cdiv, pow2
+
 # Elements a program handles (rope: x elements of its rows; silu_mul: output elements). Small pointwise tiles: 4
 # warps move 8-32 elements per thread, and a decode step's few rows fit in one or a few programs.
 _TILE = 4096
@@ -105,24 +107,15 @@ def silu_mul_fwd_kernel(
     tl.store(o + r64 * F + cols[None, :], out.to(o.dtype.element_ty), mask=ok)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (host side: cheaper than triton.next_power_of_2 on the decode path)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 def rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
     """Launch the RoPE kernel (no checks: `rope` does them). x, cos, sin have unit last strides; out is contiguous."""
     B, T, H, D = x.shape
     n_rows = B * T * H
-    block_half = _pow2(D // 2)
+    block_half = pow2(D // 2)
     block_r = max(1, _TILE // (2 * block_half))  # depends on D only: no new variant when B or T change
     stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
     stride_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
-    rope_fwd_kernel[(_cdiv(n_rows, block_r),)](
+    rope_fwd_kernel[(cdiv(n_rows, block_r),)](
         x, cos, sin, out, n_rows, T,
         x.stride(0), x.stride(1), x.stride(2),
         stride_cb, cos.stride(1), stride_sb, sin.stride(1),
@@ -159,9 +152,9 @@ def silu_mul_fwd(x: Tensor, out: Tensor) -> Tensor:
     """Launch the SwiGLU activation kernel (no checks: `silu_mul` does them). x [rows, 2F] with a unit last stride;
     out [rows, F] contiguous."""
     n_rows, F = out.shape
-    block_f = min(_pow2(F), 1024)
+    block_f = min(pow2(F), 1024)
     block_r = max(1, _TILE // block_f)  # depends on F only
-    grid = (_cdiv(n_rows, block_r), _cdiv(F, block_f))
+    grid = (cdiv(n_rows, block_r), cdiv(F, block_f))
     silu_mul_fwd_kernel[grid](x, out, n_rows, F, x.stride(0), BLOCK_R=block_r, BLOCK_F=block_f, num_warps=4)
     return out
 

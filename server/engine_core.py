@@ -246,7 +246,7 @@ class Engine:
         target, pool, drafter = self.target, self.pool, self.drafter
         if not (target.backend == "triton" and target.tp[1] == 1):  # a tensor-parallel target's steps run eagerly
             return "no kernel warm-up"
-        from tether.kernels.moda_prefill import interpreting  # noqa: PLC0415 (the kernels only where they run)
+        from tether.kernels.utils import interpreting  # noqa: PLC0415 (the kernels only where they run)
 
         before, t0 = count_entries(self.kernel_dir), time.perf_counter()
         warm_up(target, pool, drafter=drafter)

@@ -56,7 +56,7 @@ def attention_backend(device: str, requested: str = "auto") -> str:
     name = ("triton" if device.startswith("cuda") else "reference") if requested == "auto" else requested
     if name == "triton":
         from tether.kernels.moda import moda_backend
-        from tether.kernels.moda_prefill import interpreting
+        from tether.kernels.utils import interpreting
 
         if not device.startswith("cuda") and not interpreting():
             raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1, for tests): use "

@@ -8,7 +8,7 @@ import torch
 from bench_modules import load_bench
 from tiny_models import save_tiny_pairs
 
-from tether.kernels.moda_prefill import interpreting
+from tether.kernels.utils import interpreting
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not interpreting(),
                                 reason="the kernels need CUDA or TRITON_INTERPRET")  # fmt: skip

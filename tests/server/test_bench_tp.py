@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.kernels.moda_prefill import interpreting
+from tether.kernels.utils import interpreting
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 

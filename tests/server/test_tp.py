@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
-from tether.kernels.moda_prefill import interpreting
+from tether.kernels.utils import interpreting
 from tether.server.engine import SpeculativeEngine
 from tether.server.fuse import fuse
 from tether.server.tp import NO_MULTICAST, GatherKV, apply_tp, gather_heads, spawn

@@ -21,7 +21,7 @@ import pytest
 import triton
 from toy_models import toy_model_flags
 
-from tether.kernels import moda_prefill
+from tether.kernels import utils as kernel_utils
 from tether.server import daemon, engine_core, model_loading, warm_cache
 from tether.server.cli import build_parser, main
 from tether.server.kv_pool import KVPool
@@ -179,7 +179,7 @@ def gpu_warm_up(monkeypatch) -> list:
     for Triton on a GPU: it writes into Triton's current cache each kernel that is not there yet."""
     monkeypatch.setattr(model_loading, "attention_backend", lambda device, requested="auto": "triton")
     monkeypatch.setattr(daemon, "attention_backend", lambda device, requested="auto": "triton")
-    monkeypatch.setattr(moda_prefill, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_utils, "interpreting", lambda: False)
     pools = []
 
     def warm_up(target, pool, drafter=None):

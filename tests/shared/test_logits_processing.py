@@ -18,7 +18,7 @@ from tiny_models import tiny_pair
 
 import tether.shared.attention as attention
 from tether.kernels.moda import moda_backend
-from tether.kernels.moda_prefill import interpreting
+from tether.kernels.utils import interpreting
 from tether.server.engine import SpeculativeEngine
 from tether.server.kv_pool import KVPool
 from tether.server.rounds import verify_batch
