@@ -124,7 +124,7 @@ def prefill_at(T: int, depths: list[int]) -> list[dict]:
 
 
 def verify_rows(args, copy_gbs: float) -> list[dict]:
-    from tether.kernels.moda_verify import moda_verify
+    from tether.kernels.moda import moda_verify
 
     Hq, Hkv, D, bs, L = 32, 8, 128, 16, 32
     rows = []
@@ -174,10 +174,8 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_on_gpu() -> dict:
     """The kernels in bf16 on the GPU against the fp32 references, on awkward shapes (the CI tests run the
     kernels under the CPU interpreter, where bf16 cannot be checked)."""
-    from tether.kernels.moda import moda_attention
-    from tether.kernels.moda_verify import moda_verify
-    from tether.kernels.naive import moda_attention_naive
-    from tether.kernels.naive_verify import moda_verify_naive
+    from tether.kernels.moda import moda_attention, moda_verify
+    from tether.kernels.moda.naive import moda_attention_naive, moda_verify_naive
 
     out = {}
     g = torch.Generator(device="cuda").manual_seed(2)

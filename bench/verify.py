@@ -6,7 +6,7 @@ bf16 on CUDA) and a paged KVPool (block size 16) holding B sessions of `ctx` com
 written straight into the pool: the bench times verification, not prefill). Each round is one
 `tether.server.batcher.verify_batch` over B chains of k tokens, as the RoundBatcher runs it: the forward, the
 verdicts and the commit. Reported per (B, ctx, mode): median ms per round and verified tokens/s. Modes:
-- in place: the "triton" backend, PagedKernelView (tether.kernels.moda_verify through block tables);
+- in place: the "triton" backend, PagedKernelView (tether.kernels.moda.verify through block tables);
 - gather: the "reference" backend, PagedBatchView (what the server ran before the paged kernel).
 Eager PyTorch (no CUDA graph). Prints a table, then one JSON line.
 

@@ -361,7 +361,7 @@ class PagedKernelView:
 
     def __init__(self, pool: KVPool, write_slots: Tensor, write_rows: Tensor | None, block_table: Tensor,
                  cache_lens: Tensor, q_lens: Tensor):  # fmt: skip
-        from tether.kernels.moda_verify import moda_verify  # only the server imports the kernels, and only here
+        from tether.kernels.moda import moda_verify  # only the server imports the kernels, and only here
 
         dev = pool.device
         self.verify_op = moda_verify

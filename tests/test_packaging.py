@@ -33,6 +33,11 @@ def test_wheel_holds_only_the_tether_namespace(tmp_path):
     assert top == {"tether", next(t for t in top if t.endswith(".dist-info"))}, top
     for sub in ("shared", "server", "client", "kernels", "netsim", "v1"):
         assert f"tether/{sub}/__init__.py" in names
+    # Folders below those (kernels/ has one per op) are packaged only where pyproject.toml names them: none left out.
+    for sub in ("shared", "server", "client", "kernels", "netsim"):
+        for init in (ROOT / sub).glob("*/**/__init__.py"):
+            assert f"tether/{init.relative_to(ROOT).as_posix()}" in names, f"pyproject.toml does not package {init}"
+    assert "tether/kernels/utils.py" in names and "tether/kernels/moda/naive.py" in names
     assert "tether/v1/tether_pb2_grpc.py" in names and "tether/v1/tether.proto" in names
     assert "tether/__init__.py" not in names  # an implicit namespace package
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()

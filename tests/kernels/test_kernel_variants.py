@@ -12,8 +12,8 @@ import pytest
 import torch
 from tiny_models import tiny_target
 
-from tether.kernels import moda as moda_ops
-from tether.kernels import moda_prefill, moda_verify
+from tether.kernels.moda import backend as moda_ops
+from tether.kernels.moda import prefill, verify
 from tether.server import batcher, rounds
 from tether.server.kv_pool import KVPool
 from tether.server.verifier import SequenceVerifier
@@ -67,9 +67,9 @@ def variants(monkeypatch) -> set:
     monkeypatch.setattr(moda_ops, "kernel_supports", lambda q: True)  # route as on a GPU
     monkeypatch.setitem(attention._BACKENDS, "triton", moda_ops.moda_backend)
     for module, name in (
-        (moda_verify, "moda_verify_fwd_kernel"),
-        (moda_verify, "moda_verify_combine_kernel"),
-        (moda_prefill, "moda_attention_fwd_kernel_autotuned"),
+        (verify, "moda_verify_fwd_kernel"),
+        (verify, "moda_verify_combine_kernel"),
+        (prefill, "moda_attention_fwd_kernel_autotuned"),
     ):
         monkeypatch.setattr(module, name, Recorder(name, getattr(module, name), log))
     return log

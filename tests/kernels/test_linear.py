@@ -18,7 +18,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from tether.kernels.linear import MAX_ROWS, counters_needed, linear  # noqa: E402
-from tether.kernels.naive_linear import linear_naive  # noqa: E402
+from tether.kernels.linear.naive import linear_naive  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])

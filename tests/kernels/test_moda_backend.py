@@ -1,13 +1,13 @@
-"""moda_backend's dispatch (tether.kernels.moda): tree masks and short continuations after a long prefix go to the
-split-K verify kernel reading the contiguous cache in place, other causal calls to the prefill kernel, the rest to
-the reference; each against the reference on the same inputs. CPU: Triton's interpreter (TRITON_INTERPRET=1)."""
+"""moda_backend's dispatch (tether.kernels.moda.backend): tree masks and short continuations after a long prefix go to
+the split-K verify kernel reading the contiguous cache in place, other causal calls to the prefill kernel, the rest
+to the reference; each against the reference on the same inputs. CPU: Triton's interpreter (TRITON_INTERPRET=1)."""
 
 import os
 
 import pytest
 import torch
 
-from tether.kernels import moda as moda_ops
+from tether.kernels.moda import backend as moda_ops
 from tether.shared.attention import moda_attention_reference
 from tether.shared.speculative import DraftTree
 

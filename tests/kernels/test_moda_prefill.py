@@ -15,7 +15,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from tether.kernels.moda import moda_attention, moda_attention_fwd, moda_backend  # noqa: E402
-from tether.kernels.naive import moda_attention_naive  # noqa: E402
+from tether.kernels.moda.naive import moda_attention_naive  # noqa: E402
 from tether.shared import attention  # noqa: E402
 from tether.shared.attention import moda_attention_reference  # noqa: E402
 from tether.shared.model import DepthStream  # noqa: E402
@@ -214,8 +214,8 @@ def test_model_with_kernel_backend(monkeypatch):
     cache's rows in place)."""
     from tiny_models import tiny_target
 
-    from tether.kernels import moda as moda_ops
-    from tether.kernels.moda_verify import moda_verify
+    from tether.kernels.moda import backend as moda_ops
+    from tether.kernels.moda import moda_verify
 
     monkeypatch.setitem(attention._BACKENDS, "triton", moda_backend)
     kernel_calls = []

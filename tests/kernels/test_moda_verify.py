@@ -1,4 +1,4 @@
-"""The paged MoDA verify kernel (tether.kernels.moda_verify) against its naive reference: ragged batches over a paged
+"""The paged MoDA verify kernel (tether.kernels.moda.verify) against its naive reference: ragged batches over a paged
 cache with awkward block sizes, GQA groups, depth lengths and tree masks; split-K agrees with one split; and a real
 KVPool filled by the tiny model. On a machine without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -10,8 +10,8 @@ import torch
 from tiny_models import tiny_target
 
 import tether.shared.attention as attention
-from tether.kernels.moda_verify import moda_verify
-from tether.kernels.naive_verify import moda_verify_naive
+from tether.kernels.moda import moda_verify
+from tether.kernels.moda.naive import moda_verify_naive
 from tether.server import kv_pool
 from tether.server.kv_pool import KVPool
 from tether.server.rounds import PagedBatchView

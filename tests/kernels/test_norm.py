@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from tether.kernels.naive_norm import rms_norm_naive  # noqa: E402
 from tether.kernels.norm import rms_norm  # noqa: E402
+from tether.kernels.norm.naive import rms_norm_naive  # noqa: E402
 from tether.shared.model import RMSNorm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tether.kernels.naive_pointwise import rope_naive, silu_mul_naive
 from tether.kernels.pointwise import rope, silu_mul
+from tether.kernels.pointwise.naive import rope_naive, silu_mul_naive
 from tether.shared.config import PRESETS
 from tether.shared.model import FeedForward, apply_rope, rope_cos_sin
 

@@ -37,7 +37,7 @@ and the s-th of SPLIT_K slices of K; BLOCK_N down to 16 gives small N enough pro
 Row tiles vary fastest in launch order, so the programs that read one weight tile run together and all but the
 first find it in L2.
 
-Pure-PyTorch reference: tether.kernels.naive_linear. Tests (CPU, through Triton's interpreter):
+Pure-PyTorch reference: tether.kernels.linear.naive. Tests (CPU, through Triton's interpreter):
 
     TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/kernels/test_linear.py
 """

@@ -26,7 +26,7 @@ rows do not leave most of a program's lanes idle.
     h, x = rms_norm(sublayer_out, norm.weight, norm.eps, residual=x)
 
 Test: `TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/kernels/test_norm.py` on a CPU (the interpreter), or
-without TRITON_INTERPRET on a GPU (adds the bf16 cases). The reference is tether.kernels.naive_norm.rms_norm_naive.
+without TRITON_INTERPRET on a GPU (adds the bf16 cases). The reference is tether.kernels.norm.naive.rms_norm_naive.
 """
 
 from __future__ import annotations

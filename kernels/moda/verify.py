@@ -49,6 +49,10 @@ gets exact fp32 dots, no TF32); head dims up to 256 (non powers of two are maske
 
     o = moda_verify(q, pool.k[layer], pool.v[layer], table, lens + q_lens, q_lens, depth_k, depth_v,
                     tree_mask=mask)  # [B, Kmax, Hq, D]
+
+Reference: naive.py's `moda_verify_naive`. Tests (CPU, through Triton's interpreter):
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/kernels/test_moda_verify.py
 """
 
 from __future__ import annotations

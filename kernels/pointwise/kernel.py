@@ -23,7 +23,7 @@ sync and no data-dependent shapes, so it can be captured in a CUDA graph.
 Shapes that change from step to step (rows, T) are not specialised on, and the tiles depend only on D (rope) or F
 (silu_mul), so a new batch size or draft length never compiles a new variant inside a round.
 
-Pure-PyTorch references: tether.kernels.naive_pointwise. Tests (CPU, through Triton's interpreter):
+Pure-PyTorch references: tether.kernels.pointwise.naive. Tests (CPU, through Triton's interpreter):
 
     TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/kernels/test_pointwise.py
 """

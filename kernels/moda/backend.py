@@ -1,7 +1,7 @@
-"""Public MoDA ops and the model's attention backend built on them.
+"""The model's attention backend built on the MoDA kernels.
 
-- `moda_attention` (kernels/moda_prefill.py): prefill / full sequence, causal, optional cached prefix.
-- `moda_verify` (kernels/moda_verify.py): a few new tokens (causal or a tree) against a paged cache, split-K.
+- `moda_attention` (prefill.py): prefill / full sequence, causal, optional cached prefix.
+- `moda_verify` (verify.py): a few new tokens (causal or a tree) against a paged cache, split-K.
 - `moda_backend`: tether.shared.attention's backend contract served by those kernels. The server registers it as
   "triton" on CUDA (tether.server.generate.attention_backend); the model never imports it.
 
@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether.kernels.moda_prefill import moda_attention, moda_attention_fwd
-from tether.kernels.moda_verify import moda_verify
+from tether.kernels.moda.prefill import moda_attention
+from tether.kernels.moda.verify import moda_verify
 from tether.kernels.utils import FLOAT_DTYPES, interpreting
 from tether.shared.attention import moda_attention_reference
 
-__all__ = ["kernel_supports", "moda_attention", "moda_attention_fwd", "moda_backend", "moda_verify"]
+__all__ = ["as_pages", "kernel_supports", "moda_backend"]
 
 VERIFY_MAX_TQ = 64  # new tokens up to which a causal continuation goes to the split-K verify kernel
 VERIFY_MIN_PREFIX = 512  # cached rows from which it does (shorter prefixes are not split)

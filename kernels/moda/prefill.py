@@ -24,6 +24,10 @@ Layout choices (the MoDA paper's "flash layout, chunk-aware, group-aware" kernel
 - precision: fp32 softmax state and accumulator; P is cast to V's dtype for the PV dot (as the reference does).
   fp32 inputs use IEEE fp32 dots (not TF32), fp16 / bf16 tensor cores. Offsets along T are int64 (a depth
   buffer [T, L, Hkv, D] passes 2**31 elements at T = 64K, L = 64, Hkv = 8, D = 128).
+
+Reference: naive.py's `moda_attention_naive`. Tests (CPU, through Triton's interpreter):
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/kernels/test_moda_prefill.py
 """
 
 from __future__ import annotations
