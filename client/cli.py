@@ -161,7 +161,7 @@ def _connect(args: argparse.Namespace, quiet: bool):
     own, session.on_event = session.on_event, notes.on_event  # while pairing; then the session's own again
     try:
         info = session.model_info()
-        if not info.server_only:
+        if not info.server_only or cfg.mode == "hybrid":  # a hybrid forced on a server-only one: pair() refuses
             session.pair()
             return session, session, session.models.tokenizer
         tokenizer = server_tokenizer(session, args.tokenizer)

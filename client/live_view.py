@@ -54,6 +54,8 @@ def summary_line(result: Result) -> str:
              f"first token {1000 * s.ttft_from_start_s:.0f} ms ({1000 * s.ttft_s:.0f} ms after pairing)",
              f"{s.tokens_per_s:.1f} tokens/s"]  # fmt: skip
     parts.append("server-only (nothing drafted)" if s.server_only else f"tau {s.tau:.2f}")
+    if s.stream_tokens and not s.server_only:
+        parts.append(f"{s.stream_tokens} streamed, {s.mode_switches} mode switches")
     if s.retracted:
         parts.append(f"{s.retracted} retracted")
     if s.stopped:
@@ -111,6 +113,8 @@ class LiveView:
                 self.retracted += e.count
             elif e.kind == "state":
                 self.state = e.state
+            elif e.kind == "mode":  # tether.client.adaptive switched the online mode
+                lines = ["streaming the server's decoding" if e.detail == "stream" else "drafting here"]
             elif e.kind == "info" and e.detail and not (self.log and self.log[-1].endswith("  " + e.detail)):
                 lines = [e.detail]  # a note the connect loop repeats at each try: once
             self.log += [f"{t:6.2f}s  {line}" for line in lines]

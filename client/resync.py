@@ -65,6 +65,7 @@ class Resync:
         self.stats = Stats(reopened=int(not kept))
         self.prompt, self.tokens, self.tags = list(prompt), [], []
         self.offline_run = 0
+        self.meter.stream_barred_until = 0  # counted in this generation's tokens (tether.client.adaptive)
         if kept:
             self._drop_rounds()
             self._feed_from = V  # the drafter holds the verified positions; offline it reads the rest first
@@ -112,15 +113,16 @@ class Resync:
 
     # ---- resync --------------------------------------------------------------------------------------------
 
-    def _resync(self) -> None:
-        """Resync from the verified length, then attach a new stream. The offline tokens go in pieces of at most
-        `resync_piece_tokens` (a reply carries the KV delta of what it absorbed, ~1 KB a token), halved while the
-        server says a reply would pass its message limit; each piece starts where the server's verified length
-        now ends. Under rewind a piece that disagrees with the target, inside or at its first token (the target's
-        token after the piece before), ends the resync there: exactly what one Resync of all of them would keep.
-        A turn's prompt tokens go in pieces of their own, always absorbed (they are the user's), as does the text a
-        restored session had verified."""
-        turn = self.state == State.CONNECTING  # a new turn's tokens going in: no outage to report
+    def _resync(self, quiet: bool = False) -> None:
+        """Resync from the verified length, then attach a new stream. `quiet`: no outage to tell or count (a switch
+        from streaming catching the drafter up: tether.client.adaptive), as for a new turn's tokens going in. The
+        offline tokens go in pieces of at most `resync_piece_tokens` (a reply carries the KV delta of what it
+        absorbed, ~1 KB a token), halved while the server says a reply would pass its message limit; each piece
+        starts where the server's verified length now ends. Under rewind a piece that disagrees with the target,
+        inside or at its first token (the target's token after the piece before), ends the resync there: exactly
+        what one Resync of all of them would keep. A turn's prompt tokens go in pieces of their own, always absorbed
+        (they are the user's), as does the text a restored session had verified."""
+        turn = quiet or self.state == State.CONNECTING  # no outage to report
         if not turn:
             self._set_state(State.RESYNCING)
         t0 = time.monotonic()

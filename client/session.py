@@ -5,12 +5,14 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
   backend drafts with: ONNX graphs for onnxruntime (the default; tether.client.onnx_pairing, no torch anywhere on
   that path), or tensors for the torch drafter (tether.client.pairing, imported only by that backend); then open
   the session with the prompt, or go on from the session file (tether.client.session_file).
-- ONLINE: each round drafts after the root (the last token the target decided) a chain of k tokens or, where the
-  server takes them, a draft tree (`tree`: chain, tree, or auto from the measured round trip and acceptance),
-  sends it, drafts the next round ahead while it is verified (`pipeline`), and on the verdict adopts the verified
-  states (KV delta) and emits the accepted drafts and the bonus token, tagged "verified"; the round drafted ahead
-  goes out at once when the verdict went as guessed (tether.client.rounds). A round unanswered within
-  `round_timeout_s` of being sent, or a broken stream, means OFFLINE.
+- ONLINE, in the mode `mode` names (tether.client.adaptive; "auto" chooses by tether.client.mode_choice): chunks
+  of the server's own decoding streamed in (Generate), tagged "verified", or the hybrid's rounds. Each round
+  drafts after the root (the last token the target decided) a chain of k tokens or, where the server takes them,
+  a draft tree (`tree`: chain, tree, or auto from the measured round trip and acceptance), sends it, drafts the
+  next round ahead while it is verified (`pipeline`), and on the verdict adopts the verified states (KV delta) and
+  emits the accepted drafts and the bonus token, tagged "verified"; the round drafted ahead goes out at once when
+  the verdict went as guessed (tether.client.rounds). A round unanswered within `round_timeout_s` of being sent,
+  a stream silent that long, or a broken stream, means OFFLINE.
 - OFFLINE: the drafter goes on alone from what it holds (SA over its own tokens, CA over the last verified
   LSA vectors, TLI layers with their own KV cache); each token is emitted tagged "offline". The state's detail is
   the reason in a few words (tether.client.outage); gRPC's own text goes to the "tether.client" log at debug.
@@ -50,7 +52,6 @@ test_chat_e2e, ...), tests/client/test_session_file.py, tests/client/test_round_
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import secrets
@@ -61,15 +62,18 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from tether.client.adaptive import Adaptive
 from tether.client.controls import check_controls, sampling_params, stop_ids
 from tether.client.delta_gate import DeltaGate, DeltaLayout, wire_delta
 from tether.client.errors import Problem, ServerDataError
 from tether.client.logprobs import server_logprobs
+from tether.client.mode_choice import ModeMeter
 from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
 from tether.client.outage import reason
 from tether.client.pairing_checks import check_model_info
 from tether.client.resync import Resync
 from tether.client.rounds import Drafted, Measured, Rounds, lookahead_rows
+from tether.client.seeds import draft_seed as _draft_seed
 from tether.client.server_only import generate_server_only as generate_server_only
 from tether.client.session_file import SessionRecord, load_record, save_record
 from tether.client.session_types import (
@@ -104,18 +108,7 @@ AFFINITY_HEADER = "x-tether-affinity"  # per-generation key for load balancers' 
 DOWNLOAD_ATTEMPTS = 20  # a download a flaky link breaks resumes where the cache stops, this many times in a row
 
 
-def _draft_seed(seed: int, stream: int = -1) -> int:
-    """The drafter's own seed, derived from the session's: the server seeds its verifier's uniforms with the session
-    seed (a torch CPU Generator, as the torch drafter's), and drafts drawn from the same stream as the uniforms that
-    judge them are not independent of them, which lossless rejection sampling needs (seen: chi-square 265 against a
-    bound of 46 over sampled tree rounds drafted that way, 15.6 with independent streams). `stream` >= 0: the seed of
-    the session's stream-th online draft (tether.client.rounds), one stream each; -1: offline drafting's stream."""
-    salt = b"" if stream < 0 else b" round draft " + stream.to_bytes(8, "little")
-    digest = hashlib.sha256(b"tether draft seed " + (seed % 2**64).to_bytes(8, "little") + salt).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64, as manual_seed takes
-
-
-class EdgeSession(Resync, Rounds):
+class EdgeSession(Resync, Rounds, Adaptive):
     """One generation: owns the channel, the drafter and the text. See the module docstring."""
 
     def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
@@ -150,6 +143,7 @@ class EdgeSession(Resync, Rounds):
         self.verified = 0  # positions whose verified states the drafter holds (prompt included)
         self.round = 0
         self.measured = Measured()  # the round trip, drafting time and acceptance (tether.client.rounds: tree="auto")
+        self.meter = ModeMeter()  # what each online mode gave (tether.client.mode_choice: mode="auto")
         self._inflight: Drafted | None = None  # the round sent and not answered yet (rounds.py)
         self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
         self._queued: list = []  # overlapping rounds sent behind the one in flight, in order (rounds.Ahead)
@@ -259,8 +253,8 @@ class EdgeSession(Resync, Rounds):
         o = self._opened(self.stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s))
         self.session_id, self.resume_token = o.session_id, o.resume_token
         self._begin(o)
-        if self.controls.penalised:  # the verified text and its root (the target's token after it) are absorbed
-            self._absorb_to = self.verified + 1
+        # Every token tagged verified (the verified text, its root, a stream's tokens after it) is absorbed.
+        self._absorb_to = len(self.prompt) + max((i + 1 for i, t in enumerate(self.tags) if t == "verified"), default=0)
         self.verified = len(history)
         self._feed_from = self.verified  # offline, the drafter first reads the saved tail after the history
         self.stream.close()
@@ -485,7 +479,7 @@ class EdgeSession(Resync, Rounds):
                 give_up = time.monotonic() + self.cfg.final_resync_s
             try:
                 if self.state == State.ONLINE:
-                    self._round()
+                    self._online()  # a round, or a chunk of the stream (tether.client.adaptive)
                 elif time.monotonic() >= next_try:
                     self._resync()
                     self.backoff.reset()
@@ -562,6 +556,7 @@ class EdgeSession(Resync, Rounds):
 
     def _finish(self) -> None:
         """Close the session if the server is reachable (unless `keep_open`); the text is complete either way."""
+        self._end_stream()
         if self._inflight is not None or self._stale:
             self._drop_rounds()  # stopped with a round in flight: its answer no longer matters
         if self.stream is not None:

@@ -10,7 +10,8 @@ Contract:
 - `Event`: what the session reports as it goes ("state", with a short human reason for OFFLINE; "tokens" tagged
   verified or offline; "verify": `count` offline tokens from index `start` of the generated ones, which a resync
   kept, are tagged verified now; "retract"; "info"; "download": `count` of `total` bytes of the client part
-  fetched so far, only while a download runs). With EdgeSession.logprobs set, "tokens" carry one TokenLogprobs
+  fetched so far, only while a download runs; "mode": the online mode switched to, `detail` "stream" or "hybrid",
+  tether.client.adaptive). With EdgeSession.logprobs set, "tokens" carry one TokenLogprobs
   per token (`logprobs`).
 - `Stats` and `Result`: a generation's counters and its text; `Result.to_json()` is `tether-client --json`'s line.
   Time to first token runs from sending the prompt (pairing done) to its first token (`ttft_s`), and from the
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from tether.client.mode_choice import MODES
 from tether.shared.logits_processing import ControlError, SamplingControls
 from tether.shared.sampling import TokenLogprobs
 from tether.shared.tokenizer import Tokenizer
@@ -40,7 +42,8 @@ PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
 POLICIES = ("keep", "rewind")
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
 SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.rounds)
-CHOICES = {"policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS), "tree": SHAPES}
+CHOICES = {"mode": MODES, "policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS),
+           "tree": SHAPES}  # fmt: skip
 # The fields of the sampling rule (a request of the edge's HTTP API brings its own: tether.client.edge_serve).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "seed")  # fmt: skip
@@ -69,6 +72,7 @@ class ClientConfig:
     stop_token_ids: tuple[int, ...] = ()  # ids that end the generation besides the model's end-of-text
     ignore_eos: bool = False  # end-of-text ids do not end the generation (stop token ids do): fixed lengths
     seed: int = 0  # sampling seed (drafter and server)
+    mode: str = "auto"  # online: "auto" streams the server's decoding while faster, else drafts here; or force one
     policy: str = "keep"  # after an outage: "keep" the offline text, or "rewind" it to what the target agrees with
     backend: str = "onnx"  # drafter runtime: "onnx" (onnxruntime, no torch needed) or "torch"
     precision: str = "fp32"  # "fp32", "fp16" or "int8": ONNX weights on the wire (int8 also computes in int8)
@@ -111,6 +115,10 @@ class ClientConfig:
             raise ValueError(f"threads must be at least 0, not {self.threads}")
         if self.k < 0:
             raise ValueError(f"k must be at least 0, not {self.k}")
+        if self.mode == "stream" and (self.presence_penalty or self.frequency_penalty):
+            raise ValueError("mode stream restarts the server's decoding over the text at each switch, which would "
+                             "count the text generated before as prompt: presence and frequency penalties need "
+                             "mode hybrid or auto")  # fmt: skip
         self.controls()
         if any(t < 0 for t in self.stop_token_ids):
             raise ControlError(
@@ -127,7 +135,7 @@ class ClientConfig:
 
 @dataclass
 class Event:
-    kind: str  # "state", "tokens", "verify", "retract", "info", "download"
+    kind: str  # "state", "tokens", "verify", "retract", "info", "download", "mode" (detail: "stream" or "hybrid")
     state: State | None = None
     tokens: list[int] = field(default_factory=list)
     tag: str = ""  # "verified" or "offline" for "tokens"
@@ -160,6 +168,11 @@ class Stats:
     overlapped: int = 0  # of pipeline_hits, those sent before the verdict of the round before them (overlap)
     rows_kept: int = 0  # verdicts after which the drafter kept the rows drafted for the rounds pending (no re-feed)
     bad_messages: int = 0  # server messages refused as invalid (each one a lost round or resync)
+    stream_tokens: int = 0  # tokens streamed from the server's own decoding (mode stream or auto)
+    mode_switches: int = 0  # changes of online mode (tether.client.adaptive), the first stream after the open included
+    switch_s: list[float] = field(default_factory=list)  # each switch's time: to streaming, until its first chunk;
+    # to the hybrid, the catch-up (its Resync calls and the attach)
+    switch_bytes: list[tuple[int, int]] = field(default_factory=list)  # each switch's payload bytes (up, down)
     # Where ONLINE rounds' time goes (a round's time is about verdict_wait + verdict_to_send, per round):
     round_work_s: float = 0.0  # not waiting for verdicts: drafting (ahead too), adopting deltas, sending
     verdict_wait_s: float = 0.0  # from sending each round to its verdict's arrival: round trip and server

@@ -1,6 +1,7 @@
 """End-to-end fixtures shared by several test modules."""
 
 import pytest
+import torch
 from toy_models import toy_model_dir
 
 from tether.client import session as session_module
@@ -60,4 +61,18 @@ def paired_once(monkeypatch, tmp_path_factory) -> str:
         return parts[key]
 
     monkeypatch.setattr(session_module, "fetch_onnx_part", fetch)
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def served(start_server, request):
+    """(address, service, the target's plain greedy continuation of the module's PROMPT, N_NEW tokens of it)."""
+    address, service = start_server()
+    prompt = torch.tensor([service.engine.tokenizer.encode(request.module.PROMPT)])
+    return address, service, list(service.engine.target.generate(prompt, request.module.N_NEW))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    """A weight cache directory for the module's sessions."""
     return str(tmp_path_factory.mktemp("cache"))

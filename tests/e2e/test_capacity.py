@@ -55,7 +55,7 @@ def test_sixteen_clients_on_a_server_too_small_for_them_all_finish_with_plain_gr
     service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fingerprint(toy_model_dir())))
     server, port = make_server(service, "127.0.0.1:0")
     server.start()
-    cfg = ClientConfig(server=f"127.0.0.1:{port}", max_new_tokens=N_NEW, policy="rewind", k=4,
+    cfg = ClientConfig(mode="hybrid", server=f"127.0.0.1:{port}", max_new_tokens=N_NEW, policy="rewind", k=4,
                        cache_dir=str(tmp_path / "cache"), round_timeout_s=60.0, connect_timeout_s=60.0,
                        backoff_initial_s=0.05, backoff_max_s=0.5, max_offline_tokens=4,
                        final_resync_s=600.0)  # fmt: skip

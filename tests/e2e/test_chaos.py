@@ -183,7 +183,7 @@ def client_config(address: str, tmp_path, policy: str, piece: int = 1024) -> Cli
     """piece: offline tokens per Resync call; a small one makes every resync take several calls."""
     return ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, k=K, cache_dir=str(tmp_path / "cache"),
                         round_timeout_s=1.0, connect_timeout_s=2.0, backoff_initial_s=0.05, backoff_max_s=0.4,
-                        pace_tokens_per_s=120, max_offline_tokens=MAX_OFFLINE, final_resync_s=60,
+                        mode="hybrid", pace_tokens_per_s=120, max_offline_tokens=MAX_OFFLINE, final_resync_s=60,
                         resync_piece_tokens=piece)  # fmt: skip
 
 
@@ -415,7 +415,7 @@ def test_opens_that_fail_leave_no_stream_behind(models, tmp_path, monkeypatch):
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
     cfg = ClientConfig(server=sim.address, cache_dir=str(tmp_path), max_new_tokens=8, connect_timeout_s=0.5,
-                       backoff_initial_s=0.01, backoff_max_s=0.02)  # fmt: skip
+                       mode="hybrid", backoff_initial_s=0.01, backoff_max_s=0.02)  # fmt: skip
     session = EdgeSession(cfg, connect_attempts=3)
     try:
         session.pair()  # the weights over a clean link; then every open meets a stalled one

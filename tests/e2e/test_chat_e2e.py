@@ -83,7 +83,7 @@ def servers(models):
 
 
 def config(address: str, tmp_path, **kw) -> ClientConfig:
-    return ClientConfig(server=address, max_new_tokens=NEW, cache_dir=str(tmp_path / "cache"), **kw)
+    return ClientConfig(mode="hybrid", server=address, max_new_tokens=NEW, cache_dir=str(tmp_path / "cache"), **kw)
 
 
 def paired_chat(address: str, tmp_path, **kw) -> tuple[Chat, EdgeSession]:

@@ -127,7 +127,7 @@ def models():
 
 def config(address: str, cache: str, **kw) -> ClientConfig:
     return ClientConfig(server=address, cache_dir=cache, max_new_tokens=24, k=4, tree="chain", pipeline=False,
-                        codec="raw", backoff_initial_s=0.01, backoff_max_s=0.05, **kw)  # fmt: skip
+                        mode="hybrid", codec="raw", backoff_initial_s=0.01, backoff_max_s=0.05, **kw)  # fmt: skip
 
 
 @torch.inference_mode()

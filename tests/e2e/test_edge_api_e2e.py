@@ -71,7 +71,7 @@ class Endpoint:
         self.sim.start()
         settings = dict(round_timeout_s=60.0, connect_timeout_s=30.0, backoff_initial_s=0.05, backoff_max_s=0.4,
                         max_offline_tokens=MAX_OFFLINE, max_new_tokens=128) | overrides  # fmt: skip
-        cfg = ClientConfig(server=self.sim.address, cache_dir=cache_dir, policy=policy, **settings)
+        cfg = ClientConfig(mode="hybrid", server=self.sim.address, cache_dir=cache_dir, policy=policy, **settings)
         self.observer = None
         self.backend = EdgeBackend.connect(cfg, observe=lambda s, e: self.observer and self.observer(s, e))
         self.loop = asyncio.new_event_loop()

@@ -236,7 +236,7 @@ def test_a_sampled_sessions_controls_travel_on_open_and_every_resync_and_rounds_
                        codec="raw", backoff_initial_s=0.01, backoff_max_s=0.05, max_offline_tokens=OFFLINE,
                        temperature=0.9, top_k=3, top_p=0.95, min_p=0.01, presence_penalty=0.2, frequency_penalty=0.1,
                        repetition_penalty=1.1, logit_bias=((13, -5.0),), stop_token_ids=(vocab - 1,), seed=3,
-                       ignore_eos=True)  # fmt: skip
+                       mode="hybrid", ignore_eos=True)  # fmt: skip
     events = []
     session = EdgeSession(cfg, events.append)
     session.logprobs = 2

@@ -53,7 +53,7 @@ def test_client_fails_over_to_another_replica_without_loss(tmp_path):
     endpoints = ",".join(a for _, _, a in reps)
     # max_offline_tokens: the client waits for a replica after 16 tokens alone, so the failover happens
     # mid-generation however long finding the next replica takes.
-    cfg = ClientConfig(server=endpoints, max_new_tokens=100, policy="rewind", cache_dir=str(tmp_path),
+    cfg = ClientConfig(mode="hybrid", server=endpoints, max_new_tokens=100, policy="rewind", cache_dir=str(tmp_path),
                        round_timeout_s=5.0, connect_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.2,
                        pace_tokens_per_s=100, max_offline_tokens=16)  # fmt: skip
     session = EdgeSession(cfg)
@@ -85,7 +85,7 @@ def test_64_concurrent_clients_spread_over_three_replicas_all_finish(tmp_path):
     endpoints = ",".join(a for _, _, a in reps)
     EdgeSession(ClientConfig(server=endpoints, cache_dir=str(tmp_path))).pair()  # one download fills the cache
     # Generous deadlines: an open that timed out on a busy machine would be sent again and counted twice.
-    cfg = ClientConfig(server=endpoints, max_new_tokens=8, cache_dir=str(tmp_path), round_timeout_s=120,
+    cfg = ClientConfig(mode="hybrid", server=endpoints, max_new_tokens=8, cache_dir=str(tmp_path), round_timeout_s=120,
                        connect_timeout_s=120)  # fmt: skip
     try:
         with ThreadPoolExecutor(16) as pool:

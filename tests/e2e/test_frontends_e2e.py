@@ -21,7 +21,7 @@ from tether.shared.drafter import load_drafter
 
 PROMPT = "def write_lines(path, lines):\n    "
 NEW = 24
-PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
+PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0, "mode": "hybrid"}  # rounds, not a stream
 
 
 def test_the_edge_client_through_front_ends_writes_the_targets_greedy_text(tmp_path):

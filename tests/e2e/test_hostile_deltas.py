@@ -173,7 +173,7 @@ def run(address: str, tmp_path, policy: str = "rewind"):
     # the text after MAX_OFFLINE tokens instead, until a resync succeeds.
     cfg = ClientConfig(server=address, max_new_tokens=N_NEW, policy=policy, cache_dir=str(tmp_path / "cache"),
                        round_timeout_s=30, connect_timeout_s=30, backoff_initial_s=0.05, backoff_max_s=0.2,
-                       max_offline_tokens=MAX_OFFLINE)  # fmt: skip
+                       mode="hybrid", max_offline_tokens=MAX_OFFLINE)  # fmt: skip
     session = EdgeSession(cfg)
     try:
         return session.run(PROMPT)

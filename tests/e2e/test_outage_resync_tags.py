@@ -84,7 +84,7 @@ def run(server: str, tmp_path, policy: str, **overrides):
     settings = dict(max_new_tokens=N, policy=policy, k=4, cache_dir=str(tmp_path), round_timeout_s=30.0,
                     connect_timeout_s=30.0, backoff_initial_s=0.02, backoff_max_s=0.1, pace_tokens_per_s=200,
                     max_offline_tokens=MAX_OFFLINE, final_resync_s=120) | overrides  # fmt: skip
-    session = EdgeSession(ClientConfig(server=sim.address, **settings))
+    session = EdgeSession(ClientConfig(mode="hybrid", server=sim.address, **settings))
     try:
         session.pair()  # over a clean link; the fault starts with generation
         faults = CutThenRestore(sim, session)
@@ -152,7 +152,7 @@ def test_the_edge_apis_log_has_one_line_per_change_each_with_the_servers_session
     """The same outage behind the edge API (rewind): its log says offline, resyncing, online and the end, each line
     naming the server's session id (the end too, after the session is closed), gRPC's own text at debug only; the
     text it sends is the session's, none of it marked offline."""
-    cfg = ClientConfig(server="", max_new_tokens=N, policy="rewind", k=4, cache_dir=str(tmp_path),
+    cfg = ClientConfig(mode="hybrid", server="", max_new_tokens=N, policy="rewind", k=4, cache_dir=str(tmp_path),
                        round_timeout_s=30.0, connect_timeout_s=30.0, backoff_initial_s=0.02, backoff_max_s=0.1,
                        pace_tokens_per_s=200, max_offline_tokens=MAX_OFFLINE)  # fmt: skip
     sim = NetSimThread(("127.0.0.1", 0), server)

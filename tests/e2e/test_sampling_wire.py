@@ -33,7 +33,7 @@ def server(default_server):
 
 def generate(address: str, cache: str, *, n: int, seed: int, temperature: float, k: int = 3, **controls) -> list[int]:
     cfg = ClientConfig(server=address, max_new_tokens=n, k=k, temperature=temperature, seed=seed, cache_dir=cache,
-                       round_timeout_s=30.0, connect_timeout_s=30.0, **controls)  # fmt: skip
+                       mode="hybrid", round_timeout_s=30.0, connect_timeout_s=30.0, **controls)  # fmt: skip
     session = EdgeSession(cfg)
     try:
         result = session.run(PROMPT)

@@ -123,7 +123,9 @@ def assert_reads_as_text(text: str) -> None:
 
 def edge_config(model: Model, tmp_path, **overrides) -> ClientConfig:
     """The edge's settings for these tests: rounds sent ahead of their verdicts as by default."""
-    return ClientConfig(server=model.address, max_new_tokens=24, cache_dir=str(tmp_path / "cache"), **overrides)
+    return ClientConfig(
+        server=model.address, max_new_tokens=24, cache_dir=str(tmp_path / "cache"), mode="hybrid", **overrides
+    )
 
 
 def plain_stream(session: EdgeSession, out: io.StringIO) -> PlainStream:
@@ -278,7 +280,7 @@ def test_offline_drafting_shows_the_decode_of_what_it_wrote(model, tmp_path):
 
 
 def test_the_chat_template_renders_the_same_on_the_edge_the_server_and_in_transformers(model, tmp_path):
-    session = EdgeSession(ClientConfig(server=model.address, cache_dir=str(tmp_path)))
+    session = EdgeSession(ClientConfig(mode="hybrid", server=model.address, cache_dir=str(tmp_path)))
     try:
         session.pair()
         on_edge = ChatFormat.from_json(session.info.chat_format_json, session.models.tokenizer)

@@ -33,21 +33,8 @@ pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
 PROMPT = "def write_lines(path, lines):\n    "
 N_NEW = 64
-PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
+PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0, "mode": "hybrid"}  # rounds, not a stream
 MAX_OFFLINE = 8  # tokens the client writes alone in one outage before it waits for the link
-
-
-@pytest.fixture(scope="module")
-def served(start_server):
-    """(address, service, the target's plain greedy continuation of PROMPT)."""
-    address, service = start_server()
-    prompt = torch.tensor([service.engine.tokenizer.encode(PROMPT)])
-    return address, service, list(service.engine.target.generate(prompt, N_NEW))
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 def generate(address: str, cache: str, early: bool | None = None, **fields):
@@ -203,7 +190,7 @@ def test_the_link_failing_with_a_round_drafted_ahead_in_flight_ends_as_plain_gre
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
     sim.start()
     cfg = ClientConfig(server=sim.address, max_new_tokens=N_NEW, cache_dir=cache, policy="rewind", tree="tree",
-                       pipeline=True, round_timeout_s=1.0, connect_timeout_s=5.0, backoff_initial_s=0.05,
+                       mode="hybrid", pipeline=True, round_timeout_s=1.0, connect_timeout_s=5.0, backoff_initial_s=0.05,
                        backoff_max_s=0.4, max_offline_tokens=MAX_OFFLINE, final_resync_s=60)  # fmt: skip
     session = EdgeSession(cfg)
     seen = {"hits": 0, "struck": 0, "offline": 0}

@@ -1,0 +1,179 @@
+"""The edge session ONLINE in either mode: the server's own decoding streamed in, or drafts verified by the server
+(the hybrid), switched between mid-generation without losing or repeating a token.
+
+A part of tether.client.session.EdgeSession (a mixin over its state, as tether.client.rounds is); the choice itself
+is tether.client.mode_choice, a pure function of what this measures (ClientConfig.mode: auto, hybrid, stream).
+- Every generation opens its server session as the hybrid does (the prompt's delta gives the drafter its states,
+  the open its first token), so the drafter can write offline from the first token on, whatever the mode.
+- Streaming (`_to_stream`): the rounds in flight are dropped and the Session stream closed (the server session
+  stays held: a held idle session is the first the server evicts when it needs room, and a catch-up rebuilds it
+  from the history then); a Generate call over the whole text so far streams the target's tokens, emitted tagged
+  verified as they come. The drafter is not fed them: it still holds the verified positions it held, and the
+  streamed tokens are caught up lazily, by the next Resync (or fed to it by the first offline step).
+- Under auto the session pings the server once (`_ping`, a GetModelInfo in the background): the link's round trip,
+  which the choice subtracts from the hybrid's verdict wait to predict a stream it has not tried.
+- Back to the hybrid (`_to_hybrid`, the catch-up): the Generate call is cancelled (chunks not yet taken are dropped:
+  the text is what was emitted), and a Resync absorbs every token after the verified length (tether.client.resync,
+  `quiet`: no outage is told or counted), which gives the drafter their exact states in its delta and the target's
+  next token, emitted verified; then a stream attaches and rounds go on. Its bytes and time are Stats.switch_bytes
+  and switch_s (a switch to streaming: its prompt's bytes and the time to its first chunk).
+- The link down while streaming (the call broken, or no chunk within round_timeout_s; connect_timeout_s for the
+  first): OFFLINE as after a lost round. The drafter first steps over the streamed tokens (Resync._offline_step,
+  `_feed_from`), then writes alone; the resync after it absorbs the streamed tokens whatever the policy (they are
+  the target's: `_absorb_to`) and judges only those written offline. It ends attached, in the hybrid: the choice
+  then decides whether to stream again.
+- A stream the server refuses for load (ServerBusy) falls back to the hybrid, streaming barred for
+  BUSY_BAR_TOKENS tokens; one it will not run at all (ServerError: a text past its prompt limit) or that ends before
+  the client's generation does (the server's own length limit), for the rest of the generation.
+- Greedy text is the target's in every mode and across any number of switches: every emitted token is the target's
+  (a verdict's, a stream's, or a resync's next token), decided after exactly the text before it. Sampled text
+  follows the target's law: each restarted stream draws from a seed of its own (tether.client.seeds.stream_seed).
+  Streaming is not offered under presence or frequency penalties: a stream restarted over the text would count the
+  tokens generated before it as prompt (ClientConfig.check refuses --mode stream with them).
+- `choose()` is the seam tests replace to force switches on events (after N tokens, mid-call).
+
+Tests: tests/client/test_mode_choice.py (the rule), tests/e2e/test_adaptive_modes.py (the same greedy text for
+hybrid, stream and forced switches; a link cut or stalled mid-stream and mid-catch-up; a refused stream).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tether.client.generation_stream import GenerationStream
+from tether.client.mode_choice import BUSY_BAR_TOKENS, HYBRID, STREAM, choose_mode
+from tether.client.seeds import stream_seed
+from tether.client.session_types import Event
+from tether.client.transport import ServerBusy, ServerError
+from tether.v1 import tether_pb2 as pb
+
+
+class Adaptive:
+    """EdgeSession's online modes (see the module docstring)."""
+
+    generation: GenerationStream | None = None  # the Generate call while streaming; None: the hybrid
+    _pinged = False  # the link's round trip was asked for (_ping)
+    _switch_bytes = (0, 0)  # the last switch to streaming's payload bytes (up, down), told with its first chunk
+
+    def choose(self) -> str:
+        """The mode of the next online step: tether.client.mode_choice over this session's figures."""
+        return choose_mode(self.cfg.mode, self.meter, wait_s=self.measured.wait_s, can_stream=self._can_stream())
+
+    def _ping(self) -> None:
+        """Time one GetModelInfo on the channel the session already uses: the link's round trip, which the server
+        answers without model work (what a verdict's wait holds beyond it is the server's step). Once a session,
+        in the background: its answer is taken whenever it comes."""
+        if self._pinged:
+            return
+        self._pinged, t0 = True, time.monotonic()
+
+        def answered(future) -> None:
+            if future.exception() is None:
+                self.meter.answered(time.monotonic() - t0)
+
+        call = self.stub.GetModelInfo.future(pb.GetModelInfoRequest(), metadata=self.metadata,
+                                             timeout=self.cfg.connect_timeout_s)  # fmt: skip
+        call.add_done_callback(answered)
+
+    def _can_stream(self) -> bool:
+        """Whether a Generate call can continue the text now, exactly."""
+        c = self.controls
+        return (not (c.presence_penalty or c.frequency_penalty) and len(self.tokens) >= self.meter.stream_barred_until
+                and len(self.sequence) <= self.info.max_prompt_tokens)  # fmt: skip
+
+    def _online(self) -> None:
+        """One online step in the mode chosen: a chunk of the stream, or a round's verdict."""
+        if self.cfg.mode == "auto":
+            self._ping()
+        now = STREAM if self.generation is not None else HYBRID
+        if now != self.meter.mode:
+            self.meter.enter(now)  # the link's doing: a resync attached the hybrid
+        want = self.choose()
+        if want == HYBRID and self.generation is not None:
+            self._to_hybrid()  # its next token, emitted: the switch's, not the hybrid's rate
+            return
+        if want == STREAM and self.generation is None:
+            self._to_stream()
+        before = len(self.tokens)
+        if self.generation is not None:
+            self._stream_step()
+        else:
+            self._round()
+        self.meter.emitted(len(self.tokens) - before, time.monotonic())
+
+    # ---- streaming -----------------------------------------------------------------------------------------
+
+    def _to_stream(self) -> None:
+        """Leave the hybrid: the server decodes the rest alone and streams it."""
+        self._drop_rounds()  # a round in flight is forgotten: the text goes on from the tokens emitted
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        self._feed_from = self.verified  # offline, the drafter first steps over what was streamed
+        cfg = self.cfg
+        sampling = self._sampling()
+        if cfg.temperature > 0:
+            sampling.seed = stream_seed(cfg.seed, len(self.sequence))
+        req = pb.OpenSession(prompt=self.sequence, sampling=sampling, model_fingerprint=self.info.model_fingerprint,
+                             max_new_tokens=cfg.max_new_tokens - len(self.tokens))  # fmt: skip
+        self.stats.bytes_up += 4 * len(self.sequence)
+        self._switch_bytes = (4 * len(self.sequence), 0)
+        self.generation = GenerationStream(self.stub, req, self.metadata)
+        self.meter.enter(STREAM)
+        self.stats.mode_switches += 1
+        self.on_event(Event("mode", detail=STREAM))
+
+    def _stream_step(self) -> None:
+        """The stream's next chunk, emitted; a refusal, or an end before the client's, goes back to the hybrid."""
+        g, cfg = self.generation, self.cfg
+        try:
+            msg = g.receive(cfg.round_timeout_s if g.chunks else cfg.connect_timeout_s)
+            if msg is not None:
+                chunk = list(msg.tokens)
+                for t in chunk:
+                    self._check_token(t, "streamed token")
+                reported = self._reported(msg.logprobs, chunk)
+        except ServerBusy:  # the server is full for streams now: draft here instead for a while
+            self.meter.bar_stream(len(self.tokens) + BUSY_BAR_TOKENS)
+            self._to_hybrid()
+            return
+        except ServerError:  # the server will not stream this text: draft here to the end
+            self.meter.bar_stream(cfg.max_new_tokens)
+            self._to_hybrid()
+            return
+        except BaseException:
+            self._end_stream()  # the link: the run loop goes offline
+            raise
+        if msg is None:  # ended before this generation did (the server's own limit): the hybrid goes on
+            self.meter.bar_stream(cfg.max_new_tokens)
+            self._to_hybrid()
+            return
+        if g.chunks == 1:
+            self.stats.switch_s.append(g.arrived_at - g.started_at)
+            self.stats.switch_bytes.append(self._switch_bytes)
+        self.stats.bytes_down += 4 * len(chunk)
+        before = len(self.tokens)
+        self._emit(chunk, "verified", reported)
+        self.stats.stream_tokens += len(self.tokens) - before
+
+    def _end_stream(self) -> None:
+        """Cancel the Generate call, if one runs. The tokens it streamed are the target's: a resync absorbs them
+        whatever the policy."""
+        if self.generation is None:
+            return
+        self.generation.close()
+        self.generation = None
+        self._absorb_to = max(self._absorb_to, len(self.sequence))
+
+    # ---- back to drafting here -----------------------------------------------------------------------------
+
+    def _to_hybrid(self) -> None:
+        """The catch-up: the streamed tokens resynced in, the target's next token emitted, a stream attached."""
+        self._end_stream()
+        t0, up, down = time.monotonic(), self.stats.bytes_up, self.stats.bytes_down
+        self._resync(quiet=True)
+        self.meter.enter(HYBRID)
+        self.stats.mode_switches += 1
+        self.stats.switch_s.append(time.monotonic() - t0)
+        self.stats.switch_bytes.append((self.stats.bytes_up - up, self.stats.bytes_down - down))
+        self.on_event(Event("mode", detail=HYBRID))

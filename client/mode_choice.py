@@ -1,0 +1,147 @@
+"""How the edge client is online: streaming the server's own decoding, or drafting here for the server to verify
+(the hybrid), chosen from what the client measured. The mechanics of switching are tether.client.adaptive.
+
+Contract:
+- MODES: ClientConfig.mode's values. "stream": the Generate RPC (the server decodes alone, tokens stream in);
+  "hybrid": rounds of drafts verified by the server (tether.client.rounds); "auto": whichever is faster now.
+  Offline writing is neither: it is the link's state, and happens in every mode when the link is down.
+- `Rate`: a mode's tokens a second, an EWMA of the seconds per token over the intervals between its emissions.
+  `restart()` begins a visit: the figure stays (what the mode gave last time) until the visit's first interval
+  replaces it, so a mode left is remembered at its last rate.
+- `ModeMeter`: what the session measured of both modes: their Rates, the mode now, tokens written in this visit,
+  the link's round trip (the fastest answer to a call that costs the server no model work: `answered`), and the
+  generation length before which streaming is barred (a stream refused or ended early: `bar_stream`).
+- `choose_mode(mode, m, *, wait_s, can_stream)`: the mode for the next step, a pure function of ClientConfig.mode
+  and the measured figures (tests/client/test_mode_choice.py drives it with numbers): forced modes are kept,
+  "hybrid" wherever streaming is not possible. Under auto the hybrid comes first (the open attaches its session:
+  no switch to begin with, and its rounds measure the round time and tau); a mode is judged, and may be left, only
+  after MIN_INTERVALS of its intervals were measured, and left only for one that gives MARGIN more: measured, or
+  for a stream never tried predicted (`predict_stream`); a mode left is measured again once the one now has written
+  `m.recheck` tokens (doubled at each such check, so the checks cost a shrinking share of the text).
+- `predict_stream(wait_s, rtt_s)`: what streaming would give, before it was ever measured: a token a server step,
+  the step being what the hybrid's verdict wait holds beyond the round trip (the server verifies one round of a
+  session a step, and decodes one token of a stream a step: on a GPU both cost about a step's fixed time).
+
+    m = ModeMeter()
+    mode = choose_mode("auto", m, wait_s=0.0, can_stream=True)  # "hybrid": nothing measured yet
+
+Importing this module imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("auto", "hybrid", "stream")
+STREAM, HYBRID = "stream", "hybrid"
+EWMA_WEIGHT = 0.25  # weight of the newest interval in a Rate
+MIN_INTERVALS = 4  # a mode is judged (and may be left) only after this many of its intervals were measured
+MARGIN = 0.2  # leave a mode only for one measured (or predicted) at least this much faster: a switch costs a
+# catch-up Resync or a server prefill, and two figures within noise of each other must not flap
+MIN_STEP_S = 0.0005  # a server step is taken to last at least this long (a verdict wait within noise of the round
+# trip says little more than that the server is fast)
+FIRST_RECHECK = 512  # tokens the mode now writes before the mode left is measured again; doubled at every check
+BUSY_BAR_TOKENS = 256  # a stream the server refused for load is not tried again for this many tokens
+
+
+@dataclass
+class Rate:
+    """Tokens a second of one mode (see the module docstring)."""
+
+    per_token_s: float = 0.0  # EWMA of the seconds per token of the intervals measured
+    intervals: int = 0  # intervals measured in this visit
+    total: int = 0  # intervals ever measured
+
+    def restart(self) -> None:
+        self.intervals = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """`tokens` were written `seconds` after the emission before them."""
+        if tokens <= 0:
+            return
+        per = max(seconds, 0.0) / tokens
+        first = self.intervals == 0
+        self.per_token_s = per if first else self.per_token_s + EWMA_WEIGHT * (per - self.per_token_s)
+        self.intervals += 1
+        self.total += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        """0.0 before any interval was ever measured; infinite for intervals too short to time."""
+        if self.per_token_s > 0:
+            return 1.0 / self.per_token_s
+        return float("inf") if self.total else 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.total > 0
+
+
+@dataclass
+class ModeMeter:
+    """What the session measured of its two online modes (see the module docstring)."""
+
+    mode: str = HYBRID  # the mode now: a session opens attached to its Session stream
+    rates: dict[str, Rate] = field(default_factory=lambda: {STREAM: Rate(), HYBRID: Rate()})
+    visit_tokens: int = 0  # tokens written since the mode now began
+    rtt_s: float = 0.0  # the link's round trip: the fastest answer to a call without model work (a ping); 0: none
+    recheck: int = FIRST_RECHECK  # visit_tokens after which the mode left is measured again
+    stream_barred_until: int = 0  # no stream before the generation holds this many tokens
+    _last_at: float | None = None  # the last emission of this visit (time.monotonic()); None: none yet
+
+    def enter(self, mode: str) -> None:
+        """A new visit of `mode` begins (a switch, or the link's doing: a resync attaches the hybrid). A visit that
+        lasted until the mode left was due to be measured again makes the next such check come twice as late."""
+        if self.visit_tokens >= self.recheck:
+            self.recheck *= 2
+        self.mode, self.visit_tokens, self._last_at = mode, 0, None
+        self.rates[mode].restart()
+
+    def emitted(self, tokens: int, at: float) -> None:
+        """`tokens` written at `at` (time.monotonic()) in the mode now; the first emission of a visit starts its
+        clock (what came before it is the switch's cost, not the mode's rate)."""
+        if tokens <= 0:
+            return
+        if self._last_at is not None:
+            self.rates[self.mode].add(tokens, at - self._last_at)
+        self._last_at = at
+        self.visit_tokens += tokens
+
+    def answered(self, seconds: float) -> None:
+        """A call was answered `seconds` after it was made."""
+        if seconds > 0:
+            self.rtt_s = seconds if self.rtt_s == 0 else min(self.rtt_s, seconds)
+
+    def bar_stream(self, until_tokens: int) -> None:
+        self.stream_barred_until = max(self.stream_barred_until, until_tokens)
+
+
+def predict_stream(wait_s: float, rtt_s: float) -> float:
+    """Tokens a second of a stream never measured yet, from the hybrid's verdict wait (`wait_s`: the round trip and
+    the server's step for this client) and the link's round trip (`rtt_s`): a token a server step. 0.0 when no wait
+    was measured (nothing to go by: no switch)."""
+    if wait_s <= 0:
+        return 0.0
+    return 1.0 / max(wait_s - rtt_s, MIN_STEP_S)
+
+
+def choose_mode(mode: str, m: ModeMeter, *, wait_s: float, can_stream: bool) -> str:
+    """The online mode for the next step (see the module docstring). `mode`: ClientConfig.mode; `wait_s`: the
+    hybrid's verdict wait (tether.client.rounds.Measured, 0: none measured); `can_stream`: whether Generate can take
+    the text now (its prompt limit, sampling rules a restarted stream keeps exactly, not barred)."""
+    if not can_stream or mode == HYBRID:
+        return HYBRID
+    if mode == STREAM:
+        return STREAM
+    now = m.mode
+    other = HYBRID if now == STREAM else STREAM
+    mine, theirs = m.rates[now], m.rates[other]
+    if mine.intervals < MIN_INTERVALS:
+        return now  # not judged yet: what it gives is still unknown, and leaving it costs a switch
+    if not theirs.measured:
+        guess = predict_stream(wait_s, m.rtt_s) if other == STREAM else 0.0  # the hybrid is measured from the open
+    elif m.visit_tokens >= m.recheck:
+        return other  # remembered from long ago: measure it again
+    else:
+        guess = theirs.tokens_per_s
+    return other if guess > (1 + MARGIN) * mine.tokens_per_s else now

@@ -1,0 +1,225 @@
+"""The adaptive client end to end (tether.client.adaptive): the toy models served on loopback, the edge client over
+gRPC, online modes forced and switched on events.
+
+- greedy: the text is plain greedy decoding's in mode hybrid, stream and auto; streaming sends no rounds, the
+  hybrid streams nothing;
+- switches forced after given numbers of tokens, both ways, several times, some while a round is in flight and
+  every one while the Generate call is still streaming: the same greedy text under keep and rewind, every token
+  verified, each switch's bytes and time recorded; a sampled run switched so writes its whole length, verified;
+- the link cut or stalled mid-stream, under rewind: the client writes offline, resyncs the streamed and offline
+  tokens (keeping every streamed one) and streams again, ending with plain greedy's text;
+- the link cut inside the catch-up Resync of a switch to the hybrid: an outage like any other, and the same text;
+- a stream the server refuses for load (REASON_CAPACITY): the client drafts here instead, without an outage.
+
+Faults strike on events (tokens emitted, a Resync call answered), never on the clock; deadlines elsewhere are
+generous, so a busy machine never makes a slow step look like an outage.
+
+    .venv/bin/python -m pytest -q tests/e2e/test_adaptive_modes.py
+"""
+
+import pytest
+
+from tether.client.mode_choice import HYBRID, STREAM
+from tether.client.session import ClientConfig, EdgeSession, Event, State
+from tether.netsim.proxy import NetSimThread
+from tether.server.errors import RequestError
+from tether.v1 import tether_pb2 as pb
+
+PROMPT = "def write_lines(path, lines):\n    "
+N_NEW = 64
+PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
+FLAKY = {"round_timeout_s": 1.0, "connect_timeout_s": 5.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.4,
+         "final_resync_s": 60.0}  # fmt: skip
+MAX_OFFLINE = 8  # tokens the client writes alone in one outage before it waits for the link
+SWITCH_AT = (6, 17, 30, 44)  # generated tokens at which the forced plan flips mode (stream first)
+
+
+class Plan:
+    """A forced switch plan: stream, then the other mode once the text has each of `at`'s token counts, one switch
+    per count (a chunk or a round passing two makes two switches, one step apart). It counts the switches to the
+    hybrid made while the Generate call still ran."""
+
+    def __init__(self, session: EdgeSession, at=SWITCH_AT):
+        self.session, self.at = session, at
+        self.passed = self.mid_stream = 0
+
+    def __call__(self) -> str:
+        s = self.session
+        if self.passed < len(self.at) and len(s.tokens) >= self.at[self.passed]:
+            self.passed += 1
+        want = (STREAM, HYBRID)[self.passed % 2]
+        self.mid_stream += want == HYBRID and s.generation is not None
+        return want
+
+
+def generate(address: str, cache: str, plan: bool = False, **fields):
+    session = EdgeSession(ClientConfig(server=address, max_new_tokens=N_NEW, cache_dir=cache, **PATIENT | fields))
+    forced = Plan(session) if plan else None
+    if forced is not None:
+        session.choose = forced
+    try:
+        return session.run(PROMPT), forced
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "stream", "auto"])
+def test_greedy_text_is_plain_greedys_in_every_mode(served, cache, mode):
+    result, _ = generate(served[0], cache, mode=mode)
+    s = result.stats
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    if mode == "stream":
+        assert s.rounds == 0 and s.stream_tokens == len(served[2]) - 1  # all but the open's first token
+        assert s.mode_switches == 1 and s.switch_bytes[0][0] > 0
+    if mode == "hybrid":
+        assert s.stream_tokens == 0 and s.rounds > 0 and s.mode_switches == 0
+
+
+@pytest.mark.parametrize("policy", ["keep", "rewind"])
+def test_switches_forced_on_events_change_no_token(served, cache, policy):
+    result, plan = generate(served[0], cache, plan=True, policy=policy)
+    s = result.stats
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    assert s.mode_switches == len(SWITCH_AT) + 1 and plan.mid_stream == (len(SWITCH_AT) + 1) // 2
+    assert s.stream_tokens > 0 and s.rounds > 0 and s.outages == 0 and s.resyncs == 0
+    assert len(s.switch_s) == len(s.switch_bytes) == s.mode_switches
+    assert all(up > 0 for up, _ in s.switch_bytes)  # every switch sends the text (Generate) or its tail (Resync)
+    catch_ups = s.switch_bytes[1::2]  # stream first, so every second switch is to the hybrid
+    assert all(down > 0 for _, down in catch_ups)  # the streamed tokens' KV delta
+
+
+def test_switches_with_a_round_in_flight_change_no_token(served, cache):
+    """Switches to streaming whenever a round is in flight (overlapping rounds, the default), until three happened."""
+    session = EdgeSession(ClientConfig(server=served[0], max_new_tokens=N_NEW, cache_dir=cache, **PATIENT))
+    seen = {"switched": 0}
+
+    def choose() -> str:
+        streaming = session.generation is not None
+        if streaming and session.stats.stream_tokens >= 4:
+            return HYBRID  # a few streamed tokens, then back
+        if not streaming and session._inflight is not None and seen["switched"] < 3 and session.stats.rounds:
+            seen["switched"] += 1
+            return STREAM
+        return STREAM if streaming else HYBRID
+
+    session.choose = choose
+    try:
+        result = session.run(PROMPT)
+    finally:
+        session.close()
+    assert seen["switched"] >= 1 and result.token_ids == served[2] and set(result.tags) == {"verified"}
+
+
+def test_a_sampled_run_switched_on_events_writes_its_whole_length(served, cache):
+    result, _ = generate(served[0], cache, plan=True, temperature=0.9, seed=3, ignore_eos=True)
+    assert len(result.token_ids) == N_NEW and set(result.tags) == {"verified"}
+    assert result.stats.stream_tokens > 0 and result.stats.rounds > 0
+
+
+class Outage:
+    """One outage struck on an event (`strike()`: a cut or a stall of the proxy in front of the server) and lifted
+    when the client next tries to resync having written MAX_OFFLINE tokens alone (or unable to write more); a stall
+    at its first try, which comes only once its call has timed out."""
+
+    def __init__(self, address: str, fault: str, **fields):
+        self.sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", int(address.rsplit(":", 1)[1])))
+        self.sim.start()
+        self.fault, self.struck, self.lifted, self.offline = fault, False, False, 0
+        self.session = EdgeSession(ClientConfig(server=self.sim.address, max_new_tokens=N_NEW, policy="rewind",
+                                                max_offline_tokens=MAX_OFFLINE, **FLAKY | fields))  # fmt: skip
+
+    def strike(self) -> None:
+        if not self.struck:
+            self.struck = True
+            self.sim.cut() if self.fault == "cut" else self.sim.stall()
+
+    def on_event(self, e: Event) -> None:
+        if e.kind == "tokens" and e.tag == "offline":
+            self.offline += len(e.tokens)
+        elif e.kind == "state" and e.state == State.RESYNCING and self.struck and not self.lifted:
+            if self.fault == "stall" or self.offline >= MAX_OFFLINE or self.session.done:
+                self.sim.restore()
+                self.lifted = True
+
+    def run(self, on_event=None):
+        """The generation, paired over a clean link first (the fault comes with generation)."""
+        try:
+            self.session.pair()
+            self.session.on_event = on_event or self.on_event
+            return self.session.run(PROMPT)
+        finally:
+            self.session.close()
+            self.sim.stop()
+
+
+@pytest.mark.parametrize("fault", ["cut", "stall"])
+def test_the_link_failing_mid_stream_writes_offline_and_ends_as_plain_greedy(served, cache, fault):
+    outage = Outage(served[0], fault, cache_dir=cache, mode="stream")
+    session, streamed_then = outage.session, []
+
+    def on_event(e: Event) -> None:
+        if e.kind == "tokens" and session.generation is not None and len(session.tokens) >= 12 and not outage.struck:
+            streamed_then.append(session.stats.stream_tokens + len(e.tokens))
+            outage.strike()
+        outage.on_event(e)
+
+    result = outage.run(on_event)
+    s = result.stats
+    assert outage.lifted and s.outages == 1 and s.resyncs >= 1 and s.offline_tokens > 0
+    assert s.stream_tokens > streamed_then[0]  # streamed before the outage and after it
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+
+
+@pytest.fixture(scope="module")
+def hooked(start_server):
+    """A server whose every answered Resync call runs the hooks in the list returned, after absorbing its piece and
+    before its reply leaves: (address, hooks)."""
+    hooks: list = []
+
+    def edit(service):
+        real = service.Resync
+
+        async def resync(request, context):
+            reply = await real(request, context)
+            for hook in hooks:
+                hook()
+            return reply
+
+        service.Resync = resync
+
+    return start_server(edit)[0], hooks
+
+
+def test_the_link_cut_inside_a_switchs_catch_up_is_an_outage_and_ends_as_plain_greedy(served, hooked, cache):
+    address, hooks = hooked
+    outage = Outage(address, "cut", cache_dir=cache)
+    outage.session.choose = Plan(outage.session, at=(10,))  # stream, then the hybrid from 10 tokens on
+    hooks.append(outage.strike)  # the reply to the catch-up's Resync is lost
+    try:
+        result = outage.run()
+    finally:
+        hooks.clear()
+    s = result.stats
+    assert outage.lifted and s.outages == 1 and s.offline_tokens > 0 and s.stream_tokens >= 9
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+
+
+@pytest.fixture(scope="module")
+def busy(start_server):
+    """A server that refuses every Generate for load (REASON_CAPACITY, with retry advice)."""
+
+    def full(service):
+        def refuse(prompt, sampling):
+            raise RequestError(pb.REASON_CAPACITY, "no room for another stream", retry_after_s=0.1)
+
+        service.engine.plain.check_generation = refuse
+
+    return start_server(full)[0]
+
+
+@pytest.mark.parametrize("mode", ["auto", "stream"])
+def test_a_stream_refused_for_load_drafts_here_instead(served, busy, cache, mode):
+    result, _ = generate(busy, cache, mode=mode)
+    s = result.stats
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    assert s.stream_tokens == 0 and s.rounds > 0 and s.outages == 0
