@@ -33,7 +33,7 @@ import torch
 from tether.server.kv_pool import KVPool
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier, target_states
 from tether.shared.contracts import SpeculativeDrafter, Target
-from tether.shared.logits_processing import SamplingControls
+from tether.shared.logits_processing import LogitsProcessing, SamplingControls
 from tether.shared.speculative import DraftTree, Verdict, through_stop
 
 __all__ = ["SpeculativeEngine", "EngineStats", "target_states"]
@@ -110,6 +110,25 @@ class SpeculativeEngine:
         finally:
             server.release()
 
+    def propose(self, root: int, room: int, left: int, controls: SamplingControls,
+                processing: LogitsProcessing | None, generator: torch.Generator | None) -> DraftTree:  # fmt: skip
+        """The next round's draft after `root`: `room` draft nodes fit after it in the cache, `left` tokens are still
+        wanted (the bonus counts, so a chain drafts at most left - 1); the drafter proposes from the sampling rule
+        `controls` with `processing` (the logit_bias and penalties of the position after the root), sampling from
+        `generator`. A chain of k (or an EAGLE-2 tree with `tree`), empty without a drafter or room. The drafter
+        must hold the verified states up to the root (begin, then commit after each round)."""
+        k = min(self.k, left - 1, room)
+        if self.drafter is not None and self.tree and room > 0:
+            depth, top_k, total = self.tree
+            return self.drafter.draft_tree(root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1),
+                                           processing=processing)  # fmt: skip
+        if self.drafter is not None and k > 0:
+            drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=controls.temperature, top_p=controls.top_p,
+                                                        support=self.support, generator=generator,
+                                                        min_p=controls.min_p, processing=processing)  # fmt: skip
+            return DraftTree.chain(root, drafts, q_ids, q_probs)
+        return DraftTree.chain(root, [])
+
     def _pool_for(self, capacity: int) -> KVPool | None:
         """On the "triton" backend the sequence lives in a paged pool, so its rounds run as the server's replayed
         steps do (tether.server.step); kept across calls, so the step graphs are captured once."""
@@ -142,21 +161,8 @@ class SpeculativeEngine:
                 root = new[-1]
                 yield new
                 continue
-            room = server.room - 1  # draft nodes that fit after the root
-            k = min(self.k, max_new_tokens - produced - 1, room)
             processing = controls.processing(context, len(prompt_ids), self.target.cfg.vocab_size)
-            if self.drafter is not None and self.tree and room > 0:
-                depth, top_k, total = self.tree
-                tree = self.drafter.draft_tree(root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1),
-                                               processing=processing)  # fmt: skip
-            elif self.drafter is not None and k > 0:
-                drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=controls.temperature,
-                                                            top_p=controls.top_p, support=self.support,
-                                                            generator=generator, min_p=controls.min_p,
-                                                            processing=processing)  # fmt: skip
-                tree = DraftTree.chain(root, drafts, q_ids, q_probs)
-            else:
-                tree = DraftTree.chain(root, [])
+            tree = self.propose(root, server.room - 1, max_new_tokens - produced, controls, processing, generator)
             verdict, delta = server.verify(tree)
             if self.drafter is not None:
                 self.drafter.commit(delta)

@@ -9,8 +9,10 @@ Contract:
   model_fingerprint=...)` assembles one from models already loaded (tests, benches).
 - The engine alone owns the serving state: the models, the client part (tensors, manifest, ONNX exports), ModelInfo,
   the paged KV pool, the session table (which alone creates and retires sessions), the batcher, the model threads,
-  the checks every request passes and plain decoding (`engine.plain`, tether.server.plain_decoding). Front ends
-  (tether.server.service for gRPC, tether.server.http_api for HTTP) are handlers over it.
+  the checks every request passes, plain decoding (`engine.plain`, tether.server.plain_decoding) and what Generate
+  and the HTTP API decode with (`engine.decoding`: plain decoding, or with `server_draft` the drafter's rounds made
+  on this server, tether.server.server_draft). Front ends (tether.server.service for gRPC, tether.server.http_api
+  for HTTP) are handlers over it.
 - `warm_up()` runs serve's kernel warm-up and step-graph captures (its cache state: "warm cache", "cold cache", "no
   kernel warm-up"); `settle()` takes start-up's heap out of the garbage collector's walks; `close()` ends its threads
   and, for a tensor-parallel target, its ranks (the process is stopping); `record_shapes()` keeps the step graphs it
@@ -46,7 +48,8 @@ from tether.server.model_loading import load_models, pick_device
 from tether.server.model_work import ModelWork
 from tether.server.plain_decoding import PlainDecoder
 from tether.server.pool_budget import resolve_kv_pool
-from tether.server.serve_config import ServeConfig, ServiceConfig, service_config
+from tether.server.serve_config import SERVER_DRAFT_NEEDS_DRAFTER, ServeConfig, ServiceConfig, service_config
+from tether.server.server_draft import ServerDraftDecoder
 from tether.server.sessions import Claim, Session, SessionTable, TableLimits
 from tether.server.tp_serve import TPTarget, join_rank0, shard, start_followers
 from tether.server.validation import Checks, check_id, invalid, requested_logprobs, sampling_controls
@@ -103,12 +106,14 @@ class Engine:
         chat_format: ChatFormat | None = None,
         kernel_dir: Path | None = None,
         round_graph_tokens: int = 0,
+        server_draft: int = 0,
     ):
         """`drafter` None serves without one (server-only decoding). `client_weights` and `pool` are for a
         tensor-parallel target (tether.server.tp_serve), whose own weights are sharded: the client part computed
         before sharding, and rank 0's mirrored pool shard. `export_dir` keeps the ONNX client part's exports across
         restarts (None: a temporary directory). `chat_format`: the model's chat template (None: the built-in one).
-        `kernel_dir` and `round_graph_tokens` are what `warm_up` compiles into and captures for."""
+        `kernel_dir` and `round_graph_tokens` are what `warm_up` compiles into and captures for. `server_draft` > 0:
+        Generate and the HTTP API draft that many tokens a round with `drafter` here (tether.server.server_draft)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.chat_format = chat_format or ChatFormat.builtin_for(tokenizer)
         self.config = c = config or ServiceConfig()
@@ -180,6 +185,15 @@ class Engine:
                                     on_batch=self.metrics.observe_batch)  # fmt: skip
         self.work = ModelWork(c.model_threads, c.max_model_calls_per_caller)
         self.plain = PlainDecoder(target, c, self.table, self.work, self.batcher, self.check, self.eos_ids)
+        # What Generate and the HTTP API decode with: the target alone, or with drafts made here (serve --server-draft).
+        self.decoding = self.plain
+        if server_draft:
+            if drafter is None:
+                raise ValueError(SERVER_DRAFT_NEEDS_DRAFTER)
+            self.decoding = ServerDraftDecoder(target, c, self.table, self.work, self.batcher, self.check,
+                                               self.eos_ids, drafter=drafter, k=server_draft)  # fmt: skip
+            log.info("server-draft on: Generate and the HTTP API draft %d tokens a round with the %s drafter here",
+                     server_draft, drafter.dcfg.kind, extra={"event": "server_draft", "k": server_draft})  # fmt: skip
         # An engine dropped without close() (an embedding program's, a test's) still ends its threads, and so frees
         # its KV pool; close() is the orderly way.
         # Not at interpreter exit, though: the threads are daemons then, and ending them midway aborts the process.
@@ -232,7 +246,8 @@ class Engine:
             extra["export_dir"] = Path(cfg.cache_dir).expanduser() / "onnx"
         chat = ChatFormat.from_model_dir(cfg.model, tokenizer)
         engine = cls(target, drafter, tokenizer, config, model_fingerprint=model_fp, chat_format=chat,
-                     kernel_dir=kernel_dir, round_graph_tokens=cfg.round_graph_tokens, **extra)  # fmt: skip
+                     kernel_dir=kernel_dir, round_graph_tokens=cfg.round_graph_tokens,
+                     server_draft=cfg.server_draft_k if cfg.server_draft else 0, **extra)  # fmt: skip
         engine._stop_ranks = stop_ranks
         return engine
 

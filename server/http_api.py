@@ -3,15 +3,15 @@
 Contract:
 - `EngineBackend(engine, model_id)` is tether.shared.openai_app's Backend over an Engine (tether.server.engine_core):
   a request's prompt and sampling (every control of tether.shared.openai_api.Sampling) go through the engine's own
-  checks and its server-only decoding (tether.server.plain_decoding, the Generate RPC's loop), so HTTP generations share
-  the paged KV pool, the model threads and the batcher with every gRPC Session and Generate stream, and are
-  batched with them. The engine's refusals map onto HTTP: REASON_INVALID_REQUEST 400 (its param the field at
-  fault), REASON_TOO_LONG 400 (context_length_exceeded), REASON_CAPACITY 503 with Retry-After. With
-  Sampling.logprobs each chunk carries its tokens' log-probabilities: the processed distribution each token was
-  drawn from (logit_bias and penalties applied, then temperature, top-k, top-p, min-p; greedy at temperature 1:
-  tether.shared.sampling.token_logprobs), vLLM's "processed_logprobs". `outstanding`
-  counts generations whose KV has not been given back yet; `wait_released(timeout)` waits until there are none
-  (tests, shutdown).
+  checks and its server-only decoding (engine.decoding, the Generate RPC's loop: tether.server.plain_decoding, or with
+  --server-draft tether.server.server_draft), so HTTP generations share the paged KV pool, the model threads and the
+  batcher with every gRPC Session and Generate stream, and are batched with them. The engine's refusals map onto HTTP:
+  REASON_INVALID_REQUEST 400 (its param the field at fault), REASON_TOO_LONG 400 (context_length_exceeded),
+  REASON_CAPACITY 503 with Retry-After. With Sampling.logprobs each chunk carries its tokens' log-probabilities: the
+  processed distribution each token was drawn from (logit_bias and penalties applied, then temperature, top-k, top-p,
+  min-p; greedy at temperature 1: tether.shared.sampling.token_logprobs), vLLM's "processed_logprobs". `outstanding`
+  counts generations whose KV has not been given back yet; `wait_released(timeout)` waits until there are none (tests,
+  shutdown).
 - `start_http(engine, model_id, config)` serves the API on the gRPC server's event loop
   (tether.server.rpc_server.event_loop: uvicorn runs there as a task, so one loop routes both protocols and the
   model work stays on the engine's threads) and returns the running server and its port; OSError, its message
@@ -70,7 +70,7 @@ class EngineBackend:
     drafts_offline = False  # the target decides every token
 
     def __init__(self, engine: Engine, model_id: str):
-        self.plain, self.model_id = engine.plain, model_id
+        self.decoding, self.model_id = engine.decoding, model_id
         self.chat = engine.chat_format
         self.max_context = engine.target.cfg.max_seq_len
         self.max_prompt_tokens = engine.config.max_prompt_tokens
@@ -81,15 +81,15 @@ class EngineBackend:
     async def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]:
         params = sampling_params(sampling)
         try:
-            ids = self.plain.check_generation(prompt, params)
+            ids = self.decoding.check_generation(prompt, params)
         except RequestError as e:
             raise api_error(e) from None
         with self._released:
             self.outstanding += 1
         # Decoding ends where the app's text does: at the stop tokens, and at end-of-text unless ignore_eos.
         reported = None if sampling.logprobs is None else []
-        chunks = self.plain.decode(ids, params, max_tokens, released=self._release,
-                                   stop_ids=self.plain.stop_ids(params), logprobs=reported,
+        chunks = self.decoding.decode(ids, params, max_tokens, released=self._release,
+                                   stop_ids=self.decoding.stop_ids(params), logprobs=reported,
                                    top_logprobs=sampling.logprobs or 0)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):

@@ -43,11 +43,54 @@ from tether.server.model_work import ModelWork
 from tether.server.sessions import SessionTable
 from tether.server.validation import Checks, invalid, sampling_controls
 from tether.server.verifier import DECODE_CHUNK, SequenceVerifier
+from tether.shared.contracts import ServerDrafter
 from tether.shared.sampling import TokenLogprobs
-from tether.shared.speculative import DraftTree, through_stop
+from tether.shared.speculative import DraftTree, Verdict, through_stop
 from tether.v1 import tether_pb2 as pb
 
 POOL_RETRY_S = 0.5  # retry advice when the KV pool is full and nothing idle can be evicted
+
+
+class PlainSteps:
+    """One generation's way to its next tokens, the target deciding alone: `first` prefills, `next` decodes a chunk,
+    alone (chained steps on a model thread) or as a round of the batcher beside every other stream's and Session's.
+    `work` is the job in flight (a model thread's or the batcher's), whose end the KV waits for. A subclass drafts
+    (tether.server.server_draft.DraftedSteps); its hooks run on a model thread (`open`, `alone`) or here, on the
+    event loop (`draft`, `emitted`)."""
+
+    def __init__(self, ver: SequenceVerifier, models: ModelWork, batcher: RoundBatcher):
+        self.ver, self.models, self.batcher = ver, models, batcher
+        self.work: concurrent.futures.Future | None = None  # the last job submitted for this generation
+
+    def open(self, prompt: list[int], stop: Callable[[], bool]) -> int:
+        """The prefill, on a model thread: the first token."""
+        return self.ver.open(prompt, stop)[0]
+
+    def alone(self, root: int, left: int) -> list[int]:
+        """The tokens after `root` while no other generation decodes, on a model thread: up to 16 chained steps."""
+        return self.ver.decode(root, min(left, DECODE_CHUNK, self.ver.room))
+
+    async def draft(self, root: int, left: int) -> DraftTree:
+        """The batcher round after `root`: no drafts, the target's next token alone."""
+        return DraftTree.chain(root, [])
+
+    def emitted(self, tree: DraftTree, verdict: Verdict, delta) -> list[int]:
+        """The tokens a batcher round decided."""
+        return verdict.emitted_tokens(tree)
+
+    async def first(self, prompt: list[int]) -> int:
+        self.work = self.models.submit(self.open, prompt, stoppable=True)
+        return await self.models.wait(self.work)
+
+    async def next(self, root: int, left: int, alone: bool) -> list[int]:
+        """The tokens after `root` (at most `left`, the caller cuts them there), on a model thread when `alone`."""
+        if alone:
+            self.work = self.models.submit(self.alone, root, left)
+            return await self.models.wait(self.work)
+        tree = await self.draft(root, left)
+        self.work, here = self.batcher.submit_here(self.ver, tree)
+        verdict, delta = await self.models.wait(self.work, None, here)
+        return self.emitted(tree, verdict, delta)
 
 
 class PlainDecoder:
@@ -59,6 +102,11 @@ class PlainDecoder:
                                                                                      batcher, check)  # fmt: skip
         self.eos_ids = eos_ids  # every end-of-text id of the model
         self.generating = 0  # server-only generations decoding now (event loop only: no lock)
+        self.server_part: ServerDrafter | None = None  # the drafter part the verifier makes deltas with (none here)
+
+    def steps(self, ver: SequenceVerifier, sampling: pb.SamplingParams) -> PlainSteps:
+        """How one generation over `ver` gets its tokens: the target alone."""
+        return PlainSteps(ver, self.work, self.batcher)
 
     def check_generation(self, prompt: Sequence[int], sampling: pb.SamplingParams) -> list[int]:
         """A server-only generation's prompt and sampling, checked before anything is allocated (Generate and the
@@ -88,8 +136,8 @@ class PlainDecoder:
         generator = torch.Generator().manual_seed(sampling.seed)
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)
-        ver = SequenceVerifier(self.target, None, capacity=cache.capacity, controls=sampling_controls(sampling),
-                               generator=generator, cache=cache,
+        ver = SequenceVerifier(self.target, self.server_part, capacity=cache.capacity,
+                               controls=sampling_controls(sampling), generator=generator, cache=cache,
                                logprobs=None if logprobs is None else top_logprobs)  # fmt: skip
 
         def reported(chunk: list[int]) -> list[int]:
@@ -104,29 +152,24 @@ class PlainDecoder:
             if released is not None:
                 released()
 
-        # A stream alone decodes 16 chained steps per replay; with others, each stream's next token is a round of the
-        # batcher, verified in one step with every other stream's and every Session's rounds.
+        # A stream alone decodes on a model thread (16 chained steps per replay); with others, each stream's next
+        # tokens are a round of the batcher, verified in one step with every other stream's and every Session's rounds.
         self.generating += 1
-        work: concurrent.futures.Future | None = None
+        steps = self.steps(ver, sampling)
         try:
-            work = self.work.submit(ver.open, prompt, stoppable=True)
-            token, _ = await self.work.wait(work)
+            token = await steps.first(prompt)
             yield reported([token])
             left = 0 if token in stop else n - 1
             while left > 0 and ver.room > 0:
-                if self.generating == 1:
-                    work = self.work.submit(ver.decode, token, min(left, DECODE_CHUNK, ver.room))
-                    chunk = await self.work.wait(work)
-                else:
-                    work, here = self.batcher.submit_here(ver, DraftTree.chain(token, []))
-                    chunk = [(await self.work.wait(work, None, here))[0].bonus]
-                chunk = through_stop(chunk, stop)  # the tokens decided after a stop token are dropped
+                chunk = await steps.next(token, left, alone=self.generating == 1)
+                chunk = through_stop(chunk, stop)[:left]  # the tokens decided after a stop token are dropped
                 token, left = chunk[-1], 0 if chunk[-1] in stop else left - len(chunk)
                 yield reported(chunk)
         except PoolExhausted:
             raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", POOL_RETRY_S) from None
         finally:
             self.generating -= 1
+            work = steps.work
             if work is None or work.done():
                 give_back()
             else:  # still running on a thread: the cache goes back when it is done with it

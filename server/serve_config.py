@@ -95,6 +95,9 @@ class ServeConfig:
     # Several engine processes on the device, each with a copy of the models, its share of the KV pool and sessions;
     # the front ends route each session's calls to the engine holding it (tether.server.engines). Needs frontends.
     engines: int = 1  # engine processes (the host work of one process bounds rounds/s before the GPU does)
+    # Speculative decoding entirely on the server (tether.server.server_draft): exact, as plain decoding is.
+    server_draft: bool = False  # Generate and the HTTP API draft with the drafter here and verify with the target
+    server_draft_k: int = 5  # with --server-draft: draft tokens per round
 
 
 # The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
@@ -113,6 +116,21 @@ WARM_FIELDS = (
     "model", "revision", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_pool_share", "kv_block_size",
     "prefill_chunk", "cache_dir", "round_graph_tokens", "log_format", "log_level",
 )  # fmt: skip
+
+
+SERVER_DRAFT_NEEDS_DRAFTER = "--server-draft drafts with the drafter on the server: give it one, not --drafter none"
+
+
+def check_server_draft(cfg: ServeConfig) -> None:
+    """--server-draft's combinations, refused before anything loads (ValueError)."""
+    if not cfg.server_draft:
+        return
+    if cfg.drafter == "none":
+        raise ValueError(SERVER_DRAFT_NEEDS_DRAFTER)
+    if cfg.server_draft_k < 1:
+        raise ValueError(f"--server-draft-k is at least 1 draft token a round, got {cfg.server_draft_k}")
+    if cfg.tp > 1:  # the drafter's TLI layers are the target's, which a tensor-parallel rank holds a shard of
+        raise ValueError("--server-draft runs with --tp 1 only: the drafter uses the target's layers unsharded")
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -136,6 +154,7 @@ def service_config(cfg: ServeConfig) -> ServiceConfig:
     ):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    check_server_draft(cfg)
     # Auto is the CPU's fixed default here: the engine sizes the pool from the device's free memory once the models
     # are loaded (pool_budget.resolve_kv_pool). Both flags are checked here, before anything loads.
     pool = resolve_kv_pool(cfg.kv_pool_mb, cfg.kv_pool_share, "cpu", engines=cfg.engines)

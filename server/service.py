@@ -23,8 +23,9 @@ Contract (the messages are in proto/tether/v1/tether.proto):
   disagreement and the next token. A session the server does not hold is rebuilt from the full history under a
   new id (the reply's session_id); without the history the answer is REASON_HISTORY_REQUIRED
   (tether.server.resync).
-- Close frees a session. Generate: plain server-side decoding streamed token by token (the baseline;
-  tether.server.plain_decoding, which the OpenAI-compatible HTTP API decodes through too).
+- Close frees a session. Generate: server-side decoding streamed token by token (the baseline;
+  tether.server.plain_decoding, which the OpenAI-compatible HTTP API decodes through too), or with `serve
+  --server-draft` speculative decoding with the drafter on the server (tether.server.server_draft), as exact.
 - Without a drafter (`serve --drafter none`) ModelInfo says `server_only`, and Session, Resync and FetchWeights
   of anything but the tokenizer answer REASON_NO_DRAFTER; Generate and the HTTP API work as ever, and a client
   fetches the tokenizer to encode its prompts and decode the stream.
@@ -343,17 +344,17 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         return reply
 
     async def Generate(self, request: pb.OpenSession, context) -> AsyncIterator[pb.GeneratedTokens]:
-        """Plain decoding on the server, streamed token by token (the baseline tether's drafting competes with)."""
+        """Server-only decoding, streamed: plain, or drafted here with --server-draft (engine.decoding)."""
         try:
             self.engine.check.fingerprint(request.model_fingerprint)
-            prompt = self.engine.plain.check_generation(request.prompt, request.sampling)
+            prompt = self.engine.decoding.check_generation(request.prompt, request.sampling)
         except RequestError as e:
             await self._abort(context, e, "generate")
         top = requested_logprobs(request.sampling)  # checked by check_generation
         reported = None if top is None else []
-        chunks = self.engine.plain.decode(prompt, request.sampling, request.max_new_tokens, logprobs=reported,
-                                         stop_ids=self.engine.plain.stop_ids(request.sampling),
-                                         top_logprobs=top or 0)  # fmt: skip
+        chunks = self.engine.decoding.decode(prompt, request.sampling, request.max_new_tokens, logprobs=reported,
+                                            stop_ids=self.engine.decoding.stop_ids(request.sampling),
+                                            top_logprobs=top or 0)  # fmt: skip
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

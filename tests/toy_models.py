@@ -22,3 +22,14 @@ def toy_model_dir(name: str = "target") -> Path:
 def toy_model_flags(drafter: str = "drafter") -> list[str]:
     """--model and --drafter naming the toy set, for a command line (serve, warm, generate, a bench program)."""
     return ["--model", str(toy_model_dir()), "--drafter", str(toy_model_dir(drafter))]
+
+
+def load_toy_pair():
+    """The toy target (on the CPU), its tokenizer, its MoA drafter and the target's fingerprint, as a server loads."""
+    from tether.server.model_loading import load
+    from tether.shared.checkpoint import fingerprint
+    from tether.shared.drafter import load_drafter
+
+    target, tok = load(toy_model_dir(), "cpu")
+    fp = fingerprint(toy_model_dir())
+    return target, tok, load_drafter(toy_model_dir("drafter"), target, target_fingerprint=fp), fp

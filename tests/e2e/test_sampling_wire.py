@@ -12,7 +12,7 @@
 
 import grpc
 import pytest
-import torch
+from chi_square import chi_square_p
 
 from tether.client.session import ClientConfig, EdgeSession
 from tether.v1 import tether_pb2 as pb
@@ -65,22 +65,6 @@ def server_samples(address: str, tok, fp: str, seeds: range, temperature: float,
                                  sampling=sampling)  # fmt: skip
             out.append([t for msg in stub.Generate(req, timeout=30.0) for t in msg.tokens])
     return out
-
-
-def chi_square_p(a: list[int], b: list[int]) -> float:
-    """Two-sample chi-square test of two samples of tokens: categories seen at least 10 times in both together
-    (5 expected per cell), the rest pooled; returns the p-value."""
-    pooled = {}
-    for t in a + b:
-        pooled[t] = pooled.get(t, 0) + 1
-    cats = sorted(t for t, c in pooled.items() if c >= 10)
-    counts = torch.tensor([[sum(x == c for x in s) for c in cats] + [sum(x not in cats for x in s)] for s in (a, b)],
-                          dtype=torch.float64)  # fmt: skip
-    counts = counts[:, counts.sum(0) > 0]
-    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
-    stat = ((counts - expected) ** 2 / expected).sum()
-    df = counts.shape[1] - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def test_hybrid_sampling_follows_the_servers_distribution(server, paired_once):

@@ -7,8 +7,6 @@ HTTP streams and a gRPC Generate stream batched together, and `serve --drafter n
 Nothing here waits on the clock: generations that must be in flight are held at a gate (an event) in the decoding
 loop, and every wait has a bound only as a safety net."""
 
-import asyncio
-import contextlib
 import json
 import socket
 import threading
@@ -17,19 +15,17 @@ import grpc
 import httpx
 import openai
 import pytest
+from held_decoding import Gate
 from sse import sse_events
-from toy_models import toy_model_dir
+from toy_models import load_toy_pair, toy_model_dir
 
 from tether.server.engine_core import Engine
 from tether.server.generate import GenerateConfig, generate_text
 from tether.server.http_api import start_http
-from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
-from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
 from tether.shared.openai_app import HttpConfig
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
@@ -44,9 +40,7 @@ BOUND_S = 120  # a safety net for waits that end on events, never a timing assum
 
 @pytest.fixture(scope="module")
 def api():
-    target, tok = load(toy_model_dir(), "cpu")
-    fp = fingerprint(toy_model_dir())
-    drafter = load_drafter(toy_model_dir("drafter"), target, target_fingerprint=fp)
+    target, tok, drafter, fp = load_toy_pair()
     chat = ChatFormat.from_model_dir(toy_model_dir(), tok)
     config = ServiceConfig(max_prompt_tokens=256, max_new_tokens=128, model_id=MODEL)
     service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fp, chat_format=chat))
@@ -67,48 +61,6 @@ def reference():
     """`tether-server generate --drafter none` (its function) for PROMPT: the text greedy HTTP must equal."""
     return generate_text(GenerateConfig(model=str(toy_model_dir()), prompt=PROMPT, drafter="none", max_new_tokens=48,
                                         device="cpu"))  # fmt: skip
-
-
-class Gate:
-    """Replaces service.engine.plain.decode: each generation yields its first chunk, then waits at the gate until `open`
-    (or until `count` generations have reached it), so the test knows they are in flight."""
-
-    def __init__(self, service, count: int = 0):
-        self.service, self.count = service, count
-        self.inner = service.engine.plain.decode
-        self.reached = threading.Semaphore(0)
-        self.waiting = 0
-        self.gate = asyncio.Event()
-
-    def open(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._open(), self.service_loop).result()
-
-    async def _open(self) -> None:
-        self.gate.set()
-
-    def __enter__(self):
-        from tether.server.rpc_server import event_loop
-
-        self.service_loop = event_loop()
-        self.service.engine.plain.decode = self.decode
-        return self
-
-    def __exit__(self, *exc):
-        del self.service.engine.plain.decode
-        self.open()
-
-    async def decode(self, *args, **kwargs):
-        async with contextlib.aclosing(self.inner(*args, **kwargs)) as chunks:
-            first = True
-            async for chunk in chunks:
-                yield chunk
-                if first:
-                    first = False
-                    self.waiting += 1
-                    if self.count and self.waiting >= self.count:
-                        self.gate.set()
-                    self.reached.release()
-                    await self.gate.wait()
 
 
 # ---------------------------------------------------------------------------------------------- basics
@@ -309,7 +261,7 @@ def test_a_streaming_client_that_goes_away_frees_its_generation(api):
     service, backend = api["service"], api["backend"]
     held = service.engine.pool.used_blocks
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0, "stream": True}
-    with Gate(service) as gate:
+    with Gate(service.engine) as gate:
         with httpx.stream("POST", api["url"] + "/v1/completions", json=body, timeout=BOUND_S) as r:
             assert r.status_code == 200
             assert gate.reached.acquire(timeout=BOUND_S)  # the generation is in flight, held at the gate
@@ -324,7 +276,7 @@ def test_a_waiting_client_that_goes_away_frees_its_generation(api):
     held = service.engine.pool.used_blocks
     host, port = api["url"].removeprefix("http://").split(":")
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 120}).encode()
-    with Gate(service) as gate:
+    with Gate(service.engine) as gate:
         sock = socket.create_connection((host, int(port)), timeout=BOUND_S)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
@@ -355,7 +307,7 @@ def test_http_streams_and_a_grpc_generate_stream_at_once(api):
     def grpc_call() -> None:
         results["grpc"] = [t for m in stub.Generate(request) for t in m.tokens]
 
-    with Gate(service, count=4):
+    with Gate(service.engine, count=4):
         threads = [threading.Thread(target=http, args=(i,)) for i in range(3)] + [threading.Thread(target=grpc_call)]
         for t in threads:
             t.start()
