@@ -18,6 +18,8 @@ Contract (`PlainDecoder`, owned by the engine, tether.server.engine_core):
   when the step in flight on a model thread ends (work not yet started is dropped: tether.server.model_work);
   `released` is called then. A full pool raises RequestError(REASON_CAPACITY) with retry advice, and so does a
   caller over its share of the model threads' queue.
+- `steps(ver, sampling)`: how one generation gets its tokens (PlainSteps: the target alone); server-side speculation
+  (tether.server.server_draft) is this class with steps that draft, everything else the same.
 - `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
   stream runs to its length) and the request's stop_token_ids. The Generate RPC (tether.server.service) streams
   `decode`'s chunks as GeneratedTokens, with their log-probabilities when asked.
