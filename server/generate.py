@@ -3,8 +3,9 @@
 Contract: `generate_text(GenerateConfig, on_text)` loads a model directory (config.json, model.safetensors,
 tokenizer.json) and, unless `drafter` is "none", a drafter directory trained for that exact target (checked by
 fingerprint), as the engine serve builds (tether.server.engine_core: its kernels warmed up into `cache_dir`, its paged
-pool, its step graphs). It decodes through tether.server.engine over that pool and calls `on_text` with each newly
-completed piece of text as it is produced (UTF-8 safe: a character split across tokens is emitted once whole), and
+pool, its step graphs, whose shapes are recorded there too, so a second run captures them before it decodes). It
+decodes through tether.server.engine over that pool and calls `on_text` with each newly completed piece of text as it
+is produced (UTF-8 safe: a character split across tokens is emitted once whole), and
 `on_start` once, when the models are loaded and the prompt accepted, just before decoding (the CLI echoes the prompt
 there, so a failure never follows it). Returns a summary dict: text, token_ids, rounds, tau, new_tokens, wall_s,
 tokens_per_s, and time to first token two ways: `ttft_s` from the start of decoding (the models ready) and
@@ -85,7 +86,11 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
     engine = Engine.build(serve_cfg)
     try:
         engine.warm_up()
-        return _generate(cfg, engine, controls, on_text, on_start, started)
+        result = _generate(cfg, engine, controls, on_text, on_start, started)
+        # As serve does when it stops: the next run's warm-up captures this run's step graphs (decode chains and
+        # verify rounds at each table width) before it decodes, where this run captured each on first use.
+        engine.record_shapes()
+        return result
     finally:
         engine.close()
 

@@ -50,3 +50,17 @@ def test_a_control_out_of_range_is_one_line_naming_the_flag(clean_env, capsys, f
     assert main([*ARGS[:-1], *flags]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and name in err
+
+
+def test_generate_records_its_step_graphs_for_the_next_run(clean_env, capsys, tmp_path):
+    """As serve does when it stops: a generation that ends keeps its step graphs' shapes (Engine.record_shapes), so
+    the next run's warm-up captures them before it decodes (on a GPU; a CPU engine records none)."""
+    from tether.server.engine_core import Engine
+
+    recorded = []
+    clean_env.setattr(Engine, "record_shapes", lambda self: recorded.append(self.target.cfg.vocab_size))
+    run(capsys, "--cache-dir", str(tmp_path / "cache"))
+    assert len(recorded) == 1
+    assert main([*ARGS, "--min-p", "2"]) == 2  # refused before anything loads: nothing to record
+    capsys.readouterr()
+    assert len(recorded) == 1
