@@ -1,14 +1,17 @@
-"""Pure-PyTorch references for the MoDA ops (tether.kernels.moda): spelt-out definitions in fp32, slow and obvious,
-the tests' oracles. Never use them for real work.
+"""Pure-PyTorch references for the MoDA ops (tether.kernels.moda) in fp32, slow and obvious: the tests' oracles.
+Never use them for real work.
+
+One MoDA definition: both call tether.shared.attention.moda_attention_reference (what the model's "reference"
+backend runs, and what tests/shared/test_model.py holds to the definition spelt out, moda_attention_bruteforce),
+and add only the calling conventions of their kernels.
 
 - `moda_attention_naive(q, k, v, depth_k, depth_v, causal=True, scale=None, cu_seqlens=None)`: the reference for
   `moda_attention` (prefill.py), same arguments; returns q's dtype.
 - `moda_verify_naive(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask=None)`: the
   reference for the paged `moda_verify` (verify.py), same arguments and conventions (cache_lens counts the new
   tokens, whose K/V are already in the cache). Each row's cache is gathered through its block table into a
-  contiguous [1, cache_len, Hkv, D] prefix and handed, with the row's first q_len queries, to
-  tether.shared.attention's reference in fp32, one Python step per row. Returns fp32 [B, Kmax, Hq, D]; padded
-  query rows (i >= q_lens[b]) are zero.
+  contiguous [1, cache_len, Hkv, D] prefix and handed, with the row's first q_len queries, to the shared
+  reference, one Python step per row. Returns fp32 [B, Kmax, Hq, D]; padded query rows (i >= q_lens[b]) are zero.
 
     o = moda_verify_naive(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask=mask)
 """
@@ -32,7 +35,9 @@ def moda_attention_naive(
     scale: float | None = None,
     cu_seqlens: Tensor | None = None,
 ) -> Tensor:
-    """MoDA attention, the reference for tether.kernels.moda.moda_attention (same arguments).
+    """MoDA attention, the reference for tether.kernels.moda.moda_attention (same arguments): the shared reference
+    in fp32, with what it does not take spelt out here (causal=False as a mask over all Tk keys; a packed batch
+    one sequence at a time).
 
     q [B, T, Hq, D]; k, v [B, Tk, Hkv, D] (Tk >= T: the first Tk - T rows are a prefix every query sees);
     depth_k, depth_v [B, T, L, Hkv, D] or None. Query t of a sequence takes one softmax over the sequence keys
@@ -52,26 +57,15 @@ def moda_attention_naive(
             out[:, part] = moda_attention_naive(q[:, part], k[:, part], v[:, part], dk, dv, causal=causal, scale=scale)
         return out
 
-    B, T, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    scale = D**-0.5 if scale is None else scale
-    qf = q.float().transpose(1, 2)  # [B, Hq, T, D]
-    kf = k.float().repeat_interleave(G, dim=2).transpose(1, 2)  # [B, Hq, Tk, D]
-    vf = v.float().repeat_interleave(G, dim=2).transpose(1, 2)
-    s = qf @ kf.transpose(-1, -2) * scale  # [B, Hq, T, Tk]
-    if causal:
-        visible = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
-        s = s.masked_fill(~visible, float("-inf"))
-    L = 0 if depth_k is None else depth_k.shape[2]
-    if L == 0:
-        return (s.softmax(-1) @ vf).transpose(1, 2).to(q.dtype)
-    dkf = depth_k.float().repeat_interleave(G, dim=3).permute(0, 3, 1, 2, 4)  # [B, Hq, T, L, D]
-    dvf = depth_v.float().repeat_interleave(G, dim=3).permute(0, 3, 1, 2, 4)
-    s_depth = torch.einsum("bhtd,bhtld->bhtl", qf, dkf) * scale  # [B, Hq, T, L]: own position only
-    p = torch.cat([s, s_depth], dim=-1).softmax(-1)
-    o = p[..., :Tk] @ vf + torch.einsum("bhtl,bhtld->bhtd", p[..., Tk:], dvf)  # [B, Hq, T, D]
-    return o.transpose(1, 2).to(q.dtype)
+    T, Tk = q.shape[1], k.shape[1]
+    everything = None if causal else torch.ones(T, Tk, dtype=torch.bool, device=q.device)  # [T, Tk]: no mask at all
+    dk, dv = _fp32(depth_k), _fp32(depth_v)
+    o = moda_attention_reference(q.float(), k.float(), v.float(), dk, dv, scale=scale, tree_mask=everything)
+    return o.to(q.dtype)
+
+
+def _fp32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float()
 
 
 def gather_paged(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
@@ -96,7 +90,8 @@ def moda_verify_naive(
     tree_mask: Tensor | None = None,  # [B, Kmax, Kmax] or [Kmax, Kmax] bool; None: causal
     scale: float | None = None,
 ) -> Tensor:
-    B, _, Hq, D = q.shape
+    """The paged verify's reference (module docstring): fp32 [B, Kmax, Hq, D], zero past each row's q_len."""
+    B = q.shape[0]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lens, qlens = cache_lens.tolist(), q_lens.tolist()
     has_depth = depth_k is not None and depth_k.shape[2] > 0

@@ -165,11 +165,20 @@ def test_prefix_and_non_causal():
     assert rel_rms(run_op(q, k, v, dk, dv, causal=False), ref_full) < TOL
 
 
-def test_naive_matches_shared_reference():
-    """The two references agree: kernels/naive.py and tether.shared.attention (prefix included)."""
+def test_naive_is_the_definition():
+    """kernels/moda/naive.py is tether.shared.attention's reference (the one MoDA reference, which tests/shared holds
+    to the definition spelt out); what it adds, no causal mask and packed sequences, is held to that definition
+    here: moda_attention_bruteforce over all the keys, and over each packed sequence alone."""
+    brute = attention.moda_attention_bruteforce
     q, k, v, dk, dv = inputs(2, 19, 6, 2, 16, 4, torch.float32, Tk=30, seed=4)
-    ref = moda_attention_reference(q, k, v, dk, dv, scale=0.2)
-    assert rel_rms(moda_attention_naive(q, k, v, dk, dv, scale=0.2), ref) < 1e-5
+    assert rel_rms(moda_attention_naive(q, k, v, dk, dv, scale=0.2), brute(q, k, v, dk, dv, scale=0.2)) < 1e-5
+    everything = torch.ones(19, 30, dtype=torch.bool, device=DEVICE)
+    full = moda_attention_naive(q, k, v, dk, dv, scale=0.2, causal=False)
+    assert rel_rms(full, brute(q, k, v, dk, dv, scale=0.2, tree_mask=everything)) < 1e-5
+    q, k, v, dk, dv = inputs(1, 23, 4, 2, 16, 3, torch.float32, seed=8)
+    packed = moda_attention_naive(q, k, v, dk, dv, cu_seqlens=torch.tensor([0, 9, 23], dtype=torch.int32))
+    for a, b in ((0, 9), (9, 23)):
+        assert rel_rms(packed[:, a:b], brute(*(t[:, a:b] for t in (q, k, v, dk, dv)))) < 1e-5
 
 
 @pytest.mark.parametrize("prefix", [0, 9], ids=["prefill", "cached_prefix"])
