@@ -207,6 +207,8 @@ class Rig:
         base |= {name: getattr(a, name) for name in CLIENT_INTS if name in have and getattr(a, name)}
         # Exactly --new-tokens: the server's Generate streams past end-of-text only when told (SamplingParams).
         base |= {"ignore_eos": True} if "ignore_eos" in have else {}
+        # The hybrid column drafts here throughout; the client's default (auto) may stream instead.
+        base |= {"mode": "hybrid"} if "mode" in have else {}
         return ClientConfig(**{**base, **kw})
 
     def shape(self, rtt_ms: float, mbps: float) -> None:

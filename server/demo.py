@@ -300,10 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory() as cache:
             # Each drop a fifth of the text in: the cut after it, the cut's offline text, the stall after the resync.
+            # The pane shows drafting here (mode hybrid), not auto's streaming from the server.
             fifth = max(1, args.max_new_tokens // 5)
             cfg = ClientConfig(server=sim.address, max_new_tokens=args.max_new_tokens, policy=args.policy,
                                cache_dir=cache, round_timeout_s=1.0, backoff_initial_s=0.1, backoff_max_s=0.5,
-                               pace_tokens_per_s=args.pace, max_offline_tokens=fifth)  # fmt: skip
+                               pace_tokens_per_s=args.pace, max_offline_tokens=fifth,
+                               mode="hybrid")  # fmt: skip
             session = EdgeSession(cfg)
             try:
                 t0 = time.monotonic()

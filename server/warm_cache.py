@@ -3,7 +3,7 @@
 Purpose: `serve` compiles and autotunes its Triton kernels at every start (tether.server.batcher.warm_up): for the
 default models on an H200, 34 s in bfloat16 and 95 s in float32 when nothing is cached, 2 s when everything is.
 Triton keeps compiled kernels, their C launchers and (with `cache_results=True` on the autotuner, as
-kernels/moda_prefill.py sets) autotuning results in one on-disk cache, by default under $HOME/.triton, which a
+kernels/utils.py's AUTOTUNE_CACHE sets) autotuning results in one on-disk cache, by default under $HOME/.triton, which a
 container loses at every restart. Pointing that cache at a persistent directory makes every start after the first
 a warm one.
 
