@@ -14,6 +14,12 @@ JSON line.
 
     python bench/invariance.py --device cuda --sessions 128 --new-tokens 200               # the default models
     python bench/invariance.py --device cuda --attention reference                          # cuBLAS + PyTorch attention
+    python bench/invariance.py --device cuda --preset llama3-8b --drafter none --new-tokens 64   # 8B shapes
+
+`--preset NAME` verifies a target of that preset's shapes with random weights (seeded; `--layers` keeps fewer of its
+layers) instead of `--model`; the prompts are still the held-out texts in `--model`'s tokenizer (their ids are any
+ids of the larger vocabulary). Random weights make logits close together, so the argmax is quick to flip: a strict
+check of batch invariance at a user's shapes, not a quality figure.
     TRITON_INTERPRET=1 python bench/invariance.py --device cpu --attention triton --sessions 3 --new-tokens 8
 
 Tested by tests/server/test_bench_invariance.py.
@@ -22,6 +28,7 @@ Tested by tests/server/test_bench_invariance.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -33,11 +40,14 @@ from rich.table import Table
 
 from tether.server import rounds
 from tether.server.kv_pool import KVPool
-from tether.server.model_loading import default_model_dir, load
+from tether.server.model_loading import DTYPES, attention_backend, default_model_dir, load
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
+from tether.shared.config import preset
 from tether.shared.drafter import load_drafter
+from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
+from tether.shared.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,6 +89,28 @@ def generate(target, drafter, pool: KVPool, prompts: list[list[int]], new_tokens
             s.release()
 
 
+def random_target(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
+    """A `--preset` target with seeded random weights, on the backend `load` would pick (fused on "triton"), and the
+    tokenizer of `--model` for the prompts."""
+    cfg = preset(args.preset)
+    cfg = dataclasses.replace(cfg, n_layers=args.layers or cfg.n_layers,
+                              max_seq_len=max(cfg.max_seq_len, 4096))  # fmt: skip
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = Transformer(cfg).to(dtype).eval()
+    model.backend = attention_backend(args.device, args.attention)
+    if model.backend == "triton":
+        from tether.server.fuse import fuse  # imports the kernels: only where they run
+
+        fuse(model)
+    tok = Tokenizer.from_pretrained(args.model)
+    if tok.vocab_size > cfg.vocab_size:
+        raise SystemExit(f"--preset {args.preset}'s vocabulary ({cfg.vocab_size}) is smaller than the prompts' "
+                         f"tokenizer's ({tok.vocab_size})")  # fmt: skip
+    return model, tok
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(default_model_dir()))
@@ -91,9 +123,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="", help="bfloat16 on CUDA, float32 elsewhere")
     ap.add_argument("--attention", default="auto", help="auto: as serve (Triton, fused, on CUDA); reference")
     ap.add_argument("--kv-pool-mb", type=int, default=2048)
+    ap.add_argument("--preset", default="", help="random weights of these shapes (takes --drafter none)")
+    ap.add_argument("--layers", type=int, default=0, help="with --preset: keep this many layers (0: all)")
     args = ap.parse_args(argv)
+    if args.preset and args.drafter != "none":
+        ap.error("--preset takes --drafter none: a drafter is trained for one target")
 
-    target, tok = load(args.model, args.device, args.dtype, args.attention)
+    target, tok = random_target(args) if args.preset else load(args.model, args.device, args.dtype, args.attention)
     drafter = None if args.drafter == "none" else load_drafter(args.drafter, target,
                                                                 target_fingerprint=fingerprint(args.model))  # fmt: skip
     texts = [json.loads(line)["text"] for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -115,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             parted.append(first)
     result = {
         "bench": "invariance",
-        "model": args.model,
+        "model": f"{args.preset} (random weights, {target.cfg.n_layers} layers)" if args.preset else args.model,
         "attention": target.backend,
         "dtype": str(dtype).removeprefix("torch."),
         "sessions": args.sessions,

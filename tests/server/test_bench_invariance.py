@@ -36,3 +36,15 @@ def test_sessions_together_write_what_they_write_alone(tmp_path, capsys):
     assert record["differ"] == 0 and record["first_difference"] is None
     # Five sessions in lockstep share their steps: fewer steps than the four prompts took one by one.
     assert record["steps_together"] < record["steps_alone"]
+
+
+def test_a_random_target_of_a_presets_shapes_is_invariant_too(tmp_path, capsys):
+    save_tiny_pairs(tmp_path, vocab_size=300, max_files=12)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n"
+                                                    for i, t in enumerate(["def f(x):", "import sys\n"])))  # fmt: skip
+    record = load_bench("invariance").main([
+        "--model", str(tmp_path / "target"), "--drafter", "none", "--preset", "tiny", "--layers", "2",
+        "--prompts", str(tmp_path / "prompts.jsonl"), "--sessions", "3", "--new-tokens", "6", "--k", "2",
+        "--device", "cpu", "--attention", "triton", "--kv-pool-mb", "4"])  # fmt: skip
+    assert record["model"] == "tiny (random weights, 2 layers)" and record["attention"] == "triton"
+    assert record["differ"] == 0 and record["steps_together"] < record["steps_alone"]
