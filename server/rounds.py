@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from tether.server.compute_meter import MODEL_COMPUTE
+from tether.server.device_wait import copies, host_copy, sleep_until_done
 from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
@@ -272,13 +273,10 @@ def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, li
 
 
 def _to_host(tensors: dict[str, Tensor], *, sync: bool) -> dict[str, Tensor]:
-    """Copies in pinned host memory (CUDA), enqueued on the current stream; `sync` waits for them."""
-    pin = any(t.is_cuda for t in tensors.values())
-    staged = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for k, t in tensors.items()}
-    for k, t in tensors.items():
-        staged[k].copy_(t, non_blocking=pin)
-    if pin and sync:
-        torch.cuda.current_stream().synchronize()
+    """Copies in pinned host memory (CUDA), enqueued on the current stream; `sync` waits for them (asleep)."""
+    staged = copies(tensors)
+    if sync:
+        sleep_until_done()
     return staged
 
 
@@ -352,7 +350,7 @@ def _verify_rows(target: Target, items: list[tuple[SequenceVerifier, DraftTree]]
             if host and len(drafters) == 1:
                 runner = caches[0].pool.runner_for(target)
                 early = every_token_delta(out, next(iter(drafters.values())), len(items), runner)
-            verdicts = unpack_verdicts(trees, greedy.cpu())  # the one wait: the deltas' copies came before it
+            verdicts = unpack_verdicts(trees, host_copy(greedy))  # the one wait: the deltas' copies came before it
         else:
             verdicts = verify_rows(trees, out.logits[: len(items)], [c.temperature for c in controls],
                                    [c.top_p for c in controls], [ver.generator for ver, _ in items],

@@ -25,7 +25,7 @@ Contract:
     runner = StepRunner(target, pool)
     with runner.lock:
         step = runner.forward(batch, states=True)
-        verdicts = unpack_verdicts(trees, step.greedy.cpu())  # greedy rows; sampled ones: verify_rows
+        verdicts = unpack_verdicts(trees, host_copy(step.greedy))  # greedy rows; sampled ones: verify_rows
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tether.server.device_wait import host_copy
 from tether.server.kv_pool import KVPool, PagedKernelView
 from tether.shared.acceptance import greedy_packed
 from tether.shared.drafter import POSITION_AXIS, TargetStates
@@ -146,7 +147,7 @@ class _Graph:
         self.meta.copy_(self.host_meta, non_blocking=True)
         self.mask.copy_(self.host_mask, non_blocking=True)
         if self.meta.is_cuda:
-            self.copied = torch.cuda.Event()
+            self.copied = torch.cuda.Event(blocking=True)  # its synchronize sleeps (tether.server.device_wait)
             self.copied.record()
 
     def run(self, runner: StepRunner) -> StepOutput:
@@ -224,7 +225,7 @@ class _DecodeGraph:
         meta[2 : 2 + len(blocks)] = blocks
         self.meta.copy_(self.host_meta, non_blocking=True)
         if self.meta.is_cuda:
-            self.copied = torch.cuda.Event()
+            self.copied = torch.cuda.Event(blocking=True)  # its synchronize sleeps (tether.server.device_wait)
             self.copied.record()
 
     def run(self, runner: StepRunner) -> Tensor:
@@ -380,7 +381,7 @@ class StepRunner:
             bucket = DecodeBucket(steps, self._width(len(cache.blocks)))
             g = self._decode.get(bucket) or self._decode.setdefault(bucket, _DecodeGraph(self, bucket))
             g.stage(token, cache.length, cache.blocks)
-            tokens = self._replay(g).tolist()
+            tokens = host_copy(self._replay(g)).tolist()
         cache.commit(steps)
         return tokens
 
