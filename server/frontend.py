@@ -6,8 +6,10 @@ process listing), binds the address with SO_REUSEPORT beside the other front end
 over them), and says HELLO with the port it bound. From then on each tether.v1.Tether call is authenticated and
 counted here (tether.server.auth, with this front end's share of the call limits) and carried to the engine as
 frames (tether.server.frontend_wire): the request messages as the client sent them, the replies as the engine
-made them, an abort with its status, details and trailing metadata (the typed reason) as the engine raised it.
-grpc.health.v1 (what it says of the engines: tether.server.engine_health) and reflection are answered here.
+made them, an abort with its status, details and trailing metadata (the typed reason) as the engine raised it. A
+round's verdict comes with its KV delta unencoded and is encoded here into the reply the engine would have sent
+(frontend_wire's VERDICT), which takes the delta's encoding off the engine's GIL. grpc.health.v1 (what it says of
+the engines: tether.server.engine_health) and reflection are answered here.
 
 With several engines (`serve --engines E`) it links to each engine's socket (`--engine` once per engine, the
 serving process's first) and routes every call (class Router): a Session stream that attaches, a Resync and a Close
@@ -51,14 +53,18 @@ from tether.server.frontend_wire import (
     Framer,
     Kind,
     Outbox,
+    VerdictFrame,
+    count,
     credit,
     dump,
     load,
     load_metadata,
     read_credit,
+    verdict_message,
 )
 from tether.server.logs import configure_logging
 from tether.server.rpc_server import HEALTH_NAME, SERVICE_NAME, TLSFiles, channel_options
+from tether.shared import wire
 from tether.shared.ids import engine_of
 from tether.v1 import tether_pb2 as pb
 
@@ -87,6 +93,8 @@ class Call:
         elif kind == Kind.ABORT:
             self.ended = True
             self.replies.put_nowait(load(payload))
+        elif kind == Kind.VERDICT:
+            self.replies.put_nowait(VerdictFrame(payload))
         elif kind == Kind.CREDIT:
             self.send_credit.add(read_credit(payload))
         else:
@@ -109,6 +117,13 @@ class Call:
         if isinstance(item, dict):
             code = STATUS.get(item.get("code"), grpc.StatusCode.UNKNOWN)
             await context.abort(code, str(item.get("details", "")), load_metadata(item.get("metadata", [])))
+        if isinstance(item, VerdictFrame):
+            try:
+                item, delta_bytes = verdict_message(item.payload, max_nbytes=self.link.max_message_bytes)
+            except FrameError as e:  # the engine's bug: this call fails, the others go on
+                log.error("call %d: %s", self.id, e)
+                await context.abort(grpc.StatusCode.INTERNAL, "the server could not encode a round's reply")
+            self.link.count_delta_bytes(delta_bytes)
         n = self.consumed.one()
         if n:
             self.link.outbox.send(self.id, Kind.CREDIT, credit(n))
@@ -136,6 +151,20 @@ class EngineLink(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.alive = True  # False once the engine's socket closed: nothing more is routed here
         self.on_lost: Callable[[], None] | None = None  # told when the socket closes (tether.server.engine_health)
+        self.max_message_bytes = wire.DEFAULT_MAX_NBYTES  # bounds a verdict's delta: the engine's limit, from CONFIG
+        self.delta_bytes = 0  # encoded here since the last DELTA_BYTES frame
+
+    def count_delta_bytes(self, n: int) -> None:
+        """Tell the engine, once per event-loop iteration, how many delta bytes this front end encoded (its
+        kv_delta metric counts them as if it had)."""
+        if not self.delta_bytes:
+            self.loop.call_soon(self._report_delta_bytes)
+        self.delta_bytes += n
+
+    def _report_delta_bytes(self) -> None:
+        n, self.delta_bytes = self.delta_bytes, 0
+        if n and not self.transport.is_closing():
+            self.outbox.send(0, Kind.DELTA_BYTES, count(n))
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -312,6 +341,7 @@ async def run(engine_sockets: list[str]) -> int:
     cfg = await link.config
     for each in links:
         each.framer.max_frame = max(each.framer.max_frame, cfg["max_message_bytes"] + 4096)
+        each.max_message_bytes = cfg["max_message_bytes"]
     configure_logging(cfg.get("log_format", "text"), cfg.get("log_level", "warning"))
     auth = AuthInterceptor(frozenset(cfg["api_keys"]), max_calls_per_key=cfg["max_calls_per_key"],
                            max_streams=cfg["max_streams"])  # fmt: skip

@@ -44,16 +44,19 @@ from tether.server.auth import CALLER, PEER
 from tether.server.frontend_wire import (
     MAX_FRAME,
     METHODS,
+    VERDICT_FRAMES,
     Consumed,
     Credit,
     FrameError,
     Framer,
     Kind,
     Outbox,
+    VerdictFrame,
     credit,
     dump,
     dump_metadata,
     load,
+    read_count,
     read_credit,
 )
 from tether.server.rpc_server import Servable, TLSFiles, event_loop
@@ -104,13 +107,17 @@ class EngineCall:
 
     async def _reply(self, message) -> None:
         await self.reply_credit.take()
-        self.conn.outbox.send(self.id, Kind.REPLY, message.SerializeToString())
+        if isinstance(message, VerdictFrame):  # a round's reply: the front end encodes its delta
+            self.conn.outbox.send(self.id, Kind.VERDICT, message.payload)
+        else:
+            self.conn.outbox.send(self.id, Kind.REPLY, message.SerializeToString())
 
     async def run(self, service: Servable) -> None:
         send = self.conn.outbox.send
         try:
             CALLER.set(self.caller)
             PEER.set(self.peer)
+            VERDICT_FRAMES.set(True)
             if self.method not in METHODS:
                 raise Aborted(grpc.StatusCode.UNIMPLEMENTED, f"no method {self.method}", ())
             cls, m = MESSAGES[self.method]
@@ -169,9 +176,12 @@ class FrontendConnection(asyncio.Protocol):
 
     def _frame(self, call_id: int, kind: Kind, payload: bytes) -> None:
         if call_id == 0:
-            if kind != Kind.HELLO:
+            if kind == Kind.DELTA_BYTES:
+                self.host.service.delta_bytes_sent(read_count(payload))
+            elif kind == Kind.HELLO:
+                self.host.hello(self, load(payload))
+            else:
                 raise FrameError(f"unexpected {kind.name} on the link")
-            self.host.hello(self, load(payload))
             return
         if kind == Kind.CALL:
             if call_id in self.calls:

@@ -2,8 +2,11 @@
 
 The front ends terminate gRPC (HTTP/2, TLS, authentication, call limits) and pass each tether.v1.Tether call to
 the engine, which owns the models, the sessions and the batcher, over one Unix socket per front end. A call's
-request and reply messages cross as the protobuf bytes the client sent and the engine made: a front end parses
-nothing, the engine never touches HTTP/2 (docs/ARCHITECTURE.md, section 6).
+request and reply messages cross as the protobuf bytes the client sent and the engine made, with one exception: a
+round's verdict crosses with its KV delta's bfloat16 bits unencoded (VERDICT), and the front end encodes the delta
+and builds the reply, the very bytes the engine would have sent (`verdict_message`). Encoding a delta (byte planes
+and zstd) was most of a reply's cost, on the engine's batcher thread, whose serial work with the event loop's holds
+one GIL for every round the engine verifies. The engine never touches HTTP/2 (docs/ARCHITECTURE.md, section 6).
 
 A frame is a 9-byte header, `call` (u32), `kind` (u8), `size` (u32), then `size` bytes. Call 0 is the link itself:
 
@@ -17,9 +20,11 @@ A frame is a 9-byte header, `call` (u32), `kind` (u8), `size` (u32), then `size`
 | HALF_CLOSE | front end -> engine | empty: the client sent its last request |
 | CANCEL | front end -> engine | empty: the client went away; the engine cancels the handler |
 | REPLY | engine -> front end | one reply message |
+| VERDICT | engine -> front end | one round's reply, its delta unencoded (`verdict_frame`): a reply message |
 | END | engine -> front end | empty: the handler finished, status OK |
 | ABORT | engine -> front end | JSON: status code, details, trailing metadata (binary values in base64) |
 | CREDIT | both ways | u32: that many more messages of the call may be sent |
+| DELTA_BYTES | front end -> engine, call 0 | u64: bytes of KV deltas it encoded since the last (the engine's metric) |
 
 Flow control: a side sends at most `WINDOW` messages of a call ahead of the other side's CREDIT, which is given back
 in halves as messages are consumed (a reply sent on to the client, a request read by the handler). So a fast
@@ -31,22 +36,31 @@ loop's iteration, so a step's verdicts for many streams cost the engine one syst
 
     outbox = Outbox(transport, loop); outbox.send(7, Kind.REPLY, payload)
     for call, kind, payload in framer.feed(data): ...
+    frame = verdict_frame(3, verdict.accepted, verdict.bonus, (), delta, Codec.FP16_SHUFFLE_ZSTD)  # engine
+    message, delta_bytes = verdict_message(frame.payload)  # front end: the ServerMessage's bytes
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import enum
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+from tether.shared import wire
+from tether.shared.drafter_config import ArrayDelta
+from tether.shared.wire import Codec, CodecError
 from tether.v1 import tether_pb2 as pb
 
 METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["Tether"].methods}  # what a CALL may name
 HEADER = struct.Struct("<IBI")  # call, kind, size
 CREDIT = struct.Struct("<I")
+COUNT = struct.Struct("<Q")
+VERDICT_HEAD = struct.Struct("<IIIIBHH")  # round, accepted, bonus, delta start, codec, delta tokens, path nodes
 WINDOW = 16  # messages of one call in flight ahead of the other side's credit
 MAX_FRAME = 64 << 20  # a frame larger than this is a broken peer (messages are bounded by max_message_bytes)
 
@@ -63,6 +77,13 @@ class Kind(enum.IntEnum):
     END = 9
     ABORT = 10
     CREDIT = 11
+    VERDICT = 12
+    DELTA_BYTES = 13
+
+
+# Set by the engine inside a call a front end carries: a round's reply may then be a VerdictFrame (grpc.aio's own
+# calls, served by the same service at the same time, get ServerMessages).
+VERDICT_FRAMES: contextvars.ContextVar[bool] = contextvars.ContextVar("tether_verdict_frames", default=False)
 
 
 class FrameError(Exception):
@@ -123,6 +144,57 @@ def read_credit(payload: bytes) -> int:
     if len(payload) != CREDIT.size:
         raise FrameError("a CREDIT frame carries 4 bytes")
     return CREDIT.unpack(payload)[0]
+
+
+def count(n: int) -> bytes:
+    return COUNT.pack(n)
+
+
+def read_count(payload: bytes) -> int:
+    if len(payload) != COUNT.size:
+        raise FrameError("a DELTA_BYTES frame carries 8 bytes")
+    return COUNT.unpack(payload)[0]
+
+
+@dataclass(frozen=True)
+class VerdictFrame:
+    """A round's reply as the engine hands it to a front end (a VERDICT frame's payload)."""
+
+    payload: bytes
+
+
+def verdict_frame(round_no: int, accepted: int, bonus: int, path: Sequence[int], delta: ArrayDelta,
+                  codec: Codec) -> VerdictFrame:  # fmt: skip
+    """The verdict of round `round_no` with its delta's bfloat16 bits as a RAW bundle, a fraction of the cost of
+    encoding them (tobytes, against byte planes and zstd). `path`: a tree round's accepted nodes, the root left out
+    (a chain round: empty). Raises struct.error or CodecError for what no reply could carry."""
+    head = VERDICT_HEAD.pack(round_no, accepted, bonus, delta.start, int(codec), len(delta.tokens), len(path))
+    ids = struct.pack(f"<{len(delta.tokens) + len(path)}I", *delta.tokens, *path)
+    return VerdictFrame(b"".join((head, ids, wire.encode_bf16_bundle(delta.tensors, Codec.RAW))))
+
+
+def verdict_message(payload: bytes, *, max_nbytes: int = wire.DEFAULT_MAX_NBYTES) -> tuple[bytes, int]:
+    """A VERDICT frame's reply: the ServerMessage bytes the engine would have made in process (the same encoder on
+    the same bits), and the size of its encoded delta. `max_nbytes` bounds the delta. Raises FrameError for a frame
+    that is not one."""
+    try:
+        round_no, accepted, bonus, start, codec, n_tokens, n_path = VERDICT_HEAD.unpack_from(payload)
+        codec = Codec(codec)
+        pos = VERDICT_HEAD.size + 4 * (n_tokens + n_path)
+        ids = struct.unpack_from(f"<{n_tokens + n_path}I", payload, VERDICT_HEAD.size)
+        bundle = memoryview(payload)[pos:]
+        entries = wire.parse_many(bundle, max_nbytes=max_nbytes)
+        if any(e.codec != Codec.RAW or e.dtype != "bfloat16" for e in entries.values()):
+            raise CodecError("its delta is not bfloat16 bits, unencoded")
+        if codec == Codec.RAW:
+            delta = bytes(bundle)
+        else:
+            delta = wire.encode_bf16_bundle({name: wire.decode_array(e) for name, e in entries.items()}, codec)
+    except (struct.error, ValueError, CodecError) as e:
+        raise FrameError(f"a VERDICT frame that does not parse: {e}") from None
+    kv = pb.KVDelta(start=start, tokens=ids[:n_tokens], payload=delta)
+    verdict = pb.Verdict(round=round_no, accepted=accepted, bonus=bonus, delta=kv, path=ids[n_tokens:])
+    return pb.ServerMessage(verdict=verdict).SerializeToString(), len(delta)
 
 
 def dump(obj: dict) -> bytes:

@@ -51,6 +51,8 @@ class Servable(Protocol):
 
     def release_all(self) -> None: ...  # give back every session's KV (on the loop, after stop_work)
 
+    def delta_bytes_sent(self, n: int) -> None: ...  # KV delta bytes a front end encoded for this service
+
 
 @dataclass(frozen=True)
 class TLSFiles:

@@ -64,6 +64,7 @@ import grpc
 from tether.server.auth import CALLER
 from tether.server.engine_core import PROTOCOL_VERSION, Engine
 from tether.server.errors import Reason, RequestError, inline, status_metadata
+from tether.server.frontend_wire import VERDICT_FRAMES, VerdictFrame, verdict_frame, verdict_message
 from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import PoolExhausted
 from tether.server.logprob_wire import taken_logprobs, wire_logprobs
@@ -73,7 +74,8 @@ from tether.server.serve_config import ServiceConfig
 from tether.server.sessions import Session
 from tether.server.validation import check_codec, invalid, requested_logprobs
 from tether.server.verifier import SequenceVerifier
-from tether.shared.codecs import Codec, CodecError
+from tether.shared.codecs import Codec, CodecError, bf16_bits
+from tether.shared.drafter_config import ArrayDelta
 from tether.shared.ids import is_session_id
 from tether.shared.weights import MAX_CHUNK, iter_chunks
 from tether.v1 import tether_pb2 as pb
@@ -103,6 +105,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     def release_all(self) -> None:
         self.engine.release_all()
+
+    def delta_bytes_sent(self, n: int) -> None:
+        self.engine.metrics.kv_delta_bytes.inc(n)
 
     def _refused(self, e: RequestError, what: str, session: str = "") -> None:
         extra = {"event": "refused", "call": what, "code": e.code.name, "reason": e.reason_name, "detail": e.message}
@@ -278,7 +283,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 # taken (or recorded) as the new numbering's round.
                 raise RequestError(Reason.REASON_OUT_OF_ORDER, "the session was resynced since this stream attached")
             if req.round == s.last_round and s.last_reply is not None:
-                return s.last_reply  # a round sent again after a reconnect: same answer, no second run
+                return self._again(s.last_reply)  # a round sent again after a reconnect: same answer, no second run
             stands = (s.last_round + 1, s.root, s.verifier.length)
             if req.after_length and (req.round, req.root, req.after_length) != stands:
                 # Sent before the verdict of the round before it, on a guess of that verdict which did not hold.
@@ -297,8 +302,11 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                                    f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
             try:
                 with self.engine.metrics.verify_seconds.time():
-                    # The reply is encoded on the batcher's thread, straight after the step.
-                    finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents), s.verifier)
+                    # The reply is made on the batcher's thread, straight after the step; a front end carrying the
+                    # call encodes its delta (VERDICT_FRAMES), which takes that work off the engine.
+                    framed = VERDICT_FRAMES.get() and s.verifier.logprobs is None
+                    finish = functools.partial(self._verdict_frame if framed else self._verdict_reply, req.round,
+                                               s.codec, bool(req.parents), s.verifier)  # fmt: skip
                     work, here = self.engine.batcher.submit_here(s.verifier, tree, finish)
                     verdict, message = await self.engine.work.wait(work, claim, here)
             except ValueError as e:
@@ -328,6 +336,23 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                        path=verdict.path[1:] if tree_round else (),
                        logprobs=taken_logprobs(verifier, verdict.accepted + 1))  # fmt: skip
         return verdict, pb.ServerMessage(verdict=v)
+
+    def _again(self, reply: pb.ServerMessage | VerdictFrame) -> pb.ServerMessage | VerdictFrame:
+        """The recorded reply for a stream of this call's kind: a VERDICT frame recorded through a front end is
+        answered in process as the message that front end made of it (a front end takes either)."""
+        if isinstance(reply, VerdictFrame) and not VERDICT_FRAMES.get():
+            return pb.ServerMessage.FromString(verdict_message(reply.payload)[0])
+        return reply
+
+    def _verdict_frame(self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier,
+                       result: tuple) -> tuple:  # fmt: skip
+        """_verdict_reply's reply as a VERDICT frame for the front end carrying the call, which encodes its delta
+        (torch tensors first become the bfloat16 bits encode_delta would send)."""
+        verdict, delta = result
+        if not isinstance(delta, ArrayDelta):
+            delta = ArrayDelta(delta.start, delta.tokens, {k: bf16_bits(t) for k, t in delta.tensors.items()})
+        path = verdict.path[1:] if tree_round else ()
+        return verdict, verdict_frame(round_no, verdict.accepted, verdict.bonus, path, delta, codec)
 
     # ---- Resync and Generate --------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tether.server.errors import Reason, RequestError
+from tether.server.frontend_wire import VerdictFrame
 from tether.server.kv_pool import KVPool, PagedCache
 from tether.server.verifier import SequenceVerifier
 from tether.shared.codecs import Codec
@@ -69,7 +70,7 @@ class Session:
     resume_token: str = field(default_factory=new_session_id)
     root: int = 0  # the last decided token, which the next round must start from
     last_round: int = 0
-    last_reply: pb.ServerMessage | None = None
+    last_reply: pb.ServerMessage | VerdictFrame | None = None  # sent again for a repeated round
     resyncs: int = 0  # resyncs answered; a stream attached before the latest one may send no more rounds
     last_used: float = 0.0  # the table's clock; for leases and least-recently-used eviction
     busy: int = 0  # claims in progress (guarded by the table's lock)

@@ -29,6 +29,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "EncodedTensor",
+    "bf16_bits",
     "compression_ratio",
     "decode",
     "decode_many",
@@ -51,6 +52,15 @@ def _array(t: Tensor) -> tuple[np.ndarray, str]:
     # numpy copy instead of torch's, whose per-call cost the server pays on every tensor of every round.
     a = t.view(torch.int16).numpy().view(np.uint16) if name == "bfloat16" else t.numpy()
     return (a if a.flags.c_contiguous else a.copy()), name
+
+
+def bf16_bits(t: Tensor) -> np.ndarray:
+    """A floating tensor's values in bfloat16 (rounded as `.to(torch.bfloat16)` rounds) as a numpy array of their
+    uint16 bits on the CPU: the form tether.shared.wire.encode_bf16_bundle takes. A view when `t` already is a CPU
+    bfloat16 tensor (strides kept)."""
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.requires_grad:
+        t = t.detach().to("cpu", torch.bfloat16)
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 def _tensor(a: np.ndarray, name: str) -> Tensor:

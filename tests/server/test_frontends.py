@@ -26,6 +26,7 @@ import time
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 from test_service import FP, VOCAB, Client, open_msg, plain, run_session, to_delta
 from tiny_models import tiny_moa_drafter, tiny_target
@@ -37,7 +38,9 @@ from tether.server.launch import LaunchPlan, listen
 from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
+from tether.shared.drafter_config import ArrayDelta
 from tether.shared.tokenizer import Tokenizer
+from tether.shared.wire import Codec, encode_bf16_bundle
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
@@ -168,6 +171,43 @@ def test_session_rounds_through_front_ends_equal_plain_greedy_and_repeats_are_id
     out, sid, *_ = run_session(fronted.stub, fronted.drafter, prompt, 30, repeat_every=2)
     assert out == plain(fronted.target, prompt, len(out))
     assert sid in fronted.service.engine.sessions  # the engine holds it after the stream ended
+
+
+@pytest.mark.parametrize("codec", [pb.CODEC_RAW, pb.CODEC_FP16_SHUFFLE_ZSTD, pb.CODEC_INT8_ZSTD])
+def test_verdicts_encoded_by_a_front_end_are_the_engines_own_bytes_and_their_delta_bytes_are_counted(fronted, codec):
+    """The same rounds, chains and trees, on two sessions of one prompt: through a front end (its delta encoded
+    there, from the engine's VERDICT frame) and in process (encoded by the engine). Every reply is the same bytes;
+    the engine's kv_delta metric counts the bytes the front end made; the last round sent again on a direct stream,
+    after the front end's stream ended, is answered with the very reply the front end sent."""
+    prompt = [2, 6, 1, 5, 2, 3]
+    metric = fronted.service.engine.metrics.kv_delta_bytes
+    before = metric._value.get()
+    hop, direct = Stream(fronted.stub), Stream(fronted.direct)
+    opened = [c.send(open_msg(prompt, delta_codec=codec)).opened for c in (hop, direct)]
+    assert opened[0].delta == opened[1].delta
+    sent = len(opened[0].delta.payload) + len(opened[1].delta.payload)
+    root, drafter = opened[0].first_token, fronted.drafter
+    drafter.begin(to_delta(opened[0].delta))
+    for rnd in range(1, 7):
+        drafts, _, _ = drafter.draft(root, 4)
+        parents = [0, 0, 1, 1] if rnd % 2 else []  # odd rounds: a tree (two branches of two)
+        msg = pb.ClientMessage(round=pb.DraftRound(round=rnd, root=root, tokens=drafts, parents=parents))
+        replies = [c.send(msg) for c in (hop, direct)]
+        assert replies[0].SerializeToString() == replies[1].SerializeToString()
+        v = replies[0].verdict
+        assert v.HasField("delta") and len(v.path) == (v.accepted if parents else 0)
+        sent += 2 * len(v.delta.payload)
+        drafter.commit(to_delta(v.delta))
+        root = v.bonus
+    hop.close()
+    direct.close()
+    until(lambda: metric._value.get() == before + sent, "the front end's delta bytes counted by the engine")
+
+    again = Stream(fronted.direct)
+    attach = pb.AttachSession(session_id=opened[0].session_id, resume_token=opened[0].resume_token)
+    assert again.send(pb.ClientMessage(attach=attach)).attached.last_round == 6
+    assert again.send(msg).SerializeToString() == replies[0].SerializeToString()
+    again.close()
 
 
 def test_model_info_and_refusals_keep_status_details_and_reason_across_the_hop(fronted):
@@ -599,3 +639,85 @@ def test_outbox_writes_a_loops_frames_in_one_write():
     assert len(writes) == 1
     assert list(wire.Framer().feed(writes[0])) == [(3, wire.Kind.REPLY, b"x"), (3, wire.Kind.END, b""),
                                                    (4, wire.Kind.CREDIT, wire.credit(8))]  # fmt: skip
+
+
+def test_a_verdict_frame_becomes_the_reply_the_engine_would_have_made_for_every_codec():
+    """verdict_message(verdict_frame(...)) is the ServerMessage built around the engine's own encoder's bytes, for
+    strided rows of a step's delta block (as the batcher slices them) and a tree's path; a frame that is not one is
+    a FrameError, not a reply."""
+    rng = np.random.default_rng(5)
+
+    def bf16_bits(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    block = {"lsa": bf16_bits(12, 40), "tli_k": bf16_bits(2, 12, 3, 8)}  # [rows * T, dim], [N, rows * T, Hkv, D]
+    delta = ArrayDelta(start=17, tokens=[5, 9, 2], tensors={"lsa": block["lsa"][4:7], "tli_k": block["tli_k"][:, 4:7]})
+    for codec in (Codec.RAW, Codec.FP16_SHUFFLE_ZSTD, Codec.INT8_ZSTD):
+        for path in ((), (1, 3)):
+            frame = wire.verdict_frame(4, 2, 11, path, delta, codec)
+            message, n = wire.verdict_message(frame.payload)
+            payload = encode_bf16_bundle(delta.tensors, codec)
+            kv = pb.KVDelta(start=17, tokens=[5, 9, 2], payload=payload)
+            expected = pb.ServerMessage(verdict=pb.Verdict(round=4, accepted=2, bonus=11, delta=kv, path=path))
+            assert message == expected.SerializeToString() and n == len(payload)
+    good = wire.verdict_frame(4, 2, 11, (), delta, Codec.FP16_SHUFFLE_ZSTD).payload
+    head = wire.VERDICT_HEAD.size + 4 * 3
+    encoded = encode_bf16_bundle(delta.tensors, Codec.FP16_SHUFFLE_ZSTD)
+    bad = [
+        good[:5],  # truncated head
+        good[: head + 3],  # truncated bundle
+        good[:-1],  # one byte short
+        good[:16] + b"\x63" + good[17:],  # codec 99
+        good[:head] + encoded,  # a delta already encoded: not the frame's form
+    ]
+    for payload in bad:
+        with pytest.raises(wire.FrameError):
+            wire.verdict_message(payload)
+    with pytest.raises(wire.FrameError):  # a delta over the bound
+        wire.verdict_message(good, max_nbytes=100)
+
+
+def test_a_front_end_encodes_verdicts_reports_their_bytes_once_a_loop_iteration_and_fails_a_bad_one_alone():
+    """The front end's side of VERDICT, in process: two verdicts in one event-loop iteration cost the engine one
+    DELTA_BYTES frame with their sum; a frame that does not parse ends that call INTERNAL."""
+    from tether.server import frontend
+
+    class Transport:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return False
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details="", metadata=()):
+            raise Aborted(code)
+
+    delta = ArrayDelta(start=3, tokens=[1, 2], tensors={"lsa": np.arange(16, dtype=np.uint16).reshape(2, 8)})
+    frame = wire.verdict_frame(1, 1, 4, (), delta, Codec.FP16_SHUFFLE_ZSTD).payload
+    expected = wire.verdict_message(frame)
+
+    async def run():
+        link = frontend.EngineLink(asyncio.get_running_loop())
+        transport = Transport()
+        link.connection_made(transport)
+        call = link.open("Session", "")
+        for payload in (frame, frame, b"not a verdict"):
+            call.on_frame(wire.Kind.VERDICT, payload)
+        replies = [await call.next(Context()), await call.next(Context())]
+        with pytest.raises(Aborted) as e:
+            await call.next(Context())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return replies, e.value.args[0], call.id, list(wire.Framer().feed(b"".join(transport.writes)))
+
+    replies, code, call_id, frames = asyncio.run(run())
+    assert replies == [expected[0]] * 2 and code == grpc.StatusCode.INTERNAL
+    assert [(c, k) for c, k, _ in frames] == [(call_id, wire.Kind.CALL), (0, wire.Kind.DELTA_BYTES)]
+    assert wire.read_count(frames[1][2]) == 2 * expected[1]
