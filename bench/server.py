@@ -322,11 +322,13 @@ def baseline(rows: list[dict]) -> dict:
     return next((r for r in rows if r["clients"] == 1), rows[0])
 
 
-def gpu_round_ms(service, args: argparse.Namespace, rounds_n: int = 20) -> float | None:
-    """The GPU's own time for one client's round (a chain of --k random drafts after a --prompt-len prompt): the
-    kernels of the batcher's call (the replayed step, the drafter's server part, the verdicts' and deltas' copies)
-    summed by torch.profiler, per round. What a one-client round costs beyond it is the request path's. None
-    without an in-process CUDA server."""
+def gpu_round_ms(service, args: argparse.Namespace, rows: int = 1, rounds_n: int = 20) -> tuple[float, float] | None:
+    """The GPU's own time for a step of `rows` clients' rounds (each a chain of --k random drafts after a
+    --prompt-len prompt): the kernels of the batcher's call (the replayed step, the drafter's server part, the
+    verdicts' and deltas' copies) summed by torch.profiler, per step; and the call's wall time per step on an
+    otherwise idle server. What a one-client round costs beyond the first is the request path's; a loaded server's
+    batch time beyond the second is waiting (for the GIL, mostly), and `rows` / the first is what the GPU alone
+    allows. None without an in-process CUDA server."""
     if service is None or service.engine.target.device.type != "cuda":
         return None
     import torch
@@ -338,26 +340,32 @@ def gpu_round_ms(service, args: argparse.Namespace, rounds_n: int = 20) -> float
 
     e = service.engine
     rng, vocab = random.Random(0), e.target.cfg.vocab_size
-    ver = SequenceVerifier(e.target, e.drafter, capacity=args.prompt_len + (rounds_n + 4) * (args.k + 1),
-                           pool=e.pool)  # fmt: skip
+    vers = [SequenceVerifier(e.target, e.drafter, capacity=args.prompt_len + (2 * rounds_n + 8) * (args.k + 1),
+                             pool=e.pool) for _ in range(rows)]  # fmt: skip
     try:
-        root, _ = ver.open([rng.randrange(vocab) for _ in range(args.prompt_len)])
+        roots = [ver.open([rng.randrange(vocab) for _ in range(args.prompt_len)])[0] for ver in vers]
 
-        def one_round() -> int:
-            tree = DraftTree.chain(root, [rng.randrange(vocab) for _ in range(args.k)])
-            ((verdict, _),) = verify_batch(service.engine.target, [(ver, tree)], host_deltas=True)
-            return verdict.bonus
+        def one_step() -> None:
+            drafts = [[rng.randrange(vocab) for _ in range(args.k)] for _ in vers]
+            items = [(v, DraftTree.chain(r, d)) for v, r, d in zip(vers, roots, drafts, strict=True)]
+            for i, (verdict, _) in enumerate(verify_batch(service.engine.target, items, host_deltas=True)):
+                roots[i] = verdict.bonus
 
         for _ in range(3):  # any capture outside the profile
-            root = one_round()
+            one_step()
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(rounds_n):
+            one_step()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / rounds_n
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(rounds_n):
-                root = one_round()
+                one_step()
             torch.cuda.synchronize()
-        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / rounds_n
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / rounds_n, wall_ms
     finally:
-        ver.release()
+        for ver in vers:
+            ver.release()
 
 
 def table(args: argparse.Namespace, rows: list[dict], where: str):
@@ -565,6 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
             for n in args.clients:
                 rows.append(measure(args, address, n, probe))
         gpu_ms = gpu_round_ms(service, args) if args.mode == "random" else None
+        full = max((round(r["mean_batch"]) for r in rows), default=0)
+        gpu_full = gpu_round_ms(service, args, rows=full) if gpu_ms is not None and full > 1 else None
     finally:
         if server is not None:
             stop_server(service, server)
@@ -580,10 +590,17 @@ def main(argv: list[str] | None = None) -> dict:
         record["traces"] = {k: v for k, v in recorded.items() if k != "traces"} | traces.summary(recorded)
     if gpu_ms is not None:
         one = baseline(rows)
-        record["gpu_round_ms"] = gpu_ms
+        record["gpu_round_ms"], record["idle_round_wall_ms"] = gpu_ms
         print(
-            f"GPU time of one client's round (kernels, torch.profiler): {gpu_ms:.3f} ms; the {one['clients']}-client "
-            f"p50 is {one['p50_ms'] - gpu_ms:.2f} ms above it"
+            f"GPU time of one client's round (kernels, torch.profiler): {gpu_ms[0]:.3f} ms; the "
+            f"{one['clients']}-client p50 is {one['p50_ms'] - gpu_ms[0]:.2f} ms above it"
+        )
+    if gpu_full is not None:
+        record["gpu_step_rows"] = full
+        record["gpu_step_ms"], record["idle_step_wall_ms"] = gpu_full
+        print(
+            f"A step of {full} rounds (the largest mean batch) on the idle server: GPU {gpu_full[0]:.3f} ms, the "
+            f"batcher's call {gpu_full[1]:.3f} ms wall; the GPU alone allows {full / gpu_full[0] * 1e3:,.0f} rounds/s"
         )
     print(json.dumps(record))
     return record

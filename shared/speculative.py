@@ -125,13 +125,22 @@ class DraftTree:
         q_probs: Tensor | None = None,
     ) -> DraftTree:
         """A chain root -> d_0 -> d_1 -> ...; q_ids / q_probs [k, K] give one row per draft token (no root row)."""
-        # One tensor op for a list of ids: a server builds one of these per round on its event loop.
+        if q_ids is None and q_probs is None and not isinstance(draft_tokens, Tensor):
+            # A server builds one of these a round on its event loop: a chain of ids has nothing __post_init__ could
+            # refuse, so the tree is assembled directly, with what the step reads of it (plain lists) beside.
+            ids = [int(root_token), *map(int, draft_tokens)]
+            n = len(ids)
+            tree = object.__new__(cls)
+            # Through numpy: torch.tensor parses a list element by element, ~5x slower for a round's few ids.
+            tree.__dict__.update(tokens=torch.from_numpy(np.array(ids, dtype=np.int64)), parents=_chain_parents(n),
+                                 q_ids=None, q_probs=None, source_ids=None, _n=n, is_chain=True,
+                                 _parents=list(range(-1, n - 1)), _tokens=ids)  # fmt: skip
+            return tree
         ids = None
         if isinstance(draft_tokens, Tensor):
             tokens = torch.cat([torch.tensor([root_token], dtype=torch.long), draft_tokens.reshape(-1).long().cpu()])
         else:
             ids = [root_token, *draft_tokens]
-            # Through numpy: torch.tensor parses a list element by element, ~5x slower for a round's few ids.
             tokens = torch.from_numpy(np.array(ids, dtype=np.int64))  # [k + 1]
         n = tokens.numel()
         parents = _chain_parents(n)  # [k + 1]
