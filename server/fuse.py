@@ -8,7 +8,9 @@ take to read, even replayed from a CUDA graph. `fuse(model)` changes how the sam
 - RMSNorm and RoPE each become one Triton kernel (tether.kernels.norm, tether.kernels.pointwise);
 - every projection and the LM head of a step's few rows (<= 64) run tether.kernels.linear, which reads the weights
   at the HBM's pace and finishes in the same kernel: gate/up with SwiGLU's activation (SiLU x up), o_proj and
-  down_proj with the residual add; more rows (a prefill) go to cuBLAS as before.
+  down_proj with the residual add; more rows (a prefill) go to cuBLAS as before. MoDA's FFN depth K/V projection
+  too: left to cuBLAS (or the CPU's BLAS, whose row-0 bits change with the row count from 1 to 2 on), a session's
+  depth keys depended on how many rows shared its step.
 Outputs equal the unfused model's within the kernels' tolerance (fp32 statistics, as the reference); the state
 dict keys and shapes are unchanged.
 A tensor-parallel shard is fused after sharding (`fuse(apply_tp(model, rank, world))`): o_proj and down_proj then
@@ -103,6 +105,14 @@ def _reduced(m: ShardedAttention | ShardedFeedForward, x: Tensor, proj: nn.Linea
     return all_reduce(y, m.tp_group)
 
 
+class FusedLinear(nn.Linear):
+    """A Linear through tether.kernels.linear: one tiling whatever the row count (batch-invariant up to its
+    MAX_ROWS), where cuBLAS picks kernels by the row count."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class FusedTransformer(Transformer):
     def head(self, h: Tensor) -> Tensor:
         return linear(h, self.head_weight)
@@ -153,6 +163,8 @@ def fuse(model: Transformer) -> Transformer:
             _swap(f, FusedFeedForward)
         for norm in (block.attn_norm, block.ffn_norm):
             _swap(norm, FusedRMSNorm)
+        if block.cfg.moda_ffn_kv:  # the block has an ffn_kv_proj exactly then
+            _swap(block.ffn_kv_proj, FusedLinear)
     for norm in (model.norm, model.embed_norm):
         if norm is not None:
             _swap(norm, FusedRMSNorm)
