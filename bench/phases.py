@@ -1,7 +1,7 @@
 """Where a batched step's time goes: bench/server.py's in-process server with each phase of a round timed.
 
 The request path's throughput under load is bounded by the batcher's thread, whose steps run back to back
-(BENCHMARKS.md, "The request path on the H200, fifth pass"). This bench runs bench/server.py (its arguments after
+(BENCHMARKS.md, "Where a round's host time goes"). This bench runs bench/server.py (its arguments after
 `--`, one `--clients` count, an in-process server) with the functions a step passes through wrapped: each call's wall
 time and the calling thread's CPU time (time.thread_time) are added up per (thread, phase). Wall minus CPU is time
 the thread was blocked: waiting for the GIL, for the GPU, or in C code that let the GIL go (CUDA's synchronisations

@@ -2,9 +2,10 @@
 
 Why: one engine process's host work (its event loop and its batcher, under one GIL) bounds rounds/s long before
 the GPU does; on the H200 a second process on the same GPU nearly doubled rounds/s at 128 clients (BENCHMARKS.md,
-"seventh pass"). So serve can run E engines, each with its own models, KV pool, session table and batcher on the
-same device, behind the same front ends: the front ends route each call (tether.server.frontend, class Router) and
-every engine puts its index in the ids of the sessions it holds (tether.shared.ids), so no table is shared.
+"The request path on the H200"). So serve can run E engines, each with its own models, KV pool, session table and
+batcher on the same device, behind the same front ends: the front ends route each call (tether.server.frontend,
+class Router) and every engine puts its index in the ids of the sessions it holds (tether.shared.ids), so no table is
+shared.
 
 Contract:
 - `engine_share(cfg, k)`: engine k's part of a ServeConfig. The KV pool (--kv-pool-mb) and the session limits

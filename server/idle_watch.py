@@ -6,8 +6,8 @@ watch cancels the handler task, and `expired(error)` tells the handler that this
 task's cancel is then withdrawn) rather than the client going away. `close()` stops the timer.
 
 Why not `asyncio.timeout` around each read: that creates, schedules and cancels a timer per message, ~5-10 us each
-on a busy server's one event loop (BENCHMARKS.md, "Front-end processes"), where a stream's timer here is re-armed
-at most once per `idle_s`.
+on a busy server's one event loop (BENCHMARKS.md, "Where a round's host time goes"), where a stream's timer here is
+re-armed at most once per `idle_s`.
 
     watch = IdleWatch(120.0)
     try:

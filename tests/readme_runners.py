@@ -1,14 +1,15 @@
-"""Running README.md's examples in tests (tests/test_readme.py): its fenced blocks, and a lab to run them in.
+"""Running the examples of README.md and docs/USAGE.md in tests (tests/test_readme.py): their fenced blocks, and a
+lab to run them in.
 
 Contract:
-- `readme_blocks(path)` -> [Block]: every fenced block of the README in order, with its language ("" for shell
-  commands, else the fence's tag), the section (the last heading above it) and its line. A shell block gives one
-  Block per command: `\\` continuations joined, blank lines and lines starting with `#` left out; a trailing
-  `# comment` stays in `text` (shlex drops it from `argv`).
+- `readme_blocks(path)` -> [Block]: every fenced block of the page in order, with its language ("" for shell
+  commands, else the fence's tag), the page, the section (the last heading above it) and its line. A shell block
+  gives one Block per command: `\\` continuations joined, blank lines and lines starting with `#` left out; a
+  trailing `# comment` stays in `text` (shlex drops it from `argv`).
 - `Block.words`: the command without its `[optional flags]` groups (nested ones too); `Lab.argv(words)` reads `~`
   as the lab's HOME and `.venv/bin/X` as the X beside sys.executable. `bracket_flags(text)`: the flags inside the
-  groups with their values, as the README writes them, so that a runner takes its subset from the README itself.
-- `Lab(root, home)`: where the commands run. `root` stands for the clone's root (the README's commands run there):
+  groups with their values, as the page writes them, so that a runner takes its subset from the page itself.
+- `Lab(root, home)`: where the commands run. `root` stands for the clone's root (the pages' commands run there):
   its `deploy` links to the repository's (read only), runs/, data/ and models/ are written there. The environment
   has an empty HOME, no TETHER_* variable, one torch thread (the machine has two cores, shared) and the Hugging Face
   hub offline.
@@ -44,6 +45,7 @@ class Block:
     text: str  # the command (continuations joined) or the whole block
     line: int  # 1-based line of the command or of the block's first line
     section: str  # the heading above it
+    page: str  # the file it is in, relative to the clone's root
 
     @property
     def words(self) -> list[str]:
@@ -51,10 +53,11 @@ class Block:
         return shlex.split(without_brackets(self.text), comments=True)
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.section}): {self.text.splitlines()[0]}"
+        return f"{self.page}:{self.line} ({self.section}): {self.text.splitlines()[0]}"
 
 
 def readme_blocks(path: Path) -> list[Block]:
+    page = path.resolve().relative_to(ROOT).as_posix()
     lines = path.read_text().splitlines()
     blocks: list[Block] = []
     section, i = "", 0
@@ -71,14 +74,14 @@ def readme_blocks(path: Path) -> list[Block]:
             end += 1
         body = [line[indent:] for line in lines[start:end]]
         if lang:
-            blocks.append(Block(lang, "\n".join(body), start + 1, section))
+            blocks.append(Block(lang, "\n".join(body), start + 1, section, page))
         else:
-            blocks.extend(_commands(body, start + 1, section))
+            blocks.extend(_commands(body, start + 1, section, page))
         i = end + 1
     return blocks
 
 
-def _commands(body: list[str], first_line: int, section: str) -> list[Block]:
+def _commands(body: list[str], first_line: int, section: str, page: str) -> list[Block]:
     commands, pending, at = [], "", 0
     for n, raw in enumerate(body, first_line):
         line = raw.strip()
@@ -88,7 +91,7 @@ def _commands(body: list[str], first_line: int, section: str) -> list[Block]:
         if line.endswith("\\"):
             pending += line[:-1].rstrip() + " "
             continue
-        commands.append(Block("", pending + line, at, section))
+        commands.append(Block("", pending + line, at, section, page))
         pending = ""
     return commands
 
@@ -108,7 +111,7 @@ def _split_brackets(text: str) -> tuple[str, str]:
 
 
 def without_brackets(text: str) -> str:
-    """The text without its [ ... ] groups, nested ones included (a README command's optional flags)."""
+    """The text without its [ ... ] groups, nested ones included (a documented command's optional flags)."""
     return re.sub(r"\s+", " ", _split_brackets(text)[0]).strip()
 
 
@@ -126,8 +129,8 @@ def bracket_flags(text: str) -> dict[str, list[str]]:
 
 
 def pick(text: str, *names: str, **values: str) -> list[str]:
-    """argv words for the named bracket flags of `text`, each with the README's own values (or `values[name]`, the
-    flag's name without dashes, with _ for -); a name the README does not have is an error in the test's table."""
+    """argv words for the named bracket flags of `text`, each with the page's own values (or `values[name]`, the
+    flag's name without dashes, with _ for -); a name the page does not have is an error in the test's table."""
     flags = bracket_flags(text)
     argv: list[str] = []
     for name in names:

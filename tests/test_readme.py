@@ -1,16 +1,20 @@
-"""README.md is executed: every command and code block in it is run, so that an example cannot rot.
+"""README.md and docs/USAGE.md are executed: every command and code block in them is run, so that an example cannot
+rot.
 
-Every fenced block of the README is claimed by one entry of RUNNERS (its language and a pattern); a block no entry
-claims fails `test_every_readme_block_is_claimed` with "README command not run by any test: ...", so a README line
-added without a runner fails CI. `make demo` and `make test` are listed in EXEMPT with the reason.
+The README keeps the quick start, the install lines and the layout; docs/USAGE.md every other command (the full
+command list, the OpenAI-compatible API, bringing your own checkpoint, the network harness, the Python API). Every
+fenced block of either page is claimed by one entry of RUNNERS (its language and a pattern); a block no entry claims
+fails `test_every_readme_block_is_claimed` with "command not run by any test: ...", so a line added to either page
+without a runner fails CI. `make demo` and `make test` are listed in EXEMPT with the reason, and must stay in the
+README.
 
-The runners run the real commands on the CPU, in a scratch directory standing for the clone's root (README.md's
+The runners run the real commands on the CPU, in a scratch directory standing for the clone's root (the pages'
 commands run there; tests/readme_runners.py): `.venv/bin/X` is the X beside this interpreter; GPU lines run their CPU
 variant (`--device cpu`) with budgets cut to a few steps and tokens, tiny presets, and a tiny random Llama or Qwen2
 checkpoint (written by transformers) where a real one is named; `[optional flags]` run without them, and where cheap
-again with a subset taken from the README's own brackets; fixed ports become free ones. A `serve` line starts in the
+again with a subset taken from the page's own brackets; fixed ports become free ones. A `serve` line starts in the
 background (one server at a time), and the commands below it that talk to a server talk to it: the one nearest above
-them in the README. A block that needs another's output (a corpus, a checkpoint) runs that block first, once.
+them on the same page. A block that needs another's output (a corpus, a checkpoint) runs that block first, once.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from tiny_models import write_hf_checkpoint
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 
 README = ROOT / "README.md"
-BLOCKS = readme_blocks(README)
+PAGES = (README, ROOT / "docs" / "USAGE.md")
+BLOCKS = [b for page in PAGES for b in readme_blocks(page)]
 FEW_TOKENS = ["--max-new-tokens", "8"]
 TINY_TRAIN = "--batch-size 1 --seq-len 32 --warmup 1 --eval-every 2 --eval-windows 1 --quiet".split()
 TINY_DRAFTER_EVAL = "--eval-prompts 1 --eval-prompt-len 8 --eval-new-tokens 4".split()
@@ -59,12 +64,12 @@ def lab(tmp_path_factory):
 
 def block(pattern: str, lang: str = "") -> Block:
     found = [b for b in BLOCKS if b.lang == lang and re.search(pattern, b.text)]
-    assert len(found) == 1, f"{len(found)} README blocks match {pattern!r}, the test expects one"
+    assert len(found) == 1, f"{len(found)} blocks of the pages match {pattern!r}, the test expects one"
     return found[0]
 
 
 def ensure(lab: Lab, pattern: str) -> None:
-    """Run the README block matching `pattern` unless it has run (a prerequisite: its corpus, checkpoint, server)."""
+    """Run the block matching `pattern` unless it has run (a prerequisite: its corpus, checkpoint, server)."""
     needed = block(pattern)
     if needed.text in lab.done:
         if error := lab.done[needed.text]:
@@ -83,9 +88,13 @@ def run_block(lab: Lab, b: Block) -> None:
 
 
 def server_for(lab: Lab, b: Block) -> dict[str, str]:
-    """The server the command talks to, the nearest `tether-server serve` above it: started (or kept), its addresses
-    as the README's fixed ones ("127.0.0.1:50051" gRPC, "127.0.0.1:8000" HTTP) map to them."""
-    above = [s for s in BLOCKS[: BLOCKS.index(b)] if s.lang == "" and re.search(r"\btether-server serve ", s.text)]
+    """The server the command talks to, the nearest `tether-server serve` above it on its page: started (or kept), its
+    addresses as the page's fixed ones ("127.0.0.1:50051" gRPC, "127.0.0.1:8000" HTTP) map to them."""
+    above = [
+        s
+        for s in BLOCKS[: BLOCKS.index(b)]
+        if s.page == b.page and s.lang == "" and re.search(r"\btether-server serve ", s.text)
+    ]
     assert above, f"no serve command above {b}"
     if above[-1].text in lab.done:  # it ran: (re)start that server alone, without the runner's other checks
         start_server(lab, above[-1])
@@ -99,7 +108,7 @@ def server_for(lab: Lab, b: Block) -> dict[str, str]:
 
 
 def at(addresses: dict[str, str], words: list[str]) -> list[str]:
-    """The words with the README's fixed addresses replaced by the live ones."""
+    """The words with the page's fixed addresses replaced by the live ones."""
     out = []
     for word in words:
         for fixed, live in addresses.items():
@@ -113,7 +122,7 @@ def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-# The runners, in README order. Each takes the lab and its block.
+# The runners, in the order of the pages (the README, then docs/USAGE.md). Each takes the lab and its block.
 
 
 def run_pip(lab: Lab, b: Block) -> None:
@@ -173,7 +182,7 @@ def run_serve(lab: Lab, b: Block) -> None:
     if "--api-keys" not in b.text:
         return
     keys, metrics, tls = lab.root / "keys.txt", free_port(), lab.root / "pki"
-    keys.write_text("# the README's --api-keys FILE\nreadme-key\n")
+    keys.write_text("# the --api-keys FILE of docs/USAGE.md\nreadme-key\n")
     subset = pick(b.text, "--api-keys", "--metrics-port", "--cache-dir", api_keys=str(keys), metrics_port=str(metrics))
     client_line = block(r'^\.venv/bin/tether-client generate --server 127\.0\.0\.1:50051 --prompt "def main').text
     client_flags = pick(client_line, "--api-key", api_key="readme-key")
@@ -280,7 +289,7 @@ def run_train_target(lab: Lab, b: Block) -> None:
 
 
 def run_netsim(lab: Lab, b: Block) -> None:
-    """Through the proxy to a TCP echo listener and back; then the README's scenario (its times cut to a hundredth)
+    """Through the proxy to a TCP echo listener and back; then the page's scenario (its times cut to a hundredth)
     played to its end, with --json."""
     upstream = echo_listener(lab)
     argv = replace_flag(replace_flag(lab.argv(b.words), "--upstream", upstream), "--listen", "127.0.0.1:0")
@@ -327,7 +336,7 @@ def run_scenario_json(lab: Lab, b: Block) -> None:
     from tether.netsim.scenario import parse_scenario
 
     data = json.loads(b.text)
-    scenario = parse_scenario(data, "README.md")
+    scenario = parse_scenario(data, b.page)
     assert len(scenario.events) == len(data) and scenario.ends
 
 
@@ -504,13 +513,16 @@ def runner(b: Block) -> Callable[[Lab, Block], None]:
 
 def test_every_readme_block_is_claimed():
     unclaimed = [str(b) for b in BLOCKS if not exempt(b) and not claims(b)]
-    assert not unclaimed, "\n".join(f"README command not run by any test: {b}" for b in unclaimed)
+    assert not unclaimed, "\n".join(f"command not run by any test: {b}" for b in unclaimed)
     twice = [str(b) for b in BLOCKS if len(claims(b)) > 1]
-    assert not twice, "README blocks claimed by more than one runner:\n" + "\n".join(twice)
-    assert sorted(" ".join(b.words) for b in BLOCKS if exempt(b)) == sorted(EXEMPT), "an exempt line left the README"
+    assert not twice, "blocks claimed by more than one runner:\n" + "\n".join(twice)
+    in_readme = sorted(" ".join(b.words) for b in BLOCKS if exempt(b) and b.page == "README.md")
+    assert in_readme == sorted(EXEMPT), "an exempt line left the README's quick start"
 
 
-@pytest.mark.parametrize("b", [b for b in BLOCKS if len(claims(b)) == 1 or exempt(b)], ids=lambda b: f"line{b.line}")
+@pytest.mark.parametrize(
+    "b", [b for b in BLOCKS if len(claims(b)) == 1 or exempt(b)], ids=lambda b: f"{Path(b.page).stem}-line{b.line}"
+)
 def test_readme_block(b: Block, lab: Lab):
     if why := exempt(b):
         pytest.skip(f"{b.text}: {why}")

@@ -3,7 +3,7 @@
 The suite names its model instead of taking the shipped default (`default_model_dir()`): the default is chosen for
 users (since issue #43 a 19M-parameter target), while the tests that drive servers, clients and benches only need
 a real trained pair that is fast under TRITON_INTERPRET on CI's two cores. A test that checks the default itself
-(the README's commands, `make demo`, tests/test_default_model.py) keeps calling default_model_dir().
+(the commands of docs/USAGE.md, `make demo`, tests/test_default_model.py) keeps calling default_model_dir().
 
 The toy set lies in deploy/models/toy/{target,drafter,drafter-eagle,drafter-moa-tli0} (3.5M parameters, the default
 until issue #43 replaced it with the compact recipe's models).

@@ -1,4 +1,4 @@
-"""Bring your own checkpoint, end to end on the CPU, as README.md's walkthrough ("Bring your own Llama or Qwen2
+"""Bring your own checkpoint, end to end on the CPU, as docs/USAGE.md's walkthrough ("Bring your own Llama or Qwen2
 checkpoint") does it, through the real command lines: a tiny random Llama-shaped and a tiny random Qwen2-shaped
 checkpoint, written by transformers (save_pretrained) with a byte-level BPE tokenizer.json built by `tokenizers`.
 

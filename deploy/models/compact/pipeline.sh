@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The `compact` recipe (README.md, "compact") as one background pipeline on a GPU host reached through short calls
-# (each at most 10 minutes, files back at most 16 MiB each and 64 MiB a call): the target, then its MoA (TLI N) and
-# EAGLE drafters at once, then the weights packed (tar + xz) into parts that come back in one call.
+# The `compact` recipe (README.md, "The default models") as one background pipeline on a GPU host reached through
+# short calls (each at most 10 minutes, files back at most 16 MiB each and 64 MiB a call): the target, then its MoA
+# (TLI N) and EAGLE drafters at once, then the weights packed (tar + xz) into parts that come back in one call.
 #
 # The step counts come from the host's own speed, so that the target trains for about TARGET_S seconds and the
 # drafters for about DRAFT_S: a short probe run of each measures its steps per second first (the probes' weights
 # are thrown away; their figures are in the log). TARGET_STEPS / DRAFTER_STEPS, when set, skip the probes.
 #
 # On the GPU host, from the root of a clean export of the repository (so that nothing uncommitted trains), with
-# the corpus carried xz-compressed in $CORPUS (README.md section 1's layout) and, if the host lacks packages,
+# the corpus carried xz-compressed in $CORPUS (laid out as README.md's 86M step 1) and, if the host lacks packages,
 # their wheels in .whl:
 #   bash deploy/models/compact/pipeline.sh start    # installs, unpacks and checks the corpus, starts; then polls
 #   bash deploy/models/compact/pipeline.sh poll     # waits up to POLL_S s (from the call's start) for DONE;

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The 86M recipe of README.md section 8 as one background pipeline on a GPU host that is reached through short
-# calls (each call at most 10 minutes, files back at most 16 MiB each and 64 MiB a call): the `medium` target
-# (1,000 steps), then the moa4 and eagle drafters at once (1,200 steps each), then the weights packed
+# The 86M recipe of README.md (step 3 of "The 86M target") as one background pipeline on a GPU host that is
+# reached through short calls (each call at most 10 minutes, files back at most 16 MiB each and 64 MiB a call): the
+# `medium` target (1,000 steps), then the moa4 and eagle drafters at once (1,200 steps each), then the weights packed
 # (tar + xz) and split into parts that `ship` hands back four at a time. The tree-shape measurement then runs
 # wherever the weights land (bench/spec.py on a CPU: the GPU host's time is the scarce part).
 #
-# On the GPU host, from the repository root, with the corpus carried xz-compressed in .corpus (README section 1)
+# On the GPU host, from the repository root, with the corpus carried xz-compressed in .corpus (README.md, its step 1)
 # and, if the host lacks packages, their wheels in .whl:
 #   bash deploy/models/medium/pipeline.sh start    # installs, unpacks and checks the corpus, starts; then polls
 #   bash deploy/models/medium/pipeline.sh poll     # waits up to POLL_S s (from the call's start) for DONE;
