@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -117,6 +118,8 @@ class Engine:
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.chat_format = chat_format or ChatFormat.builtin_for(tokenizer)
         self.config = c = config or ServiceConfig()
+        if c.gil_switch_s > 0 and target.device.type == "cuda":  # process-wide: this process runs the engine
+            sys.setswitchinterval(c.gil_switch_s)
         self.model_fingerprint = model_fingerprint
         self.kernel_dir = kernel_dir if kernel_dir is not None else kernel_cache_dir()
         self.round_graph_tokens = round_graph_tokens

@@ -43,6 +43,10 @@ class ServiceConfig:
     model_threads: int = 2  # threads for prefills, resync absorbs and Generate steps
     max_model_calls_per_caller: int = 128  # calls of one key (or, without keys, one host) waiting for those threads
     engine: int | None = None  # with serve --engines: this process's index, written into its session ids
+    # A CUDA engine's GIL switch interval (sys.setswitchinterval; 0: leave Python's 5 ms). The batcher lets the GIL go
+    # at every CUDA call of a step and waits up to this long to get it back from the busy event loop: on an H100 at
+    # 128 clients, 0.1 ms against 5 ms gave 4,626-4,703 rounds/s against 3,723-3,758 (BENCHMARKS.md, issue #44).
+    gil_switch_s: float = 1e-4
 
     def max_new(self, requested: int) -> int:
         """A generation's length: what it asked for (0: the server's limit), at most max_new_tokens."""
