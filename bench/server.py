@@ -573,8 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
             for n in args.clients:
                 rows.append(measure(args, address, n, probe))
         gpu_ms = gpu_round_ms(service, args) if args.mode == "random" else None
-        full = max((round(r["mean_batch"]) for r in rows), default=0)
-        gpu_full = gpu_round_ms(service, args, rows=full) if gpu_ms is not None and full > 1 else None
+        full = max((round(r["mean_batch"]) for r in rows), default=0) if gpu_ms is not None else 0
+        gpu_full = gpu_round_ms(service, args, rows=full) if full > 1 else None
     finally:
         if server is not None:
             stop_server(service, server)
