@@ -235,4 +235,3 @@ class ServerOnlySession:
         stats.wall_s = time.monotonic() - t0
         self._set_state(State.DONE)
         return Result(list(prompt), tokens, ["verified"] * len(tokens), stats)
-

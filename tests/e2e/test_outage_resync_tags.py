@@ -19,6 +19,7 @@ import logging
 import re
 
 import pytest
+from edge_text import run_text
 from toy_models import toy_model_dir
 
 from tether.client.edge_api import EdgeBackend, Release
@@ -89,7 +90,7 @@ def run(server: str, tmp_path, policy: str, **overrides):
         session.pair()  # over a clean link; the fault starts with generation
         faults = CutThenRestore(sim, session)
         session.on_event = faults
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()
