@@ -44,7 +44,7 @@ BACKENDS = ("onnx", "torch")  # the drafter runtimes; torch only to compare agai
 PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
 POLICIES = ("keep", "rewind")
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
-SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.rounds)
+SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.round_plan)
 CHOICES = {"mode": MODES, "policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS),
            "tree": SHAPES}  # fmt: skip
 # The fields of the sampling rule (a request of the edge's HTTP API brings its own: tether.client.edge_serve).

@@ -158,7 +158,7 @@ class CutAfter:
             self.struck = True
             self.sim.cut()
         elif self.struck and not (self.restored or self.forever) and e.kind == "state" and e.state == State.RESYNCING:
-            if self.written >= self.offline or session.offline_run >= MAX_OFFLINE or session.done:
+            if self.written >= self.offline or session.resync.offline_run >= MAX_OFFLINE or session.done:
                 self.restored = True
                 self.sim.restore()
 

@@ -73,7 +73,7 @@ class CutThenRestore:
             self.sim.cut()
         elif self.struck and not self.restored and e.kind == "state" and e.state == State.RESYNCING:
             self.tries += 1
-            enough = self.written >= self.offline or s.offline_run >= MAX_OFFLINE or s.done
+            enough = self.written >= self.offline or s.resync.offline_run >= MAX_OFFLINE or s.done
             if enough and self.tries >= self.attempts:
                 self.restored = True
                 self.sim.restore()
