@@ -56,8 +56,8 @@ A server that does not offer the ONNX part in the precision asked: FormatNotOffe
     result.token_ids, result.tags, result.stats
 
 Tests: tests/e2e (test_backends, test_chaos, test_tree_pipeline, test_failover, test_capacity, test_client_restart,
-test_chat_e2e, ...), tests/client/test_session_file.py, tests/client/test_round_shape.py, tests/test_client_install.py
-(the onnx backend in a virtualenv without torch).
+test_chat_e2e, ...), tests/client/test_session_file.py, tests/client/test_session_text.py,
+tests/client/test_round_shape.py, tests/test_client_install.py (the onnx backend in a virtualenv without torch).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ log = logging.getLogger("tether.client")
 
 
 class EdgeSession:
-    """One generation: owns the channel, the drafter and the text. See the module docstring."""
+    """One generation (a chat's turns too) over its text, link, output and parts. See the module docstring."""
 
     def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
                  paired: Paired | None = None, connect_attempts: int = 0,
