@@ -67,7 +67,7 @@ def measure(target: Transformer, drafter, tok, n: int, args, cache: str) -> dict
                        round_timeout_s=args.round_timeout_s, backoff_initial_s=0.05, backoff_max_s=0.2,
                        connect_timeout_s=120, pace_tokens_per_s=40)  # fmt: skip
     session = EdgeSession(cfg, on_event)
-    session.pair()
+    edge_tok = session.pair().tokenizer  # the session takes token ids, encoded as the edge encodes
 
     def killer():
         while len(session.tokens) < 12:
@@ -81,7 +81,7 @@ def measure(target: Transformer, drafter, tok, n: int, args, cache: str) -> dict
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     try:
-        result = session.run(prompt_of(tok, n))
+        result = session.run(edge_tok.encode(prompt_of(tok, n)))
     finally:
         t.join(30)
         session.close()

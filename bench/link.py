@@ -248,9 +248,9 @@ def run_hybrid(rig: Rig, mode: str) -> dict:
     session = EdgeSession(rig.config(**client_options(mode)))
     session.stop_ids = frozenset()  # exactly --new-tokens in every mode (ignore_eos: a client without it too)
     try:
-        session.pair()
+        prompt = session.pair().tokenizer.encode(PROMPT)  # the session takes token ids
         w0, v0, n0 = rig.sample()
-        result = session.run(PROMPT)
+        result = session.run(prompt)
         w1, v1, n1 = rig.sample()
     finally:
         session.close()
@@ -331,9 +331,9 @@ def run_outage(rig: Rig, outage_s: float, mode: str) -> dict:
     session.stop_ids = frozenset()
     thread = threading.Thread(target=cutter, daemon=True)
     try:
-        session.pair()
+        prompt = session.pair().tokenizer.encode(PROMPT)
         thread.start()
-        result = session.run(PROMPT)
+        result = session.run(prompt)
     finally:
         finished.set()
         if thread.is_alive():

@@ -1,8 +1,10 @@
 """The edge session ONLINE in either mode: the server's own decoding streamed in, or drafts verified by the server
 (the hybrid), switched between mid-generation without losing or repeating a token.
 
-A part of tether.client.session.EdgeSession (a mixin over its state, as tether.client.rounds is); the choice itself
-is tether.client.mode_choice, a pure function of what this measures (ClientConfig.mode: auto, hybrid, stream).
+`OnlineModes` is an object EdgeSession (tether.client.session) composes, over the session's text, link and output,
+its rounds (the hybrid) and its resync (the catch-up); the choice itself is tether.client.mode_choice, a pure
+function of what this measures (ClientConfig.mode: auto, hybrid, stream). `step()` is one online step in the mode
+chosen: a chunk of the stream, or a round's verdict.
 - Every generation opens its server session as the hybrid does (the prompt's delta gives the drafter its states,
   the open its first token), so the drafter can write offline from the first token on, whatever the mode.
 - Streaming (`_to_stream`): the rounds in flight are dropped and the Session stream closed (the server session
@@ -18,10 +20,10 @@ is tether.client.mode_choice, a pure function of what this measures (ClientConfi
   next token, emitted verified; then a stream attaches and rounds go on. Its bytes and time are Stats.switch_bytes
   and switch_s (a switch to streaming: its prompt's bytes and the time to its first chunk).
 - The link down while streaming (the call broken, or no chunk within round_timeout_s; connect_timeout_s for the
-  first): OFFLINE as after a lost round. The drafter first steps over the streamed tokens (Resync._offline_step,
-  `_feed_from`), then writes alone; the resync after it absorbs the streamed tokens whatever the policy (they are
-  the target's: `_absorb_to`) and judges only those written offline. It ends attached, in the hybrid: the choice
-  then decides whether to stream again.
+  first): OFFLINE as after a lost round. The drafter first steps over the streamed tokens (Resync.offline_step,
+  Resync.behind), then writes alone; the resync after it absorbs the streamed tokens whatever the policy (they
+  are the target's: Resync.absorb_through) and judges only those written offline. It ends attached, in the hybrid:
+  the choice then decides whether to stream again.
 - A stream the server refuses for load (ServerBusy) falls back to the hybrid, streaming barred for
   BUSY_BAR_TOKENS tokens; one it will not run at all (ServerError: a text past its prompt limit) or that ends before
   the client's generation does (the server's own length limit), for the rest of the generation.
@@ -30,7 +32,8 @@ is tether.client.mode_choice, a pure function of what this measures (ClientConfi
   follows the target's law: each restarted stream draws from a seed of its own (tether.client.seeds.stream_seed).
   Streaming is not offered under presence or frequency penalties: a stream restarted over the text would count the
   tokens generated before it as prompt (ClientConfig.check refuses --mode stream with them).
-- `choose()` is the seam tests replace to force switches on events (after N tokens, mid-call).
+- `choose()` is the seam tests replace to force switches on events (after N tokens, mid-call); `end_stream()`
+  cancels a Generate call still running (the generation ends), `new_turn()` lifts a bar for the next one.
 
 Tests: tests/client/test_mode_choice.py (the rule), tests/e2e/test_adaptive_modes.py (the same greedy text for
 hybrid, stream and forced switches; a link cut or stalled mid-stream and mid-catch-up; a refused stream).
@@ -40,24 +43,42 @@ from __future__ import annotations
 
 import time
 
+from tether.client.controls import sampling_params
 from tether.client.generation_stream import GenerationStream
-from tether.client.mode_choice import BUSY_BAR_TOKENS, HYBRID, STREAM, choose_mode
+from tether.client.mode_choice import BUSY_BAR_TOKENS, HYBRID, STREAM, ModeMeter, choose_mode
+from tether.client.reply_check import ReplyCheck
+from tether.client.resync import Resync
+from tether.client.rounds import Rounds
 from tether.client.seeds import stream_seed
-from tether.client.session_types import Event
+from tether.client.server_link import ServerLink
+from tether.client.session_output import SessionOutput
+from tether.client.session_text import SessionText
+from tether.client.session_types import ClientConfig, Event
 from tether.client.transport import ServerBusy, ServerError
+from tether.shared.logits_processing import SamplingControls
 from tether.v1 import tether_pb2 as pb
 
 
-class Adaptive:
-    """EdgeSession's online modes (see the module docstring)."""
+class OnlineModes:
+    """The session's online steps, streamed or drafted (see the module docstring)."""
 
-    generation: GenerationStream | None = None  # the Generate call while streaming; None: the hybrid
-    _pinged = False  # the link's round trip was asked for (_ping)
-    _switch_bytes = (0, 0)  # the last switch to streaming's payload bytes (up, down), told with its first chunk
+    def __init__(self, cfg: ClientConfig, text: SessionText, link: ServerLink, output: SessionOutput,
+                 check: ReplyCheck, rounds: Rounds, resync: Resync, *, controls: SamplingControls):  # fmt: skip
+        self.cfg, self.text, self.link, self.output, self.check = cfg, text, link, output, check
+        self.rounds, self.resync, self.controls = rounds, resync, controls
+        self.meter = ModeMeter()  # what each online mode gave (tether.client.mode_choice: mode="auto")
+        self.generation: GenerationStream | None = None  # the Generate call while streaming; None: the hybrid
+        self._pinged = False  # the link's round trip was asked for (_ping)
+        self._switch_bytes = (0, 0)  # the last switch to streaming's bytes (up, down), told with its first chunk
 
     def choose(self) -> str:
         """The mode of the next online step: tether.client.mode_choice over this session's figures."""
-        return choose_mode(self.cfg.mode, self.meter, wait_s=self.measured.wait_s, can_stream=self._can_stream())
+        wait_s = self.rounds.measured.wait_s
+        return choose_mode(self.cfg.mode, self.meter, wait_s=wait_s, can_stream=self._can_stream())
+
+    def new_turn(self) -> None:
+        """A chat's next turn: a bar on streaming counted in the last turn's tokens is lifted."""
+        self.meter.stream_barred_until = 0
 
     def _ping(self) -> None:
         """Time one GetModelInfo on the channel the session already uses: the link's round trip, which the server
@@ -71,17 +92,17 @@ class Adaptive:
             if future.exception() is None:
                 self.meter.answered(time.monotonic() - t0)
 
-        call = self.stub.GetModelInfo.future(pb.GetModelInfoRequest(), metadata=self.metadata,
-                                             timeout=self.cfg.connect_timeout_s)  # fmt: skip
+        call = self.link.stub.GetModelInfo.future(pb.GetModelInfoRequest(), metadata=self.link.metadata,
+                                                  timeout=self.cfg.connect_timeout_s)  # fmt: skip
         call.add_done_callback(answered)
 
     def _can_stream(self) -> bool:
         """Whether a Generate call can continue the text now, exactly."""
-        c = self.controls
-        return (not (c.presence_penalty or c.frequency_penalty) and len(self.tokens) >= self.meter.stream_barred_until
-                and len(self.sequence) <= self.info.max_prompt_tokens)  # fmt: skip
+        c, text = self.controls, self.text
+        return (not (c.presence_penalty or c.frequency_penalty) and len(text.tokens) >= self.meter.stream_barred_until
+                and len(text.sequence) <= self.link.info.max_prompt_tokens)  # fmt: skip
 
-    def _online(self) -> None:
+    def step(self) -> None:
         """One online step in the mode chosen: a chunk of the stream, or a round's verdict."""
         if self.cfg.mode == "auto":
             self._ping()
@@ -94,47 +115,45 @@ class Adaptive:
             return
         if want == STREAM and self.generation is None:
             self._to_stream()
-        before = len(self.tokens)
+        before = len(self.text.tokens)
         if self.generation is not None:
             self._stream_step()
         else:
-            self._round()
-        self.meter.emitted(len(self.tokens) - before, time.monotonic())
+            self.rounds.step()
+        self.meter.emitted(len(self.text.tokens) - before, time.monotonic())
 
     # ---- streaming -----------------------------------------------------------------------------------------
 
     def _to_stream(self) -> None:
         """Leave the hybrid: the server decodes the rest alone and streams it."""
-        self._drop_rounds()  # a round in flight is forgotten: the text goes on from the tokens emitted
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
-        self._feed_from = self.verified  # offline, the drafter first steps over what was streamed
-        cfg = self.cfg
-        sampling = self._sampling()
+        cfg, stats, sequence = self.cfg, self.output.stats, self.text.sequence
+        self.rounds.drop()  # a round in flight is forgotten: the text goes on from the tokens emitted
+        self.link.drop_stream()
+        self.resync.behind(self.text.verified)  # offline, the drafter first steps over what was streamed
+        sampling = sampling_params(cfg, self.link.info, self.output.logprobs)
         if cfg.temperature > 0:
-            sampling.seed = stream_seed(cfg.seed, len(self.sequence))
-        req = pb.OpenSession(prompt=self.sequence, sampling=sampling, model_fingerprint=self.info.model_fingerprint,
-                             max_new_tokens=cfg.max_new_tokens - len(self.tokens))  # fmt: skip
-        self.stats.bytes_up += 4 * len(self.sequence)
-        self._switch_bytes = (4 * len(self.sequence), 0)
-        self.generation = GenerationStream(self.stub, req, self.metadata)
+            sampling.seed = stream_seed(cfg.seed, len(sequence))
+        req = pb.OpenSession(prompt=sequence, sampling=sampling, model_fingerprint=self.link.info.model_fingerprint,
+                             max_new_tokens=cfg.max_new_tokens - len(self.text.tokens))  # fmt: skip
+        stats.bytes_up += 4 * len(sequence)
+        self._switch_bytes = (4 * len(sequence), 0)
+        self.generation = GenerationStream(self.link.stub, req, self.link.metadata)
         self.meter.enter(STREAM)
-        self.stats.mode_switches += 1
-        self.on_event(Event("mode", detail=STREAM))
+        stats.mode_switches += 1
+        self.output.tell(Event("mode", detail=STREAM))
 
     def _stream_step(self) -> None:
         """The stream's next chunk, emitted; a refusal, or an end before the client's, goes back to the hybrid."""
-        g, cfg = self.generation, self.cfg
+        g, cfg, stats = self.generation, self.cfg, self.output.stats
         try:
             msg = g.receive(cfg.round_timeout_s if g.chunks else cfg.connect_timeout_s)
             if msg is not None:
                 chunk = list(msg.tokens)
                 for t in chunk:
-                    self._check_token(t, "streamed token")
-                reported = self._reported(msg.logprobs, chunk)
+                    self.check.token(t, "streamed token")
+                reported = self.check.logprobs(msg.logprobs, chunk)
         except ServerBusy:  # the server is full for streams now: draft here instead for a while
-            self.meter.bar_stream(len(self.tokens) + BUSY_BAR_TOKENS)
+            self.meter.bar_stream(len(self.text.tokens) + BUSY_BAR_TOKENS)
             self._to_hybrid()
             return
         except ServerError:  # the server will not stream this text: draft here to the end
@@ -142,38 +161,39 @@ class Adaptive:
             self._to_hybrid()
             return
         except BaseException:
-            self._end_stream()  # the link: the run loop goes offline
+            self.end_stream()  # the link: the run loop goes offline
             raise
         if msg is None:  # ended before this generation did (the server's own limit): the hybrid goes on
             self.meter.bar_stream(cfg.max_new_tokens)
             self._to_hybrid()
             return
         if g.chunks == 1:
-            self.stats.switch_s.append(g.arrived_at - g.started_at)
-            self.stats.switch_bytes.append(self._switch_bytes)
-        self.stats.bytes_down += 4 * len(chunk)
-        before = len(self.tokens)
-        self._emit(chunk, "verified", reported)
-        self.stats.stream_tokens += len(self.tokens) - before
+            stats.switch_s.append(g.arrived_at - g.started_at)
+            stats.switch_bytes.append(self._switch_bytes)
+        stats.bytes_down += 4 * len(chunk)
+        before = len(self.text.tokens)
+        self.output.emit(chunk, "verified", reported)
+        stats.stream_tokens += len(self.text.tokens) - before
 
-    def _end_stream(self) -> None:
+    def end_stream(self) -> None:
         """Cancel the Generate call, if one runs. The tokens it streamed are the target's: a resync absorbs them
         whatever the policy."""
         if self.generation is None:
             return
         self.generation.close()
         self.generation = None
-        self._absorb_to = max(self._absorb_to, len(self.sequence))
+        self.resync.absorb_through(len(self.text.sequence))
 
     # ---- back to drafting here -----------------------------------------------------------------------------
 
     def _to_hybrid(self) -> None:
         """The catch-up: the streamed tokens resynced in, the target's next token emitted, a stream attached."""
-        self._end_stream()
-        t0, up, down = time.monotonic(), self.stats.bytes_up, self.stats.bytes_down
-        self._resync(quiet=True)
+        self.end_stream()
+        stats = self.output.stats
+        t0, up, down = time.monotonic(), stats.bytes_up, stats.bytes_down
+        self.resync.resync(quiet=True)
         self.meter.enter(HYBRID)
-        self.stats.mode_switches += 1
-        self.stats.switch_s.append(time.monotonic() - t0)
-        self.stats.switch_bytes.append((self.stats.bytes_up - up, self.stats.bytes_down - down))
-        self.on_event(Event("mode", detail=HYBRID))
+        stats.mode_switches += 1
+        stats.switch_s.append(time.monotonic() - t0)
+        stats.switch_bytes.append((stats.bytes_up - up, stats.bytes_down - down))
+        self.output.tell(Event("mode", detail=HYBRID))

@@ -17,7 +17,7 @@ Contract:
   refuses (ChatTemplateError) is not added.
 - `Chat(engine, chat_format, system="")`: `reply(text, on_event)` -> Result, one turn, over one of two engines.
   An EdgeSession, paired, kept open across turns: each turn extends the one server session with only the new
-  tokens (tether.client.resync) and drafts offline when the server is gone; its greedy reply is what a fresh
+  tokens (EdgeSession.extend: a Resync) and drafts offline when the server is gone; its greedy reply is what a fresh
   session over the whole rendered conversation gives. A ServerOnlySession, for a server without a drafter: each
   turn is a Generate over the whole conversation (such a server holds no session). A reply ends at the template's
   end of turn, any end-of-text id, a stop token id or max_new_tokens (none of those ids is part of its text).

@@ -157,7 +157,7 @@ def _connect(args: argparse.Namespace, quiet: bool):
     console = Console(stderr=True, highlight=False, quiet=quiet)
     bar = console.is_terminal if args.progress is None else args.progress
     notes = Connecting(console, bar=bar)
-    console.print(f"connecting to {session.replicas.address}", markup=False)  # [::1]:50051 is no markup
+    console.print(f"connecting to {session.link.replicas.address}", markup=False)  # [::1]:50051 is no markup
     own, session.on_event = session.on_event, notes.on_event  # while pairing; then the session's own again
     try:
         info = session.model_info()
@@ -165,7 +165,8 @@ def _connect(args: argparse.Namespace, quiet: bool):
             session.pair()
             return session, session, session.models.tokenizer
         tokenizer = server_tokenizer(session, args.tokenizer)
-        engine = ServerOnlySession(session.stub, session.metadata, cfg, info, tokenizer, started_at=STARTED_AT)
+        engine = ServerOnlySession(session.link.stub, session.link.metadata, cfg, info, tokenizer,
+                                   started_at=STARTED_AT)  # fmt: skip
         return session, engine, tokenizer
     except BaseException:
         session.close()
@@ -178,7 +179,6 @@ def _connect(args: argparse.Namespace, quiet: bool):
 def cmd_generate(args: argparse.Namespace) -> int:
     from tether.client.chat import interruptible
     from tether.client.live_view import LiveView, PlainStream
-    from tether.client.session import EdgeSession
     from tether.client.transport import LinkDown, ServerError
 
     prompt = _prompt(args)  # before connecting: a missing file costs no round trip
@@ -190,15 +190,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return INTERRUPTED
     # A ServerDataError (the server sent something invalid) goes on to run_cli: one line, status 2.
     try:
-        prompt_ids = tok.encode(prompt)  # as the edge encodes it: the text shown continues these
-        source = prompt if isinstance(engine, EdgeSession) else prompt_ids
+        prompt_ids = tok.encode(prompt)  # the session takes token ids: the text shown continues these
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to no tokens")
         live = not args.json and not args.plain and sys.stdout.isatty()
         shown = {"context": prompt_ids, "hidden": engine.stop_ids or ()}  # the stop ids: known once paired
         if live:
             with LiveView(tok, prompt, **shown) as view:
                 engine.on_event = view.on_event
                 with interruptible(engine.stop):
-                    result = engine.run(source)
+                    result = engine.run(prompt_ids)
             view.summary(result)
         else:
             plain = PlainStream(tok, **shown)
@@ -206,9 +207,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 engine.on_event = plain.on_event
                 sys.stdout.write(prompt)
             with interruptible(engine.stop):
-                result = engine.run(source)
+                result = engine.run(prompt_ids)
             if args.json:
-                print(json.dumps(result.to_json()))
+                print(json.dumps(result.to_json(result.continuation(tok, engine.stop_ids or ()))))
             else:
                 print()
                 plain.summary(result)

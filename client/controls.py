@@ -5,7 +5,7 @@ Contract:
 - `ClientConfig.controls()` (tether.client.session_types) holds a generation's sampling rule as
   tether.shared.logits_processing.SamplingControls, checked on construction (ControlError, a ValueError naming the
   control: `tether-client` exits 2 with its one line). The drafter proposes from that same rule
-  (EdgeSession._processing: each drafted position with the counts of its own context), so greedy drafts under
+  (tether.client.rounds and resync: each drafted position with the counts of its own context), so greedy drafts under
   penalties are the processed rule's greedy tokens and the text drafted offline is the drafter's processed greedy
   text.
 - `sampling_params(cfg, info, logprobs=None)` -> pb.SamplingParams: what open, Resync and Generate send:

@@ -269,8 +269,8 @@ class _Request:
         if self.backend.observe is not None:
             self.backend.observe(self.session, e)
         self.release.event(e)
-        if self.sid == "-" and self.session.session_id:
-            self.sid = self.session.session_id[:8]
+        if self.sid == "-" and self.session.link.session_id:
+            self.sid = self.session.link.session_id[:8]
         for line in self.notes.lines(e):
             log.info("session %s: %s", self.sid, line)
 

@@ -7,7 +7,7 @@ underneath), then `view.summary(result)` prints the closing table. `PlainStream`
 writes text as it is produced and notes the link's state changes and retractions on stderr; `summary(result)` ends
 with one line there. Both decode the continuation after `context`, the prompt's ids (a SentencePiece-style
 continuation keeps its first space), and leave out the text of `hidden` ids (`tether-client generate` gives the ids
-the generation ends at: every end-of-text id and the stop token ids, as a result's text leaves them out). Both say
+the generation ends at: every end-of-text id and the stop token ids, as Result.continuation leaves them out). Both say
 the link's state changes alike, one line each (tether.client.outage.LinkNotes: "offline: server unreachable",
 "resyncing", "online ..."), and re-colour nothing already printed but the live view's text, whose offline tokens
 turn verified when a resync keeps them (Event "verify"). Both summaries give time to first token from the command's
@@ -18,7 +18,7 @@ connect loop reports, and a rich progress bar on stderr for the client part's fi
 on a terminal or when asked, and nothing at all when the weights are cached (no download events come).
 
     with LiveView(tok, prompt) as view:
-        result = generate(cfg, prompt, on_event=view.on_event)
+        result = generate(cfg, tok.encode(prompt), on_event=view.on_event)
     view.summary(result)
 """
 

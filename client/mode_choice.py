@@ -127,7 +127,7 @@ def predict_stream(wait_s: float, rtt_s: float) -> float:
 
 def choose_mode(mode: str, m: ModeMeter, *, wait_s: float, can_stream: bool) -> str:
     """The online mode for the next step (see the module docstring). `mode`: ClientConfig.mode; `wait_s`: the
-    hybrid's verdict wait (tether.client.rounds.Measured, 0: none measured); `can_stream`: whether Generate can take
+    hybrid's verdict wait (tether.client.round_plan.Measured, 0: none measured); `can_stream`: whether Generate can take
     the text now (its prompt limit, sampling rules a restarted stream keeps exactly, not barred)."""
     if not can_stream or mode == HYBRID:
         return HYBRID

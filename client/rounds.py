@@ -1,22 +1,13 @@
 """The edge session's ONLINE rounds: draft a chain or a tree, send it, draft the next round while this one is
 verified, and take the verdict.
 
-A part of tether.client.session.EdgeSession (a mixin over its state, as tether.client.resync is); the wire side is
-docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max_tree_nodes).
-- A round's shape (`EdgeSession._plan`): a chain of `k` draft tokens after the root, or an EAGLE-2 dynamic tree of
-  at most `tree_nodes` nodes grown `tree_depth` levels deep, `tree_top_k` wide (the drafter's draft_tree), where
-  the server takes trees: ModelInfo.max_tree_nodes caps the nodes, and 0 (a server that verifies chains only, or
-  one older than trees) means chains whatever `tree` says. Tree children are deterministic top-k picks, which the
-  server's lossless check takes as point-mass proposals when no q rows come with them, so a tree round carries no
-  q and sampling stays lossless with trees too.
-- `tree="auto"` (`use_tree`, a pure function of what the session measured, `Measured`): a tree while a round waits
-  for its verdict at least RTT_DOMINANCE times as long as drafting a chain takes and rounds get as far as a whole
-  chain would at least WHOLE_OFTEN of the time; a chain otherwise, and for the first MIN_ROUNDS rounds. A tree
-  costs more draft compute and upload and earns more accepted tokens per round, which pays when the round trip,
-  not drafting, sets the pace. The figures are EWMAs (weight EWMA_WEIGHT for the newest): the wait from sending a
-  round to its verdict's arrival (the reader thread stamps it, so drafting ahead meanwhile does not count), the
-  drafter's time per step (a chain token or a tree level), and whether a round accepted at least the k tokens of a
-  chain. Auto decides on measured times, so a seed repeats a sampled text exactly only with `tree` chain or tree.
+`Rounds` is an object EdgeSession (tether.client.session) composes: it holds the session's text (SessionText, whose
+verified length it advances as verdicts' deltas are adopted), the server link, the output it emits to, and the state
+of the rounds in flight. What a round is (its shape, from what the session measured) is tether.client.round_plan's
+`plan_round`, a pure function; the wire side is docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path).
+- `step()`: one verdict. It drafts and sends a round unless one is in flight, drafts ahead while it is verified,
+  takes the verdict and emits its accepted tokens and bonus, tagged verified. `drop()` forgets the rounds in flight
+  and their drafted rows; `restart()` numbers rounds from 1 again (a new stream attached).
 - A tree round sends its nodes after the root in topological order with `parents` (node i's parent is
   parents[i - 1], the root being node 0). The verdict's `path` names the accepted nodes, checked to be a walk
   down from the root; their tokens and the bonus are emitted, and the delta covers the root and that path.
@@ -28,7 +19,7 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   next round is drafted anew. A round is drafted ahead only when accepting the one in flight whole would not end
   the generation. A chain drafted ahead stops as soon as a verdict is in (a drafter slower than the round trip: a
   large TLI on a CPU edge, or a link of RTT 0), so a miss costs no more drafting; a hit finishes it first
-  (`_draft_rest`: the same tokens and draws as a draft never stopped). Each online draft samples from a random stream
+  (`draft_rest`: the same tokens and draws as a draft never stopped). Each online draft samples from a random stream
   of its own (the session's n-th), so where a draft was cut never moves a later draw: a seed repeats a text. Round
   numbers and roots are those a client without pipelining sends: the server sees nothing new, and a round stays
   idempotent.
@@ -42,7 +33,7 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
   refusal, which the transport passes over, before the next round's verdict. So a run of hits costs a round trip
   once, not a round trip a round, and greedy text and sampled laws are the same as without overlap: whether a round
   counts still depends on the verdict alone.
-  `overlap_depth` rounds may be queued so behind the one in flight (`_fill_overlap`): each drafted after the one
+  `overlap_depth` rounds may be queued so behind the one in flight (`fill_overlap`): each drafted after the one
   before it, on the guess that every round before it holds, and sent with the length all those guesses leave.
   A verdict that bears out the first queued round's guess makes it the round in flight and keeps the others
   queued; one that does not makes every queued round stale. A round being drafted behind a queued one when a
@@ -69,105 +60,31 @@ docs/ARCHITECTURE.md, section 5 (DraftRound.parents, Verdict.path, ModelInfo.max
 - A lost round (no verdict in time, a refused message, a broken stream) drops the drafted rows and any round drafted
   ahead, and the session goes OFFLINE as before (tether.client.resync).
 
-Tests: tests/client/test_round_shape.py (the auto rule, trees' main branches and paths, the drafter's caches after
-tree rounds and rounds drafted ahead), tests/e2e/test_tree_pipeline.py (greedy equals plain greedy for chain / tree x
-pipelining x overlap, a cut link under pipelining, sampled runs, a server without trees), tests/server/test_service.py
-(the server's side of overlapping rounds).
+Tests: tests/client/test_round_shape.py (the shapes, verdicts' paths, the drafter's caches after tree rounds and
+rounds drafted ahead, drafting ahead over a scripted drafter), tests/e2e/test_tree_pipeline.py (greedy equals plain
+greedy for chain / tree x pipelining x overlap, a cut link under pipelining, sampled runs, a server without trees),
+tests/server/test_service.py (the server's side of overlapping rounds).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.client.delta_gate import wire_delta
+from tether.client.delta_gate import DeltaGate, wire_delta
 from tether.client.errors import Problem
+from tether.client.reply_check import ReplyCheck
+from tether.client.round_plan import Limits, Measured, Shape, main_branch, plan_round
+from tether.client.server_link import ServerLink
+from tether.client.session_output import SessionOutput
+from tether.client.session_text import SessionText
 from tether.client.session_types import ClientConfig
-from tether.shared.logits_processing import LogitsProcessing
+from tether.shared.logits_processing import LogitsProcessing, SamplingControls
 from tether.v1 import tether_pb2 as pb
-
-# auto: a tree once a round waits for its verdict at least this many times as long as drafting a chain takes. A tree
-# of the default shape (32 nodes, 12 levels, 3 wide) takes about two and a half chains' drafting for 1.85 times
-# a chain's tokens per round (the default models, greedy: tau 9.95 against 5.38), which pays once the wait is several
-# chains' drafting long: a link's round trip, not a server on the same host, whose own step makes the wait 1.5 to 3
-# chains' drafting (and grows with a tree's nodes on a CPU).
-RTT_DOMINANCE = 4.0
-WHOLE_OFTEN = 0.5  # auto: ... and at least this share of rounds get as far as a whole chain of k
-MIN_ROUNDS = 2  # auto: chains until this many verdicts were measured
-EWMA_WEIGHT = 0.25  # weight of the newest figure in each moving average
-
-
-@dataclass
-class Measured:
-    """What the session measured of its rounds: EWMAs, each started by its first figure."""
-
-    wait_s: float = 0.0  # from sending a round to its verdict's arrival: the round trip, the server's step included
-    step_s: float = 0.0  # the drafter's time per step: a chain token, or a tree level
-    whole: float = 0.0  # the share of rounds that accepted at least what a whole chain holds (k tokens)
-    rounds: int = 0  # verdicts measured
-    waits: int = 0  # of them, those whose wait was measured (not overlapping rounds')
-    steps: int = 0  # drafter steps measured
-
-    def drafted(self, seconds: float, steps: int) -> None:
-        """`steps` drafter steps took `seconds`."""
-        if steps > 0:
-            per = seconds / steps
-            self.step_s = per if not self.steps else self.step_s + EWMA_WEIGHT * (per - self.step_s)
-            self.steps += steps
-
-    def answered(self, wait_s: float | None, whole: bool) -> None:
-        """A verdict came `wait_s` after its round was sent (None: an overlapping round's, which queued behind the
-        verdict before it, so says nothing of the round trip); `whole`: it accepted a whole chain's worth."""
-        if wait_s is not None:
-            self.wait_s = wait_s if not self.waits else self.wait_s + EWMA_WEIGHT * (wait_s - self.wait_s)
-            self.waits += 1
-        self.whole = float(whole) if not self.rounds else self.whole + EWMA_WEIGHT * (float(whole) - self.whole)
-        self.rounds += 1
-
-
-def use_tree(mode: str, m: Measured, *, k: int, nodes: int, depth: int) -> bool:
-    """Whether the next round is a tree: `mode` is ClientConfig.tree; `k` a chain's length as configured (the wait
-    is weighed against drafting that many tokens, also when the end of the text leaves room for fewer), `nodes`
-    and `depth` what a tree may have now (0 nodes: the server takes chains only)."""
-    if mode == "chain" or nodes < 2 or depth < 1:
-        return False
-    if mode == "tree":
-        return True
-    if m.rounds < MIN_ROUNDS:
-        return False
-    return m.wait_s >= RTT_DOMINANCE * max(k, 1) * m.step_s and m.whole >= WHOLE_OFTEN
-
-
-def main_branch(parents: list[int]) -> list[int]:
-    """A tree's main branch: node numbers from the root's first child down, each the first child of the one before
-    (siblings come by descending drafter score, so it is the drafter's favourite path). parents[i - 1] is node i's
-    parent, parents before children."""
-    path, node = [], 0
-    for i, p in enumerate(parents, start=1):
-        if p == node:
-            path.append(i)
-            node = i
-    return path
-
-
-def lookahead_rows(cfg: ClientConfig) -> int:
-    """Drafter cache rows one round may take past the text: a chain's k, or every node a tree expands (the root,
-    then up to top_k per further level), and the root and bonus (a round drafted ahead fits in what its guessed
-    path will have made text)."""
-    tree_rows = 1 + (cfg.tree_depth - 1) * cfg.tree_top_k if cfg.tree != "chain" else 0
-    return max(cfg.k, tree_rows) + 2
-
-
-@dataclass(frozen=True)
-class Shape:
-    k: int  # a chain's draft tokens, or a tree's depth
-    chain_k: int  # the tokens a chain would have drafted (what "accepted whole" measures against)
-    tree: bool = False
-    nodes: int = 0  # a tree's most draft nodes, the root not counted
-    top_k: int = 0  # a tree's width
 
 
 @dataclass
@@ -181,7 +98,7 @@ class Drafted:
     sent_at: float = 0.0  # time.monotonic() when it was sent; 0.0: not sent (yet)
     overlapped: bool = False  # sent before the verdict of the round before it, and taken
     short: int = 0  # a chain drafted ahead and cut short by its verdict's arrival: the tokens still to draft
-    rng: Any = None  # the random stream its tokens were drawn from (its own: see Rounds._draft), when sampling
+    rng: Any = None  # the random stream its tokens were drawn from (its own: see Rounds.draft), when sampling
     proc: LogitsProcessing | None = None  # the logit_bias and penalties of the position after its root
     main: list[int] = field(default_factory=list)  # the path a round drafted ahead assumes: the chain, or main branch
     # The drafter's guess of the bonus after the root and main path, once it holds their rows (fed == len(main) + 1):
@@ -202,25 +119,73 @@ class Ahead:
     after: int  # the verified length the guess leaves: where the server must stand to verify this round
 
 
+def check_verdict(reply: pb.ServerMessage, sent: Drafted, check: ReplyCheck) -> tuple[pb.Verdict, list[int]]:
+    """The reply's verdict and its accepted path (node numbers) if it answers the round sent (the gate checks its
+    delta), else what `check` refuses it with (BadMessage once generating)."""
+    body = reply.WhichOneof("body")
+    number = sent.msg.round
+    if body != "verdict":
+        raise check.refused(Problem.VERDICT, f"round {number} was answered by a {body} message")
+    v = reply.verdict
+    n = len(sent.msg.tokens)
+    if v.round != number or v.accepted > n or len(v.delta.tokens) != v.accepted + 1:
+        raise check.refused(
+            Problem.VERDICT,
+            f"round {v.round} (sent {number}): {v.accepted} of {n} drafts accepted, "
+            f"a delta of {len(v.delta.tokens)} positions",
+        )
+    check.token(v.bonus, f"bonus token of round {v.round}")
+    if sent.parents is None:
+        if v.path:
+            raise check.refused(Problem.VERDICT, f"round {number} sent a chain, its verdict names tree nodes")
+        return v, list(range(1, v.accepted + 1))
+    path, parent = list(v.path), 0
+    for node in path:
+        if not (1 <= node <= n and sent.parents[node - 1] == parent):
+            break
+        parent = node
+    else:
+        if len(path) == v.accepted:
+            return v, path
+    raise check.refused(Problem.VERDICT, f"round {number}: its verdict's path is not {v.accepted} nodes of the "
+                                         "tree sent, each a child of the one before")  # fmt: skip
+
+
 class Rounds:
-    """EdgeSession's ONLINE rounds (see the module docstring)."""
+    """The session's ONLINE rounds over its text, link and output (see the module docstring)."""
+
+    def __init__(self, cfg: ClientConfig, text: SessionText, link: ServerLink, output: SessionOutput,
+                 check: ReplyCheck, drafter: DeltaGate, *, controls: SamplingControls, limits: Limits,
+                 streams: Callable[[int], Any], stopping: threading.Event):  # fmt: skip
+        """streams(n): the random stream the session's n-th online draft samples from; stopping: set by stop()."""
+        self.cfg, self.text, self.link, self.output, self.check = cfg, text, link, output, check
+        self.drafter, self.controls, self.limits = drafter, controls, limits
+        self.streams, self.stopping = streams, stopping
+        self.measured = Measured()  # the round trip, drafting time and acceptance (round_plan: tree="auto")
+        self.number = 0  # rounds answered on this stream
+        self.inflight: Drafted | None = None  # the round sent and not answered yet
+        self.queued: list[Ahead] = []  # overlapping rounds sent behind the one in flight, in order
+        self.stale: list[int] = []  # overlapping rounds whose refusals as stale are still to come back (numbers)
+        self.accepted: list[int] = []  # a verdict's accepted tokens, while its delta is checked (the gate's coverable)
+        self._answered_at: float | None = None  # when the last verdict arrived, until the round after it is sent
+        self._drafts_started = 0  # online chains drafted so far: the next one samples from the stream of that number
+
+    def restart(self) -> None:
+        """A new stream attached: its rounds are numbered from 1."""
+        self.number = 0
+
+    def _processing(self, context: list[int]) -> LogitsProcessing | None:
+        """The logit_bias and penalties of the position after `context` (the text through a draft's root), which
+        the drafter proposes from as the server's verifier does; None when the controls change nothing."""
+        return self.controls.processing(context, len(self.text.prompt), self.check.vocab_size)
 
     def _plan(self, emitted: int, length: int) -> Shape:
-        """The shape of the round after the `emitted`-th token, with the text (prompt included) `length` long."""
-        cfg, info = self.cfg, self.info
-        room = min(cfg.max_new_tokens - emitted - 1, self.max_positions - length)
-        k = max(0, min(cfg.k, room, info.max_draft_tokens))
-        # A tree is verified over all its nodes: they need the positions, though only its path stays.
-        nodes = max(0, min(cfg.tree_nodes, info.max_tree_nodes, info.max_draft_tokens, self.max_positions - length))
-        depth = max(0, min(cfg.tree_depth, room, nodes))
-        if use_tree(cfg.tree, self.measured, k=cfg.k, nodes=nodes, depth=depth):
-            return Shape(depth, k, True, nodes, cfg.tree_top_k)
-        return Shape(k, k)
+        return plan_round(self.cfg, self.measured, self.limits, emitted=emitted, length=length)
 
-    def _draft(self, number: int, context: list[int], shape: Shape, stop: Callable[[], bool] | None = None) -> Drafted:
+    def draft(self, number: int, context: list[int], shape: Shape, stop: Callable[[], bool] | None = None) -> Drafted:
         """Round `number`'s draft after its root, the last token of `context` (the text through it, guesses
         included), from the rows the drafter holds now; each drafted position is processed by the sampling controls
-        with its own context's counts. `stop` may cut a chain short (Drafted.short; `_draft_rest` completes it).
+        with its own context's counts. `stop` may cut a chain short (Drafted.short; `draft_rest` completes it).
         Each draft samples from a random stream of its own, the session's n-th: how far a draft cut short got then
         changes no later draw, so a seed repeats a text whenever the draft ahead is cut."""
         cfg, root, proc = self.cfg, context[-1], self._processing(context)
@@ -232,7 +197,7 @@ class Rounds:
             msg = pb.DraftRound(round=number, root=root, tokens=tokens, parents=parents)
             d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents), proc=proc)
         else:  # a tree's nodes are top-k picks, which draw nothing: only chains take a stream
-            rng = self._draft_streams(self._drafts_started) if cfg.temperature > 0 else None
+            rng = self.streams(self._drafts_started) if cfg.temperature > 0 else None
             self._drafts_started += 1
             drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
                                                         top_k=cfg.top_k, stop=stop, generator=rng, min_p=cfg.min_p,
@@ -253,7 +218,7 @@ class Rounds:
         d.fed, d.short = len(d.msg.tokens), d.short - len(drafts)
         d.main = list(range(1, d.fed + 1))
 
-    def _draft_rest(self, d: Drafted) -> None:
+    def draft_rest(self, d: Drafted) -> None:
         """Complete a chain cut short: the same tokens and draws as if it had never stopped."""
         t0, cfg = time.monotonic(), self.cfg
         proc = None if d.proc is None else d.proc.after(list(d.msg.tokens))  # the position after the last draft
@@ -271,23 +236,24 @@ class Rounds:
         self.measured.drafted(time.monotonic() - t0, len(tokens))
         return guess
 
-    def _send(self, d: Drafted, *, after_length: int = 0) -> None:
+    def send(self, d: Drafted, *, after_length: int = 0) -> None:
         """Send round `d`: the next to be answered, or with `after_length` an overlapping round, sent before the
         verdict of the one in flight on the guess that it leaves that many verified positions."""
+        stats = self.output.stats
         d.sent_at = time.monotonic()
         d.msg.after_length = after_length
         if after_length == 0:
             if self._answered_at is not None:
-                self.stats.verdict_to_send_s += d.sent_at - self._answered_at
+                stats.verdict_to_send_s += d.sent_at - self._answered_at
                 self._answered_at = None
-            self._inflight = d
-        self.stream.send(pb.ClientMessage(round=d.msg))
+            self.inflight = d
+        self.link.stream.send(pb.ClientMessage(round=d.msg))
         q = sum(len(row.ids) for row in d.msg.q)
-        self.stats.bytes_up += 4 * (1 + len(d.msg.tokens) + len(d.msg.parents)) + 8 * q
+        stats.bytes_up += 4 * (1 + len(d.msg.tokens) + len(d.msg.parents)) + 8 * q
 
     def _pending(self) -> list[Drafted]:
         """The rounds sent and not answered, in order: the one in flight, then those queued behind it."""
-        return [self._inflight, *(a.round for a in self._queued)]
+        return [self.inflight, *(a.round for a in self.queued)]
 
     def _draft_ahead(self) -> Ahead | None:
         """The round after the last one pending, drafted as if every pending round were accepted along its main
@@ -298,13 +264,13 @@ class Rounds:
         path = base.main
         tokens = base.tokens_on(path)
         ahead = sum(len(d.main) + 1 for d in pending)  # positions the pending rounds make text when they all hold
-        emitted, length = len(self.tokens) + ahead, len(self.sequence) + ahead
-        stops = self.stop_ids or frozenset()
-        if stops.intersection(tokens) or emitted >= self.cfg.max_new_tokens or length >= self.max_positions:
+        emitted, length = len(self.text.tokens) + ahead, len(self.text.sequence) + ahead
+        stops = self.output.ends
+        if stops.intersection(tokens) or emitted >= self.cfg.max_new_tokens or length >= self.limits.max_positions:
             return None
         unfed = [t for d in pending for t in ([d.msg.root] + d.tokens_on(d.main))[d.fed :]]
         # The text the guess follows: the first pending round's root ends the sequence; each root and main path.
-        context = self.sequence[:-1] + [t for d in pending for t in [d.msg.root] + d.tokens_on(d.main)]
+        context = self.text.sequence[:-1] + [t for d in pending for t in [d.msg.root] + d.tokens_on(d.main)]
         # Nothing unfed: an earlier draft ahead stepped over them all (and stopped, at an end-of-text guess or a
         # verdict) and a verdict that bore the rounds before out kept those rows; its guess still follows them.
         guess = self._feed(unfed, self._processing(context)) if unfed else base.guess
@@ -316,11 +282,11 @@ class Rounds:
         if guess in stops:
             return None
         # A verdict in already: stop drafting ahead, so a miss costs no more of it (a hit finishes the chain).
-        stop = functools.partial(self.stream.has_reply, self._stale)
-        drafted = self._draft(base.msg.round + 1, [*context, guess], self._plan(emitted, length), stop)
-        return Ahead(path, guess, drafted, after=self.verified + ahead)
+        stop = functools.partial(self.link.stream.has_reply, self.stale)
+        drafted = self.draft(base.msg.round + 1, [*context, guess], self._plan(emitted, length), stop)
+        return Ahead(path, guess, drafted, after=self.text.verified + ahead)
 
-    def _fill_overlap(self) -> Ahead | None:
+    def fill_overlap(self) -> Ahead | None:
         """Draft rounds ahead and send them before the verdicts they depend on, until `overlap_depth` are queued
         behind the round in flight or a verdict is in. Returns a round drafted ahead but cut short by a verdict
         while none was queued (sent after that verdict if it bears the guess out, as without overlap)."""
@@ -328,157 +294,126 @@ class Rounds:
         # the verified ones if the verdict came first, so its proposals would depend on timing. Greedy text is the
         # target's whatever was drafted.
         depth = self.cfg.overlap_depth if self.cfg.temperature == 0 else 1
-        while len(self._queued) < depth and not self._stopping.is_set():
-            if self._queued and self.stream.has_reply(self._stale):
+        while len(self.queued) < depth and not self.stopping.is_set():
+            if self.queued and self.link.stream.has_reply(self.stale):
                 break  # the verdict is in: taking it comes first
             ahead = self._draft_ahead()
             if ahead is None:
                 break
             if ahead.round.short:
-                if not self._queued:
+                if not self.queued:
                     return ahead
                 # Cut short behind a queued round: kept unsent; a verdict that bears out the round before it
                 # finishes it from the same rows and sends it, one that does not throws it away with the others.
-                self._queued.append(ahead)
+                self.queued.append(ahead)
                 break
-            self._send(ahead.round, after_length=ahead.after)
-            self._queued.append(ahead)
+            self.send(ahead.round, after_length=ahead.after)
+            self.queued.append(ahead)
         return None
 
     def _send_queued(self) -> None:
         """After a hit: finish and send the round queued unsent (cut short by that verdict), before the drafter
         drops the rows it was drafted from."""
-        for a in self._queued:
-            if not a.round.sent_at and not self._stopping.is_set():
+        for a in self.queued:
+            if not a.round.sent_at and not self.stopping.is_set():
                 self._finish_and_send(a.round, after_length=a.after)
 
     def _finish_and_send(self, d: Drafted, *, after_length: int = 0) -> None:
         """Send round `d` drafted ahead, first completing it if a verdict cut it short."""
         if d.short:
-            self._draft_rest(d)
-        self._send(d, after_length=after_length)
+            self.draft_rest(d)
+        self.send(d, after_length=after_length)
 
     def _overlaps(self) -> bool:
         """Whether a round drafted ahead goes out before the verdict it depends on (see the module docstring)."""
-        return self.cfg.pipeline and self.cfg.overlap and self.info.overlapping_rounds
+        return self.cfg.pipeline and self.cfg.overlap and self.link.info.overlapping_rounds
 
-    def _drop_rounds(self) -> None:
+    def drop(self) -> None:
         """Forget the rounds in flight and their drafted rows (the stream they went on is gone, or the generation
         is)."""
-        self._inflight = self._answered_at = None
-        self.stats.pipeline_discarded += len(self._queued)
-        self._queued, self._stale = [], []
+        self.inflight = self._answered_at = None
+        self.output.stats.pipeline_discarded += len(self.queued)
+        self.queued, self.stale = [], []
         self.drafter.discard_drafts()
 
-    def _round(self) -> None:
+    def step(self) -> None:
         """One verdict: draft and send a round unless one is in flight, draft the next ahead while it is verified,
         take the verdict (sending the round drafted ahead at once when the guess held) and emit its tokens."""
-        t_round = time.monotonic()
-        if self._inflight is None:
-            shape = self._plan(len(self.tokens), len(self.sequence))
-            self._send(self._draft(self.round + 1, self.sequence, shape))
-        sent, ahead = self._inflight, None
+        t_round, stats = time.monotonic(), self.output.stats
+        if self.inflight is None:
+            shape = self._plan(len(self.text.tokens), len(self.text.sequence))
+            self.send(self.draft(self.number + 1, self.text.sequence, shape))
+        sent, ahead = self.inflight, None
         try:
             if self.cfg.pipeline and self._overlaps():
-                ahead = self._fill_overlap()
+                ahead = self.fill_overlap()
             elif self.cfg.pipeline:
                 ahead = self._draft_ahead()
             t_wait = time.monotonic()
-            reply = self.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at, stale=self._stale)
-            self._stale = []
-            waited, self._answered_at = time.monotonic() - t_wait, self.stream.arrived_at
-            v, path = self._verdict(reply, sent)
-            reported = self._reported(v.logprobs, sent.tokens_on(path) + [v.bonus])  # checked before anything moves
-            self._inflight = None
+            reply = self.link.stream.receive(self.cfg.round_timeout_s, since=sent.sent_at, stale=self.stale)
+            self.stale = []
+            waited, self._answered_at = time.monotonic() - t_wait, self.link.stream.arrived_at
+            v, path = check_verdict(reply, sent, self.check)
+            reported = self.check.logprobs(v.logprobs, sent.tokens_on(path) + [v.bonus])  # before anything moves
+            self.inflight = None
             wait = None if sent.overlapped else self._answered_at - sent.sent_at
             self.measured.answered(wait, whole=v.accepted >= sent.chain_k)
-            self.stats.verdict_wait_s += self._answered_at - sent.sent_at
+            stats.verdict_wait_s += self._answered_at - sent.sent_at
             borne_out = False  # the round drafted ahead went out on this verdict's exact path and bonus
-            if self._queued:
+            if self.queued:
                 # The server's test, not the client's: a tree's other path of the same length and bonus also
                 # leaves it at the queued round's `after` with that root, and the round then is verified there
                 # (exactly: it is the target that decides).
-                first = self._queued[0]
+                first = self.queued[0]
                 if (len(path), v.bonus) == (len(first.path), first.bonus):
                     borne_out = path == first.path
-                    self._queued.pop(0)
-                    self._inflight, self._answered_at = first.round, None
+                    self.queued.pop(0)
+                    self.inflight, self._answered_at = first.round, None
                     first.round.overlapped = True
-                    self.stats.pipeline_hits += 1
-                    self.stats.overlapped += 1
+                    stats.pipeline_hits += 1
+                    stats.overlapped += 1
                     self._send_queued()
                 else:
                     # Every queued round assumed this one held: the refusals of those sent come before the next
                     # verdict.
-                    self._stale = [a.round.msg.round for a in self._queued if a.round.sent_at]
-                    self.stats.pipeline_discarded += len(self._queued)
-                    self._queued = []
-            elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self._stopping.is_set():
+                    self.stale = [a.round.msg.round for a in self.queued if a.round.sent_at]
+                    stats.pipeline_discarded += len(self.queued)
+                    self.queued = []
+            elif ahead is not None and (path, v.bonus) == (ahead.path, ahead.bonus) and not self.stopping.is_set():
                 self._finish_and_send(ahead.round)
-                self.stats.pipeline_hits += 1
+                stats.pipeline_hits += 1
                 borne_out = True
             elif ahead is not None:
-                self.stats.pipeline_discarded += 1
+                stats.pipeline_discarded += 1
             ahead = None
             accepted = sent.tokens_on(path)
-            self._count_down(v.delta)
-            self._drafts = accepted  # what the delta may cover after the root
+            stats.bytes_down += len(v.delta.payload)
+            self.accepted = accepted  # what the delta may cover after the root
             try:
                 # Verified rows come from the delta alone, however they were drafted. Under greedy, rows drafted
                 # after them for the rounds now pending stay where the drafter can keep them (their tokens are
                 # the ones drafted over); sampled text must not depend on which rows a draft read.
-                keep = borne_out and self.cfg.temperature == 0 and self._inflight is not None
+                keep = borne_out and self.cfg.temperature == 0 and self.inflight is not None
                 if not keep:
                     self.drafter.discard_drafts()
                 kept = self.drafter.commit(wire_delta(v.delta), keep_drafts=keep)
             finally:
-                self._drafts = []
+                self.accepted = []
         except BaseException:
-            self.stats.pipeline_discarded += int(ahead is not None)
-            self._drop_rounds()  # the round is lost: drafting goes on after the verified positions
+            stats.pipeline_discarded += int(ahead is not None)
+            self.drop()  # the round is lost: drafting goes on after the verified positions
             raise
-        self.round += 1
-        self.stats.rounds += 1
-        self.stats.tree_rounds += int(sent.parents is not None)
-        self.stats.drafted += len(sent.msg.tokens)
-        self.stats.accepted += v.accepted
-        self.verified = v.delta.start + len(v.delta.tokens)
-        self.stats.rows_kept += int(kept)
-        if self._inflight is not None and not kept:
+        self.number += 1
+        stats.rounds += 1
+        stats.tree_rounds += int(sent.parents is not None)
+        stats.drafted += len(sent.msg.tokens)
+        stats.accepted += v.accepted
+        self.text.adopt(v.delta.start + len(v.delta.tokens))
+        stats.rows_kept += int(kept)
+        if self.inflight is not None and not kept:
             # Sent as drafted ahead: their rows went with this verdict's delta. Drafting the round after them feeds
             # their roots and main paths again, over the verified states and in one call (_draft_ahead).
             for d in self._pending():
                 d.fed = 0
-        self.stats.round_work_s += time.monotonic() - t_round - waited
-        self._emit(accepted + [v.bonus], "verified", reported)
-
-    def _verdict(self, reply: pb.ServerMessage, sent: Drafted) -> tuple[pb.Verdict, list[int]]:
-        """The reply's verdict and its accepted path (node numbers) if it answers the round sent (the gate checks
-        its delta), else BadMessage."""
-        body = reply.WhichOneof("body")
-        number = sent.msg.round
-        if body != "verdict":
-            raise self._bad_message(Problem.VERDICT, f"round {number} was answered by a {body} message")
-        v = reply.verdict
-        n = len(sent.msg.tokens)
-        if v.round != number or v.accepted > n or len(v.delta.tokens) != v.accepted + 1:
-            raise self._bad_message(
-                Problem.VERDICT,
-                f"round {v.round} (sent {number}): {v.accepted} of {n} drafts accepted, "
-                f"a delta of {len(v.delta.tokens)} positions",
-            )
-        self._check_token(v.bonus, f"bonus token of round {v.round}")
-        if sent.parents is None:
-            if v.path:
-                raise self._bad_message(Problem.VERDICT, f"round {number} sent a chain, its verdict names tree nodes")
-            return v, list(range(1, v.accepted + 1))
-        path, parent = list(v.path), 0
-        for node in path:
-            if not (1 <= node <= n and sent.parents[node - 1] == parent):
-                break
-            parent = node
-        else:
-            if len(path) == v.accepted:
-                return v, path
-        raise self._bad_message(Problem.VERDICT, f"round {number}: its verdict's path is not {v.accepted} nodes of "
-                                                 "the tree sent, each a child of the one before")  # fmt: skip
+        stats.round_work_s += time.monotonic() - t_round - waited
+        self.output.emit(accepted + [v.bonus], "verified", reported)

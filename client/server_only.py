@@ -9,8 +9,9 @@ ModelInfo.client_part_formats, drafter or not) and is cached by its hash; `--tok
 
 Contract:
 - `ServerOnlySession(stub, metadata, cfg, info, tokenizer, on_event=None, stop_ids=None, started_at=None)`:
-  `run(prompt_ids)` -> Result, one Generate call (`started_at`: the command's start, for ttft_from_start_s). Its
-  events are EdgeSession's: state CONNECTING -> ONLINE -> DONE, and "tokens" tagged verified as they arrive. It
+  `run(prompt_ids)` -> Result, one Generate call (`started_at`: the command's start, for ttft_from_start_s), token
+  ids in and out as EdgeSession's (the tokenizer gives the vocabulary and the end-of-text ids; its caller decodes).
+  Its events are EdgeSession's: state CONNECTING -> ONLINE -> DONE, and "tokens" tagged verified as they arrive. It
   ends at `cfg.max_new_tokens`, at the first of `stop_ids` (by default every end-of-text id of the model and the
   config's stop token ids: tether.client.controls; the stream is cancelled there) or at `stop()` (thread-safe; it
   ends at the next chunk). The config's sampling controls go with the request; a server that does not apply them
@@ -29,12 +30,11 @@ Contract:
   WEIGHT_SIZE, TOKENIZER, CACHE_KEY, CHUNK or CHECKSUM); a broken stream raises grpc.RpcError or ConnectionError,
   and calling again resumes.
 - `server_tokenizer(session, override="")` -> Tokenizer, what `tether-client` decodes a server-only stream with:
-  `override` (--tokenizer) through load_tokenizer, else fetch_tokenizer over the session's channel, its download
-  retried with the session's backoff like the client part's and reported as "download" events.
+  `override` (--tokenizer) through load_tokenizer, else fetch_tokenizer over the session's link, its download
+  retried with the session's backoff like the client part's and reported as "download" events (`session`: an
+  EdgeSession, or anything `Connected`).
 - `load_tokenizer(path, info)`: the tokenizer in `path` (a tokenizer.json, or a model directory holding one),
   refused (ValueError, one line) unless its hash is the server's.
-- `generate_server_only(cfg, prompt, tokenizer)`: one generation over a channel of its own (bench/link.py's
-  baseline).
 
     tokenizer = fetch_tokenizer(stub, info, "~/.cache/tether")
     session = ServerOnlySession(stub, metadata, cfg, info, tokenizer)
@@ -50,7 +50,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
@@ -68,17 +68,27 @@ from tether.client.pairing_checks import (
     served_tokenizer,
 )
 from tether.client.pairing_checks import MAX_TOKENIZER_BYTES as MAX_STREAMED_BYTES
+from tether.client.server_link import ServerLink
 from tether.client.session_types import ClientConfig, Event, Result, State, Stats
-from tether.client.transport import FormatNotOffered, Replicas, rpc_error
+from tether.client.transport import DOWNLOAD_ATTEMPTS, Backoff, FormatNotOffered, rpc_error
 from tether.client.weight_cache import WeightCache, is_sha256
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import TOKENIZER_TENSOR
 from tether.v1 import tether_pb2 as pb
 
-if TYPE_CHECKING:
-    from tether.client.session import EdgeSession
-
 MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json file larger than this is not one
+
+
+class Connected(Protocol):
+    """What server_tokenizer needs of a session (tether.client.session.EdgeSession): its config, its link to the
+    server, its retry policy and where its events go."""
+
+    cfg: ClientConfig
+    link: ServerLink
+    backoff: Backoff
+    on_event: Callable[[Event], None]
+
+    def model_info(self) -> pb.ModelInfo: ...
 
 
 def fetch_tokenizer(
@@ -125,21 +135,19 @@ def fetch_tokenizer(
     return check_tokenizer(cache.blob(entry).read_bytes(), info)
 
 
-def server_tokenizer(session: EdgeSession, override: str | Path = "") -> Tokenizer:
+def server_tokenizer(session: Connected, override: str | Path = "") -> Tokenizer:
     """The tokenizer to decode a server-only stream with: `override` if given, else the server's (module
     docstring). ValueError (one line) for an override that is not the server's tokenizer."""
     info = session.model_info()
     if override:
         return load_tokenizer(override, info)
-    from tether.client.session import DOWNLOAD_ATTEMPTS  # here: tether.client.session imports this module
-
-    cfg = session.cfg
+    cfg, link = session.cfg, session.link
 
     def progress(done: int, total: int) -> None:
         session.on_event(Event("download", count=done, total=total))
 
     def fetch() -> Tokenizer:
-        return fetch_tokenizer(session.stub, info, cfg.cache_dir, metadata=session.metadata,
+        return fetch_tokenizer(link.stub, info, cfg.cache_dir, metadata=link.metadata,
                                max_bytes=cfg.max_weights_mb << 20, on_progress=progress)  # fmt: skip
 
     def interrupted(e: Exception) -> None:
@@ -192,7 +200,7 @@ class ServerOnlySession:
 
     def run(self, prompt: list[int]) -> Result:
         if not prompt:
-            raise ValueError("the prompt encodes to no tokens")
+            raise ValueError("the prompt holds no tokens")
         cfg = self.cfg
         self._stop_asked = False
         self.stats = stats = Stats(server_only=True)
@@ -226,19 +234,4 @@ class ServerOnlySession:
             call.cancel()  # a stop id or stop(): the server ends the generation and frees its KV
         stats.wall_s = time.monotonic() - t0
         self._set_state(State.DONE)
-        # The text the continuation adds to its prompt (a first space kept), without the ids it ended at.
-        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids], after=list(prompt))
-        return Result(list(prompt), tokens, ["verified"] * len(tokens), text, stats)
-
-
-def generate_server_only(cfg: ClientConfig, prompt: str, tokenizer: Tokenizer) -> Result:
-    """The baseline: the server decodes `prompt` alone and streams its tokens; nothing is drafted on the edge."""
-    replicas = Replicas(cfg.server, 0, keepalive_s=cfg.keepalive_s, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert,
-                        tls_key=cfg.tls_key)  # fmt: skip
-    metadata = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
-    try:
-        stub = replicas.stub
-        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=cfg.connect_timeout_s)
-        return ServerOnlySession(stub, metadata, cfg, info, tokenizer, stop_ids=()).run(tokenizer.encode(prompt))
-    finally:
-        replicas.close()
+        return Result(list(prompt), tokens, ["verified"] * len(tokens), stats)

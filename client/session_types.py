@@ -13,7 +13,9 @@ Contract:
   fetched so far, only while a download runs; "mode": the online mode switched to, `detail` "stream" or "hybrid",
   tether.client.adaptive). With EdgeSession.logprobs set, "tokens" carry one TokenLogprobs
   per token (`logprobs`).
-- `Stats` and `Result`: a generation's counters and its text; `Result.to_json()` is `tether-client --json`'s line.
+- `Stats` and `Result`: a generation's counters and its token ids; `Result.continuation(tokenizer, ends)` the text
+  it adds to its prompt (its callers decode: the session yields ids), `Result.to_json(text)` `tether-client
+  --json`'s line.
   Time to first token runs from sending the prompt (pairing done) to its first token (`ttft_s`), and from the
   command's start (`ttft_from_start_s`: imports, pairing and downloads included, what a user waits); tokens/s is
   the rate after it: (tokens - 1) / (last token's time - first token's).
@@ -25,6 +27,7 @@ Importing this module imports no torch and no onnxruntime.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -41,7 +44,7 @@ BACKENDS = ("onnx", "torch")  # the drafter runtimes; torch only to compare agai
 PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
 POLICIES = ("keep", "rewind")
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
-SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.rounds)
+SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.round_plan)
 CHOICES = {"mode": MODES, "policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS),
            "tree": SHAPES}  # fmt: skip
 # The fields of the sampling rule (a request of the edge's HTTP API brings its own: tether.client.edge_serve).
@@ -212,17 +215,24 @@ class Stats:
 
 @dataclass
 class Result:
+    """A generation as token ids (its caller decodes them: `continuation`)."""
+
     prompt_ids: list[int]
     token_ids: list[int]
     tags: list[str]
-    text: str  # what the continuation adds to its prompt (decoded after it), without the ids it ended at
     stats: Stats
 
-    def to_json(self) -> dict:
+    def to_json(self, text: str) -> dict:
+        """`tether-client --json`'s line, with `text`, the continuation decoded."""
         s = asdict(self.stats)
         s["tau"] = self.stats.tau
         s["tokens_per_s"] = self.stats.tokens_per_s
-        return {"text": self.text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
+        return {"text": text, "token_ids": self.token_ids, "tags": self.tags, "stats": s}
+
+    def continuation(self, tokenizer: Tokenizer, ends: Collection[int] = ()) -> str:
+        """The text the continuation adds to its prompt (decoded after it, a first space kept), without the ids in
+        `ends` (those it ended at: the session's stop ids)."""
+        return tokenizer.decode([t for t in self.token_ids if t not in ends], after=self.prompt_ids)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ Contract:
   is longer. `wait(error)` is the next pause, `failed(error)` that pause with the delay doubled (up to max_s) for
   the one after, `reset()` starts over; `retry(call, ...)` calls until it returns, pausing after each transient
   failure, within a number of attempts or a deadline. The connect loop, the weight download and the reconnect
-  path all use it; `fresh()` gives a second run of the same policy over the same random stream.
+  path all use it; `fresh()` gives a second run of the same policy over the same random stream. A download (the
+  client part, a server's tokenizer) is retried DOWNLOAD_ATTEMPTS times in a row, each resuming where the cache
+  stops.
 
     stream = SessionStream(stub, metadata)
     reply = stream.request(pb.ClientMessage(round=...), timeout=5.0)
@@ -61,6 +63,7 @@ from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 
 T = TypeVar("T")
+DOWNLOAD_ATTEMPTS = 20  # a download a flaky link breaks resumes where the cache stops, this many times in a row
 
 
 class LinkDown(Exception):

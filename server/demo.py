@@ -127,8 +127,7 @@ class ServerOnlyStream:
         self.stats.wall_s = time.monotonic() - self._t0
         self._state(State.DONE)
         self.on_tokens(len(self.tokens), True)
-        return Result(list(prompt), self.tokens, ["verified"] * len(self.tokens), self.tok.decode(self.tokens),
-                      self.stats)  # fmt: skip
+        return Result(list(prompt), self.tokens, ["verified"] * len(self.tokens), self.stats)
 
     def _call(self, info: pb.ModelInfo, prompt: list[int]) -> None:
         """One Generate call for the next slice, over everything received so far."""
@@ -248,13 +247,13 @@ class Drops:
             self.step = "over"
 
 
-def run_both(session: EdgeSession, server_only: ServerOnlyStream, drops: Drops, prompt: str,
+def run_both(session: EdgeSession, server_only: ServerOnlyStream, drops: Drops,
              prompt_ids: list[int]) -> tuple[Result, Result]:  # fmt: skip
     """Both generations at once, each on a thread; Ctrl-C stops both and keeps what they wrote."""
 
     def hybrid() -> Result:
         try:
-            return session.run(prompt)
+            return session.run(prompt_ids)
         finally:
             drops.finish()
 
@@ -325,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 server_only.on_tokens = drops.on_server
                 prompt_ids = session.models.tokenizer.encode(args.prompt)
                 with view:
-                    hybrid, alone = run_both(session, server_only, drops, args.prompt, prompt_ids)
+                    hybrid, alone = run_both(session, server_only, drops, prompt_ids)
                 s = sim.stats()
                 view.summary(hybrid, alone, wire=(s.up_bytes - view.wire0[0], s.down_bytes - view.wire0[1]),
                              server_calls=server_only.calls)  # fmt: skip

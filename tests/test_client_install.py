@@ -31,6 +31,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from edge_text import continuation, run_text
 from toy_models import toy_model_flags
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
@@ -61,16 +62,23 @@ GREEDY_TOKENS = 16
 PROMPT = "def parse_args(argv):\n    "
 PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}  # a slow round must not look like an outage
 # The edge client's generation, run by the client virtualenv's python: argv is the server, the cache directory and
-# the prompt; it prints one JSON line.
+# the prompt; it prints one JSON line. The session takes and yields token ids: the tokenizer pairing brings encodes
+# the prompt and decodes the text, as `tether-client generate` does.
 EDGE_GENERATION = f"""
 import json, sys
-from tether.client.session import ClientConfig, generate
+from tether.client.session import ClientConfig, EdgeSession
 
 server, cache, prompt = sys.argv[1:]
 cfg = ClientConfig(server=server, max_new_tokens={GREEDY_TOKENS}, cache_dir=cache, **{PATIENT!r})
-result = generate(cfg, prompt)
+session = EdgeSession(cfg)
+try:
+    tok = session.pair().tokenizer
+    result = session.run(tok.encode(prompt))
+finally:
+    session.close()
+text = result.continuation(tok, session.stop_ids)
 torch = sorted(m for m in sys.modules if m.split(".")[0] == "torch")
-print(json.dumps({{"backend": cfg.backend, "token_ids": result.token_ids, "text": result.text, "tags": result.tags,
+print(json.dumps({{"backend": cfg.backend, "token_ids": result.token_ids, "text": text, "tags": result.tags,
                   "torch": torch}}))
 """
 
@@ -201,12 +209,16 @@ def cpu_server(tmp_path_factory):
 
 @pytest.mark.install
 def test_onnx_client_without_torch_generates_the_torch_backends_greedy_text(client_venv, cpu_server, tmp_path):
-    from tether.client.session import ClientConfig, generate
+    from tether.client.session import ClientConfig, EdgeSession
 
     edge = json.loads(_run(client_venv, EDGE_GENERATION, cpu_server, str(tmp_path / "edge"), PROMPT).splitlines()[-1])
     assert edge["backend"] == "onnx" and edge["torch"] == []
     assert len(edge["token_ids"]) == GREEDY_TOKENS and set(edge["tags"]) == {"verified"}
     cfg = ClientConfig(server=cpu_server, max_new_tokens=GREEDY_TOKENS, backend="torch",
                        cache_dir=str(tmp_path / "main"), **PATIENT)  # fmt: skip
-    reference = generate(cfg, PROMPT)
-    assert edge["token_ids"] == reference.token_ids and edge["text"] == reference.text
+    session = EdgeSession(cfg)
+    try:
+        reference = run_text(session, PROMPT)
+    finally:
+        session.close()
+    assert edge["token_ids"] == reference.token_ids and edge["text"] == continuation(session, reference)

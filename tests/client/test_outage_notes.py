@@ -205,7 +205,7 @@ def test_time_to_first_token_from_the_commands_start_and_after_pairing(tok):
     stats.token_emitted(1, start=10.0, now=10.015, began=8.5)
     stats.token_emitted(1, start=10.0, now=10.5, began=8.5)
     assert stats.ttft_s == pytest.approx(0.015) and stats.ttft_from_start_s == pytest.approx(1.515)
-    line = summary_line(Result([1], [2, 3], ["verified"] * 2, "ab", stats))
+    line = summary_line(Result([1], [2, 3], ["verified"] * 2, stats))
     assert "first token 1515 ms (15 ms after pairing)" in line
     plain = Stats()
     plain.token_emitted(1, start=10.0, now=10.2)

@@ -1,10 +1,11 @@
-"""A round's shape and what drafting ahead leaves behind (tether.client.rounds), without a server process.
+"""A round's shape and what drafting ahead leaves behind (tether.client.round_plan, tether.client.rounds), without a
+server process.
 
 - `use_tree`: the auto rule is a pure function of the measured figures: chains until MIN_ROUNDS verdicts, a tree
   once the wait dominates drafting and rounds get as far as a whole chain often, never a tree where the server takes
   chains only (max_tree_nodes 0) or one would have under two nodes; `Measured` averages as documented.
-- A round's shape follows the room left and the server's limits, and the wait is weighed against a whole chain's
-  drafting even when the end of the text leaves room for a shorter one.
+- A round's shape (`plan_round`, pure) follows the room left and the server's limits, and the wait is weighed against
+  a whole chain's drafting even when the end of the text leaves room for a shorter one.
 - `main_branch` follows first children; `lookahead_rows` covers what a tree expands.
 - A verdict's path is taken only as a walk down the tree sent, `accepted` nodes long; a chain's verdict names no
   nodes.
@@ -30,20 +31,24 @@ from tiny_models import tiny_pair
 
 from tether.client.errors import Problem
 from tether.client.onnx_drafter import OnnxDrafter
-from tether.client.rounds import (
+from tether.client.reply_check import ReplyCheck
+from tether.client.round_plan import (
     EWMA_WEIGHT,
     MIN_ROUNDS,
     RTT_DOMINANCE,
     WHOLE_OFTEN,
-    Drafted,
+    Limits,
     Measured,
-    Rounds,
     Shape,
     lookahead_rows,
     main_branch,
+    plan_round,
     use_tree,
 )
-from tether.client.session_types import ClientConfig, Stats
+from tether.client.rounds import Drafted, Rounds, check_verdict
+from tether.client.session_output import SessionOutput
+from tether.client.session_text import SessionText
+from tether.client.session_types import ClientConfig, State
 from tether.client.transport import BadMessage
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import target_states
@@ -112,45 +117,39 @@ def test_main_branch_and_lookahead_rows():
     assert lookahead_rows(ClientConfig(k=30, tree_depth=2, tree_top_k=2)) == 30 + 2
 
 
-class Planner(Rounds):
-    """Rounds' shape planning alone, over a server's limits."""
-
-    def __init__(self, cfg: ClientConfig, m: Measured, max_tree_nodes: int = 64, max_positions: int = 1024):
-        self.cfg, self.measured, self.max_positions = cfg, m, max_positions
-        self.info = pb.ModelInfo(max_draft_tokens=64, max_tree_nodes=max_tree_nodes)
+def planner(cfg: ClientConfig, m: Measured, max_tree_nodes: int = 64, max_positions: int = 1024):
+    """plan_round over a server's limits: (emitted, length) -> Shape."""
+    limits = Limits(max_positions=max_positions, max_draft_tokens=64, max_tree_nodes=max_tree_nodes)
+    return lambda emitted, length: plan_round(cfg, m, limits, emitted=emitted, length=length)
 
 
 def test_a_rounds_shape_follows_the_room_left_and_the_servers_limits():
     cfg = ClientConfig(max_new_tokens=100, k=5, tree_nodes=16, tree_depth=6, tree_top_k=4)
     step = 0.001
     below = measured(0.99 * RTT_DOMINANCE * cfg.k * step, step, 1.0)  # just short of a tree, whatever the room
-    plan = Planner(cfg, below)._plan
+    plan = planner(cfg, below)
     assert plan(10, 50) == Shape(5, 5)
     assert plan(98, 138) == Shape(1, 1)  # one token of room: still weighed against a whole chain's drafting
     assert plan(99, 139) == Shape(0, 0)
     trees = dataclasses.replace(cfg, tree="tree")
-    tree = Planner(trees, below)._plan
+    tree = planner(trees, below)
     assert tree(10, 50) == Shape(6, 5, True, 16, 4)
     assert tree(97, 137) == Shape(2, 2, True, 16, 4)  # as deep as the room left, as wide as allowed
     assert tree(99, 139) == Shape(0, 0)
-    assert Planner(trees, below, max_tree_nodes=8)._plan(10, 50).nodes == 8
-    assert Planner(trees, below, max_tree_nodes=0)._plan(10, 50) == Shape(5, 5)
+    assert planner(trees, below, max_tree_nodes=8)(10, 50).nodes == 8
+    assert planner(trees, below, max_tree_nodes=0)(10, 50) == Shape(5, 5)
     # Near the model's context a tree's nodes need positions too, though only its path stays.
-    assert Planner(trees, below, max_positions=53)._plan(10, 50) == Shape(3, 3, True, 3, 4)
+    assert planner(trees, below, max_positions=53)(10, 50) == Shape(3, 3, True, 3, 4)
 
 
 # ---- verdicts ------------------------------------------------------------------------------------------------
 
 
-class Judge(Rounds):
-    """Rounds' verdict check alone: refusals as the session makes them once generating."""
-
-    def _bad_message(self, problem: Problem, message: str) -> BadMessage:
-        return BadMessage(problem, message)
-
-    def _check_token(self, token: int, what: str) -> None:
-        if not 0 <= token < 100:
-            raise BadMessage(Problem.TOKEN, what)
+def generating(vocab_size: int = 100) -> ReplyCheck:
+    """The session's checks once generating: refusals are BadMessage (lost rounds)."""
+    output = SessionOutput(ClientConfig(), SessionText(), None, 0.0, save=lambda: None)
+    output.set_state(State.ONLINE)
+    return ReplyCheck(output, vocab_size)
 
 
 def verdict(accepted: int, path=(), round_no: int = 1) -> pb.ServerMessage:
@@ -161,27 +160,27 @@ def verdict(accepted: int, path=(), round_no: int = 1) -> pb.ServerMessage:
 def test_a_tree_verdict_must_walk_down_the_tree_sent():
     parents = [0, 0, 1, 1, 3]  # nodes 1..5
     tree = Drafted(pb.DraftRound(round=1, root=4, tokens=[10, 11, 12, 13, 14], parents=parents), parents, 5, 0)
-    judge = Judge()
-    assert judge._verdict(verdict(3, [1, 3, 5]), tree)[1] == [1, 3, 5]
-    assert judge._verdict(verdict(2, [1, 4]), tree)[1] == [1, 4]
-    assert judge._verdict(verdict(1, [2]), tree)[1] == [2]
-    assert judge._verdict(verdict(0), tree)[1] == []
+    judge = generating()
+    assert check_verdict(verdict(3, [1, 3, 5]), tree, judge)[1] == [1, 3, 5]
+    assert check_verdict(verdict(2, [1, 4]), tree, judge)[1] == [1, 4]
+    assert check_verdict(verdict(1, [2]), tree, judge)[1] == [2]
+    assert check_verdict(verdict(0), tree, judge)[1] == []
     for accepted, path in [(2, [2, 3]), (2, [1, 5]), (1, [3]), (2, [1]), (1, [1, 3]), (1, [6]), (1, [0])]:
         with pytest.raises(BadMessage) as refused:
-            judge._verdict(verdict(accepted, path), tree)
+            check_verdict(verdict(accepted, path), tree, judge)
         assert refused.value.problem == Problem.VERDICT, (accepted, path)
 
 
 def test_a_chain_verdict_names_no_nodes():
     chain = Drafted(pb.DraftRound(round=1, root=4, tokens=[10, 11, 12]), None, 3, 3)
-    judge = Judge()
-    assert judge._verdict(verdict(2), chain)[1] == [1, 2]
+    judge = generating()
+    assert check_verdict(verdict(2), chain, judge)[1] == [1, 2]
     with pytest.raises(BadMessage):
-        judge._verdict(verdict(2, [1, 2]), chain)
+        check_verdict(verdict(2, [1, 2]), chain, judge)
     with pytest.raises(BadMessage):
-        judge._verdict(verdict(4), chain)  # more than was sent
+        check_verdict(verdict(4), chain, judge)  # more than was sent
     with pytest.raises(BadMessage):
-        judge._verdict(verdict(1, round_no=2), chain)
+        check_verdict(verdict(1, round_no=2), chain, judge)
 
 
 # ---- the drafter's caches --------------------------------------------------------------------------------------
@@ -388,20 +387,25 @@ class Replies:
         return self.verdict_in
 
 
-class Ahead(Rounds):
-    """Rounds' drafting ahead alone, greedy, two rounds sent behind the one in flight; no stop id but EOT."""
+@dataclasses.dataclass
+class Link:
+    """The server link as Rounds uses it while drafting ahead: the stream, and the server's ModelInfo."""
 
-    def __init__(self, drafter: ScriptedDrafter):
-        self.cfg = ClientConfig(max_new_tokens=100, k=2, overlap_depth=2)
-        self.info = pb.ModelInfo(max_draft_tokens=64, max_tree_nodes=0, overlapping_rounds=True)
-        self.measured, self.max_positions, self.stop_ids = Measured(), 1024, frozenset({EOT})
-        self.drafter, self.stream, self.stats = drafter, Replies(), Stats()
-        self.tokens, self.sequence, self.verified, self.round = [], list(PROMPT), len(PROMPT), 0
-        self._queued, self._stale, self._inflight, self._answered_at = [], [], None, None
-        self._stopping, self._drafts_started = threading.Event(), 0
+    stream: Replies
+    info: pb.ModelInfo
 
-    def _processing(self, context):
-        return None
+
+def drafting_ahead(drafter: ScriptedDrafter) -> Rounds:
+    """Rounds over a scripted drafter, greedy, two rounds sent behind the one in flight; no stop id but EOT."""
+    cfg = ClientConfig(max_new_tokens=100, k=2, overlap_depth=2)
+    text = SessionText()
+    text.start(PROMPT, verified=len(PROMPT))
+    check = generating(VOCAB)
+    check.output.stop_ids = frozenset({EOT})
+    link = Link(Replies(), pb.ModelInfo(max_draft_tokens=64, max_tree_nodes=0, overlapping_rounds=True))
+    return Rounds(cfg, text, link, check.output, check, drafter, controls=cfg.controls(),
+                  limits=Limits(max_positions=1024, max_draft_tokens=64, max_tree_nodes=0),
+                  streams=lambda n: None, stopping=threading.Event())  # fmt: skip
 
 
 def test_a_draft_ahead_with_every_pending_round_fed_drafts_after_the_guess_kept():
@@ -409,14 +413,14 @@ def test_a_draft_ahead_with_every_pending_round_fed_drafts_after_the_guess_kept(
     # nothing is drafted behind it. The verdict bears round 2 out and keeps the rows (greedy): round 2 is in flight,
     # every row it needs is held, and drafting ahead again must stop at that same guess, feeding nothing.
     drafter = ScriptedDrafter([5, EOT])
-    rounds = Ahead(drafter)
-    first = rounds._draft(1, rounds.sequence, Shape(2, 2))
-    rounds._send(first)
-    assert rounds._fill_overlap() is None
-    assert [a.bonus for a in rounds._queued] == [5]
-    assert drafter.fed == [[first.msg.tokens[-1]], [rounds._queued[0].round.msg.tokens[-1]]]
-    second = rounds._queued.pop(0).round  # borne out, rows kept: what Rounds._round does on such a verdict
-    rounds._inflight = second
-    assert rounds._fill_overlap() is None  # the end-of-text guess kept: nothing drafted, nothing fed
+    rounds = drafting_ahead(drafter)
+    first = rounds.draft(1, rounds.text.sequence, Shape(2, 2))
+    rounds.send(first)
+    assert rounds.fill_overlap() is None
+    assert [a.bonus for a in rounds.queued] == [5]
+    assert drafter.fed == [[first.msg.tokens[-1]], [rounds.queued[0].round.msg.tokens[-1]]]
+    second = rounds.queued.pop(0).round  # borne out, rows kept: what Rounds.step does on such a verdict
+    rounds.inflight = second
+    assert rounds.fill_overlap() is None  # the end-of-text guess kept: nothing drafted, nothing fed
     assert drafter.fed == [[first.msg.tokens[-1]], [second.msg.tokens[-1]]]
-    assert rounds._queued == [] and [m.round for m in rounds.stream.sent] == [1, 2]
+    assert rounds.queued == [] and [m.round for m in rounds.link.stream.sent] == [1, 2]

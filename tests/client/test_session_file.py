@@ -33,9 +33,10 @@ def test_session_file_and_its_tmp_are_owner_only(tmp_path, monkeypatch):
     session = EdgeSession(ClientConfig(session_file=str(path)))
     previous = os.umask(0)  # the mode must not depend on the umask
     try:
-        session.info = pb.ModelInfo(model_fingerprint="f" * 64)
-        session.prompt, session.tokens, session.tags, session.verified = [1, 2], [3], ["verified"], 2
-        session.session_id, session.resume_token = "s" * 32, "secret-token"
+        session.link.info = pb.ModelInfo(model_fingerprint="f" * 64)
+        session.text.restore([1, 2], [3], ["verified"])
+        session.text.adopt(2)
+        session.link.hold("s" * 32, "secret-token")
         session._save()
     finally:
         os.umask(previous)
@@ -61,8 +62,8 @@ def test_the_drafter_samples_from_a_stream_of_its_own(seed):
     seeded the same way would draft from those very numbers, and rejection sampling would no longer be lossless."""
     import torch
 
-    from tether.client.session import _draft_seed
+    from tether.client.seeds import draft_seed
 
     server = torch.rand(16, generator=torch.Generator().manual_seed(seed % 2**63))
-    drafter = torch.rand(16, generator=torch.Generator().manual_seed(_draft_seed(seed)))
-    assert 0 <= _draft_seed(seed) < 2**63 and not torch.equal(server, drafter)
+    drafter = torch.rand(16, generator=torch.Generator().manual_seed(draft_seed(seed)))
+    assert 0 <= draft_seed(seed) < 2**63 and not torch.equal(server, drafter)

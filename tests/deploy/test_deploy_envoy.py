@@ -26,10 +26,12 @@ import grpc
 import pytest
 import torch
 import yaml
+from edge_text import run_text
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from toy_models import toy_model_dir
 
-from tether.client.session import AFFINITY_HEADER, ClientConfig, EdgeSession
+from tether.client.server_link import AFFINITY_HEADER
+from tether.client.session import ClientConfig, EdgeSession
 from tether.netsim.proxy import NetSimThread
 from tether.server.engine_core import Engine
 from tether.server.model_loading import load
@@ -415,15 +417,15 @@ def test_resync_after_a_cut_reaches_the_replica_that_holds_the_session(fleet, ce
             session.pair()
             t = threading.Thread(target=cut_once, daemon=True)
             t.start()
-            result = session.run(PROMPT)
+            result = run_text(session, PROMPT)
             t.join(10)
         finally:
             session.close()
     assert cuts and result.stats.resyncs >= 1
     assert result.stats.rebuilt == 0  # the resync found its session: same replica
-    homes = [i for i, r in enumerate(replicas) if session.affinity in r.recorder.keys()]
+    homes = [i for i, r in enumerate(replicas) if session.link.affinity in r.recorder.keys()]
     assert len(homes) == 1
-    methods = {m for m, k in replicas[homes[0]].recorder.calls if k == session.affinity}
+    methods = {m for m, k in replicas[homes[0]].recorder.calls if k == session.link.affinity}
     assert {"/tether.v1.Tether/Session", "/tether.v1.Tether/Resync"} <= methods
     assert result.token_ids == plain
 
@@ -476,7 +478,7 @@ def test_failover_through_envoy_when_the_sessions_replica_dies(models, certs, cl
         session.pair()
         t = threading.Thread(target=kill_its_replica, daemon=True)
         t.start()
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
         t.join(10)
     finally:
         session.close()
@@ -485,7 +487,7 @@ def test_failover_through_envoy_when_the_sessions_replica_dies(models, certs, cl
             r.stop()
     assert len(killed) == 1 and result.stats.rebuilt >= 1
     survivor = replicas[1 - killed[0]]
-    assert ("/tether.v1.Tether/Resync", session.affinity) in survivor.recorder.calls
+    assert ("/tether.v1.Tether/Resync", session.link.affinity) in survivor.recorder.calls
     assert result.token_ids == plain  # rewind: exactly what the target alone writes, nothing lost
 
 

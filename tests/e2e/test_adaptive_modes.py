@@ -18,6 +18,7 @@ generous, so a busy machine never makes a slow step look like an outage.
 """
 
 import pytest
+from edge_text import run_text
 
 from tether.client.mode_choice import HYBRID, STREAM
 from tether.client.session import ClientConfig, EdgeSession, Event, State
@@ -48,17 +49,18 @@ class Plan:
         if self.passed < len(self.at) and len(s.tokens) >= self.at[self.passed]:
             self.passed += 1
         want = (STREAM, HYBRID)[self.passed % 2]
-        self.mid_stream += want == HYBRID and s.generation is not None
+        self.mid_stream += want == HYBRID and s.online.generation is not None
         return want
 
 
 def generate(address: str, cache: str, plan: bool = False, **fields):
     session = EdgeSession(ClientConfig(server=address, max_new_tokens=N_NEW, cache_dir=cache, **PATIENT | fields))
     forced = Plan(session) if plan else None
-    if forced is not None:
-        session.choose = forced
     try:
-        return session.run(PROMPT), forced
+        session.pair()  # builds the online modes, whose choice a plan replaces
+        if forced is not None:
+            session.online.choose = forced
+        return run_text(session, PROMPT), forced
     finally:
         session.close()
 
@@ -94,17 +96,18 @@ def test_switches_with_a_round_in_flight_change_no_token(served, cache):
     seen = {"switched": 0}
 
     def choose() -> str:
-        streaming = session.generation is not None
+        streaming = session.online.generation is not None
         if streaming and session.stats.stream_tokens >= 4:
             return HYBRID  # a few streamed tokens, then back
-        if not streaming and session._inflight is not None and seen["switched"] < 3 and session.stats.rounds:
+        if not streaming and session.rounds.inflight is not None and seen["switched"] < 3 and session.stats.rounds:
             seen["switched"] += 1
             return STREAM
         return STREAM if streaming else HYBRID
 
-    session.choose = choose
     try:
-        result = session.run(PROMPT)
+        session.pair()
+        session.online.choose = choose
+        result = run_text(session, PROMPT)
     finally:
         session.close()
     assert seen["switched"] >= 1 and result.token_ids == served[2] and set(result.tags) == {"verified"}
@@ -125,6 +128,7 @@ class Outage:
         self.sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", int(address.rsplit(":", 1)[1])))
         self.sim.start()
         self.fault, self.struck, self.lifted, self.offline = fault, False, False, 0
+        self.plan: Plan | None = None  # the online modes' choice, forced (None: the session's own)
         self.session = EdgeSession(ClientConfig(server=self.sim.address, max_new_tokens=N_NEW, policy="rewind",
                                                 max_offline_tokens=MAX_OFFLINE, **FLAKY | fields))  # fmt: skip
 
@@ -145,8 +149,10 @@ class Outage:
         """The generation, paired over a clean link first (the fault comes with generation)."""
         try:
             self.session.pair()
+            if self.plan is not None:
+                self.session.online.choose = self.plan
             self.session.on_event = on_event or self.on_event
-            return self.session.run(PROMPT)
+            return run_text(self.session, PROMPT)
         finally:
             self.session.close()
             self.sim.stop()
@@ -158,7 +164,8 @@ def test_the_link_failing_mid_stream_writes_offline_and_ends_as_plain_greedy(ser
     session, streamed_then = outage.session, []
 
     def on_event(e: Event) -> None:
-        if e.kind == "tokens" and session.generation is not None and len(session.tokens) >= 12 and not outage.struck:
+        streaming = session.online.generation is not None
+        if e.kind == "tokens" and streaming and len(session.tokens) >= 12 and not outage.struck:
             streamed_then.append(session.stats.stream_tokens + len(e.tokens))
             outage.strike()
         outage.on_event(e)
@@ -193,7 +200,7 @@ def hooked(start_server):
 def test_the_link_cut_inside_a_switchs_catch_up_is_an_outage_and_ends_as_plain_greedy(served, hooked, cache):
     address, hooks = hooked
     outage = Outage(address, "cut", cache_dir=cache)
-    outage.session.choose = Plan(outage.session, at=(10,))  # stream, then the hybrid from 10 tokens on
+    outage.plan = Plan(outage.session, at=(10,))  # stream, then the hybrid from 10 tokens on
     hooks.append(outage.strike)  # the reply to the catch-up's Resync is lost
     try:
         result = outage.run()

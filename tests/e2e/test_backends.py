@@ -12,9 +12,10 @@ No link fault here: the deadlines are generous so that a busy machine never make
 (an outage would change the rounds compared)."""
 
 import pytest
+from edge_text import generate_text, run_text
 
 from tether.client.cli import main
-from tether.client.session import ClientConfig, EdgeSession, generate
+from tether.client.session import ClientConfig, EdgeSession
 from tether.client.transport import FormatNotOffered
 from tether.v1 import tether_pb2 as pb
 
@@ -32,12 +33,12 @@ def address(default_server):
 def fp32_onnx(address, tmp_path_factory):
     """The default backend's greedy run (fp32), which the other tests compare against."""
     cfg = ClientConfig(server=address, max_new_tokens=48, cache_dir=str(tmp_path_factory.mktemp("fp32")), **PATIENT)
-    return generate(cfg, PROMPT)
+    return generate_text(cfg, PROMPT)
 
 
 def test_onnx_and_torch_backends_agree_end_to_end(address, fp32_onnx, tmp_path):
     cfg = ClientConfig(server=address, max_new_tokens=48, backend="torch", cache_dir=str(tmp_path), **PATIENT)
-    t, o = generate(cfg, PROMPT), fp32_onnx
+    t, o = generate_text(cfg, PROMPT), fp32_onnx
     assert o.token_ids == t.token_ids
     assert (o.stats.rounds, o.stats.accepted, o.stats.drafted) == (t.stats.rounds, t.stats.accepted, t.stats.drafted)
     assert t.stats.accepted > 0
@@ -46,14 +47,14 @@ def test_onnx_and_torch_backends_agree_end_to_end(address, fp32_onnx, tmp_path):
 @pytest.mark.parametrize(("precision", "at_most"), [("fp16", 0.6), ("int8", 0.4)])
 def test_smaller_onnx_weights_give_the_same_greedy_text(address, fp32_onnx, tmp_path, precision, at_most):
     cfg = ClientConfig(server=address, max_new_tokens=48, precision=precision, cache_dir=str(tmp_path), **PATIENT)
-    result = generate(cfg, PROMPT)
+    result = generate_text(cfg, PROMPT)
     assert result.token_ids == fp32_onnx.token_ids and result.stats.accepted > 0
     assert result.stats.weights_bytes <= at_most * fp32_onnx.stats.weights_bytes
 
 
 def test_onnx_backend_samples(address, tmp_path):
     cfg = ClientConfig(server=address, max_new_tokens=24, temperature=0.8, seed=3, cache_dir=str(tmp_path), **PATIENT)
-    result = generate(cfg, "import os\n")
+    result = generate_text(cfg, "import os\n")
     assert len(result.token_ids) == 24 and result.stats.rounds > 0
 
 
@@ -61,7 +62,7 @@ def test_the_onnx_drafter_runs_on_the_threads_asked_for(address, fp32_onnx, tmp_
     cfg = ClientConfig(server=address, max_new_tokens=48, threads=2, cache_dir=str(tmp_path), **PATIENT)
     session = EdgeSession(cfg)
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
         sessions = session.models.drafter.sessions
         assert sessions and {s.get_session_options().intra_op_num_threads for s in sessions.values()} == {2}
     finally:
@@ -109,4 +110,4 @@ def test_a_server_without_the_onnx_part_is_a_typed_refusal(tensors_only, tmp_pat
     assert len(err) == 2 and "--backend torch" in err[1] and "int8" in err[1], err
     # The torch backend still pairs with it.
     cfg = ClientConfig(server=tensors_only, backend="torch", max_new_tokens=8, cache_dir=str(tmp_path), **PATIENT)
-    assert len(generate(cfg, PROMPT).token_ids) == 8
+    assert len(generate_text(cfg, PROMPT).token_ids) == 8

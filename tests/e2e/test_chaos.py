@@ -20,8 +20,10 @@ import threading
 
 import pytest
 import torch
+from edge_text import run_text
 from toy_models import toy_model_dir
 
+from tether.client.resync import Resync
 from tether.client.session import ClientConfig, EdgeSession, Event, LinkDown, SessionLost, State
 from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
@@ -212,7 +214,7 @@ def run_with_faults(models, tmp_path, policy: str, outages: list[Outage], on_eve
     try:
         session.pair()  # the weights come over a clean link; the faults start with generation
         session.on_event = events
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()
@@ -235,18 +237,19 @@ def test_rewind_survives_the_link_dropping_between_resync_and_attach(models, tmp
     """The Resync succeeds but the stream after it cannot be attached (every other time): the target's token from
     the resync must already be the client's, or it drafts on from a token the target never chose and the next
     resync hands that to the server as its root."""
-    real, dropped, beyond = EdgeSession._attach, [], []
+    real, dropped, beyond = Resync.attach, [], []
 
-    def attach_once_in_two(self):
-        if self.state == State.RESYNCING and len(self.tokens) < self.cfg.max_new_tokens:
-            beyond.append(len(self.sequence) - self.verified)  # the decided token is in the text: exactly 1
-        if self.state == State.RESYNCING and len(dropped) % 2 == 0:
+    def attach_once_in_two(self: Resync):
+        resyncing, text = self.output.state == State.RESYNCING, self.text
+        if resyncing and len(text.tokens) < self.cfg.max_new_tokens:
+            beyond.append(len(text.sequence) - text.verified)  # the decided token is in the text: exactly 1
+        if resyncing and len(dropped) % 2 == 0:
             dropped.append(1)
             raise LinkDown("the link dropped right after the resync (test)")
         dropped.append(0)
         return real(self)
 
-    monkeypatch.setattr(EdgeSession, "_attach", attach_once_in_two)
+    monkeypatch.setattr(Resync, "attach", attach_once_in_two)
     result, struck, _ = run_with_faults(models, tmp_path, "rewind", random_outages(2))
     assert struck and sum(dropped) >= 1, "no attach was dropped"
     assert beyond and set(beyond) == {1}
@@ -275,7 +278,7 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
         # machine: the attach's deadline passed); nothing is verified in between either way. Checking at ONLINE only
         # missed such a resync whenever the text then ended offline, where keep stops without another resync.
         if e.kind == "state" and session.stats.resyncs > len(checked):
-            ver = server_verifier(service, session.session_id)
+            ver = server_verifier(service, session.link.session_id)
             n = session.drafter.tli  # the onnxruntime drafter's TLI caches: numpy, [N, capacity, Hkv, D]
             L = session.verified
             assert ver.length == L
@@ -336,7 +339,7 @@ def test_server_restart_mid_generation_is_recovered_by_a_full_history_resync(mod
     try:
         session.pair()
         session.on_event = kill_then_restart
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()
@@ -355,20 +358,20 @@ def test_rewind_that_ends_offline_with_every_token_absorbed_has_nothing_left_to_
     INVALID_ARGUMENT (sixteen clients on a full server hit it)."""
     plain = models[3]
 
-    def oracle_step(self):
+    def oracle_step(self: Resync):
         self.offline_run += 1
-        self.stats.offline_tokens += 1
-        self._emit([plain[len(self.tokens)]], "offline")
+        self.output.stats.offline_tokens += 1
+        self.output.emit([plain[len(self.text.tokens)]], "offline")
 
-    real_attach = EdgeSession._attach
+    real_attach = Resync.attach
 
-    def attach(self):
-        if self.done:
+    def attach(self: Resync):
+        if session.done:
             raise SessionLost("evicted right after the resync (test)")
         return real_attach(self)
 
-    monkeypatch.setattr(EdgeSession, "_offline_step", oracle_step)
-    monkeypatch.setattr(EdgeSession, "_attach", attach)
+    monkeypatch.setattr(Resync, "offline_step", oracle_step)
+    monkeypatch.setattr(Resync, "attach", attach)
     service = make_service(models)
     server, port = serve(service)
     sim = NetSimThread(("127.0.0.1", 0), ("127.0.0.1", port))
@@ -385,7 +388,7 @@ def test_rewind_that_ends_offline_with_every_token_absorbed_has_nothing_left_to_
     try:
         session.pair()
         session.on_event = on_event
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()
@@ -421,7 +424,7 @@ def test_opens_that_fail_leave_no_stream_behind(models, tmp_path, monkeypatch):
         session.pair()  # the weights over a clean link; then every open meets a stalled one
         sim.stall()
         with pytest.raises(LinkDown):
-            session.run(PROMPT)
+            run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()

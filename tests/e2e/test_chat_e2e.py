@@ -115,7 +115,7 @@ def test_a_chat_keeps_one_server_session_and_its_replies_are_a_fresh_sessions(se
     try:
         for text in TURNS:
             results.append(chat.reply(text))
-            ids.append(session.session_id)
+            ids.append(session.link.session_id)
         assert service.engine.sessions.keys() == {ids[0]}  # one session, still held between turns
     finally:
         chat.close()
@@ -160,13 +160,13 @@ def test_the_server_unreachable_between_turns_drafts_alone_then_resyncs_into_the
     chat, session = paired_chat(sim.address, tmp_path, round_timeout_s=2.0, connect_timeout_s=5.0)
     try:
         first = chat.reply(TURNS[0])
-        held = session.session_id
+        held = session.link.session_id
         sim.cut()
         alone = chat.reply(TURNS[1])
         sim.restore()
-        grpc.channel_ready_future(session.replicas.channel).result(timeout=BOUND_S)
+        grpc.channel_ready_future(session.link.replicas.channel).result(timeout=BOUND_S)
         back = chat.reply(TURNS[2])
-        after = session.session_id
+        after = session.link.session_id
     finally:
         chat.close()
         sim.stop()
@@ -337,7 +337,7 @@ def test_a_server_only_chat_renders_the_whole_conversation_each_turn(servers, mo
         info = session.model_info()
         tok = load_tokenizer(toy_model_dir(), info)
         fmt = ChatFormat.from_json(info.chat_format_json, tok)
-        chat = Chat(ServerOnlySession(session.stub, session.metadata, session.cfg, info, tok), fmt)
+        chat = Chat(ServerOnlySession(session.link.stub, session.link.metadata, session.cfg, info, tok), fmt)
         first = chat.reply(TURNS[0])
         second = chat.reply(TURNS[1])
     finally:

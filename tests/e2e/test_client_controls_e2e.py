@@ -28,6 +28,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from edge_text import run_text
 from toy_models import toy_model_dir
 
 from tether.client.chat import Chat
@@ -153,7 +154,7 @@ def test_the_controls_travel_and_the_offline_text_is_the_drafters_processed_gree
     events = []
     session = EdgeSession(cfg, events.append)
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
     first = result.token_ids[0]  # the server's, before the cut: the drafter went on alone after it
@@ -181,7 +182,7 @@ def test_each_online_round_is_the_drafters_processed_greedy_chain(server, models
     session = EdgeSession(config(address, paired_once, presence_penalty=0.8, frequency_penalty=0.4,
                                  repetition_penalty=1.2))  # fmt: skip
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
     target, drafter, tok = models
@@ -207,7 +208,7 @@ def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(server, paired
     base = dataclasses.replace(config(address, paired_once), max_new_tokens=12)
     session = EdgeSession(base)
     try:
-        plain = session.run(PROMPT).token_ids
+        plain = run_text(session, PROMPT).token_ids
     finally:
         session.close()
     eos = service.engine.tokenizer.eos_id
@@ -218,12 +219,14 @@ def test_a_generation_ends_at_any_end_of_text_id_and_at_a_stop_id(server, paired
         want = plain[: plain.index(end) + 1]
         session = EdgeSession(cfg)
         try:
-            edge = session.run(PROMPT)
+            edge = run_text(session, PROMPT)
             tok = session.models.tokenizer
-            stream = ServerOnlySession(session.stub, session.metadata, cfg, session.model_info(), tok)
+            stream = ServerOnlySession(session.link.stub, session.link.metadata, cfg, session.model_info(), tok)
             alone = stream.run(tok.encode(PROMPT))
-            for result in (edge, alone):  # the id it ended at is no part of the text, which follows the prompt
-                assert (result.token_ids, result.text) == (want, tok.decode(want[:-1], after=tok.encode(PROMPT)))
+            for result, ends in ((edge, session.stop_ids), (alone, stream.stop_ids)):
+                # The id it ended at is no part of the text, which follows the prompt.
+                text = result.continuation(tok, ends)
+                assert (result.token_ids, text) == (want, tok.decode(want[:-1], after=tok.encode(PROMPT)))
         finally:
             session.close()
     assert list(watch.opens[-1].sampling.stop_token_ids) == [plain[3]]
@@ -243,7 +246,7 @@ def test_a_second_end_of_text_id_drafted_offline_ends_the_generation(server, mod
     service.engine.model_info.eos_ids[:] = [tok.eos_id, end]  # as Llama 3 instruct lists <|end_of_text|>, <|eot_id|>
     session = EdgeSession(config(address, paired_once, max_offline_tokens=OFFLINE))
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
     assert result.token_ids == [first, *drafts[:4]] and result.tags == ["verified"] + ["offline"] * 4
@@ -258,7 +261,7 @@ def test_a_banned_token_is_never_sampled_online_or_offline(server, paired_once):
         cfg = config(address, paired_once, temperature=1.0, seed=5, max_offline_tokens=OFFLINE, logit_bias=bias)
         session = EdgeSession(dataclasses.replace(cfg, max_new_tokens=40))
         try:
-            runs[name] = session.run(PROMPT)
+            runs[name] = run_text(session, PROMPT)
         finally:
             session.close()
     assert BANNED in runs["plain"].token_ids  # it is likely at this temperature, after this prompt
@@ -274,11 +277,11 @@ def test_greedy_under_controls_on_the_edge_equals_the_servers_own(server, paired
         cfg = dataclasses.replace(config(address, paired_once, **controls), tree=shape, pipeline=True, backend=backend)
         session = EdgeSession(cfg)
         try:
-            got = session.run(PROMPT)
-            stream = ServerOnlySession(session.stub, session.metadata, cfg, session.info, session.models.tokenizer)
-            want = stream.run(got.prompt_ids).token_ids
-            plain = ServerOnlySession(session.stub, session.metadata, config(address, paired_once), session.info,
-                                      session.models.tokenizer).run(got.prompt_ids).token_ids  # fmt: skip
+            got = run_text(session, PROMPT)
+            link, tok = session.link, session.models.tokenizer
+            want = ServerOnlySession(link.stub, link.metadata, cfg, link.info, tok).run(got.prompt_ids).token_ids
+            plain = ServerOnlySession(link.stub, link.metadata, config(address, paired_once), link.info,
+                                      tok).run(got.prompt_ids).token_ids  # fmt: skip
         finally:
             session.close()
         assert got.token_ids == want and got.stats.accepted > 0, (shape, backend)
@@ -321,7 +324,7 @@ def test_a_session_restored_under_a_penalty_goes_on_as_if_never_stopped(server, 
     cfg = config(address, paired_once, presence_penalty=0.8, frequency_penalty=0.4, policy=policy)
     session = EdgeSession(cfg)
     try:
-        whole = session.run(PROMPT).token_ids
+        whole = run_text(session, PROMPT).token_ids
     finally:
         session.close()
     saved = dataclasses.replace(cfg, session_file=str(tmp_path / f"{policy}.json"))
@@ -332,11 +335,11 @@ def test_a_session_restored_under_a_penalty_goes_on_as_if_never_stopped(server, 
 
     first = EdgeSession(saved, die)
     with pytest.raises(Killed):
-        first.run(PROMPT)
+        run_text(first, PROMPT)
     first.close()
     again = EdgeSession(saved)
     try:
-        result = again.run(PROMPT)
+        result = run_text(again, PROMPT)
     finally:
         again.close()
     assert result.token_ids == whole and result.stats.retracted == 0 and result.stats.resyncs == 1
@@ -396,7 +399,7 @@ def test_a_server_that_does_not_apply_the_controls_is_refused_before_a_download(
             session.pair()
         info = session.model_info()
         with pytest.raises(ControlsNotOffered, match="presence_penalty"):
-            ServerOnlySession(session.stub, session.metadata, session.cfg, info, service.engine.tokenizer)
+            ServerOnlySession(session.link.stub, session.link.metadata, session.cfg, info, service.engine.tokenizer)
     finally:
         session.close()
     assert not any(tmp_path.iterdir())  # nothing was downloaded

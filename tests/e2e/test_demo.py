@@ -78,7 +78,7 @@ def test_the_screen_fits_80x24_with_its_status_in_place_whatever_the_text(tok):
 def test_the_summary_fits_80_columns(tok):
     view = filled_view(tok, quiet_console(120, 40))
     stats = Stats(bytes_up=12_345_678_901, bytes_down=98_765_432_109, rounds=123_456, accepted=999_999, ttft_s=12.5)
-    result = Result([1], list(range(5000)), ["offline"] * 5000, "", stats)
+    result = Result([1], list(range(5000)), ["offline"] * 5000, stats)
     view.summary(result, result, wire=(12_345_678_901_234, 98_765_432_109_876), server_calls=123_456)
     lines = view.console.export_text().splitlines()
     assert max(cell_len(line) for line in lines) <= 80

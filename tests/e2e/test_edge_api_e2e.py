@@ -158,7 +158,7 @@ class CutAfter:
             self.struck = True
             self.sim.cut()
         elif self.struck and not (self.restored or self.forever) and e.kind == "state" and e.state == State.RESYNCING:
-            if self.written >= self.offline or session.offline_run >= MAX_OFFLINE or session.done:
+            if self.written >= self.offline or session.resync.offline_run >= MAX_OFFLINE or session.done:
                 self.restored = True
                 self.sim.restore()
 
@@ -178,7 +178,7 @@ class Hold:
         if e.kind != "tokens" or session in self.sessions or len(session.tokens) - len(e.tokens) < self.after:
             return
         self.sessions.append(session)  # its tokens so far have been handed to the app: only this event waits
-        self.ids.append(session.session_id)
+        self.ids.append(session.link.session_id)
         self.reached.release()
         self.released.append(self.go.wait(BOUND_S))
 
@@ -354,9 +354,9 @@ def test_a_stop_string_ends_the_generation_and_its_server_session(keep, upstream
     ids: list[str] = []
 
     def observe(session: EdgeSession, e: Event) -> None:
-        if session not in sessions and session.session_id:
+        if session not in sessions and session.link.session_id:
             sessions.append(session)
-            ids.append(session.session_id)
+            ids.append(session.link.session_id)
         hold(session, e)
 
     keep.observer = observe

@@ -26,6 +26,7 @@ import httpx
 import pytest
 import torch
 from bench_modules import load_bench
+from edge_text import run_text
 from test_client_controls_e2e import OFFLINE, Watch
 from test_edge_api_e2e import BOUND_S, MODEL, PROMPT, CutAfter, Endpoint
 
@@ -123,7 +124,8 @@ def test_the_server_only_path_sends_ignore_eos_and_bench_link_asks_it(served, ed
         lengths = []
         for ignore in (False, True):
             cfg = ClientConfig(server=address, max_new_tokens=N, logit_bias=((eos, 100.0),), ignore_eos=ignore)
-            run = ServerOnlySession(session.stub, session.metadata, cfg, info, service.engine.tokenizer, stop_ids=())
+            link = session.link
+            run = ServerOnlySession(link.stub, link.metadata, cfg, info, service.engine.tokenizer, stop_ids=())
             lengths.append(len(run.run(service.engine.tokenizer.encode(PROMPT)).token_ids))
     finally:
         session.close()
@@ -241,7 +243,7 @@ def test_a_sampled_sessions_controls_travel_on_open_and_every_resync_and_rounds_
     session = EdgeSession(cfg, events.append)
     session.logprobs = 2
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         opens, resyncs, rounds = watch.opens, watch.resyncs, watch.rounds

@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from edge_text import generate_text, run_text
 from toy_models import toy_model_dir
 
-from tether.client.session import ClientConfig, EdgeSession, generate
+from tether.client.session import ClientConfig, EdgeSession
 from tether.server.engine_core import Engine
 from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
@@ -71,7 +72,7 @@ def test_client_fails_over_to_another_replica_without_loss(tmp_path):
     try:
         session.pair()
         session.on_event = kill_its_replica
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         for _, server, _ in reps:
@@ -89,7 +90,7 @@ def test_64_concurrent_clients_spread_over_three_replicas_all_finish(tmp_path):
                        connect_timeout_s=120)  # fmt: skip
     try:
         with ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(lambda i: generate(cfg, f"x{i} = "), range(64)))
+            results = list(pool.map(lambda i: generate_text(cfg, f"x{i} = "), range(64)))
     finally:
         for _, server, _ in reps:
             stop(server)

@@ -8,6 +8,7 @@ No link fault here: the deadlines are generous so that a busy machine never make
 (an outage would leave offline text)."""
 
 import torch
+from edge_text import run_text
 from toy_models import toy_model_dir
 
 from tether.client.session import ClientConfig, EdgeSession
@@ -37,7 +38,7 @@ def test_the_edge_client_through_front_ends_writes_the_targets_greedy_text(tmp_p
                                cache_dir=str(tmp_path), **PATIENT)  # fmt: skip
             session = EdgeSession(cfg)
             try:
-                result = session.run(PROMPT)
+                result = run_text(session, PROMPT)
             finally:
                 session.close()
             opened = service.engine.metrics.registry.get_sample_value("tether_sessions_opened_total")

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 import zstandard
+from edge_text import run_text
 from toy_models import toy_model_dir
 
 from tether.client.cli import main
@@ -176,7 +177,7 @@ def run(address: str, tmp_path, policy: str = "rewind"):
                        mode="hybrid", max_offline_tokens=MAX_OFFLINE)  # fmt: skip
     session = EdgeSession(cfg)
     try:
-        return session.run(PROMPT)
+        return run_text(session, PROMPT)
     finally:
         session.close()
 

@@ -19,6 +19,7 @@ import logging
 import re
 
 import pytest
+from edge_text import run_text
 from toy_models import toy_model_dir
 
 from tether.client.edge_api import EdgeBackend, Release
@@ -72,7 +73,7 @@ class CutThenRestore:
             self.sim.cut()
         elif self.struck and not self.restored and e.kind == "state" and e.state == State.RESYNCING:
             self.tries += 1
-            enough = self.written >= self.offline or s.offline_run >= MAX_OFFLINE or s.done
+            enough = self.written >= self.offline or s.resync.offline_run >= MAX_OFFLINE or s.done
             if enough and self.tries >= self.attempts:
                 self.restored = True
                 self.sim.restore()
@@ -89,7 +90,7 @@ def run(server: str, tmp_path, policy: str, **overrides):
         session.pair()  # over a clean link; the fault starts with generation
         faults = CutThenRestore(sim, session)
         session.on_event = faults
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()

@@ -13,6 +13,7 @@
 import grpc
 import pytest
 from chi_square import chi_square_p
+from edge_text import run_text
 
 from tether.client.session import ClientConfig, EdgeSession
 from tether.v1 import tether_pb2 as pb
@@ -36,7 +37,7 @@ def generate(address: str, cache: str, *, n: int, seed: int, temperature: float,
                        mode="hybrid", round_timeout_s=30.0, connect_timeout_s=30.0, **controls)  # fmt: skip
     session = EdgeSession(cfg)
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
     # A lost round would leave offline text: every token must be the server's verdict.

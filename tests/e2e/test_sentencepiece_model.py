@@ -33,6 +33,7 @@ import json
 from pathlib import Path
 
 import pytest
+from edge_text import continuation, run_text
 from rich.console import Console
 from test_edge_api_e2e import Endpoint
 from tiny_models import END_OF_TURN, script_greedy, tiny_moa_drafter, write_sentencepiece_checkpoint
@@ -134,30 +135,31 @@ def plain_stream(session: EdgeSession, out: io.StringIO) -> PlainStream:
     return PlainStream(tok, out=out, err=io.StringIO(), context=tok.encode(PROMPT), hidden=session.stop_ids)
 
 
-def generate(model: Model, tmp_path, **overrides) -> tuple[Result, str, Tokenizer]:
-    """`tether-client generate --plain`'s session and view: the result, what it printed after the prompt, and the
-    edge's tokenizer (the server's tokenizer.json with the end-of-text ids and clean-up the server names)."""
+def generate(model: Model, tmp_path, **overrides) -> tuple[Result, str, str, Tokenizer]:
+    """`tether-client generate --plain`'s session and view: the result, its text (the continuation decoded, as the
+    command decodes it), what it printed after the prompt, and the edge's tokenizer (the server's tokenizer.json
+    with the end-of-text ids and clean-up the server names)."""
     shown = io.StringIO()
     session = EdgeSession(edge_config(model, tmp_path, **overrides))
     try:
         session.pair()
         session.on_event = plain_stream(session, shown).on_event
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
-    return result, shown.getvalue(), session.models.tokenizer
+    return result, continuation(session, result), shown.getvalue(), session.models.tokenizer
 
 
 # ---- generate --------------------------------------------------------------------------------------------------
 
 
 def test_generate_through_the_edge_writes_the_script_and_shows_the_tokenizers_text(model, tmp_path):
-    result, shown, edge_tok = generate(model, tmp_path)
+    result, text, shown, edge_tok = generate(model, tmp_path)
     assert result.token_ids == model.expected  # stopped at the second end-of-text id
     assert set(result.tags) == {"verified"} and result.stats.drafted > 0
     assert edge_tok.eos_ids == model.tok.eos_ids and edge_tok.clean_up_spaces == model.tok.clean_up_spaces
-    assert shown == result.text  # streamed as the result's text says
-    assert END_OF_TURN not in shown and result.text.strip() == model.tok.decode(model.continuation).strip()
+    assert shown == text  # streamed as the result's text says
+    assert END_OF_TURN not in shown and text.strip() == model.tok.decode(model.continuation).strip()
     if model.family == "byte_fallback":
         assert "café😀" in shown and model.tok.encode("😀")[-4:] == [3 + b for b in "😀".encode()]  # <0x..> is 3 + b
     else:
@@ -168,8 +170,8 @@ def test_generate_through_the_edge_writes_the_script_and_shows_the_tokenizers_te
 def test_what_the_user_reads_is_the_continuation_after_its_prompt(model, tmp_path):
     want = model.tok.decode(model.continuation, after=model.prompt_ids)
     assert want.startswith(" ") and want.strip() == model.tok.decode(model.continuation)  # the space the prompt gives
-    result, shown, _ = generate(model, tmp_path)
-    assert result.text == want and shown == want
+    _, text, shown, _ = generate(model, tmp_path)
+    assert text == want and shown == want
 
 
 def test_generate_commands_text_is_the_continuation_after_its_prompt(model, tmp_path, capsys):
@@ -264,16 +266,17 @@ def test_offline_drafting_shows_the_decode_of_what_it_wrote(model, tmp_path):
     try:
         session.pair()
         session.on_event = faults = CutAfterFirstRound(sim, session)
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         sim.stop()
         session.close()
     assert faults.cut and faults.restored and result.stats.offline_tokens >= 1
-    assert faults.shown.getvalue() == result.text
+    text = continuation(session, result)
+    assert faults.shown.getvalue() == text
     tok = session.models.tokenizer
     written = tok.decode([t for t in result.token_ids if t not in session.stop_ids], after=tok.encode(PROMPT))
-    assert result.text == written
-    assert "▁" not in result.text and "<0x" not in result.text  # whatever the drafter wrote alone
+    assert text == written
+    assert "▁" not in text and "<0x" not in text  # whatever the drafter wrote alone
 
 
 # ---- chat -----------------------------------------------------------------------------------------------------

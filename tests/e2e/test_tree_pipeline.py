@@ -23,7 +23,9 @@ deadlines elsewhere are generous, so a busy machine never makes a slow round loo
 
 import pytest
 import torch
+from edge_text import run_text
 
+from tether.client.rounds import Rounds
 from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.client.transport import SessionStream
 from tether.netsim.proxy import NetSimThread
@@ -45,7 +47,7 @@ def generate(address: str, cache: str, early: bool | None = None, **fields):
         with pytest.MonkeyPatch.context() as mp:
             if early is not None:
                 mp.setattr(SessionStream, "has_reply", lambda self, stale=0: early)
-            return session.run(PROMPT)
+            return run_text(session, PROMPT)
     finally:
         session.close()
 
@@ -125,7 +127,7 @@ def test_a_round_cut_short_behind_a_queued_one_is_finished_on_a_hit(served, cach
     round is kept unsent, finished from the same rows on a hit and sent, thrown away on a miss; the text is plain
     greedy's and the rounds still overlap."""
     finished = []
-    real_rest = EdgeSession._draft_rest
+    real_rest = Rounds.draft_rest
 
     def draft_rest(self, d):
         finished.append(d.msg.round)
@@ -135,19 +137,19 @@ def test_a_round_cut_short_behind_a_queued_one_is_finished_on_a_hit(served, cach
 
     def has_reply(self, stale=()):
         session = owner[0]
-        if not session._queued:
+        if not session.rounds.queued:
             return False  # the first round drafted ahead is never cut here
         calls["n"] += 1
         return calls["n"] % 2 == 0  # the check before the second draft says no, its first stop check yes
 
     owner: list = []
-    monkeypatch.setattr(EdgeSession, "_draft_rest", draft_rest)
+    monkeypatch.setattr(Rounds, "draft_rest", draft_rest)
     monkeypatch.setattr(SessionStream, "has_reply", has_reply)
     session = EdgeSession(ClientConfig(server=served[0], max_new_tokens=N_NEW, cache_dir=cache, tree="chain",
                                        pipeline=True, **PATIENT))  # fmt: skip
     owner.append(session)
     try:
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
     s = result.stats
@@ -214,7 +216,7 @@ def test_the_link_failing_with_a_round_drafted_ahead_in_flight_ends_as_plain_gre
     try:
         session.pair()  # the weights come over a clean link; the fault comes with generation
         session.on_event = on_event
-        result = session.run(PROMPT)
+        result = run_text(session, PROMPT)
     finally:
         session.close()
         sim.stop()
@@ -291,7 +293,7 @@ def test_sampled_rounds_drafted_ahead_and_trees_follow_the_targets_law(served, p
                            cache_dir=paired_once, **PATIENT | shape)  # fmt: skip
         session = EdgeSession(cfg)
         try:
-            result = session.run(SPREAD)
+            result = run_text(session, SPREAD)
         finally:
             session.close()
         assert set(result.tags) == {"verified"}
