@@ -4,7 +4,7 @@ A prompt is what a user would hand a code model: a `def` or `class` line (and it
 docstring, dedented, ending at the docstring's closing quotes; the model writes the body. Not with the newline
 after them: byte-level BPEs read a newline and the next line's indentation as one token, so a prompt ending in a
 bare newline token tells the model that the next line starts at column 0 (a new definition, not the body). They
-come from the package files of a corpus (server/corpus.py) whose package was held out (`split: val` in
+come from the package files of a corpus (server/train/corpus.py) whose package was held out (`split: val` in
 manifest.json): no model trained on that corpus saw them. The stdlib's held-out files are not used: its modules
 are split file by file, so their neighbours (and code copied between them) were trained on.
 
@@ -46,8 +46,8 @@ from pathlib import Path, PurePosixPath
 from rich.console import Console
 from rich.table import Table
 
-from tether.server.corpus import STDLIB_PACKAGE, CorpusManifest
-from tether.server.package_sources import default_site_paths
+from tether.server.train.corpus import STDLIB_PACKAGE, CorpusManifest
+from tether.server.train.package_sources import default_site_paths
 from tether.shared.tokenizer import Tokenizer
 
 MIN_DOC_WORDS = 4

@@ -44,8 +44,8 @@ from rich.table import Table
 from tether.client.session_types import ClientConfig
 from tether.server.engine import SpeculativeEngine
 from tether.server.model_loading import default_model_dir
-from tether.server.train_drafter import check_corpus_tokenizer
-from tether.server.train_target import Batches, TrainConfig, heldout_loss
+from tether.server.train.drafter import check_corpus_tokenizer
+from tether.server.train.target import Batches, TrainConfig, heldout_loss
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.logits_processing import SamplingControls

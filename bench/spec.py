@@ -35,10 +35,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tether.server.corpus import build_corpus, load_tokens
 from tether.server.engine import SpeculativeEngine, target_states
 from tether.server.model_loading import default_model_dir
-from tether.server.train_drafter import check_corpus_tokenizer
+from tether.server.train.corpus import build_corpus, load_tokens
+from tether.server.train.drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer

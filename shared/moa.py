@@ -16,7 +16,7 @@ Client part:
 
 Alignment: the drafter's output at position t predicts token t+1, like the target's. During drafting, the
 positions after the last verified one see the target only through LSA vectors and TLI K/V of verified
-positions; training reproduces that with block-bounded verification points (tether.server.train_drafter).
+positions; training reproduces that with block-bounded verification points (tether.server.train.drafter).
 
     drafter = MoADrafter(target, DrafterConfig(kind="moa", tli=1))
     delta = drafter.server_delta(states, start=0, tokens=prompt)   # server

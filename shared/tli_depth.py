@@ -15,7 +15,7 @@ blocks, carries only blurred (measured on the default target, TLI 3, from the hi
 it, rotated at the token's position; the MLP predicts it before rotation, so what it learns does not depend on the
 position (a same-position score is rotation invariant: only the pre-rotation content matters).
 `MoADrafter.run_tli` pre-fills its DepthStream with these entries (tether.shared.moa); `depth_regression` is the
-training loss against the target's real entries (tether.server.train_drafter), scale-free per K and V so that
+training loss against the target's real entries (tether.server.train.drafter), scale-free per K and V so that
 neither dominates.
 
 Contract: off unless DrafterConfig.tli_depth > 0, which needs a MoA drafter with TLI 1 <= N < L on a MoDA target

@@ -46,7 +46,7 @@ def tiny_pair(kind: str, vocab_size: int, tli: int = 1):
 def save_tiny_pairs(root: Path, vocab_size: int, max_files: int) -> None:
     """A stdlib corpus of `max_files` files in root/corpus, and tiny_pair's target (root/target, with the corpus's
     tokenizer) with its MoA and EAGLE drafters (root/moa, root/eagle): what the bench smoke tests measure."""
-    from tether.server.corpus import build_corpus
+    from tether.server.train.corpus import build_corpus
     from tether.shared.drafter import save_drafter
     from tether.shared.tokenizer import Tokenizer
 

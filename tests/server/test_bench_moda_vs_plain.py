@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tether.server.train_target import TrainConfig, train_target
+from tether.server.train.target import TrainConfig, train_target
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "moda_vs_plain.py"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from tether.server.corpus import build_corpus
+    from tether.server.train.corpus import build_corpus
 
     tmp = tmp_path_factory.mktemp("twins")
     build_corpus(tmp / "corpus", max_files=40, vocab_size=512, progress=False)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from bench_modules import load_bench
 from tiny_models import save_tiny_pairs
 
-from tether.server.corpus import CorpusFile, CorpusManifest, CorpusPackage, load_tokens
 from tether.server.engine import SpeculativeEngine
+from tether.server.train.corpus import CorpusFile, CorpusManifest, CorpusPackage, load_tokens
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer

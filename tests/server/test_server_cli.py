@@ -135,7 +135,7 @@ def test_build_corpus_with_a_models_tokenizer(clean_env, tmp_path, capsys):
 
 
 def test_train_drafter_refuses_a_corpus_in_other_token_ids(clean_env, tmp_path, capsys):
-    from tether.server.corpus import build_corpus
+    from tether.server.train.corpus import build_corpus
 
     build_corpus(tmp_path / "corpus", max_files=4, vocab_size=300, progress=False)  # tether's own BPE
     target = tmp_path / "target"

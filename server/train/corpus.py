@@ -3,7 +3,7 @@
 Contract (docs/ARCHITECTURE.md, section 9):
 - Documents are the stdlib's `*.py` files (site-packages, dist-packages and __pycache__ excluded) in sorted
   order of their POSIX path relative to the stdlib folder; then, with `packages=True`, the `*.py` files of the
-  permissively licensed distributions installed in `site_paths` (server/package_sources.py decides which, and
+  permissively licensed distributions installed in `site_paths` (server/train/package_sources.py decides which, and
   why not the others: distributions by name, files by path), named `site-packages/PACKAGE/PATH`; and then the
   extra files in the order given, named by the path as given. Files that are empty or not valid UTF-8 are left
   out and listed as skipped, as are the package files package_sources skips (vendored, generated, too large,
@@ -40,8 +40,8 @@ Contract (docs/ARCHITECTURE.md, section 9):
     manifest = build_corpus("data/corpus-qwen", tokenizer=model_tokenizer("models/Qwen2-0.5B"))
     train = load_tokens("data/corpus", "train")                         # read-only np.memmap
 
-Tested by tests/server/test_corpus.py and, with packages, tests/server/test_package_sources.py
-(`python -m pytest tests/server/test_corpus.py tests/server/test_package_sources.py -q`).
+Tested by tests/server/train/test_corpus.py and, with packages, tests/server/train/test_package_sources.py
+(`python -m pytest tests/server/train/test_corpus.py tests/server/train/test_package_sources.py -q`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from tether.server.package_sources import DEFAULT_MAX_FILE_BYTES, Exclusion, PackageSelection, select_packages
+from tether.server.train.package_sources import DEFAULT_MAX_FILE_BYTES, Exclusion, PackageSelection, select_packages
 from tether.shared.tokenizer import Tokenizer
 
 SPLITS = ("train", "val")
@@ -83,13 +83,13 @@ class CorpusFile:
     split: str  # "train" or "val"
     package: str | None = None  # with packages: the normalised distribution name, "python-stdlib"; None: extra file
     version: str | None = None  # the distribution's version (the interpreter's for the stdlib)
-    licence: str | None = None  # SPDX-normalised (server/package_sources.py)
+    licence: str | None = None  # SPDX-normalised (server/train/package_sources.py)
 
 
 @dataclass(frozen=True)
 class SkippedFile:
     name: str
-    reason: str  # "empty", "not UTF-8", or a package file's FileSkip value (server/package_sources.py)
+    reason: str  # "empty", "not UTF-8", or a package file's FileSkip value (server/train/package_sources.py)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class CorpusPackage:
     name: str  # normalised distribution name; "python-stdlib" for the standard library
     version: str
     licence: str  # SPDX-normalised
-    licence_source: str  # the metadata field it was read from (server/package_sources.py)
+    licence_source: str  # the metadata field it was read from (server/train/package_sources.py)
     split: str  # "train" or "val"; "file" for the stdlib, whose files are split one by one
     files: int  # files in the corpus
     bytes: int
@@ -108,7 +108,7 @@ class ExcludedPackage:
     name: str
     version: str
     licence: str | None  # as read, when there was a statement
-    reason: str  # an Exclusion's name (server/package_sources.py), or "NO_SOURCES" when no file was usable
+    reason: str  # an Exclusion's name (server/train/package_sources.py), or "NO_SOURCES" when no file was usable
     detail: str  # one line more, e.g. "License-Expression: GPL-3.0-or-later is copyleft"
 
 
@@ -296,7 +296,7 @@ def build_corpus(
     `max_files` keeps only the first N stdlib files (tests use it to stay fast); extra files are always
     included. `vocab_size` is used only when a tokenizer has to be trained; a given `tokenizer` must have an
     eos id. `packages` adds the permissively licensed installed distributions of `site_paths` (default: the
-    running interpreter's site-packages), each file at most `max_file_bytes` (server/package_sources.py).
+    running interpreter's site-packages), each file at most `max_file_bytes` (server/train/package_sources.py).
     """
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout_fraction must lie strictly between 0 and 1, got {holdout_fraction}")

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from tether.server import train_target as train_module
 from tether.server.cli import main as server_main
-from tether.server.train_target import TrainConfig, attention_backend, flops_per_token, lr_at, train_target
+from tether.server.train import target as train_module
+from tether.server.train.target import TrainConfig, attention_backend, flops_per_token, lr_at, train_target
 from tether.shared.config import PRESETS
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
@@ -19,7 +19,7 @@ from tether.shared.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from tether.server.corpus import build_corpus
+    from tether.server.train.corpus import build_corpus
 
     path = tmp_path_factory.mktemp("corpus")
     build_corpus(path, max_files=60, vocab_size=512, progress=False)

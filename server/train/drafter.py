@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from tether.server.corpus import CorpusManifest
 from tether.server.engine import SpeculativeEngine
 from tether.server.model_loading import default_model_dir
-from tether.server.train_target import Batches, autocast, lr_at, progress_bar, save_plot
+from tether.server.train.corpus import CorpusManifest
+from tether.server.train.target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import require_device
 from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter_config, load_drafter_weights, save_drafter

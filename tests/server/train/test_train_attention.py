@@ -6,7 +6,7 @@ keeps for backward grows linearly in T, not as T x T."""
 import pytest
 import torch
 
-from tether.server.train_attention import causal_attention_lse, flex_attention_lse, moda_attention_flex
+from tether.server.train.attention import causal_attention_lse, flex_attention_lse, moda_attention_flex
 from tether.shared.attention import moda_attention_reference
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex kernel needs CUDA")

@@ -1,7 +1,7 @@
 """Training the target LLM from scratch: `tether-server train-target`.
 
 Contract: `train_target(TrainConfig)` trains a model of a named preset on a corpus directory built by
-tether.server.corpus (built on first use when missing), and leaves in `out`:
+tether.server.train.corpus (built on first use when missing), and leaves in `out`:
 - config.json, model.safetensors, tokenizer.json: the finished model, loadable by Transformer.from_pretrained;
 - checkpoint.pt: model + optimizer + step + loss history, rewritten every `save_every` steps and when a run stops;
   a rerun with the same `out` resumes from it (and a larger --steps extends a finished run);
@@ -14,7 +14,7 @@ Chunks: `--time-limit-s` (or `--chunk-steps`) stops a run early and saves it; re
 A run cut into chunks is the same run as one left alone: step k's batch is drawn from (seed, k) alone, the lr
 schedule is a function of the step, the optimizer state is saved whole, and held-out evaluations fall on the same
 steps (none is added where a chunk stops). On the CPU the weights come out bit for bit the same
-(tests/server/test_train_target.py).
+(tests/server/train/test_train_target.py).
 
     tether-server train-target --preset small --out runs/target --steps 4000 --device cuda
     tether-server train-target --preset medium --out runs/medium --steps 2000 --device cuda --time-limit-s 480
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from tether.server.corpus import CorpusManifest, build_corpus, load_tokens
-from tether.server.train_attention import BACKEND as FLEX
+from tether.server.train.attention import BACKEND as FLEX
+from tether.server.train.corpus import CorpusManifest, build_corpus, load_tokens
 from tether.shared.attention import get_backend
 from tether.shared.cli_support import require_device
 from tether.shared.config import ModelConfig, preset

@@ -25,14 +25,14 @@ Contract (docs/ARCHITECTURE.md, section 9):
   code (protobuf's `*_pb2.py` / `*_pb2_grpc.py` serialised descriptors, editable-install finders); files over
   `max_file_bytes` (generated tables, not code people write); files RECORD lists but the disk lacks; files an
   earlier distribution already listed.
-- Nothing here reads a file's contents: the corpus does (server/corpus.py), which also skips empty and non-UTF-8
+- Nothing here reads a file's contents: the corpus does (server/train/corpus.py), which also skips empty and non-UTF-8
   files. The same folders give the same `PackageSelection`, in the same order.
 
     selection = select_packages()                        # the running interpreter's site-packages
     for package in selection.included: print(package.name, package.version, package.licence, len(package.files))
     for package in selection.excluded: print(package.name, package.exclusion.value, package.detail)
 
-Tested by tests/server/test_package_sources.py (`python -m pytest tests/server/test_package_sources.py -q`).
+Tested by tests/server/train/test_package_sources.py (`python -m pytest tests/server/train/test_package_sources.py -q`).
 """
 
 from __future__ import annotations

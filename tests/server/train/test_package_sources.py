@@ -3,7 +3,7 @@ site-packages folder, deterministic order, and the corpus split by package.
 
 Everything runs on fake site-packages folders built in tmp_path (dist-info folders with METADATA and RECORD), with
 a few stdlib files and a 300-token vocabulary: a few seconds.
-Run: `python -m pytest tests/server/test_package_sources.py -q`.
+Run: `python -m pytest tests/server/train/test_package_sources.py -q`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from tether.server.cli import main
-from tether.server.corpus import CorpusManifest, build_corpus, load_tokens, split_of
-from tether.server.package_sources import Exclusion, FileSkip, licence_of, select_packages
+from tether.server.train.corpus import CorpusManifest, build_corpus, load_tokens, split_of
+from tether.server.train.package_sources import Exclusion, FileSkip, licence_of, select_packages
 from tether.shared import env
 from tether.shared.tokenizer import Tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tether.server.train_drafter import DrafterTrainConfig, staircase_mask, train_drafter, verification_boundaries
+from tether.server.train.drafter import DrafterTrainConfig, staircase_mask, train_drafter, verification_boundaries
 from tether.shared.checkpoint import fingerprint
 from tether.shared.config import PRESETS
 from tether.shared.drafter import load_drafter
@@ -21,7 +21,7 @@ SMALL_DRAFTER = (("n_heads", 4), ("n_kv_heads", 2), ("head_dim", 12), ("ffn_dim"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tether.server.corpus import build_corpus
+    from tether.server.train.corpus import build_corpus
 
     root = tmp_path_factory.mktemp("drafter")
     build_corpus(root / "corpus", max_files=40, vocab_size=512, progress=False)
@@ -111,7 +111,7 @@ def test_the_default_target_is_found_from_any_directory(tmp_path, monkeypatch):
     wherever the command runs (it was a path relative to the repository root)."""
     from pathlib import Path
 
-    from tether.server.train_drafter import DrafterTrainConfig
+    from tether.server.train.drafter import DrafterTrainConfig
 
     monkeypatch.chdir(tmp_path)
     assert (Path(DrafterTrainConfig().target) / "config.json").is_file()

@@ -2,7 +2,7 @@
 
 Builds from the first 40 stdlib files with a 512-token vocabulary (a few seconds), and corpora in a Hugging Face
 model's token ids (`model_tokenizer`): its end-of-text found where transformers keeps it, a model without one refused.
-Run: `python -m pytest tests/server/test_corpus.py -q`.
+Run: `python -m pytest tests/server/train/test_corpus.py -q`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tether.server.corpus import (
+from tether.server.train.corpus import (
     CorpusManifest,
     build_corpus,
     load_tokens,

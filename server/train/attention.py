@@ -14,9 +14,9 @@ Contract: the AttentionFn of tether.shared.attention, for causal self-attention 
 no tree mask); any other call (a KV-cache prefix, a tree mask) defers to the reference. On the CPU
 flex_attention has no backward (and uncompiled it materialises the scores anyway), so there the sequence part is
 the same computation spelt out in PyTorch (`causal_attention_lse`); the flex kernel is checked against it forward
-on the CPU and, with gradients, on CUDA (tests/server/test_train_attention.py).
+on the CPU and, with gradients, on CUDA (tests/server/train/test_train_attention.py).
 
-    import tether.server.train_attention  # registers "flex"
+    import tether.server.train.attention  # registers "flex"
     model.backend = "flex"                # then train as usual
 """
 
