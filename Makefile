@@ -52,7 +52,7 @@ test: $(VENV)/.test lint
 
 demo: $(VENV)/.demo
 	@echo "demo: the server, tether-netsim and two clients on this machine's CPU (torch loads in a few seconds)"
-	$(BIN)/python -m tether.server.demo
+	$(BIN)/python bench/demo.py
 
 # Refresh the lock on purpose: resolve pyproject.toml anew in a throwaway venv with a current pip, then review the
 # diff and run `make test` before committing it.

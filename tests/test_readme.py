@@ -50,7 +50,7 @@ TINY_DRAFTER = "--set n_heads=2 --set head_dim=16 --set ffn_dim=64 --set lsa_ffn
 SERVE_LINES = ("listening on ",)
 SERVE_HTTP_LINES = ("listening on ", "http listening on ")  # what serve prints as it listens: gRPC, then HTTP
 EXEMPT = {
-    "make demo": "tests/e2e/test_demo.py runs the demo (python -m tether.server.demo) end to end",
+    "make demo": "tests/e2e/test_demo.py runs the demo (bench/demo.py) end to end",
     "make test": "CI runs it (.ci/run); running the whole suite from inside the suite would recurse",
 }
 

@@ -1,4 +1,4 @@
-"""`make demo` (tether.server.demo) and its screen (tether.client.split_view).
+"""`make demo` (bench/demo.py) and its screen (tether.client.split_view).
 
 The screen: whatever the texts hold, it fits 80x24 (or a smaller console) with its status area in place, and its
 outage counts follow the link as the caller changes it. The program, end to end, on a pipe and on a forced 80x24
@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from bench_modules import BENCH_DIR
 from rich.cells import cell_len
 from rich.console import Console
 
@@ -115,13 +116,13 @@ class NotInTheDemoExtra:
         if name.split(".")[0] in ("triton", "matplotlib", "transformers", "openai", "httpx"):
             raise ImportError(f"{name} is not in tether[demo]")
 sys.meta_path.insert(0, NotInTheDemoExtra())
-runpy.run_module("tether.server.demo", run_name="__main__", alter_sys=True)
+runpy.run_path(sys.argv.pop(1), run_name="__main__")
 """
 
 
 def run_demo(policy: str, env: dict[str, str]) -> str:
     args = ["--policy", policy, "--max-new-tokens", "120", "--pace", "40"]
-    cmd = [sys.executable, "-c", ONLY_THE_DEMO_EXTRA, *args]
+    cmd = [sys.executable, "-c", ONLY_THE_DEMO_EXTRA, str(BENCH_DIR / "demo.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, timeout=300, env={"PATH": "", "PYTHONSAFEPATH": "1", **env})
     out = proc.stdout.decode()  # as written: text mode would turn the terminal's carriage returns into newlines
     assert proc.returncode == 0, out + proc.stderr.decode()

@@ -13,9 +13,9 @@ stays put (tether.client.split_view): the link, tokens so far, tokens each wrote
 bytes of each and the wire's bytes of both, tau; a table compares them at the end. Everything runs on the CPU, on
 loopback, in well under two minutes.
 
-    python -m tether.server.demo                     # policy keep: the hybrid's offline text stands
-    python -m tether.server.demo --policy rewind     # offline text the target disagrees with is rewound
-    python -m tether.server.demo --pace 0            # as fast as each stream goes
+    .venv/bin/python bench/demo.py                     # policy keep: the hybrid's offline text stands
+    .venv/bin/python bench/demo.py --policy rewind     # offline text the target disagrees with is rewound
+    .venv/bin/python bench/demo.py --pace 0            # as fast as each stream goes
 
 The server-only stream (`ServerOnlyStream`) is tether.client.server_only's ServerOnlySession asked for the text
 in slices of half a second at the pace, the next slice while the one before is being read: one Generate call
@@ -271,7 +271,7 @@ def run_both(session: EdgeSession, server_only: ServerOnlyStream, drops: Drops,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tether.server.demo", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="bench/demo.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     ap.add_argument("--policy", choices=("keep", "rewind"), default="keep", help="what happens to offline text")
     ap.add_argument("--max-new-tokens", type=int, default=220, help="tokens each stream generates")
