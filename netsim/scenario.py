@@ -9,6 +9,7 @@ Contract:
   "end" (the scenario is over: the CLI prints its counts and exits), which must come last.
 - Anything else (an unknown event or field, a bad number, times out of order) is a ScenarioError naming the
   file and the event's index, raised before anything plays.
+- `play(link, scenario)` plays it against any `Link` (NetSim is the one; this module does not import it).
 
     [{"at": 2.0, "event": "cut"}, {"at": 5.0, "event": "restore"},
      {"at": 6.0, "event": "stall"}, {"at": 7.5, "event": "restore"},
@@ -23,13 +24,30 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tether.netsim.proxy import NetSim
+from typing import Protocol
 
 EVENTS = ("cut", "stall", "restore", "set", "end")
 LINK_FIELDS = ("latency_ms", "jitter_ms", "bandwidth_kbps")
+
+
+class Link(Protocol):
+    """What a scenario's events do to the link they play against: NetSim's methods of these names."""
+
+    def cut(self) -> int: ...
+
+    def stall(self) -> None: ...
+
+    def restore(self) -> None: ...
+
+    def set_link(
+        self,
+        latency_ms: float | None = None,
+        jitter_ms: float | None = None,
+        bandwidth_kbps: float | None = None,
+        direction: str = "both",
+    ) -> None: ...
+
+    def finish(self) -> None: ...
 
 
 class ScenarioError(ValueError):
@@ -110,8 +128,8 @@ def load_scenario(path: str | Path) -> Scenario:
     return parse_scenario(data, str(path))
 
 
-def apply(sim: NetSim, event: ScenarioEvent) -> None:
-    """Do one event to a NetSim, now."""
+def apply(sim: Link, event: ScenarioEvent) -> None:
+    """Do one event to a link, now."""
     if event.event == "cut":
         sim.cut()
     elif event.event == "stall":
@@ -126,7 +144,7 @@ def apply(sim: NetSim, event: ScenarioEvent) -> None:
         raise ScenarioError(f"unknown event {event.event!r}")
 
 
-async def play(sim: NetSim, scenario: Scenario) -> None:
+async def play(sim: Link, scenario: Scenario) -> None:
     """Play every event at its time, counted from this call. Cancel the task to stop early."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()

@@ -1,13 +1,14 @@
 """netsim scenarios: validation with clear errors, and playback against a live proxy."""
 
+import inspect
 import json
 import threading
 
 import pytest
 from netsim_helpers import closed_by_peer, connect, recv_exactly
 
-from tether.netsim.proxy import LinkConfig, NetSimThread
-from tether.netsim.scenario import Scenario, ScenarioError, ScenarioEvent, load_scenario, parse_scenario
+from tether.netsim.proxy import LinkConfig, NetSim, NetSimThread
+from tether.netsim.scenario import Link, Scenario, ScenarioError, ScenarioEvent, load_scenario, parse_scenario
 
 EXAMPLE = [
     {"at": 2.0, "event": "cut"},
@@ -18,6 +19,15 @@ EXAMPLE = [
     {"at": 8.0, "event": "set", "bandwidth_kbps": 200, "direction": "up"},
     {"at": 9, "event": "end"},
 ]
+
+
+def test_the_proxy_is_the_link_a_scenario_plays_against():
+    """scenario.play takes a Link (so the scenario module need not import the proxy): NetSim has each of its
+    members, with the same parameters."""
+    members = [name for name, member in vars(Link).items() if inspect.isfunction(member) and name[0] != "_"]
+    assert members == ["cut", "stall", "restore", "set_link", "finish"]
+    for name in members:
+        assert inspect.signature(getattr(NetSim, name)).parameters == inspect.signature(getattr(Link, name)).parameters
 
 
 def test_parse_the_example():
