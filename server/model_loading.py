@@ -5,7 +5,8 @@ Contract: `pick_device("")` is cuda when present, else cpu (a named device this 
 `attention_backend(device, requested)` is the backend name ("auto": the Triton MoDA kernels on CUDA, registered here,
 the PyTorch reference elsewhere); `load(dir, device, dtype, attention, fused=)` the target and its tokenizer;
 `load_models(cfg)` a ServeConfig's target, tokenizer, drafter (None for "none", checked against the target's
-fingerprint) and that fingerprint. `default_model_dir(name)` is deploy/models/NAME.
+fingerprint) and that fingerprint; it reads the config's `ModelChoice` fields only (tether.server.serve_config
+takes its defaults and dtype names from here). `default_model_dir(name)` is deploy/models/NAME.
 
     target, tokenizer = load("deploy/models/target", pick_device(""))
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -25,9 +26,6 @@ from tether.shared.cli_support import TARGET_FILES, check_model_dir, require_dev
 from tether.shared.drafter import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from tether.server.serve_config import ServeConfig
 
 log = logging.getLogger("tether.server")
 
@@ -85,7 +83,26 @@ def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "
     return model, Tokenizer.from_pretrained(model_dir)
 
 
-def load_models(cfg: ServeConfig, device: str):
+class ModelChoice(Protocol):
+    """What load_models reads of a ServeConfig: which models, and how to load them."""
+
+    @property
+    def model(self) -> str: ...  # the target's folder
+
+    @property
+    def drafter(self) -> str: ...  # the drafter's folder, or "none"
+
+    @property
+    def dtype(self) -> str: ...  # a DTYPES name, or "" for the device's default
+
+    @property
+    def attention(self) -> str: ...  # as attention_backend takes it
+
+    @property
+    def tp(self) -> int: ...  # tensor-parallel ranks: a shard is not fused here
+
+
+def load_models(cfg: ModelChoice, device: str):
     t0 = time.perf_counter()
     target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
     model_fp = fingerprint(cfg.model)
