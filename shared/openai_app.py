@@ -23,14 +23,15 @@ Contract:
   client stops reading for `send_timeout_s` ends, its generation closed.
 - Every request is one log line and one observation (`observer`, tether.shared.http_observe: method, path,
   status, prompt and completion tokens, time to first token, duration, the response id as the session).
-- `Backend` (a Protocol): `generate(prompt_ids, sampling, max_tokens)` is an async generator of `Tokens` chunks
-  (closing it ends the generation); `sampling` is tether.shared.openai_api's Sampling: its `controls` (a checked
-  SamplingControls) is the rule to decode with, its `stop_token_ids` end the text here, and so does end-of-text
-  unless its `ignore_eos` (a backend may stop decoding at either too). `ApiError` from it becomes the response's
-  status, or an error event mid-stream. tether.server.http_api adapts the gRPC service's server-only decoding to it,
-  tether.client.edge_api the edge's sessions. A backend with `drafts_offline` may yield tokens marked offline;
-  every choice it answers then carries tether's extension field, `"tether": {"offline_tokens": n}`
-  (tether.shared.openai_api).
+- `Backend` (a Protocol, beside the generations that run on it in tether.shared.openai_generation, which needs
+  only the `App` shape of this app and so does not import it): `generate(prompt_ids, sampling, max_tokens)` is an
+  async generator of `Tokens` chunks (closing it ends the generation); `sampling` is tether.shared.openai_api's
+  Sampling: its `controls` (a checked SamplingControls) is the rule to decode with, its `stop_token_ids` end the
+  text here, and so does end-of-text unless its `ignore_eos` (a backend may stop decoding at either too).
+  `ApiError` from it becomes the response's status, or an error event mid-stream. tether.server.http_api adapts
+  the gRPC service's server-only decoding to it, tether.client.edge_api the edge's sessions. A backend with
+  `drafts_offline` may yield tokens marked offline; every choice it answers then carries tether's extension field,
+  `"tether": {"offline_tokens": n}` (tether.shared.openai_api).
 - `HttpServer(app, config).start(loop)` runs uvicorn as a task on an existing asyncio loop (the gRPC server's: one
   event loop for both) and returns the bound port (config.port 0 picks a free one), or raises OSError (one line:
   the address and the reason) when it cannot listen; `stop()` stops taking requests and gives those in flight
@@ -52,10 +53,9 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -64,7 +64,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tether.shared.chat_template import ChatFormat, ChatTemplateError, TemplateProblem
+from tether.shared.chat_template import ChatTemplateError, TemplateProblem
 from tether.shared.http_guard import (
     ConnectionGuard,
     connection_cap,
@@ -77,14 +77,12 @@ from tether.shared.openai_api import (
     ApiError,
     ErrorKind,
     GenerationRequest,
-    Sampling,
-    Tokens,
     decode_body,
     invalid,
     parse_chat,
     parse_completion,
 )
-from tether.shared.openai_generation import Completion, EventStream
+from tether.shared.openai_generation import Backend, Completion, EventStream
 
 log = logging.getLogger("tether.http")
 
@@ -109,17 +107,6 @@ class HttpConfig:
     send_timeout_s: float = 60.0  # a stream the client does not read for this long is ended (its generation freed)
     prepare_threads: int = 2  # threads decoding, rendering and tokenizing requests (off the event loop)
     max_n: int = 8  # choices per request (n) at most; each takes a generation slot of max_streams
-
-
-class Backend(Protocol):
-    model_id: str  # the one model served, as /v1/models lists it
-    chat: ChatFormat  # its tokenizer and chat template
-    max_context: int  # positions a sequence may hold: prompt + completion
-    max_prompt_tokens: int  # longest prompt accepted
-    max_new_tokens: int  # most completion tokens per request
-    drafts_offline: bool  # True: chunks may be marked offline, and every choice carries the "tether" field
-
-    def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]: ...
 
 
 class OpenAIApp:

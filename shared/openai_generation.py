@@ -29,16 +29,18 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tether.shared.chat_template import ChatFormat
 from tether.shared.http_observe import RequestRecord
 from tether.shared.openai_api import (
     SSE_DONE,
     ApiError,
     GenerationRequest,
+    Sampling,
     TextStream,
     Tokens,
     chat_body,
@@ -57,16 +59,36 @@ from tether.shared.openai_api import (
 )
 from tether.shared.sampling import TokenLogprobs
 
-if TYPE_CHECKING:
-    from tether.shared.openai_app import OpenAIApp
-
 log = logging.getLogger("tether.http")
+
+
+class Backend(Protocol):
+    """What the app serves (tether.shared.openai_app documents the contract): one model's generations."""
+
+    model_id: str  # the one model served, as /v1/models lists it
+    chat: ChatFormat  # its tokenizer and chat template
+    max_context: int  # positions a sequence may hold: prompt + completion
+    max_prompt_tokens: int  # longest prompt accepted
+    max_new_tokens: int  # most completion tokens per request
+    drafts_offline: bool  # True: chunks may be marked offline, and every choice carries the "tether" field
+
+    def generate(self, prompt: list[int], sampling: Sampling, max_tokens: int) -> AsyncIterator[Tokens]: ...
+
+
+class App(Protocol):
+    """What a generation needs of the app that runs it (tether.shared.openai_app.OpenAIApp): its backend, its count
+    of live generations (each choice holds one while it runs) and a token's own text."""
+
+    backend: Backend
+    live: int
+
+    def token_text(self, token: int) -> str: ...
 
 
 class Choice:
     """One choice's generation: holds one of the app's slots from construction until `close`."""
 
-    def __init__(self, app: OpenAIApp, req: GenerationRequest, index: int, prompt: list[int], max_tokens: int):
+    def __init__(self, app: App, req: GenerationRequest, index: int, prompt: list[int], max_tokens: int):
         chat = app.backend.chat
         self.app, self.req, self.index, self.max_tokens = app, req, index, max_tokens
         # The request's stop tokens end it even with ignore_eos; their text is left out, as vLLM leaves it.
@@ -194,7 +216,7 @@ class Choice:
 class Completion:
     """One request's n choices (see the module docstring)."""
 
-    def __init__(self, app: OpenAIApp, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int,
+    def __init__(self, app: App, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int,
                  record: RequestRecord):  # fmt: skip
         self.app, self.req, self.model, self.prompt = app, req, model, prompt
         self.rid = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
