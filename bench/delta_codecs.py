@@ -33,7 +33,7 @@ from rich.table import Table
 from tether.server.engine import target_states
 from tether.server.model_loading import default_model_dir
 from tether.shared.codecs import Codec, EncodedTensor, decode, decode_many, encode, encode_many
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 

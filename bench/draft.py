@@ -42,7 +42,7 @@ from tether.server.model_loading import default_model_dir, load
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.weights import ONNX_PRECISIONS, TOKENIZER_TENSOR, client_part_tensors, tokenizer_tensor
 
 

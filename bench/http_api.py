@@ -131,7 +131,7 @@ def start_server(args: argparse.Namespace):
     from tether.server.serve_config import ServiceConfig
     from tether.server.service import TetherService
     from tether.shared.checkpoint import fingerprint
-    from tether.shared.drafter import load_drafter
+    from tether.shared.drafter_loading import load_drafter
     from tether.shared.openai_app import HttpConfig
 
     model = args.model or str(default_model_dir())

@@ -44,7 +44,7 @@ from tether.server.model_loading import DTYPES, attention_backend, default_model
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.config import preset
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer

@@ -47,7 +47,7 @@ from tether.server.model_loading import default_model_dir
 from tether.server.train.drafter import check_corpus_tokenizer
 from tether.server.train.target import Batches, TrainConfig, heldout_loss
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer

@@ -505,7 +505,7 @@ def load_models(args: argparse.Namespace):
 
     from tether.server.model_loading import default_model_dir, load
     from tether.shared.checkpoint import fingerprint
-    from tether.shared.drafter import load_drafter
+    from tether.shared.drafter_loading import load_drafter
 
     torch.set_grad_enabled(False)
     args.model = args.model or str(default_model_dir())

@@ -40,7 +40,7 @@ from tether.server.model_loading import default_model_dir
 from tether.server.train.corpus import build_corpus, load_tokens
 from tether.server.train.drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 

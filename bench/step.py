@@ -191,7 +191,7 @@ def profile(fn, title: str, device: torch.device, iters: int = 20) -> None:
 def decode_rates(args: argparse.Namespace, device: torch.device) -> dict:
     from tether.server.engine import SpeculativeEngine
     from tether.shared.checkpoint import fingerprint
-    from tether.shared.drafter import load_drafter
+    from tether.shared.drafter_loading import load_drafter
 
     target, tok = load(args.model, str(device))
     drafter = load_drafter(args.drafter, target, target_fingerprint=fingerprint(args.model))

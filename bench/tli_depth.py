@@ -34,7 +34,8 @@ from tether.server.model_loading import default_model_dir
 from tether.server.train.corpus import build_corpus, load_tokens
 from tether.server.train.drafter import check_corpus_tokenizer
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter
+from tether.shared.drafter import DrafterConfig
+from tether.shared.drafter_loading import build_drafter, load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tli_depth import lower_entries
 from tether.shared.tokenizer import Tokenizer

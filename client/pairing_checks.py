@@ -164,7 +164,7 @@ def expected_client_part(cfg: ModelConfig, dcfg: DrafterConfig) -> Mapping[str, 
     """{name: (shape, is floating)} of the client part the configs imply (the tokenizer aside)."""
     import torch
 
-    from tether.shared.drafter import build_drafter
+    from tether.shared.drafter_loading import build_drafter
     from tether.shared.model import Transformer
     from tether.shared.weights import client_part_tensors
 

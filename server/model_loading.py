@@ -23,7 +23,7 @@ import torch
 from tether.shared.attention import register_backend
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import TARGET_FILES, check_model_dir, require_device
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 

@@ -441,7 +441,7 @@ def split_weights(graph: bytes, location: str) -> tuple[bytes, dict[str, np.ndar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tether.shared.drafter import load_drafter
+    from tether.shared.drafter_loading import load_drafter
     from tether.shared.model import Transformer
 
     p = argparse.ArgumentParser(prog="python -m tether.server.onnx_export", description=__doc__.split("\n\n")[0])

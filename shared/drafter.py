@@ -10,7 +10,8 @@ Terms (the speculative terms themselves live in tether.shared.speculative):
   after a root token) and `commit` (adopt the verified states of the accepted positions).
 
 Files: drafter_config.json + drafter.safetensors in one directory, with the target's fingerprint in the
-config so a drafter is never paired with a target it was not trained for.
+config so a drafter is never paired with a target it was not trained for. A drafter of a named kind is built or
+loaded by tether.shared.drafter_loading (above the kinds, which import this module).
 """
 
 from __future__ import annotations
@@ -92,27 +93,3 @@ def load_drafter_config(path: str | Path) -> DrafterConfig:
 
 def load_drafter_weights(path: str | Path) -> dict[str, Tensor]:
     return load_file(str(Path(path) / "drafter.safetensors"))
-
-
-def build_drafter(target, dcfg: DrafterConfig):
-    """A fresh drafter of dcfg.kind for `target` (imports here: moa and eagle import this module)."""
-    from tether.shared.eagle import EagleDrafter
-    from tether.shared.moa import MoADrafter
-
-    kinds = {"moa": MoADrafter, "eagle": EagleDrafter}
-    if dcfg.kind not in kinds:
-        raise ValueError(f"unknown drafter kind {dcfg.kind!r}; choose one of {', '.join(kinds)}")
-    return kinds[dcfg.kind](target, dcfg)
-
-
-def load_drafter(path: str | Path, target, *, target_fingerprint: str | None = None):
-    """Load a drafter directory for `target`. With `target_fingerprint` given, refuse a drafter trained for
-    another target (the pairing check clients and servers rely on)."""
-    dcfg = load_drafter_config(path)
-    if target_fingerprint and dcfg.target_fingerprint and dcfg.target_fingerprint != target_fingerprint:
-        raise ValueError(
-            f"drafter {path} was trained for target {dcfg.target_fingerprint[:12]}, not {target_fingerprint[:12]}"
-        )
-    drafter = build_drafter(target, dcfg)
-    drafter.load_state_dict(load_drafter_weights(path))
-    return drafter.to(device=target.device, dtype=target.dtype).eval()

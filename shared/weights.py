@@ -218,7 +218,7 @@ def build_client_part(cfg: ModelConfig, dcfg: DrafterConfig, tensors: Mapping[st
     import torch
 
     from tether.shared.checkpoint import from_hf_name
-    from tether.shared.drafter import build_drafter
+    from tether.shared.drafter_loading import build_drafter
     from tether.shared.model import Transformer, rope_frequencies
 
     # Build on the meta device and materialise only the client part: an 8B target's other layers would

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from tether.shared.config import PRESETS
-from tether.shared.drafter import DrafterConfig, build_drafter
+from tether.shared.drafter import DrafterConfig
+from tether.shared.drafter_loading import build_drafter
 from tether.shared.model import Transformer
 
 

@@ -28,7 +28,7 @@ def load_toy_pair():
     """The toy target (on the CPU), its tokenizer, its MoA drafter and the target's fingerprint, as a server loads."""
     from tether.server.model_loading import load
     from tether.shared.checkpoint import fingerprint
-    from tether.shared.drafter import load_drafter
+    from tether.shared.drafter_loading import load_drafter
 
     target, tok = load(toy_model_dir(), "cpu")
     fp = fingerprint(toy_model_dir())

@@ -47,7 +47,8 @@ from tether.server.train.corpus import CorpusManifest
 from tether.server.train.target import Batches, autocast, lr_at, progress_bar, save_plot
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import require_device
-from tether.shared.drafter import DrafterConfig, build_drafter, load_drafter_config, load_drafter_weights, save_drafter
+from tether.shared.drafter import DrafterConfig, load_drafter_config, load_drafter_weights, save_drafter
+from tether.shared.drafter_loading import build_drafter
 from tether.shared.model import Transformer
 from tether.shared.tli_depth import depth_regression
 from tether.shared.tokenizer import Tokenizer

@@ -21,7 +21,8 @@ from tether.client.onnx_drafter import OnnxDrafter
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier, target_states
 from tether.shared.codecs import Codec, decode_many, encode_many
-from tether.shared.drafter import DraftDelta, DrafterConfig, build_drafter, load_drafter
+from tether.shared.drafter import DraftDelta, DrafterConfig
+from tether.shared.drafter_loading import build_drafter, load_drafter
 from tether.shared.model import Transformer
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer

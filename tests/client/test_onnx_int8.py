@@ -26,7 +26,7 @@ from tether.server.model_loading import load
 from tether.server.onnx_export import export_client_onnx
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.onnx_subset import onnx_model_class
 from tether.shared.weights import TOKENIZER_TENSOR, client_part_tensors, decode_weight, tokenizer_tensor
 

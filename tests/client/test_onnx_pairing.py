@@ -37,7 +37,7 @@ from tether.server.service import TetherService
 from tether.server.verifier import SequenceVerifier
 from tether.shared.checkpoint import fingerprint
 from tether.shared.codecs import Codec, encode_many
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.speculative import DraftTree
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.wire import decode_many

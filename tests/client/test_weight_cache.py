@@ -7,7 +7,8 @@ import torch
 
 from tether.client.weight_cache import WeightCache, WeightCacheError
 from tether.shared.config import PRESETS
-from tether.shared.drafter import DrafterConfig, build_drafter
+from tether.shared.drafter import DrafterConfig
+from tether.shared.drafter_loading import build_drafter
 from tether.shared.model import Transformer
 from tether.shared.weights import MAX_CHUNK, build_manifest, client_part_tensors, iter_chunks, tensor_bytes
 

@@ -33,7 +33,7 @@ from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)
 

@@ -39,7 +39,7 @@ from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.weights import TOKENIZER_TENSOR
 
 pytestmark = pytest.mark.heavy  # a long file, started first (tests/conftest.py)

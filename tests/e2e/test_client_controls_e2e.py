@@ -38,7 +38,7 @@ from tether.client.server_only import ServerOnlySession
 from tether.client.session import ClientConfig, EdgeSession
 from tether.server.model_loading import load
 from tether.server.verifier import SequenceVerifier
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.logits_processing import SamplingControls
 from tether.shared.openai_app import HttpConfig, HttpServer, OpenAIApp
 from tether.shared.speculative import DraftTree

@@ -18,7 +18,7 @@ from tether.server.model_loading import load
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 
 PROMPT = "def write_lines(path, lines):\n    "
 NEW = 24

@@ -26,7 +26,7 @@ from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.checkpoint import fingerprint
 from tether.shared.codecs import Codec, EncodedTensor, decode_many, encode_many
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc
 

@@ -15,7 +15,8 @@ from toy_models import toy_model_dir, toy_model_flags
 from tether.server.model_loading import load
 from tether.server.verifier import target_states
 from tether.shared.codecs import Codec, decode_many
-from tether.shared.drafter import DraftDelta, load_drafter
+from tether.shared.drafter import DraftDelta
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.weights import client_part_tensors
 from tether.v1 import tether_pb2 as pb
 from tether.v1 import tether_pb2_grpc

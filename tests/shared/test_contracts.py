@@ -18,7 +18,8 @@ from tether.server.rounds import BatchCacheView, PagedBatchView
 from tether.server.tp import GatherKV
 from tether.server.tp_serve import TPTarget
 from tether.shared import contracts
-from tether.shared.drafter import DrafterConfig, build_drafter
+from tether.shared.drafter import DrafterConfig
+from tether.shared.drafter_loading import build_drafter
 
 # Members an implementation still lacks, each waiting on a file being changed elsewhere: a gap not listed here
 # fails, and so does a listed one that has been closed. None now.

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny_models import tiny_target
 
-from tether.shared.drafter import DrafterConfig, build_drafter
+from tether.shared.drafter import DrafterConfig
+from tether.shared.drafter_loading import build_drafter
 from tether.shared.model import apply_rope
 from tether.shared.tli_depth import DepthPredictor, depth_regression, lower_entries
 from tether.shared.weights import build_client_part, client_part_tensors

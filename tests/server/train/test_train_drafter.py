@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tether.server.train.drafter import DrafterTrainConfig, staircase_mask, train_drafter, verification_boundaries
 from tether.shared.checkpoint import fingerprint
 from tether.shared.config import PRESETS
-from tether.shared.drafter import load_drafter
+from tether.shared.drafter_loading import load_drafter
 from tether.shared.model import Transformer
 from tether.shared.tokenizer import Tokenizer
 
