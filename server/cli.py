@@ -147,8 +147,10 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from tether.shared.checkpoint import ConvertConfig, convert_checkpoint
+    from tether.shared.model import Transformer
 
-    convert_checkpoint(build_config(ConvertConfig, args))
+    cfg = build_config(ConvertConfig, args)
+    convert_checkpoint(Transformer.from_pretrained(cfg.model), cfg)
     print(f"wrote {args.out}")
     return 0
 

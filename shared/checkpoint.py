@@ -4,13 +4,15 @@ Contract:
 - `save_model(model, dir)` writes tensors under Hugging Face Llama names (model.layers.N.self_attn.q_proj...),
   so a plain (moda off, pre-norm) checkpoint of ours loads in transformers' LlamaForCausalLM unchanged.
   A MoDA checkpoint says `"model_type": "tether_moda"` and carries our extra fields; it loads only here.
-- `load_model(dir)` reads ours, and Llama-, Mistral- and Qwen2-style checkpoints written by transformers
-  (single or sharded safetensors). Unsupported features (sliding windows, MLP bias, other RoPE
-  scalings) are refused with a clear error rather than loaded wrong.
+- `read_config(dir)` and `load_weights(model, dir)` read ours, and Llama-, Mistral- and Qwen2-style checkpoints
+  written by transformers (single or sharded safetensors): the model is built from the config on the meta device
+  and given the stored tensors (Transformer.from_pretrained does both: this module never imports the model, which
+  imports it). Unsupported features (sliding windows, MLP bias, other RoPE scalings) are refused with a clear
+  error rather than loaded wrong.
 - `save_model(..., storage="int8", max_shard_mb=10)`: int8 rows (shared/int8_storage.py), in shards of at most
-  10 MB named by model.safetensors.index.json; `load_model` recognises the format from the safetensors metadata,
+  10 MB named by model.safetensors.index.json; `load_weights` recognises the format from the safetensors metadata,
   checks names, dtypes and shapes from the headers before reading a tensor, and dequantizes. `convert_checkpoint`
-  rewrites a checkpoint so (`tether-server quantize`).
+  rewrites a loaded checkpoint so (`tether-server quantize`).
 - `fingerprint(dir)`: sha256 over config.json and every stored tensor (int8 and scales as stored), the identity
   clients pair against.
 """
@@ -216,18 +218,19 @@ def _save_shards(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    model: str = ""  # the checkpoint directory to read (any storage load_model reads)
+    model: str = ""  # the checkpoint directory to read (any storage load_weights reads)
     out: str = ""  # the directory to write (config.json, weights, tokenizer files)
     storage: str = "int8"  # plain: the weights as they are; int8: int8 with one fp32 scale per output row
     max_shard_mb: float = 10.0  # the largest weight file, in MB (10**6 bytes); 0: one model.safetensors
 
 
-def convert_checkpoint(cfg: ConvertConfig) -> None:
-    """A checkpoint rewritten in another storage (and sharding); its tokenizer files are copied beside it."""
+def convert_checkpoint(model: torch.nn.Module, cfg: ConvertConfig) -> None:
+    """The checkpoint cfg.model, loaded as `model` (Transformer.from_pretrained), rewritten in cfg.out in another
+    storage (and sharding); its tokenizer files are copied beside it."""
     src, out = Path(cfg.model), Path(cfg.out)
     if not cfg.out or src.resolve() == out.resolve():
         raise ValueError(f"--out must name a directory other than --model ({src})")
-    save_model(load_model(src), out, storage=cfg.storage, max_shard_mb=cfg.max_shard_mb or None)
+    save_model(model, out, storage=cfg.storage, max_shard_mb=cfg.max_shard_mb or None)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
@@ -285,17 +288,19 @@ def _check_stored(path: Path, layout: dict, model_shapes: dict[str, tuple[int, .
                                f"{list(expected[name])}")  # fmt: skip
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """The model a checkpoint holds; an int8 one dequantized into `dtype` (default: the dtype it was saved from)."""
-    from tether.shared.model import Transformer
-
-    path = Path(path)
-    cfg_file = path / "config.json"
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder (its config.json: ours, or a supported Hugging Face one)."""
+    cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} is not a model directory: no config.json")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()))
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    return config_from_hf(json.loads(cfg_file.read_text()))
+
+
+def load_weights(model: torch.nn.Module, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Assign a checkpoint's weights to `model`, built from read_config(path) on the meta device: names, dtypes and
+    shapes checked from the headers before any tensor is read, an int8 checkpoint dequantized into `dtype` (default:
+    the dtype it was saved from). Buffers are left to the model to rebuild."""
+    path, cfg = Path(path), model.cfg
     layout, metadata = _stored_layout(_safetensor_files(path))
     storage = metadata.get(STORAGE_KEY)
     if storage not in (None, INT8_ROWS):
@@ -315,14 +320,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         stored = dequantize_state(stored, dtype or saved_dtype)
     state = {from_hf_name(name): t for name, t in stored.items()}
     model.load_state_dict(state, assign=True)
-    # Buffers were created on the meta device; rebuild them for real.
-    from tether.shared.model import rope_frequencies
-
-    model.inv_freq = rope_frequencies(cfg)
-    if dtype is not None:
-        model = model.to(dtype)
-        model.inv_freq = model.inv_freq.float()
-    return model.to(device).eval()
 
 
 def fingerprint(path: str | Path) -> str:

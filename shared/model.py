@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tether.shared.attention import get_backend
+from tether.shared.checkpoint import load_weights, read_config, save_model
 from tether.shared.config import ModelConfig
 from tether.shared.kv_cache import KVCache
 from tether.shared.logits_processing import SamplingControls
@@ -439,11 +440,17 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu", dtype=None) -> Transformer:
-        from tether.shared.checkpoint import load_model
-
-        return load_model(path, device=device, dtype=dtype)
+        """The model a checkpoint folder holds (tether.shared.checkpoint: ours, or a Hugging Face Llama / Mistral /
+        Qwen2 one); an int8 one dequantized into `dtype` (default: the dtype it was saved from)."""
+        cfg = read_config(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        load_weights(model, path, dtype)
+        model.inv_freq = rope_frequencies(cfg)  # the buffer was made on the meta device
+        if dtype is not None:
+            model = model.to(dtype)
+            model.inv_freq = model.inv_freq.float()
+        return model.to(device).eval()
 
     def save_pretrained(self, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
-        from tether.shared.checkpoint import save_model
-
         save_model(self, path, dtype=dtype)

@@ -141,7 +141,7 @@ def test_default_weights_are_the_compact_set_as_int8_shards():
     bf16 file beside them, and the three models' weights together stay within issue #43's 48 MB; it loads."""
     import json
 
-    from tether.shared.checkpoint import load_model
+    from tether.shared.model import Transformer
 
     target = MODELS / "target"
     index = json.loads((target / "model.safetensors.index.json").read_text())
@@ -151,5 +151,5 @@ def test_default_weights_are_the_compact_set_as_int8_shards():
     assert all((target / s).stat().st_size <= 10_000_000 for s in shards)
     drafters = [MODELS / d / "drafter.safetensors" for d in ("drafter", "drafter-eagle")]
     assert sum(p.stat().st_size for p in [*(target / s for s in shards), *drafters]) <= 48_000_000
-    model = load_model(target)
+    model = Transformer.from_pretrained(target)
     assert sum(p.numel() for p in model.parameters()) == 19_128_192

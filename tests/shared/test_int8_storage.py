@@ -11,7 +11,7 @@ from tiny_models import tiny_target
 
 from tether.server.cli import main as server_main
 from tether.shared import checkpoint
-from tether.shared.checkpoint import fingerprint, load_model, save_model, to_hf_name
+from tether.shared.checkpoint import fingerprint, save_model, to_hf_name
 from tether.shared.int8_storage import (
     SCALE_SUFFIX,
     StorageError,
@@ -21,6 +21,7 @@ from tether.shared.int8_storage import (
     quantize_rows,
     quantize_state,
 )
+from tether.shared.model import Transformer
 from tether.shared.weights import client_part_tensors
 
 
@@ -65,7 +66,7 @@ def int8_dir(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
 
 def test_loaded_int8_is_the_dequantized_model(int8_dir):
     model, out = int8_dir
-    loaded = load_model(out)
+    loaded = Transformer.from_pretrained(out)
     stored = {}
     for f in out.glob("model-*.safetensors"):
         stored |= load_file(str(f))
@@ -163,7 +164,7 @@ def test_malformed_file_refused_before_reading(int8_dir, monkeypatch, change, re
     _rewrite(out, change)
     monkeypatch.setattr(checkpoint, "safe_open", HeadersOnly)
     with pytest.raises(StorageError) as e:
-        load_model(out)
+        Transformer.from_pretrained(out)
     assert e.value.reason is reason and "\n" not in str(e.value)
 
 
@@ -175,7 +176,7 @@ def test_quantize_command(tmp_path: Path, capsys):
     assert server_main(["quantize", "--model", str(src), "--out", str(out), "--max-shard-mb", "0.05"]) == 0
     assert (out / "tokenizer.json").read_text() == "{}"
     assert (out / "model.safetensors.index.json").exists()
-    q = load_model(out)
-    assert set(q.state_dict()) == set(load_model(src).state_dict())
+    q = Transformer.from_pretrained(out)
+    assert set(q.state_dict()) == set(Transformer.from_pretrained(src).state_dict())
     assert server_main(["quantize", "--model", str(src), "--out", str(src)]) == 2
     assert "--out" in capsys.readouterr().err
