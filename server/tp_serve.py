@@ -37,8 +37,8 @@ from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
 from tether.server.step import Bucket, StepBatch, StepConfig, StepOutput, StepRunner
 from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
 from tether.shared.config import ModelConfig
-from tether.shared.contracts import ForwardCache, SequenceCache
-from tether.shared.model import ForwardOutput, Transformer
+from tether.shared.contracts import ForwardCache, ForwardOutput, SequenceCache
+from tether.shared.model import Transformer
 
 log = logging.getLogger("tether.server")
 

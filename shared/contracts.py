@@ -21,6 +21,7 @@ Run its check: `TRITON_INTERPRET=1 PYTHONSAFEPATH=1 .venv/bin/python -m pytest -
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from tether.shared.drafter import DraftDelta, TargetStates
     from tether.shared.drafter_config import DrafterConfig
     from tether.shared.logits_processing import LogitsProcessing
-    from tether.shared.model import ForwardOutput
 
 
 # ---- KV caches -------------------------------------------------------------------------------------------------
@@ -85,6 +85,20 @@ class SequenceCache(ForwardCache, Protocol):
 
 
 # ---- targets ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ForwardOutput:
+    """What a target forward returns (Transformer.run and every Target's): a record, here beside the Protocols
+    that name it so the model and its contracts need not import each other."""
+
+    logits: Tensor  # [B, T, V] (or [B, 1, V] with last_only)
+    k: Tensor | None  # [n_layers, B, T, Hkv, D] each layer's attention keys (after RoPE) for the new positions
+    v: Tensor | None  # [n_layers, B, T, Hkv, D]
+    hidden: tuple[Tensor, ...]  # the requested hidden states, each [B, T, dim]
+    # With return_depth: the depth K/V every block but the last wrote, [B, T, depth_len(n_layers - 1), Hkv, D]
+    # each, position-major in layer order (None for a plain target)
+    depth: tuple[Tensor, Tensor] | None = None
 
 
 class Target(Protocol):

@@ -10,7 +10,8 @@ Forward modes, all through `run`:
 - prefill into a KV cache:   `model.prefill(ids, cache)` commits all T positions
 - verify k new tokens:       `model.verify(ids, cache, tree_mask=..., positions=...)` writes them as pending;
                              the caller commits with cache.advance / cache.accept
-Each returns a ForwardOutput: logits, the per-layer K/V of the new positions, and requested hidden states.
+Each returns a ForwardOutput (tether.shared.contracts): logits, the per-layer K/V of the new positions, and
+requested hidden states.
 
     from tether.shared.model import Transformer
     model = Transformer.from_pretrained("deploy/models/target")
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +31,9 @@ from torch import Tensor, nn
 from tether.shared.attention import get_backend
 from tether.shared.checkpoint import load_weights, read_config, save_model
 from tether.shared.config import ModelConfig
+from tether.shared.contracts import ForwardCache, ForwardOutput, SequenceCache
 from tether.shared.kv_cache import KVCache
 from tether.shared.logits_processing import SamplingControls
-
-if TYPE_CHECKING:
-    from tether.shared.contracts import ForwardCache, SequenceCache
 
 
 class RMSNorm(nn.Module):
@@ -91,17 +88,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-@dataclass
-class ForwardOutput:
-    logits: Tensor  # [B, T, V] (or [B, 1, V] with last_only)
-    k: Tensor | None  # [n_layers, B, T, Hkv, D] each layer's attention keys (after RoPE) for the new positions
-    v: Tensor | None  # [n_layers, B, T, Hkv, D]
-    hidden: tuple[Tensor, ...]  # the requested hidden states, each [B, T, dim]
-    # With return_depth: the depth K/V every block but the last wrote, [B, T, depth_len(n_layers - 1), Hkv, D]
-    # each, position-major in layer order (None for a plain target)
-    depth: tuple[Tensor, Tensor] | None = None
 
 
 class DepthStream:
