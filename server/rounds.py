@@ -42,10 +42,9 @@ from tether.server.device_wait import copies, host_copy, sleep_until_done
 from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
-from tether.shared.contracts import Target
+from tether.shared.contracts import ForwardOutput, Target
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.drafter_config import ArrayDelta
-from tether.shared.model import ForwardOutput
 from tether.shared.speculative import DraftTree, Verdict
 from tether.shared.wire import f32_to_bf16
 

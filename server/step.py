@@ -43,8 +43,9 @@ from torch import Tensor
 from tether.server.device_wait import host_copy
 from tether.server.kv_pool import KVPool, PagedKernelView
 from tether.shared.acceptance import greedy_packed
+from tether.shared.contracts import ForwardOutput
 from tether.shared.drafter import POSITION_AXIS, TargetStates
-from tether.shared.model import ForwardOutput, Transformer
+from tether.shared.model import Transformer
 
 log = logging.getLogger("tether.server")
 _CAPTURE_LOCK = threading.Lock()  # one CUDA graph capture at a time in this process (StepRunner._capture)

@@ -30,10 +30,9 @@ import torch
 
 from tether.server.kv_pool import KVPool
 from tether.server.rounds import decode_runner, forward_rows, gather_deltas, verify_batch
-from tether.shared.contracts import SequenceCache, ServerDrafter, Target
+from tether.shared.contracts import ForwardOutput, SequenceCache, ServerDrafter, Target
 from tether.shared.drafter import DraftDelta, TargetStates
 from tether.shared.logits_processing import LogitsProcessing, SamplingControls
-from tether.shared.model import ForwardOutput
 from tether.shared.sampling import TokenLogprobs, sample_token, token_logprobs
 from tether.shared.speculative import DraftTree, Verdict
 
