@@ -113,22 +113,46 @@ def _build_corpus_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--out", default="data/corpus", help="output directory")
     p.add_argument("--extra-files", nargs="*", default=[], metavar="FILE", help="more text files to add to the corpus")
-    p.add_argument("--holdout-fraction", type=float, default=0.02,
-                   help="fraction held out: of stdlib and extra files by file, of packages by package")  # fmt: skip
+    p.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=0.02,
+        help="fraction held out: of stdlib and extra files by file, of packages by package",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the BPE trained here (no --tokenizer)")
     p.add_argument("--max-files", type=int, default=0, help="use only the first N stdlib files (0 = all)")
-    p.add_argument("--tokenizer", default="", metavar="MODEL_DIR",
-                   help="tokenize with this Hugging Face model's tokenizer.json instead of training a BPE, so a "
-                        "drafter can be trained for that model; empty = train one")  # fmt: skip
-    p.add_argument("--packages", action="store_true",
-                   help="add the Python files of the installed packages under a permissive licence (MIT, BSD, "
-                        "Apache, ISC, PSF, ...), each package wholly in train or in val")  # fmt: skip
-    p.add_argument("--site-packages", nargs="+", default=[], metavar="DIR",
-                   help="site-packages folders for --packages, first wins; none = this interpreter's")  # fmt: skip
-    p.add_argument("--max-file-bytes", type=int, default=DEFAULT_MAX_FILE_BYTES,
-                   help="leave out package files larger than this (generated tables)")  # fmt: skip
-    p.add_argument("--licences-report", default="", metavar="FILE",
-                   help="with --packages: each package's licence, split or reason left out, as JSON")  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="MODEL_DIR",
+        help="tokenize with this Hugging Face model's tokenizer.json instead of training a BPE, so a "
+        "drafter can be trained for that model; empty = train one",
+    )
+    p.add_argument(
+        "--packages",
+        action="store_true",
+        help="add the Python files of the installed packages under a permissive licence (MIT, BSD, "
+        "Apache, ISC, PSF, ...), each package wholly in train or in val",
+    )
+    p.add_argument(
+        "--site-packages",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="site-packages folders for --packages, first wins; none = this interpreter's",
+    )
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=DEFAULT_MAX_FILE_BYTES,
+        help="leave out package files larger than this (generated tables)",
+    )
+    p.add_argument(
+        "--licences-report",
+        default="",
+        metavar="FILE",
+        help="with --packages: each package's licence, split or reason left out, as JSON",
+    )
 
 
 def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
@@ -155,8 +179,12 @@ def _train_drafter_args(p: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = (  # name, help, flags, function
-    ("build-corpus", "build the training corpus: stdlib (+ --packages) sources -> tokenizer + token files",
-     _build_corpus_args, cmd_build_corpus),
+    (
+        "build-corpus",
+        "build the training corpus: stdlib (+ --packages) sources -> tokenizer + token files",
+        _build_corpus_args,
+        cmd_build_corpus,
+    ),
     ("train-target", "train a target model from a preset", _train_target_args, cmd_train_target),
     ("train-drafter", "train a MoA or EAGLE drafter against a frozen target", _train_drafter_args, cmd_train_drafter),
-)  # fmt: skip
+)
