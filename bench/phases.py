@@ -57,6 +57,7 @@ PHASES = [
     ("tether.server.rounds", "_commit"),
     ("tether.server.batcher", "_finish"),
     ("tether.server.service", "TetherService._verdict_reply"),
+    ("tether.server.service", "TetherService._verdict_frame"),  # the reply through a front end: its delta unencoded
     ("tether.server.engine_core", "Engine.encode_delta"),
     ("tether.shared.wire", "encode_bf16_bundle"),
     # Not on the batcher: a session's open on the model threads (its prefill, then its prompt's delta encoded), which
@@ -149,6 +150,7 @@ class Hops:
 
     def install(self) -> None:
         from tether.server import frontend_host, service
+        from tether.server.frontend_wire import VerdictFrame
 
         hops, clock = self, time.perf_counter
         real_frame, real_parse = frontend_host.FrontendConnection._frame, frontend_host._parse
@@ -176,7 +178,7 @@ class Hops:
         async def _reply(call, message):
             await real_reply(call, message)
             span = hops.spans.pop(asyncio.current_task(), None)
-            if span is not None and message.WhichOneof("body") == "verdict":
+            if span is not None and (isinstance(message, VerdictFrame) or message.WhichOneof("body") == "verdict"):
                 arrival, start, end = span
                 hops.samples.append((start - arrival, end - start, clock() - end))
 

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from interpreter_blas import BLAS_ROWS_REASON, blas_rows_placed_alike
 
 pytest.importorskip("triton")
 
@@ -97,6 +98,7 @@ def test_pinned_tiles_agree_with_the_default():
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(DEV == "cpu" and not blas_rows_placed_alike(), reason=BLAS_ROWS_REASON)
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("split", [1, 3])
 def test_a_rows_bits_do_not_depend_on_the_other_rows(gated, split):

@@ -11,9 +11,9 @@ is not batch-invariant (its matrix products are tiled by row count).
     TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/server/test_batch_invariance.py
 """
 
-import numpy as np
 import pytest
 import torch
+from interpreter_blas import BLAS_ROWS_REASON, blas_rows_placed_alike
 from tiny_models import tiny_moa_drafter, tiny_target
 
 import tether.shared.attention as attention
@@ -31,25 +31,10 @@ DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 PLACES = [(0, 0), (1, 1), (4, 2), (11, 11)] + ([(31, 0), (63, 30), (127, 60), (127, 127)] if DEV == "cuda" else [])
 
 
-def _blas_rows_placed_alike() -> bool:
-    """Whether numpy's matrix product (the interpreter's tl.dot) gives a row the same bits wherever it sits in a
-    tile. OpenBLAS's Haswell kernel does not (rows 6-15 of each 16 differ from rows 0-5 in the last bit), and then
-    no placement-independent kernel can show it through the interpreter on this CPU; on a GPU a tile's rows are
-    computed alike."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((128, 128), dtype=np.float32)
-    a = np.zeros((64, 128), np.float32)
-    a[0, :48] = rng.standard_normal(48, dtype=np.float32)
-    return all(np.array_equal((np.roll(a, p, 0) @ w)[p], (a @ w)[0]) for p in range(64))
-
-
 pytestmark = [
     pytest.mark.heavy,
     pytest.mark.skipif(DEV == "cpu" and not interpreting(), reason="the kernels need CUDA or TRITON_INTERPRET"),
-    pytest.mark.skipif(
-        DEV == "cpu" and not _blas_rows_placed_alike(),
-        reason="numpy's BLAS on this CPU computes a row's bits by its place in a tile",
-    ),
+    pytest.mark.skipif(DEV == "cpu" and not blas_rows_placed_alike(), reason=BLAS_ROWS_REASON),
 ]
 
 
