@@ -1,12 +1,12 @@
 """Verifying many sequences' rounds in one target forward: the only verify path of the server.
 
 Contract:
-- `verify_batch(target, items)` takes [(SequenceVerifier, DraftTree)] of sequences with different cache lengths and
-  tree sizes, runs them through the target in ONE forward, decides each row's verdict with that sequence's own
-  sampling settings (tether.shared.speculative.verify), commits the accepted paths and returns, per row, (verdict,
-  delta) or the row's exception: a row that cannot get room or whose draft is malformed fails alone. The verdicts
-  of all rows are decided on the device in one pass (tether.shared.acceptance.verify_rows: greedy and lossless
-  rejection sampling, exactly tether.shared.speculative.verify's verdict) and read back with one copy.
+- `verify_batch(target, items)` takes [(RoundSequence, DraftTree)] (SequenceVerifiers) of sequences with different
+  cache lengths and tree sizes, runs them through the target in ONE forward, decides each row's verdict with that
+  sequence's own sampling settings (tether.shared.speculative.verify), commits the accepted paths and returns, per
+  row, (verdict, delta) or the row's exception: a row that cannot get room or whose draft is malformed fails alone.
+  The verdicts of all rows are decided on the device in one pass (tether.shared.acceptance.verify_rows: greedy and
+  lossless rejection sampling, exactly tether.shared.speculative.verify's verdict) and read back with one copy.
   `SequenceVerifier.verify` is `verify_batch` of one row; the gRPC batcher (tether.server.batcher) calls it with
   whatever rounds arrived together.
 - `forward_rows(target, caches, trees, states)` is that forward on its own, a context manager yielding the
@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -42,14 +42,31 @@ from tether.server.device_wait import copies, host_copy, sleep_until_done
 from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
-from tether.shared.contracts import ForwardOutput, Target
+from tether.shared.contracts import ForwardOutput, SequenceCache, ServerDrafter, Target
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.drafter_config import ArrayDelta
+from tether.shared.logits_processing import LogitsProcessing, SamplingControls
 from tether.shared.speculative import DraftTree, Verdict
 from tether.shared.wire import f32_to_bf16
 
-if TYPE_CHECKING:
-    from tether.server.verifier import SequenceVerifier
+
+class RoundSequence(Protocol):
+    """What verify_batch needs of a row's sequence: tether.server.verifier.SequenceVerifier, which verifies through
+    this module (so this one names it by what it uses)."""
+
+    cache: SequenceCache  # the sequence's KV, its committed rows first
+    drafter: ServerDrafter | None  # whose server part makes the row's delta (None: no delta)
+    controls: SamplingControls  # the sequence's sampling rule
+    generator: torch.Generator | None  # its own stream of uniforms for rejection sampling
+    logprobs: int | None  # report this many most probable tokens per emitted token (None: nothing)
+
+    def reserve(self, n: int) -> None: ...  # room for n more rows, or ValueError / PoolExhausted
+
+    def processing_at(self, root: int) -> LogitsProcessing | None: ...  # the controls' state after its text + root
+
+    def report(self, logits: Tensor, tree: DraftTree, verdict: Verdict) -> None: ...  # log-probabilities, pre-commit
+
+    def record(self, start: int, tokens: list[int]) -> None: ...  # the tokens committed at `start`
 
 
 class BatchCacheView:
@@ -318,7 +335,7 @@ def slice_deltas(tensors: dict[str, Tensor], T: int,
 
 @torch.inference_mode()
 def verify_batch(
-    target: Target, items: list[tuple[SequenceVerifier, DraftTree]], *, host_deltas: bool = False
+    target: Target, items: list[tuple[RoundSequence, DraftTree]], *, host_deltas: bool = False
 ) -> list[tuple[Verdict, DraftDelta | None] | Exception]:
     """See the module docstring; `host_deltas` puts the deltas' tensors in host memory."""
     results: list = [None] * len(items)
@@ -334,7 +351,7 @@ def verify_batch(
     return results
 
 
-def _verify_rows(target: Target, items: list[tuple[SequenceVerifier, DraftTree]], host: bool) -> list:
+def _verify_rows(target: Target, items: list[tuple[RoundSequence, DraftTree]], host: bool) -> list:
     trees = [tree for _, tree in items]
     caches = [ver.cache for ver, _ in items]
     lens = [c.length for c in caches]
