@@ -14,7 +14,8 @@ server process.
   drafter that never drafted and adopted the same deltas, so a tree's accepted path ends as a chain of the same
   tokens would; a tree grown after a drafted chain starts where a chain step there would (the root's own logits),
   and the torch drafter grows the same tree there. A commit that keeps drafts (a round drafted ahead, borne out)
-  gives the verified positions the delta's states alone and leaves the rows drafted after them as they were.
+  gives the verified positions the delta's states alone and leaves the rows drafted after them as they were, in the
+  torch drafters as in the ONNX one (one drafting loop, tether.shared.draft_loop).
 - Drafting ahead after a verdict that bore out a queued round, whose rows and guess are all held already (the
   guess after it was end-of-text), drafts from that kept guess and feeds nothing (it once drafted after None).
 
