@@ -30,6 +30,7 @@ torch.Generator. Logits cross to the host once a step ([V] floats; [F, V] a tree
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,35 +134,10 @@ class DrafterBase(nn.Module):
         return self._loop.commit(delta, keep_drafts)
 
     @torch.inference_mode()
-    def draft(
-        self,
-        root: int,
-        k: int,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        support: int = 8,
-        stop: Callable[[], bool] | None = None,
-        generator: torch.Generator | None = None,
-        min_p: float = 0.0,
-        processing: LogitsProcessing | None = None,
-        logits_seen: Callable[[np.ndarray], None] | None = None,
-    ) -> tuple[list[int], Tensor | None, Tensor | None]:
-        """DraftLoop.draft, with q_ids / q_probs as CPU tensors [k, min(support, V)] when sampling."""
-        tokens, q_ids, q_probs = self._loop.draft(
-            root,
-            k,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            support=support,
-            stop=stop,
-            generator=generator,
-            min_p=min_p,
-            processing=processing,
-            logits_seen=logits_seen,
-        )
+    def draft(self, root: int, k: int, **controls: Any) -> tuple[list[int], Tensor | None, Tensor | None]:
+        """DraftLoop.draft (its controls; `generator` a torch.Generator), with q_ids / q_probs as CPU tensors
+        [k, min(support, V)] when sampling."""
+        tokens, q_ids, q_probs = self._loop.draft(root, k, **controls)
         if q_ids is None or q_probs is None:
             return tokens, None, None
         return tokens, torch.from_numpy(q_ids), torch.from_numpy(q_probs)
