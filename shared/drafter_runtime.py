@@ -8,8 +8,8 @@ proposals, feed, keep_drafts, discard_drafts) are the ones the ONNX drafter runs
 
 Contract. A subclass provides, over caches of its own:
 - `_reset(capacity)`: fresh, empty caches;
-- `_adopt(delta, keep)`: the verified states of positions [delta.start, delta.start + n) (tensors on the module's
-  device); without `keep` the rows held after them are dropped, with it they stay as drafted;
+- `_adopt(delta, keep)`: the verified states of positions [delta.start, delta.start + n) (a DraftDelta of torch
+  tensors); without `keep` the rows held after them are dropped, with it they stay as drafted;
 - `_step(token)`: feed one token at the next row, logits [V] for the token after it;
 - `_tree_step(tokens, positions, mask, parent_rows)`: feed F tree nodes as new rows at once (tokens, positions [F],
   mask [F, rows + F] bool, on the device), logits [F, V];
