@@ -1,13 +1,14 @@
 """The contracts between tether's parts: what a target forward needs of a KV cache, what the verifier, rounds and
-engines need of a target, and what the verifier, the in-process engine and the edge session need of a drafter.
+engines need of a target, what the verifier, the in-process engine and the edge session need of a drafter, and
+what the one drafting loop needs of a drafter's caches.
 
 Purpose: each role has several implementations (caches: tether.shared.kv_cache.KVCache, the paged pool's
 PagedCache / SlotView / PagedKernelView, the batch views of tether.server.rounds; targets: Transformer and the
-tensor-parallel TPTarget; drafters: MoADrafter / EagleDrafter over DrafterBase, the ONNX drafters, the edge's
-DeltaGate around one, tensor parallelism's GatherKV). Callers are written against these Protocols, not against one
-implementation, and never probe an object with getattr / hasattr / isinstance to learn which one it is: a member
-every implementation has answers (a cache's `attend` is None where it has no in-place kernel path, a target's
-`backend` names its attention backend).
+tensor-parallel TPTarget; drafters: MoADrafter / EagleDrafter over DrafterBase, the ONNX drafter, the edge's
+DeltaGate around one, tensor parallelism's GatherKV; draft backends: the torch drafters' and the ONNX graphs').
+Callers are written against these Protocols, not against one implementation, and never probe an object with
+getattr / hasattr / isinstance to learn which one it is: a member every implementation has answers (a cache's
+`attend` is None where it has no in-place kernel path, a target's `backend` names its attention backend).
 
 Contract: typing.Protocol classes, checked structurally. Static type checkers check the annotated call sites;
 tests/shared/test_contracts.py checks every implementation has every member with a compatible signature, so a
@@ -159,8 +160,8 @@ class ServerDrafter(Protocol):
 
 
 class Drafter(Protocol):
-    """The client side's drafting loop (tether.shared.drafter_runtime's docstring), as the in-process engine, the
-    edge session and its rounds drive it: the torch drafters, the ONNX ones, and the edge's DeltaGate around one.
+    """The client side's drafting loop (tether.shared.draft_loop's docstring), as the in-process engine, the edge
+    session and its rounds drive it: the torch drafters, the ONNX one, and the edge's DeltaGate around one.
     q_ids / q_probs are torch tensors or numpy arrays [k, min(support, V)] by implementation; draft_tree gives a
     DraftTree (torch) or a TreeDraft of plain lists (ONNX)."""
 
@@ -195,6 +196,57 @@ class Drafter(Protocol):
 
     def verified_length(self) -> int:
         """Verified positions the caches hold (where the next delta starts)."""
+        ...
+
+
+class DraftBackend(Protocol):
+    """What the one drafting loop (tether.shared.draft_loop.DraftLoop) needs of a drafter's caches and forward: the
+    torch drafters' (tether.shared.drafter_runtime.TorchDraftBackend) and the ONNX graphs'
+    (tether.client.onnx_backends). The caches hold rows [0, rows()): the verified positions [0, verified_length()),
+    then drafted ones. Logits come back as numpy float32 arrays, whatever the backend computes them on."""
+
+    vocab_size: int  # V
+
+    def begin(self, capacity: int | None) -> None:
+        """Fresh, empty caches for `capacity` positions (None: the model's max_seq_len)."""
+        ...
+
+    def commit(self, delta: DeltaLike, keep: bool) -> None:
+        """Take the verified states of positions [delta.start, delta.start + n) (start == verified_length()). Without
+        `keep` the rows held after them are dropped and the next step follows them; with it they stay as drafted
+        and the next step follows them (the loop asks only when rows past the delta are held)."""
+        ...
+
+    def step(self, token: int) -> np.ndarray:
+        """Feed one token at the next row; the logits [V] for the token after it."""
+        ...
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        """Feed known tokens at the next rows (in one causal call where the drafter can); logits [V] after the last."""
+        ...
+
+    def tree_step(
+        self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list[int | None]
+    ) -> np.ndarray:
+        """Feed F tree nodes as new rows at once: `mask` [F, rows() + F] bool says which rows each sees, `parent_rows`
+        each node's parent's row offset after the tree's first row (None for the root's children); logits [F, V]."""
+        ...
+
+    def rows(self) -> int:
+        """Rows held: the verified positions and the drafted ones after them."""
+        ...
+
+    def verified_length(self) -> int:
+        """Verified positions held (where the next delta starts)."""
+        ...
+
+    def drop(self, rows: int) -> None:
+        """Keep the first `rows` rows (>= verified_length()), forget the drafted ones after them."""
+        ...
+
+    def sampler(self, generator: Any) -> Callable[[np.ndarray], int]:
+        """How a sampled draft draws from its proposal q [w] (fp32, sums to 1): an index into q, from the random
+        stream `generator` gives (a torch.Generator for torch, a numpy Generator or an int seed for ONNX)."""
         ...
 
 

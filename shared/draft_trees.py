@@ -1,8 +1,8 @@
 """EAGLE-2 dynamic draft trees, grown on plain lists: the one implementation both ends use, torch-free.
 
-A drafter grows a tree of candidate continuations level by level and keeps its most probable nodes; the edge
-client's onnxruntime drafter calls `expand_tree` directly, and tether.shared.speculative.expand_dynamic_tree wraps
-it for torch drafters (tensors in, a DraftTree out). The rules:
+A drafter grows a tree of candidate continuations level by level and keeps its most probable nodes; the drafting
+loop every drafter runs (tether.shared.draft_loop) calls `expand_tree`, and
+tether.shared.speculative.expand_dynamic_tree wraps it for a step of tensors (tensors in, a DraftTree out). The rules:
 
 - `step(frontier, tree)` gets the GrowingTree ids to expand (their tokens, parents and paths are in `tree`) and
   returns the drafter's top_k next tokens and their log-probabilities for each, two [len(frontier), top_k]
@@ -17,7 +17,8 @@ it for torch drafters (tensors in, a DraftTree out). The rules:
     tree = expand_tree(root, step, depth=4, top_k=3, total_tokens=16)
     tree.tokens, tree.parents, tree.source_ids   # node 0 is the root; source_ids: each node's GrowingTree id
 
-Tests: tests/shared/test_speculative.py (through expand_dynamic_tree) and tests/client/test_onnx_backend.py.
+Tests: tests/shared/test_speculative.py (through expand_dynamic_tree), tests/shared/test_draft_loop.py and
+tests/client/test_onnx_backend.py.
 """
 
 from __future__ import annotations

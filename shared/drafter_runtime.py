@@ -1,43 +1,48 @@
-"""The client-side drafting loop every drafter shares: begin, draft, commit (tether.shared.contracts.Drafter).
+"""The torch drafters' client side: their caches as a draft backend, under the one drafting loop.
 
-Contract: a drafter subclass provides `_reset(capacity)` (fresh caches), `_adopt(delta)` (take verified states
-of positions [delta.start, delta.start + n), drop any drafted rows, and make the next draft start after them),
-`_step(token)` (feed one token at the next position, return logits [V] for the token after it) and
-`_tree_step(tokens, positions, mask, parent_rows)` (feed several tree nodes at once as new cache rows, each
-seeing the verified prefix and its ancestors' rows through `mask`; return logits [F, V]), and may override
-`_feed(tokens)` (several known tokens in one causal forward, where its states allow; EAGLE's cannot). This class turns
-those into chain drafts and EAGLE-2 dynamic draft trees. With temperature > 0 each chain draft token is sampled
-from the drafter's distribution truncated to its top-`support` tokens, and that exact truncated distribution is
-returned with it, so the verifier's rejection sampling stays lossless while the message that carries q stays
-small. Tree children are deterministic top-k picks, which the verifier handles as point-mass proposals. With a
-`processing` (the logit_bias and penalties of the position after the root, tether.shared.logits_processing) each
-drafted position's logits are processed as the verifier will process the target's there: with the counts of the
-context plus the drafted tokens on its path, so greedy drafts are what penalised greedy decoding would pick.
-A tree grows after the rows the caches hold: the verified positions and any chain drafted after them (the edge
-client drafts a round ahead that way, tether.client.rounds), counted here since subclasses keep them in their own
-caches.
+Purpose: MoADrafter and EagleDrafter (tether.shared.moa, tether.shared.eagle) keep their client caches on the
+module, on whatever device it is. `TorchDraftBackend` presents them to tether.shared.draft_loop.DraftLoop as a
+tether.shared.contracts.DraftBackend (numpy logits out, host masks and deltas in), and `DrafterBase` gives the
+module the tether.shared.contracts.Drafter methods by running that loop, so the rules (chains, trees, sampled
+proposals, feed, keep_drafts, discard_drafts) are the ones the ONNX drafter runs too.
+
+Contract. A subclass provides, over caches of its own:
+- `_reset(capacity)`: fresh, empty caches;
+- `_adopt(delta, keep)`: the verified states of positions [delta.start, delta.start + n) (a DraftDelta of torch
+  tensors); without `keep` the rows held after them are dropped, with it they stay as drafted;
+- `_step(token)`: feed one token at the next row, logits [V] for the token after it;
+- `_tree_step(tokens, positions, mask, parent_rows)`: feed F tree nodes as new rows at once (tokens, positions [F],
+  mask [F, rows + F] bool, on the device), logits [F, V];
+- `_drop_drafted(rows)`, `held_rows()`, `verified_length()`;
+- and may override `_feed(tokens)` (several known tokens in one causal forward, where its states allow; EAGLE's
+  cannot), logits [V] after the last.
+Against the loop's numpy results DrafterBase differs only in type: sampled q_ids / q_probs come back as CPU tensors,
+trees as a tether.shared.speculative.DraftTree, and sampled tokens are drawn with torch.multinomial from a
+torch.Generator. Logits cross to the host once a step ([V] floats; [F, V] a tree level).
 
     drafter.begin(delta_for_prompt)
     tokens, q_ids, q_probs = drafter.draft(root_token, k=5, temperature=0.8)
     tree = drafter.draft_tree(root_token, depth=6, top_k=8, total_tokens=48)
-    drafter.commit(delta_for_root_and_accepted)    # or, when the round's answer never came:
+    drafter.commit(delta_for_root_and_accepted, keep_drafts=True)    # or, when the round's answer never came:
     drafter.discard_drafts()
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from tether.shared.contracts import DeltaLike
+from tether.shared.draft_loop import DraftLoop
 from tether.shared.drafter import DraftDelta, DrafterConfig
 from tether.shared.drafter_config import ArrayDelta
-from tether.shared.logits_processing import LogitsProcessing, ProcessingRows
+from tether.shared.logits_processing import LogitsProcessing
 from tether.shared.model import Transformer
-from tether.shared.sampling import probabilities_np, proposal
-from tether.shared.speculative import DraftTree, GrowingTree, expand_dynamic_tree
+from tether.shared.speculative import DraftTree
 
 
 def _as_tensors(delta: DraftDelta | ArrayDelta) -> DraftDelta:
@@ -48,13 +53,56 @@ def _as_tensors(delta: DraftDelta | ArrayDelta) -> DraftDelta:
     return DraftDelta(delta.start, list(delta.tokens), tensors)
 
 
+def _host(logits: Tensor) -> np.ndarray:
+    return logits.float().cpu().numpy()
+
+
+class TorchDraftBackend:
+    """A torch drafter's caches as the loop's tether.shared.contracts.DraftBackend (module docstring)."""
+
+    def __init__(self, drafter: DrafterBase):
+        self.drafter = drafter
+        self.vocab_size = drafter.target.cfg.vocab_size
+
+    def begin(self, capacity: int | None) -> None:
+        self.drafter._reset(capacity or self.drafter.target.cfg.max_seq_len)
+
+    def commit(self, delta: DeltaLike, keep: bool) -> None:
+        self.drafter._adopt(_as_tensors(delta), keep)
+
+    def step(self, token: int) -> np.ndarray:
+        return _host(self.drafter._step(token))
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        return _host(self.drafter._feed(tokens))
+
+    def tree_step(
+        self, tokens: list[int], positions: list[int], mask: np.ndarray, parent_rows: list[int | None]
+    ) -> np.ndarray:
+        device = self.drafter.device
+        ids, pos = (torch.tensor(xs, device=device) for xs in (tokens, positions))
+        return _host(self.drafter._tree_step(ids, pos, torch.from_numpy(mask).to(device), parent_rows))
+
+    def rows(self) -> int:
+        return self.drafter.held_rows()
+
+    def verified_length(self) -> int:
+        return self.drafter.verified_length()
+
+    def drop(self, rows: int) -> None:
+        self.drafter._drop_drafted(rows)
+
+    def sampler(self, generator: torch.Generator | None) -> Callable[[np.ndarray], int]:
+        # Drawn on the CPU, so a seeded CPU generator gives the same drafts whatever device the model is on.
+        return lambda q: int(torch.multinomial(torch.from_numpy(q), 1, generator=generator))
+
+
 class DrafterBase(nn.Module):
     def __init__(self, target: Transformer, dcfg: DrafterConfig):
         super().__init__()
         # Not a submodule: the target's weights are the target's, never saved or trained with the drafter.
         object.__setattr__(self, "target", target)
         self.dcfg = dcfg
-        self._drafted = 0  # chain rows drafted after the verified positions (draft_tree grows after them)
 
     @property
     def device(self) -> torch.device:
@@ -70,137 +118,51 @@ class DrafterBase(nn.Module):
     def num_trainable(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    # ---- the client side: tether.shared.draft_loop over this module's caches ----------------------------
+
     @torch.inference_mode()
-    def begin(self, delta: DraftDelta | ArrayDelta, capacity: int | None = None) -> None:
+    def begin(self, delta: DeltaLike, capacity: int | None = None) -> None:
         """Start a sequence from the verified prompt (delta.start must be 0)."""
-        if delta.start != 0:
-            raise ValueError("begin() takes the prompt's delta, which starts at position 0")
-        self._reset(capacity or self.target.cfg.max_seq_len)
-        self._adopt(_as_tensors(delta))
-        self._drafted = 0
+        # A loop of its own per begin: a shallow copy of the module (one per stream) drafts over caches of its own.
+        self._loop = DraftLoop(TorchDraftBackend(self))
+        self._loop.begin(delta, capacity)
 
     @torch.inference_mode()
-    def commit(self, delta: DraftDelta | ArrayDelta, keep_drafts: bool = False) -> bool:
-        """Adopt the verified states of the round's root and accepted drafts; drafts after them are dropped.
-        `keep_drafts` (the caller would have rows drafted after them kept, tether.client.onnx_drafter) is not
-        taken here: these caches drop them, the caller feeds them again. Returns False: nothing was kept."""
-        self._adopt(_as_tensors(delta))
-        self._drafted = 0
-        return False
+    def commit(self, delta: DeltaLike, keep_drafts: bool = False) -> bool:
+        """DraftLoop.commit: adopt the verified states of the round's root and accepted drafts; whether the rows
+        drafted after them were kept."""
+        return self._loop.commit(delta, keep_drafts)
 
     @torch.inference_mode()
-    def draft(
-        self,
-        root: int,
-        k: int,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        support: int = 8,
-        stop: Callable[[], bool] | None = None,
-        generator: torch.Generator | None = None,
-        min_p: float = 0.0,
-        processing: LogitsProcessing | None = None,
-        logits_seen: Callable[[np.ndarray], None] | None = None,
-    ) -> tuple[list[int], Tensor | None, Tensor | None]:
-        """A chain of k draft tokens after `root` (the token at the first unverified position).
-        Returns the tokens and, when sampling, q_ids/q_probs [k, min(support, V)]: the distributions they came
-        from (k = 0 gives [0, min(support, V)]). `stop`, asked after each token but the last: True ends the chain
-        there, shorter; draft(tokens[-1], the rest, same generator) then goes on as if it had not stopped.
-        `logits_seen` gets each position's logits [V] (numpy) as the rule reads them (processed), before its token
-        is chosen."""
-        tokens: list[int] = []
-        q_ids, q_probs = [], []
-        token = root
-        for _ in range(k):
-            logits = self._step(token)
-            if processing is not None:  # this position's context: the root's, then the tokens drafted so far
-                logits = processing.after(tokens).apply_np(logits.float().cpu().numpy())  # [V] float64
-            if logits_seen is not None:
-                logits_seen(logits if processing is not None else logits.float().cpu().numpy())
-            if temperature == 0:
-                token = int(logits.argmax())
-            else:
-                logits = logits if processing is not None else logits.float().cpu().numpy()
-                p = probabilities_np(logits, temperature, top_p, top_k, min_p)
-                ids, q = (torch.from_numpy(a) for a in proposal(p, support))
-                token = int(ids[torch.multinomial(q, 1, generator=generator)])
-                q_ids.append(ids)
-                q_probs.append(q)
-            tokens.append(token)
-            self._drafted += 1
-            if stop is not None and len(tokens) < k and stop():
-                break
-        if temperature == 0:
+    def draft(self, root: int, k: int, **controls: Any) -> tuple[list[int], Tensor | None, Tensor | None]:
+        """DraftLoop.draft (its controls; `generator` a torch.Generator), with q_ids / q_probs as CPU tensors
+        [k, min(support, V)] when sampling."""
+        tokens, q_ids, q_probs = self._loop.draft(root, k, **controls)
+        if q_ids is None or q_probs is None:
             return tokens, None, None
-        if not tokens:  # torch.stack refuses an empty list; a round with one token left drafts none
-            width = min(support, self.target.cfg.vocab_size)
-            return tokens, torch.empty(0, width, dtype=torch.long), torch.empty(0, width, dtype=torch.float32)
-        return tokens, torch.stack(q_ids), torch.stack(q_probs)
+        return tokens, torch.from_numpy(q_ids), torch.from_numpy(q_probs)
 
     @torch.inference_mode()
     def feed(self, tokens: list[int], processing: LogitsProcessing | None = None) -> int | None:
-        """Step over `tokens`, already decided (a round sent, a prompt's tail), as drafted rows after those held;
-        the argmax after the last of them (None for none), processed by `processing` (the position after them).
-        Nothing is sampled."""
-        if not tokens:
-            return None
-        logits = self._feed(tokens)
-        self._drafted += len(tokens)
-        if processing is not None:
-            return int(processing.apply_np(logits.float().cpu().numpy()).argmax())
-        return int(logits.argmax())
-
-    def _feed(self, tokens: list[int]) -> Tensor:
-        """Logits [V] after the last of `tokens`, fed at the next positions. One step per token unless a subclass
-        can feed them in one causal forward."""
-        for t in tokens:
-            logits = self._step(t)
-        return logits
+        """DraftLoop.feed: step over decided tokens as drafted rows; the argmax after the last (None for none)."""
+        return self._loop.feed(tokens, processing)
 
     @torch.inference_mode()
     def discard_drafts(self) -> None:
-        """Drop the cache rows of drafts never answered (a lost round): the next draft follows the verified
-        positions again instead of the abandoned chain."""
-        self._drop_drafted(self.verified_length())
-        self._drafted = 0
+        """DraftLoop.discard_drafts: drop the rows of drafts never answered (a lost round)."""
+        self._loop.discard_drafts()
 
     @torch.inference_mode()
-    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int,
-                   processing: LogitsProcessing | None = None) -> DraftTree:  # fmt: skip
-        """An EAGLE-2 dynamic draft tree after `root`, the token after the rows held (module docstring): each level
-        feeds the frontier nodes as new cache rows (one drafter forward per level), then the most probable
-        `total_tokens` nodes are kept. The rows it fed are dropped again. With `processing` (the position after
-        the root's) each node's logits are processed after the tokens on its path before its children are picked."""
-        base = self.verified_length() + self._drafted
-        rows: dict[int, int] = {}  # GrowingTree id -> drafted row offset (position base + offset in the caches)
+    def draft_tree(
+        self, root: int, *, depth: int, top_k: int, total_tokens: int, processing: LogitsProcessing | None = None
+    ) -> DraftTree:
+        """DraftLoop.draft_tree, as a DraftTree (its source_ids each node's GrowingTree id)."""
+        tree = self._loop.draft_tree(root, depth=depth, top_k=top_k, total_tokens=total_tokens, processing=processing)
+        return DraftTree.from_lists(tree)
 
-        def step(frontier: list[int], tree: GrowingTree) -> tuple[Tensor, Tensor]:
-            n_rows = len(rows)
-            F = len(frontier)
-            # Built on the host and copied once: set entry by entry on a GPU, a 24-level tree's masks cost ~1,000
-            # one-element device writes a round (top_k x depth^2 / 2 ancestor entries), each its own GPU operation.
-            mask = np.zeros((F, base + n_rows + F), dtype=bool)
-            mask[:, :base] = True  # every node sees the verified prefix
-            for j, node in enumerate(frontier):
-                mask[j, [base + rows[a] for a in tree.path_to(node)[:-1]]] = True  # its ancestors' rows
-                mask[j, base + n_rows + j] = True  # and itself
-            mask = torch.from_numpy(mask).to(self.device)  # [F, base + n_rows + F]
-            tokens = torch.tensor([tree.tokens[i] for i in frontier], device=self.device)
-            positions = torch.tensor([base + tree.depths[i] for i in frontier], device=self.device)
-            parent_rows = [rows.get(tree.parents[i]) for i in frontier]
-            logits = self._tree_step(tokens, positions, mask, parent_rows)  # [F, V]
-            for j, node in enumerate(frontier):
-                rows[node] = n_rows + j
-            if processing is None:
-                logits = logits.float()
-            else:
-                paths = [processing.after([tree.tokens[a] for a in tree.path_to(node)[1:]]) for node in frontier]
-                logits = ProcessingRows.stack(paths, logits.shape[-1]).to(logits.device).apply(logits)  # [F, V]
-            top = logits.log_softmax(-1).topk(top_k, dim=-1)
-            return top.indices, top.values
-
-        tree = expand_dynamic_tree(root, step, depth=depth, top_k=top_k, total_tokens=total_tokens)
-        self._drop_drafted(base)
-        return tree
+    def _feed(self, tokens: list[int]) -> Tensor:
+        """Logits [V] after the last of `tokens`, fed at the next rows: one step per token unless a subclass can feed
+        them in one causal forward."""
+        for t in tokens:
+            logits = self._step(t)
+        return logits

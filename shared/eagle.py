@@ -74,13 +74,18 @@ class EagleDrafter(DrafterBase):
     def _reset(self, capacity: int) -> None:
         self.cache = KVCache(self.layer_cfg, 1, capacity, device=self.device, dtype=self.dtype)
         self.last_feat = torch.zeros(1, 1, self.target.cfg.dim, device=self.device, dtype=self.dtype)
+        self.prev_feat = self.last_feat
         self.n_verified = 0
 
-    def _adopt(self, delta: DraftDelta) -> None:
+    def _adopt(self, delta: DraftDelta, keep: bool = False) -> None:
+        """Re-run the layer over the verified tokens with the exact features, so no drafted feature stays in their
+        rows; `keep`: the rows held after them stay as drafted (over the drafted features), and drafting goes on
+        from the feature their chain predicted."""
         P = delta.start
         if self.n_verified != P:
             raise ValueError(f"delta starts at {P} but {self.n_verified} positions are verified")
         feats = delta.tensors["hidden"].to(self.dtype)[None]  # [1, n, dim]
+        held, going_on = self.cache.length, self.prev_feat
         self.cache.truncate(P)
         prev = torch.cat([self.last_feat, feats[:, :-1]], 1)
         self._layer(torch.tensor([delta.tokens], device=self.device), prev, self.cache, P)
@@ -88,9 +93,14 @@ class EagleDrafter(DrafterBase):
         self.last_feat = feats[:, -1:]
         self.prev_feat = self.last_feat
         self.n_verified = P + delta.n
+        if keep:  # the layer wrote rows [P, P + n) only: those after them are still in the buffer
+            self.cache.length, self.prev_feat = held, going_on
 
-    def _drop_drafted(self, base: int) -> None:
-        self.cache.truncate(base)
+    def _drop_drafted(self, rows: int) -> None:
+        self.cache.truncate(rows)
+
+    def held_rows(self) -> int:
+        return self.cache.length
 
     def _tree_step(self, tokens: Tensor, positions: Tensor, mask: Tensor, parent_rows: list) -> Tensor:
         if not parent_rows or parent_rows[0] is None:

@@ -232,8 +232,9 @@ class MoADrafter(DrafterBase):
         self.ctx_v = torch.zeros_like(self.ctx_k)
         self.n_ctx = 0
 
-    def _adopt(self, delta: DraftDelta) -> None:
-        """Take the verified states of positions [delta.start, delta.start + n) into the caches."""
+    def _adopt(self, delta: DraftDelta, keep: bool = False) -> None:
+        """Take the verified states of positions [delta.start, delta.start + n) into the caches; `keep`: the rows
+        held after them stay as drafted (tether.shared.drafter_runtime)."""
         P, n = delta.start, delta.n
         pos = torch.arange(P, P + n, device=self.device)[None]
         cos, sin = rope_cos_sin(self.inv_freq, pos)
@@ -244,9 +245,20 @@ class MoADrafter(DrafterBase):
         self.ctx_k[:, P : P + n], self.ctx_v[:, P : P + n] = k, v
         self.n_ctx = P + n
         if self.dcfg.tli:
-            self.tli_cache.truncate(P)
-            self.tli_cache.append(delta.tensors["tli_k"][:, None].to(self.dtype),
-                                  delta.tensors["tli_v"][:, None].to(self.dtype))  # fmt: skip
+            tli_k, tli_v = (delta.tensors[name][:, None].to(self.dtype) for name in ("tli_k", "tli_v"))
+            if keep:  # the server's exact K/V replace the drafted rows there; the rows after them stay
+                self.tli_cache.overwrite(P, tli_k, tli_v)
+            else:
+                self.tli_cache.truncate(P)
+                self.tli_cache.append(tli_k, tli_v)
+        if keep:
+            # The drafted rows after the delta stay. Its positions' SA rows are computed again, as after
+            # discard_drafts() and a commit, so that verified rows do not depend on how they were drafted.
+            held = self.sa_cache.length
+            self.sa_cache.truncate(P)
+            self._sa(torch.tensor([delta.tokens], device=self.device))
+            self.sa_cache.length = held  # _sa wrote rows [P, P + n) only: those after them are still in the buffer
+            return
         # SA depends on tokens alone, so after a chain its rows for accepted drafts stay valid; fill what is
         # missing (after a tree the drafted rows were dropped, and every verified token is fed again).
         self.sa_cache.truncate(min(self.sa_cache.length, P + n))
@@ -254,10 +266,10 @@ class MoADrafter(DrafterBase):
         if missing:
             self._sa(torch.tensor([missing], device=self.device))
 
-    def _drop_drafted(self, base: int) -> None:
-        self.sa_cache.truncate(base)
+    def _drop_drafted(self, rows: int) -> None:
+        self.sa_cache.truncate(rows)
         if self.dcfg.tli:
-            self.tli_cache.truncate(base)
+            self.tli_cache.truncate(rows)
 
     def _tree_step(self, tokens: Tensor, positions: Tensor, mask: Tensor, parent_rows: list) -> Tensor:
         pos = positions[None]
@@ -308,3 +320,6 @@ class MoADrafter(DrafterBase):
 
     def verified_length(self) -> int:
         return self.n_ctx
+
+    def held_rows(self) -> int:
+        return self.sa_cache.length

@@ -51,17 +51,26 @@ def exported(tmp_path_factory):
     return get
 
 
+def forward_steps(drafter) -> tuple[object, tuple[str, str]]:
+    """Where a drafter's one-token and tree-level forwards are: a torch module's _step / _tree_step, the ONNX
+    backend's step / tree_step."""
+    if isinstance(drafter, OnnxDrafter):
+        return drafter.backend, ("step", "tree_step")
+    return drafter, ("_step", "_tree_step")
+
+
 def recording(monkeypatch, drafter, log: list) -> None:
-    """Log every logits row the drafter's _step / _tree_step return, as numpy."""
-    for name in ("_step", "_tree_step"):
-        inner = getattr(drafter, name)
+    """Log every logits row the drafter's forwards return, as numpy."""
+    owner, names = forward_steps(drafter)
+    for name in names:
+        inner = getattr(owner, name)
 
         def wrapped(*args, _inner=inner):
             out = _inner(*args)
             log.append(out.float().numpy() if isinstance(out, torch.Tensor) else out)
             return out
 
-        monkeypatch.setattr(drafter, name, wrapped)
+        monkeypatch.setattr(owner, name, wrapped)
 
 
 class ForcedServer:
@@ -170,7 +179,7 @@ def test_moa_feeds_known_tokens_in_one_call_as_step_by_step(exported, monkeypatc
         count = calls.__len__
     else:
         drafter = OnnxDrafter.load(out)
-        drafter.sessions = {**drafter.sessions, "step": CountingSession(drafter.sessions["step"])}
+        drafter.backend.sessions = {**drafter.sessions, "step": CountingSession(drafter.sessions["step"])}
         count = lambda: drafter.sessions["step"].runs  # noqa: E731
     root, delta = ForcedServer(target, ref).open(PROMPT)
     drafter.begin(delta)

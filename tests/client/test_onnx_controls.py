@@ -65,7 +65,7 @@ def test_each_drafted_position_is_processed_with_its_own_context(exported):  # n
     onnx.begin(delta)
     want, token = [], root
     for _ in range(6):
-        logits = onnx._step(token)
+        logits = onnx.backend.step(token)
         token = int(processing(controls, [*PROMPT, root, *want]).apply_np(logits).argmax())
         want.append(token)
     assert chain == want
@@ -84,7 +84,7 @@ def test_sampled_draft_carries_the_processed_distribution(exported):  # noqa: F8
     tokens, q_ids, q_probs = onnx.draft(root, 3, **settings, generator=0)
     # The first row does not depend on the draw: the processed distribution of the position after the root.
     onnx.begin(delta)
-    p = probabilities_np(proc.apply_np(onnx._step(root)), 0.8, min_p=0.05)
+    p = probabilities_np(proc.apply_np(onnx.backend.step(root)), 0.8, min_p=0.05)
     kept = want_probs[0].numpy() > 0
     assert q_ids[0][kept].tolist() == want_ids[0][kept].tolist()
     np.testing.assert_allclose(q_probs[0], want_probs[0].numpy(), rtol=1e-4, atol=1e-5)
@@ -107,7 +107,7 @@ def test_a_sampled_draft_proposes_from_the_top_k_as_the_verifier_samples(exporte
     assert all((row > 0).sum() <= 2 for row in q_probs) and all((row > 0).sum() <= 2 for row in want_probs)
     assert all(t in q_ids[i][q_probs[i] > 0] for i, t in enumerate(tokens))  # drawn from the kept tokens
     onnx.begin(delta)
-    p = probabilities_np(proc.apply_np(onnx._step(root)), 1.5, 0.99, 2, 0.01)
+    p = probabilities_np(proc.apply_np(onnx.backend.step(root)), 1.5, 0.99, 2, 0.01)
     assert (p > 0).sum() == 2
     np.testing.assert_allclose(q_probs[0], p[q_ids[0]], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(q_probs[0], want_probs[0].numpy(), rtol=1e-4, atol=1e-5)

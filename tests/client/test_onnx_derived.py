@@ -82,7 +82,7 @@ def test_sa_rows_are_the_step_graph_pruned_to_them(parts):
         assert set(node.input) <= made, node.name
         made.update(node.output)
 
-    loaded = OnnxDrafter.load(out)
+    loaded = OnnxDrafter.load(out).backend
     T, P = 4, 6
     tokens, positions = np.array([[3, 1, 6, 2]]), np.arange(P, P + T)[None]
     mask = np.ones((T, P + T), dtype=bool)
@@ -123,7 +123,7 @@ def test_derived_sessions_serve_the_calls_they_are_for(parts, kind, precision):
     drafter = OnnxDrafter.load(out if precision == "fp32" else int8)
     assert sorted(drafter.sessions) == (["context", "sa_rows", "step", "step1"] if kind == "moa" else ["step", "step1"])
     sessions = {name: CountingSession(s) for name, s in drafter.sessions.items() if name != "context"}
-    drafter.sessions = {**drafter.sessions, **sessions}
+    drafter.backend.sessions = {**drafter.sessions, **sessions}
     server = SequenceVerifier(target, ref, capacity=CAPACITY)
     root, delta = server.open(PROMPT)
     drafter.begin(delta, capacity=CAPACITY)
@@ -163,13 +163,13 @@ def test_with_and_without_derived_sessions_the_drafter_drafts_the_same(parts, ki
             d.discard_drafts()
             d.commit(delta)
     n = with_derived.verified_length()
-    assert n == without.verified_length() == with_derived.held_rows() == without.held_rows()
+    assert n == without.verified_length() == with_derived.backend.rows() == without.backend.rows()
     held = {"sa_k": n, "sa_v": n, "ctx_k": n, "ctx_v": n} if kind == "moa" else {"k": n, "v": n}
     for name, rows in held.items():
-        np.testing.assert_allclose(getattr(with_derived, name)[:rows], getattr(without, name)[:rows], rtol=1e-5,
-                                   atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(getattr(with_derived.backend, name)[:rows], getattr(without.backend, name)[:rows],
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
     if kind == "moa":  # the server's exact K/V, copied
-        np.testing.assert_array_equal(with_derived.tli_k[:, :n], without.tli_k[:, :n])
+        np.testing.assert_array_equal(with_derived.backend.tli_k[:, :n], without.backend.tli_k[:, :n])
 
 
 def test_sessions_onnxruntime_cannot_build_are_left_out(parts, monkeypatch):
@@ -186,7 +186,7 @@ def test_sessions_onnxruntime_cannot_build_are_left_out(parts, monkeypatch):
     assert sorted(drafter.sessions) == ["context", "step", "step1"]
     root, delta = SequenceVerifier(target, ref, capacity=CAPACITY).open(PROMPT)
     drafter.begin(delta, capacity=CAPACITY)  # SA rows by the step graph
-    assert drafter.held_rows() == len(PROMPT) and len(drafter.draft(root, 3)[0]) == 3
+    assert drafter.backend.rows() == len(PROMPT) and len(drafter.draft(root, 3)[0]) == 3
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
@@ -199,7 +199,7 @@ def test_the_tree_session_serves_levels_as_wide_as_asked_and_grows_the_same_tree
     assert set(wide.sessions) - set(plain.sessions) == {"tree"} and wide.tree_width == 2
     assert "tree" not in OnnxDrafter.load(path, tree_width=1).sessions  # a chain's width: step1 serves it
     sessions = {name: CountingSession(s) for name, s in wide.sessions.items() if name in ("step", "step1", "tree")}
-    wide.sessions = {**wide.sessions, **sessions}
+    wide.backend.sessions = {**wide.sessions, **sessions}
     server = SequenceVerifier(target, ref, capacity=CAPACITY)
     root, delta = server.open(PROMPT)
     for d in (plain, wide):
@@ -217,4 +217,4 @@ def test_the_tree_session_serves_levels_as_wide_as_asked_and_grows_the_same_tree
             assert new["step1"] == [1] and new["tree"] == [] and new["step"] == [3, 3]
         for d in (plain, wide):
             d.discard_drafts()
-    assert plain.held_rows() == wide.held_rows() == len(PROMPT)
+    assert plain.backend.rows() == wide.backend.rows() == len(PROMPT)

@@ -26,7 +26,7 @@ from safetensors.numpy import load, save
 from toy_models import toy_model_dir
 
 from tether.client.errors import Problem, ServerDataError
-from tether.client.onnx_drafter import ArrayDelta
+from tether.client.onnx_drafter import ArrayDelta, OnnxDrafter
 from tether.client.onnx_pairing import OnnxClientPart, fetch_onnx_part
 from tether.client.pairing import build_client_models, fetch_client_part
 from tether.server.engine_core import Engine
@@ -111,15 +111,17 @@ def drive(s: Served, ref, others: dict, rounds: int = 20) -> dict[str, list[tupl
 
 
 def recording(monkeypatch, drafter, log: list) -> None:
-    """Log every logits row the drafter's _step returns, as numpy."""
-    inner = drafter._step
+    """Log every logits row the drafter's one-token forward returns (a torch module's _step, the ONNX backend's
+    step), as numpy."""
+    owner, name = (drafter.backend, "step") if isinstance(drafter, OnnxDrafter) else (drafter, "_step")
+    inner = getattr(owner, name)
 
     def step(token):
         out = inner(token)
         log.append(out.float().numpy() if isinstance(out, torch.Tensor) else out)
         return out
 
-    monkeypatch.setattr(drafter, "_step", step)
+    monkeypatch.setattr(owner, name, step)
 
 
 @pytest.mark.parametrize("name", ["drafter", "drafter-eagle"])

@@ -14,13 +14,15 @@ server process.
   drafter that never drafted and adopted the same deltas, so a tree's accepted path ends as a chain of the same
   tokens would; a tree grown after a drafted chain starts where a chain step there would (the root's own logits),
   and the torch drafter grows the same tree there. A commit that keeps drafts (a round drafted ahead, borne out)
-  gives the verified positions the delta's states alone and leaves the rows drafted after them as they were.
+  gives the verified positions the delta's states alone and leaves the rows drafted after them as they were, in the
+  torch drafters as in the ONNX one (one drafting loop, tether.shared.draft_loop).
 - Drafting ahead after a verdict that bore out a queued round, whose rows and guess are all held already (the
   guess after it was end-of-text), drafts from that kept guess and feeds nothing (it once drafted after None).
 
     .venv/bin/python -m pytest -q tests/client/test_round_shape.py
 """
 
+import copy
 import dataclasses
 import threading
 
@@ -224,14 +226,34 @@ class Target:
         return int(out.logits[0, path[-1]].argmax()), delta
 
 
-def held(d: OnnxDrafter) -> dict[str, np.ndarray | int]:
-    """Every cache row the drafter holds, and its lengths."""
-    if d.kind == "moa":
-        n, s, t = d.n_ctx, d.sa_len, d.tli_len
-        rows = {"sa_k": d.sa_k[:s], "sa_v": d.sa_v[:s], "ctx_k": d.ctx_k[:n], "ctx_v": d.ctx_v[:n],
-                "tli_k": d.tli_k[:, :t], "tli_v": d.tli_v[:, :t]}  # fmt: skip
-        return rows | {"lengths": (n, s, t)}
-    return {"k": d.k[: d.length], "v": d.v[: d.length], "last": d.last_feat, "lengths": (d.n_verified, d.length)}
+def held(drafter) -> dict[str, np.ndarray | tuple]:
+    """Copies of every cache row the drafter (ONNX, or a torch module) holds, and its lengths: [rows, ...] arrays,
+    TLI [N, rows, ...]; EAGLE's last exact feature and the one its next step reads, [1, dim]."""
+    if isinstance(drafter, OnnxDrafter):
+        d = drafter.backend
+        if d.kind == "moa":
+            n, s, t = lengths = d.n_ctx, d.sa_len, d.tli_len
+            rows = {"sa_k": d.sa_k[:s], "sa_v": d.sa_v[:s], "ctx_k": d.ctx_k[:n], "ctx_v": d.ctx_v[:n],
+                    "tli_k": d.tli_k[:, :t], "tli_v": d.tli_v[:, :t]}  # fmt: skip
+        else:
+            lengths = d.n_verified, d.length
+            rows = {"k": d.k[: d.length], "v": d.v[: d.length], "last": d.last_feat, "next": d.prev_feat}
+    elif drafter.dcfg.kind == "moa":
+        d, sa, tli = drafter, drafter.sa_cache, drafter.tli_cache
+        n, s, t = lengths = d.n_ctx, sa.length, tli.length
+        rows = {"sa_k": sa.k[0, 0, :s], "sa_v": sa.v[0, 0, :s], "ctx_k": d.ctx_k[0, :n], "ctx_v": d.ctx_v[0, :n],
+                "tli_k": tli.k[:, 0, :t], "tli_v": tli.v[:, 0, :t]}  # fmt: skip
+    else:
+        c = drafter.cache
+        lengths = drafter.n_verified, c.length
+        rows = {"k": c.k[0, 0, : c.length], "v": c.v[0, 0, : c.length], "last": drafter.last_feat[0],
+                "next": drafter.prev_feat[0]}  # fmt: skip
+    copies = {name: np.array(x.numpy() if isinstance(x, torch.Tensor) else x) for name, x in rows.items()}
+    return copies | {"lengths": lengths}
+
+
+def held_rows(drafter) -> int:
+    return drafter.backend.rows() if isinstance(drafter, OnnxDrafter) else drafter.held_rows()
 
 
 def assert_same(a: OnnxDrafter, b: OnnxDrafter) -> None:
@@ -267,7 +289,7 @@ def test_caches_after_rounds_drafted_ahead_and_trees_are_the_deltas_alone(models
 
     # A tree accepted along its deepest path: the same caches as a chain of those tokens accepted whole.
     tree = DraftTree.from_lists(drafter.draft_tree(root, depth=3, top_k=2, total_tokens=6))
-    assert drafter.held_rows() == drafter.verified_length()  # the tree's own rows are dropped
+    assert drafter.backend.rows() == drafter.verified_length()  # the tree's own rows are dropped
     path = tree.path_to(int(tree.depths.argmax()))
     root, delta = server.verify(tree, path)
     settle(drafter, delta)
@@ -291,9 +313,9 @@ def test_a_tree_after_a_drafted_chain_starts_where_a_chain_step_would(models):
     drafter.begin(delta, capacity=64)
     ref.begin(delta, capacity=64)
     prefix, _, _ = drafter.draft(root, 2)
-    held_before = drafter.held_rows()
+    held_before = drafter.backend.rows()
     tree = drafter.draft_tree(prefix[-1], depth=3, top_k=2, total_tokens=6)
-    assert drafter.held_rows() == held_before  # the prefix stays, the tree's rows go
+    assert drafter.backend.rows() == held_before  # the prefix stays, the tree's rows go
     (step,), _, _ = drafter.draft(prefix[-1], 1)
     assert tree.tokens[1] == step  # the root's favourite child is what a chain step there drafts
     if drafter.kind == "moa":  # the torch MoA drafter grows the same tree after the same prefix
@@ -302,9 +324,15 @@ def test_a_tree_after_a_drafted_chain_starts_where_a_chain_step_would(models):
         assert (tree.tokens, tree.parents) == (want.tokens.tolist(), want.parents.tolist())
 
 
-def test_a_commit_that_keeps_drafts_takes_the_deltas_states_and_keeps_the_rows_after(models):
+@pytest.mark.parametrize("backend", ["onnx", "torch"])
+def test_a_commit_that_keeps_drafts_takes_the_deltas_states_and_keeps_the_rows_after(models, backend):
+    """The rule is the drafting loop's, so the torch drafters keep drafts as the ONNX one does."""
     target, ref, out = models
-    drafter, clean = OnnxDrafter.load(out), OnnxDrafter.load(out)
+    if backend == "onnx":
+        drafter, clean = OnnxDrafter.load(out), OnnxDrafter.load(out)
+    else:  # shallow copies share the weights; begin() gives each caches of its own
+        drafter, clean = copy.copy(ref), copy.copy(ref)
+    kind = ref.dcfg.kind
     server = Target(target, ref)
     root, delta = server.open(PROMPT)
     for d in (drafter, clean):
@@ -320,14 +348,14 @@ def test_a_commit_that_keeps_drafts_takes_the_deltas_states_and_keeps_the_rows_a
     assert drafter.commit(delta, keep_drafts=True)
     clean.commit(delta)
     assert drafter.verified_length() == clean.verified_length() == end
-    assert drafter.held_rows() == end + 2  # the bonus guess and the first draft of r + 1
+    assert held_rows(drafter) == end + 2  # the bonus guess and the first draft of r + 1
     kept, fresh = held(drafter), held(clean)
     # Verified rows are the delta's alone, as after a plain commit; the rows after them are as they were drafted.
-    rows = ["sa_k", "sa_v"] if drafter.kind == "moa" else ["k", "v"]
+    rows = ["sa_k", "sa_v"] if kind == "moa" else ["k", "v"]
     for name in rows:
         assert np.array_equal(kept[name][:end], fresh[name]), name
         assert np.array_equal(kept[name][end:], before[name][end:]), name
-    if drafter.kind == "moa":
+    if kind == "moa":
         for name in ("tli_k", "tli_v"):
             assert np.array_equal(kept[name][:, :end], fresh[name]), name
             assert np.array_equal(kept[name][:, end:], before[name][:, end:]), name
@@ -335,8 +363,9 @@ def test_a_commit_that_keeps_drafts_takes_the_deltas_states_and_keeps_the_rows_a
             assert np.array_equal(kept[name], fresh[name]), name
     else:
         assert np.array_equal(kept["last"], fresh["last"])
+        assert np.array_equal(kept["next"], before["next"])  # from the feature the kept chain predicted
     drafter.draft(ahead[-1], 1)  # drafting goes on after the kept rows
-    assert drafter.held_rows() == end + 3
+    assert held_rows(drafter) == end + 3
 
     # With nothing drafted past a delta there is nothing to keep: a plain commit.
     for d in (drafter, clean):

@@ -279,11 +279,12 @@ def test_keep_loses_and_doubles_nothing_and_kv_matches_the_server_bit_for_bit(mo
         # missed such a resync whenever the text then ended offline, where keep stops without another resync.
         if e.kind == "state" and session.stats.resyncs > len(checked):
             ver = server_verifier(service, session.link.session_id)
-            n = session.drafter.tli  # the onnxruntime drafter's TLI caches: numpy, [N, capacity, Hkv, D]
+            caches = session.drafter.backend  # the onnxruntime drafter's, its TLI caches numpy [N, capacity, Hkv, D]
+            n = caches.tli
             L = session.verified
             assert ver.length == L
-            client_k = torch.from_numpy(session.drafter.tli_k[:, :L])
-            client_v = torch.from_numpy(session.drafter.tli_v[:, :L])
+            client_k = torch.from_numpy(caches.tli_k[:, :L])
+            client_v = torch.from_numpy(caches.tli_v[:, :L])
             for i in range(n):
                 server_k, server_v = ver.cache.rows(ver.target.cfg.n_layers - n + i)
                 assert torch.equal(client_k[i], server_k.to(torch.bfloat16).float())

@@ -2,7 +2,8 @@
 
 - greedy, chains or trees, drafting ahead or not, sending rounds drafted ahead before the verdict they depend on
   (overlapping) or after it, onnxruntime or torch: the text is plain greedy decoding's, token for token, every token
-  verified; tree rounds go out as trees, and a greedy run sends rounds drafted ahead;
+  verified; tree rounds go out as trees, and a greedy run sends rounds drafted ahead, whose rows either drafter
+  keeps once a verdict bears them out;
 - a draft ahead cut short by its verdict's arrival changes no token and no round, greedy or sampled;
 - two overlapping rounds queued behind the one in flight (greedy's default) give plain greedy's text too, and a miss
   throws both away;
@@ -169,6 +170,15 @@ def test_the_torch_backend_drafts_trees_ahead_too(served, cache):
     s = result.stats
     assert result.token_ids == served[2]
     assert s.tree_rounds >= s.rounds - 1 > 0 and s.pipeline_hits > 0
+
+
+def test_the_torch_backend_keeps_the_rows_drafted_ahead_as_onnxruntime_does(served, runs, cache):
+    """One drafting loop runs both drafters: after a verdict that bears out the rounds drafted ahead of it, the
+    torch drafter keeps their rows (commit(keep_drafts=True)) as the onnxruntime one does, and the text is plain
+    greedy's."""
+    result = generate(served[0], cache, False, backend="torch", tree="chain", pipeline=True)
+    assert result.token_ids == served[2]
+    assert result.stats.rows_kept > 0 and runs("chain", True).stats.rows_kept > 0
 
 
 @pytest.mark.parametrize("tree", ["chain", "tree"])

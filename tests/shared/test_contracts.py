@@ -1,8 +1,8 @@
 """Every implementation of a role has every member of its Protocol (tether.shared.contracts), with a signature that
 accepts the Protocol's parameters: a member added to a Protocol and missing from an implementation fails here.
 
-Caches and targets are checked as instances (their data members are set in __init__), drafters as classes where
-building one needs exported graphs (the ONNX drafters, the edge's gate)."""
+Caches, targets and draft backends are checked as instances (their data members are set in __init__), drafters as
+classes where they have no data members (the ONNX drafter, the loop, the edge's gate)."""
 
 import inspect
 import typing
@@ -12,14 +12,18 @@ import torch
 from tiny_models import tiny_moa_drafter, tiny_target
 
 from tether.client.delta_gate import DeltaGate
-from tether.client.onnx_drafter import OnnxDrafter, OnnxEagleDrafter, OnnxMoADrafter
+from tether.client.onnx_backends import OnnxEagleBackend, OnnxMoABackend
+from tether.client.onnx_drafter import OnnxDrafter
 from tether.server.kv_pool import KVPool, PagedKernelView, SlotView
+from tether.server.onnx_export import export_client_onnx
 from tether.server.rounds import BatchCacheView, PagedBatchView
 from tether.server.tp import GatherKV
 from tether.server.tp_serve import TPTarget
 from tether.shared import contracts
+from tether.shared.draft_loop import DraftLoop
 from tether.shared.drafter import DrafterConfig
 from tether.shared.drafter_loading import build_drafter
+from tether.shared.drafter_runtime import TorchDraftBackend
 
 # Members an implementation still lacks, each waiting on a file being changed elsewhere: a gap not listed here
 # fails, and so does a listed one that has been closed. None now.
@@ -150,20 +154,34 @@ def test_targets(target):
     assert TPTarget(target, None).dtype == target.dtype == target.embed_tokens.weight.dtype
 
 
+def _torch_drafter(target, kind: str):
+    if kind == "moa":
+        return tiny_moa_drafter(target)
+    return build_drafter(target, DrafterConfig(kind="eagle", n_heads=4, n_kv_heads=2, head_dim=12))
+
+
 @pytest.mark.parametrize("kind", ["moa", "eagle"])
 def test_torch_drafters(target, kind):
-    if kind == "moa":
-        drafter = tiny_moa_drafter(target)
-    else:
-        drafter = build_drafter(target, DrafterConfig(kind="eagle", n_heads=4, n_kv_heads=2, head_dim=12))
+    drafter = _torch_drafter(target, kind)
     check(contracts.SpeculativeDrafter, drafter)
     check(contracts.ServerDrafter, GatherKV(drafter))
     assert drafter.depth_predictor is None  # the member drafter training reads, on either kind
 
 
-@pytest.mark.parametrize("cls", [OnnxDrafter, OnnxMoADrafter, OnnxEagleDrafter, DeltaGate])
+@pytest.mark.parametrize("cls", [OnnxDrafter, DraftLoop, DeltaGate])
 def test_client_drafters(cls):
     check(contracts.Drafter, cls)
+
+
+@pytest.mark.parametrize("kind", ["moa", "eagle"])
+def test_draft_backends(target, kind, tmp_path):
+    """The one drafting loop's backends: the torch drafters' and the ONNX graphs' of each kind."""
+    drafter = _torch_drafter(target, kind)
+    check(contracts.DraftBackend, TorchDraftBackend(drafter))
+    export_client_onnx(drafter, tmp_path)
+    onnx = OnnxDrafter.load(tmp_path)
+    assert isinstance(onnx.backend, {"moa": OnnxMoABackend, "eagle": OnnxEagleBackend}[kind])
+    check(contracts.DraftBackend, onnx.backend)
 
 
 def test_a_missing_member_fails():
