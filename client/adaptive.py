@@ -62,8 +62,18 @@ from tether.v1 import tether_pb2 as pb
 class OnlineModes:
     """The session's online steps, streamed or drafted (see the module docstring)."""
 
-    def __init__(self, cfg: ClientConfig, text: SessionText, link: ServerLink, output: SessionOutput,
-                 check: ReplyCheck, rounds: Rounds, resync: Resync, *, controls: SamplingControls):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        text: SessionText,
+        link: ServerLink,
+        output: SessionOutput,
+        check: ReplyCheck,
+        rounds: Rounds,
+        resync: Resync,
+        *,
+        controls: SamplingControls,
+    ):
         self.cfg, self.text, self.link, self.output, self.check = cfg, text, link, output, check
         self.rounds, self.resync, self.controls = rounds, resync, controls
         self.meter = ModeMeter()  # what each online mode gave (tether.client.mode_choice: mode="auto")
@@ -92,15 +102,19 @@ class OnlineModes:
             if future.exception() is None:
                 self.meter.answered(time.monotonic() - t0)
 
-        call = self.link.stub.GetModelInfo.future(pb.GetModelInfoRequest(), metadata=self.link.metadata,
-                                                  timeout=self.cfg.connect_timeout_s)  # fmt: skip
+        call = self.link.stub.GetModelInfo.future(
+            pb.GetModelInfoRequest(), metadata=self.link.metadata, timeout=self.cfg.connect_timeout_s
+        )
         call.add_done_callback(answered)
 
     def _can_stream(self) -> bool:
         """Whether a Generate call can continue the text now, exactly."""
         c, text = self.controls, self.text
-        return (not (c.presence_penalty or c.frequency_penalty) and len(text.tokens) >= self.meter.stream_barred_until
-                and len(text.sequence) <= self.link.info.max_prompt_tokens)  # fmt: skip
+        return (
+            not (c.presence_penalty or c.frequency_penalty)
+            and len(text.tokens) >= self.meter.stream_barred_until
+            and len(text.sequence) <= self.link.info.max_prompt_tokens
+        )
 
     def step(self) -> None:
         """One online step in the mode chosen: a chunk of the stream, or a round's verdict."""
@@ -133,8 +147,12 @@ class OnlineModes:
         sampling = sampling_params(cfg, self.link.info, self.output.logprobs)
         if cfg.temperature > 0:
             sampling.seed = stream_seed(cfg.seed, len(sequence))
-        req = pb.OpenSession(prompt=sequence, sampling=sampling, model_fingerprint=self.link.info.model_fingerprint,
-                             max_new_tokens=cfg.max_new_tokens - len(self.text.tokens))  # fmt: skip
+        req = pb.OpenSession(
+            prompt=sequence,
+            sampling=sampling,
+            model_fingerprint=self.link.info.model_fingerprint,
+            max_new_tokens=cfg.max_new_tokens - len(self.text.tokens),
+        )
         stats.bytes_up += 4 * len(sequence)
         self._switch_bytes = (4 * len(sequence), 0)
         self.generation = GenerationStream(self.link.stub, req, self.link.metadata)

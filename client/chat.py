@@ -90,8 +90,10 @@ class Conversation:
             variants = [reply] + [v for v in (reply.strip(), reply[1:] if reply[:1].isspace() else reply) if v != reply]
             earlier = self.messages[:-1]
             # The first of the best: the reply as shown unless another copy keeps more of the session's tokens.
-            last["content"] = max(variants, key=lambda v: _common_prefix(
-                self.ids([*earlier, {"role": "assistant", "content": v}, user]), held))  # fmt: skip
+            last["content"] = max(
+                variants,
+                key=lambda v: _common_prefix(self.ids([*earlier, {"role": "assistant", "content": v}, user]), held),
+            )
         ids = self.ids([*self.messages, user])  # a refusal (ChatTemplateError) leaves the conversation as it was
         self.messages.append(user)
         return ids

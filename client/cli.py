@@ -165,8 +165,9 @@ def _connect(args: argparse.Namespace, quiet: bool):
             session.pair()
             return session, session, session.models.tokenizer
         tokenizer = server_tokenizer(session, args.tokenizer)
-        engine = ServerOnlySession(session.link.stub, session.link.metadata, cfg, info, tokenizer,
-                                   started_at=STARTED_AT)  # fmt: skip
+        engine = ServerOnlySession(
+            session.link.stub, session.link.metadata, cfg, info, tokenizer, started_at=STARTED_AT
+        )
         return session, engine, tokenizer
     except BaseException:
         session.close()
@@ -248,8 +249,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         interactive = sys.stdin.isatty()
         reader = LineReader(args.history_file or default_history_file(), interactive=interactive)
         if interactive:
-            print(f"chatting with {info.model_id or 'the model'}: Enter sends, Ctrl-C stops a reply, Ctrl-D or Ctrl-C "
-                  "here ends", file=sys.stderr)  # fmt: skip
+            print(
+                f"chatting with {info.model_id or 'the model'}: Enter sends, Ctrl-C stops a reply, Ctrl-D or Ctrl-C "
+                "here ends",
+                file=sys.stderr,
+            )
         return repl(chat, reader, out=Console(highlight=False, soft_wrap=True), err=sys.stderr)
     except (ServerError, LinkDown) as e:
         return _failed("chat", e)
@@ -292,36 +296,64 @@ def _session_args(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> 
     for name, choices in CHOICES.items():
         parser.add_argument("--" + name, choices=choices, default=getattr(ClientConfig, name), help=helps[name])
     # Repeatable, each flag one or more items: --logit-bias 13=-100 --logit-bias 7=2.5, --stop-token-ids 2 9
-    parser.add_argument("--logit-bias", action="extend", nargs="+", type=_bias, default=[], metavar="ID=BIAS",
-                        help=comments["logit_bias"] + " (default: none)")  # fmt: skip
-    parser.add_argument("--stop-token-ids", action="extend", nargs="+", type=int, default=[], metavar="ID",
-                        help=comments["stop_token_ids"] + ", repeatable (default: none)")  # fmt: skip
+    parser.add_argument(
+        "--logit-bias",
+        action="extend",
+        nargs="+",
+        type=_bias,
+        default=[],
+        metavar="ID=BIAS",
+        help=comments["logit_bias"] + " (default: none)",
+    )
+    parser.add_argument(
+        "--stop-token-ids",
+        action="extend",
+        nargs="+",
+        type=int,
+        default=[],
+        metavar="ID",
+        help=comments["stop_token_ids"] + ", repeatable (default: none)",
+    )
     parser.add_argument("--api-key-file", default="", help=API_KEY_FILE_HELP)
-    parser.add_argument("--tokenizer", default="", metavar="PATH",
-                        help="the model's tokenizer.json (or its directory), for a server without a drafter "
-                             "(default: the server's own, fetched once and cached)")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="PATH",
+        help="the model's tokenizer.json (or its directory), for a server without a drafter "
+        "(default: the server's own, fetched once and cached)",
+    )
     add_log_args(parser)
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="a progress bar on stderr while the client part downloads (default: on a "
-                             "terminal)")  # fmt: skip
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr while the client part downloads (default: on a terminal)",
+    )
 
 
 def _generate_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the text to continue; - reads it from standard input")
     source.add_argument("--prompt-file", metavar="PATH", help="a file holding the text to continue (UTF-8)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object at the end: text, token_ids, tags, stats (time to first token, "
-                             "tokens/s, ...); nothing on stderr but errors")  # fmt: skip
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object at the end: text, token_ids, tags, stats (time to first token, "
+        "tokens/s, ...); nothing on stderr but errors",
+    )
     parser.add_argument("--plain", action="store_true", help="stream plain text even on a terminal (no live view)")
     _session_args(parser)
 
 
 def _chat_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default="", help="a system message to start the conversation with (default: none)")
-    parser.add_argument("--history-file", default="", metavar="PATH",
-                        help="where the input history is kept (default: $XDG_STATE_HOME/tether/chat_history, or "
-                             "~/.local/state/tether/chat_history)")  # fmt: skip
+    parser.add_argument(
+        "--history-file",
+        default="",
+        metavar="PATH",
+        help="where the input history is kept (default: $XDG_STATE_HOME/tether/chat_history, or "
+        "~/.local/state/tether/chat_history)",
+    )
     _session_args(parser, skip=SKIPPED_IN_CHAT)
 
 
@@ -366,9 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser(
-        "serve", help="a local OpenAI-compatible endpoint, drafting here, verified by the server",
+        "serve",
+        help="a local OpenAI-compatible endpoint, drafting here, verified by the server",
         add_arguments=_serve_args,
-    )  # fmt: skip
+    )
     serve.set_defaults(func=cmd_serve)
     return parser
 

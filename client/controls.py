@@ -50,9 +50,14 @@ def controls_set(cfg: ClientConfig) -> list[str]:
     """The names of the controls an older server would ignore that `cfg` sets (min_p, penalties, logit_bias,
     stop token ids)."""
     c = cfg.controls()
-    named = {"min_p": c.min_p != 0, "presence_penalty": c.presence_penalty != 0,
-             "frequency_penalty": c.frequency_penalty != 0, "repetition_penalty": c.repetition_penalty != 1,
-             "logit_bias": bool(c.logit_bias), "stop_token_ids": bool(cfg.stop_token_ids)}  # fmt: skip
+    named = {
+        "min_p": c.min_p != 0,
+        "presence_penalty": c.presence_penalty != 0,
+        "frequency_penalty": c.frequency_penalty != 0,
+        "repetition_penalty": c.repetition_penalty != 1,
+        "logit_bias": bool(c.logit_bias),
+        "stop_token_ids": bool(cfg.stop_token_ids),
+    }
     return [name for name, on in named.items() if on]
 
 
@@ -60,8 +65,10 @@ def check_controls(cfg: ClientConfig, info: pb.ModelInfo, vocab_size: int) -> No
     """See the module docstring."""
     asked = controls_set(cfg)
     if asked and not info.sampling_controls:
-        raise ControlsNotOffered(f"the server does not apply {', '.join(asked)} (a server older than this client): "
-                                 "leave them out, or upgrade the server")  # fmt: skip
+        raise ControlsNotOffered(
+            f"the server does not apply {', '.join(asked)} (a server older than this client): "
+            "leave them out, or upgrade the server"
+        )
     cfg.controls().check_vocab(vocab_size)
     outside = [t for t in cfg.stop_token_ids if t >= vocab_size]
     if outside:
@@ -70,8 +77,9 @@ def check_controls(cfg: ClientConfig, info: pb.ModelInfo, vocab_size: int) -> No
 
 def sampling_params(cfg: ClientConfig, info: pb.ModelInfo, logprobs: int | None = None) -> pb.SamplingParams:
     """See the module docstring."""
-    params = pb.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, top_k=cfg.top_k,
-                               ignore_eos=cfg.ignore_eos)  # fmt: skip
+    params = pb.SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, top_k=cfg.top_k, ignore_eos=cfg.ignore_eos
+    )
     if logprobs is not None:
         params.logprobs = logprobs
     if not info.sampling_controls:

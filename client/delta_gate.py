@@ -168,8 +168,9 @@ class DeltaGate:
         n = len(wire.tokens)
         allowed = self.coverable(held)
         if not 0 < n <= len(allowed) or list(wire.tokens) != allowed[:n]:
-            raise self.refuse(f"its {n} tokens at position {held} are not the client's (it may cover up to "
-                              f"{len(allowed)} of them)")  # fmt: skip
+            raise self.refuse(
+                f"its {n} tokens at position {held} are not the client's (it may cover up to {len(allowed)} of them)"
+            )
         try:
             frames = parse_many(wire.payload, max_nbytes=self.layout.max_bytes(n))
         except CodecError as e:

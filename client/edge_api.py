@@ -89,8 +89,9 @@ _END = object()  # the generation ended: no more tokens
 def api_error(e: Exception, server: str) -> ApiError | None:
     """The HTTP error for what ended a session (None: not a refusal or an outage, but a bug)."""
     if isinstance(e, ServerBusy):
-        return ApiError(ErrorKind.OVERLOADED, f"the tether server at {server} is full: {e}",
-                        retry_after_s=max(1.0, e.retry_after_s))  # fmt: skip
+        return ApiError(
+            ErrorKind.OVERLOADED, f"the tether server at {server} is full: {e}", retry_after_s=max(1.0, e.retry_after_s)
+        )
     if isinstance(e, ServerDataError):
         return ApiError(ErrorKind.UPSTREAM, f"the tether server at {server}: {e}")
     if isinstance(e, LinkDown | SessionLost):
@@ -127,8 +128,14 @@ class EdgeBackend:
 
     drafts_offline = True
 
-    def __init__(self, cfg: ClientConfig, paired: Paired, *, model_id: str = "",
-                 observe: Callable[[EdgeSession, Event], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        paired: Paired,
+        *,
+        model_id: str = "",
+        observe: Callable[[EdgeSession, Event], None] | None = None,
+    ):
         self.cfg, self.paired, self.observe = cfg, paired, observe
         info = paired.info
         model_cfg, _ = check_model_info(info)
@@ -142,8 +149,9 @@ class EdgeBackend:
         self._running: set[_Request] = set()
 
     @classmethod
-    def connect(cls, cfg: ClientConfig, *, model_id: str = "",
-                observe: Callable[[EdgeSession, Event], None] | None = None) -> EdgeBackend:  # fmt: skip
+    def connect(
+        cls, cfg: ClientConfig, *, model_id: str = "", observe: Callable[[EdgeSession, Event], None] | None = None
+    ) -> EdgeBackend:
         """Pair with the server once (see the module docstring)."""
         session = EdgeSession(cfg)
         try:
@@ -211,8 +219,14 @@ class Release:
                 self.held += e.tokens
                 self.held_logprobs += e.logprobs or []
             else:
-                self.send(Tokens(list(e.tokens), offline=True, logprobs=self._logprobs(e.logprobs),
-                                 drafter_logprobs=self.reporting))  # fmt: skip
+                self.send(
+                    Tokens(
+                        list(e.tokens),
+                        offline=True,
+                        logprobs=self._logprobs(e.logprobs),
+                        drafter_logprobs=self.reporting,
+                    )
+                )
         elif e.kind == "tokens":
             self.send(Tokens(list(e.tokens), logprobs=self._logprobs(e.logprobs)))
         elif e.kind == "verify" and self.rewind:  # a resync kept these (the oldest held first): verified now
@@ -229,8 +243,14 @@ class Release:
     def end(self) -> None:
         """The generation is over: held tokens stand (rewind, the link down past final_resync_s)."""
         if self.held:
-            self.send(Tokens(self.held, offline=True, logprobs=self._logprobs(self.held_logprobs),
-                             drafter_logprobs=self.reporting))  # fmt: skip
+            self.send(
+                Tokens(
+                    self.held,
+                    offline=True,
+                    logprobs=self._logprobs(self.held_logprobs),
+                    drafter_logprobs=self.reporting,
+                )
+            )
             self.held, self.held_logprobs = [], []
 
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> tuple[TokenLogprobs, ...] | None:
@@ -240,23 +260,35 @@ class Release:
 class _Request:
     """One request's session on its worker thread (see the module docstring)."""
 
-    def __init__(self, backend: EdgeBackend, prompt: list[int], sampling: Sampling, max_tokens: int,
-                 deliver: Callable[[object], None]):  # fmt: skip
+    def __init__(
+        self,
+        backend: EdgeBackend,
+        prompt: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        deliver: Callable[[object], None],
+    ):
         self.backend, self.prompt, self.deliver = backend, prompt, deliver
         self.notes = LinkNotes()
         self.sid = "-"  # the server's session id for the log (its first 8 digits), once it has given one
-        cfg = dataclasses.replace(backend.cfg, **{name: getattr(sampling, name) for name in SAMPLING_FIELDS},
-                                  max_new_tokens=max_tokens, session_file="")  # fmt: skip
+        cfg = dataclasses.replace(
+            backend.cfg,
+            **{name: getattr(sampling, name) for name in SAMPLING_FIELDS},
+            max_new_tokens=max_tokens,
+            session_file="",
+        )
         try:  # before a thread starts: the request is refused as a whole
             check_controls(cfg, backend.paired.info, backend.paired.tokenizer.vocab_size)
         except ControlsNotOffered as e:
-            raise ApiError(ErrorKind.INVALID_REQUEST, f"the tether server at {cfg.server}: {e}",
-                           controls_set(cfg)[0]) from None  # fmt: skip
+            raise ApiError(
+                ErrorKind.INVALID_REQUEST, f"the tether server at {cfg.server}: {e}", controls_set(cfg)[0]
+            ) from None
         except ControlError as e:
             raise ApiError(ErrorKind.INVALID_REQUEST, str(e), e.control) from None
         self.release = Release(cfg.policy == "rewind", deliver, reporting=sampling.logprobs is not None)
-        self.session = EdgeSession(cfg, self.on_event, paired=own_drafter(backend.paired, cfg.backend),
-                                   connect_attempts=1)  # fmt: skip
+        self.session = EdgeSession(
+            cfg, self.on_event, paired=own_drafter(backend.paired, cfg.backend), connect_attempts=1
+        )
         # The template's end of turn too, nothing drafted past it; neither it nor end-of-text under ignore_eos
         # (cfg.ignore_eos: the session's own stop ids are then the request's stop_token_ids alone), as the server's
         # HTTP API decodes.
@@ -281,9 +313,16 @@ class _Request:
             self.release.end()
             self.deliver(_END)
             s = self.session.stats
-            log.info("session %s: %d tokens, %d drafted offline, %d of them unverified, %d retracted, tau %.2f, "
-                     "%d resyncs", self.sid, len(self.session.tokens), s.offline_tokens,
-                     self.session.tags.count("offline"), s.retracted, s.tau, s.resyncs)  # fmt: skip
+            log.info(
+                "session %s: %d tokens, %d drafted offline, %d of them unverified, %d retracted, tau %.2f, %d resyncs",
+                self.sid,
+                len(self.session.tokens),
+                s.offline_tokens,
+                self.session.tags.count("offline"),
+                s.retracted,
+                s.tau,
+                s.resyncs,
+            )
         except Exception as e:
             error = api_error(e, server)
             if error is None:

@@ -135,8 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from tether.shared.openai_app import HttpConfig, HttpServer, OpenAIApp
     except ModuleNotFoundError as e:
-        return _failed(f"the endpoint needs {e.name}, which this install leaves out: pip install starlette uvicorn "
-                       "jinja2")  # fmt: skip
+        return _failed(
+            f"the endpoint needs {e.name}, which this install leaves out: pip install starlette uvicorn jinja2"
+        )
     cfg = build_config(ServeConfig, args)
     client = dataclasses.replace(build_config(ClientConfig, args), api_key=upstream_key(args))
     host, port = parse_listen(cfg.listen)
@@ -151,10 +152,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _failed(f"{e}")
     except KeyboardInterrupt:  # Ctrl-C while pairing (a first download can take a while): nothing is held yet
         return 130
-    print(f"paired: model {backend.model_id}, client part {backend.paired.nbytes / 1e6:.1f} MB ({client.backend}"
-          f"{', ' + client.precision if client.backend == 'onnx' else ''})", file=sys.stderr, flush=True)  # fmt: skip
-    http_config = HttpConfig(host=host, port=port, api_keys=keys, max_streams=cfg.max_streams, max_n=cfg.max_n,
-                             grace_s=cfg.grace_s)  # fmt: skip
+    print(
+        f"paired: model {backend.model_id}, client part {backend.paired.nbytes / 1e6:.1f} MB ({client.backend}"
+        f"{', ' + client.precision if client.backend == 'onnx' else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
+    http_config = HttpConfig(
+        host=host, port=port, api_keys=keys, max_streams=cfg.max_streams, max_n=cfg.max_n, grace_s=cfg.grace_s
+    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True, name="tether-edge-http")
     thread.start()
@@ -165,8 +171,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop.call_soon_threadsafe(loop.stop)
         return _failed(f"cannot listen on {cfg.listen}: {e.strerror or e}")
     if not keys and host not in ("127.0.0.1", "::1", "localhost"):
-        print(f"warning: listening on {host} without --http-api-keys: anyone who can reach it may use it",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: listening on {host} without --http-api-keys: anyone who can reach it may use it", file=sys.stderr
+        )
     where = f"[{host}]" if ":" in host else host
     print(f"listening on http://{where}:{bound}/v1 (model {backend.model_id}, policy {client.policy})", flush=True)
     stop = threading.Event()

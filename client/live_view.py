@@ -41,8 +41,13 @@ from tether.client.session import Event, Result, State
 from tether.shared.tokenizer import Tokenizer
 
 STYLE = {"verified": "bold green", "offline": "yellow"}
-STATE_STYLE = {State.CONNECTING: "cyan", State.ONLINE: "green", State.OFFLINE: "red", State.RESYNCING: "magenta",
-               State.DONE: "blue"}  # fmt: skip
+STATE_STYLE = {
+    State.CONNECTING: "cyan",
+    State.ONLINE: "green",
+    State.OFFLINE: "red",
+    State.RESYNCING: "magenta",
+    State.DONE: "blue",
+}
 
 
 def summary_line(result: Result) -> str:
@@ -50,9 +55,11 @@ def summary_line(result: Result) -> str:
     wall."""
     s = result.stats
     n, off = len(result.token_ids), result.tags.count("offline")
-    parts = [f"{n} tokens" + (f" ({n - off} verified, {off} offline)" if off else ""),
-             f"first token {1000 * s.ttft_from_start_s:.0f} ms ({1000 * s.ttft_s:.0f} ms after pairing)",
-             f"{s.tokens_per_s:.1f} tokens/s"]  # fmt: skip
+    parts = [
+        f"{n} tokens" + (f" ({n - off} verified, {off} offline)" if off else ""),
+        f"first token {1000 * s.ttft_from_start_s:.0f} ms ({1000 * s.ttft_s:.0f} ms after pairing)",
+        f"{s.tokens_per_s:.1f} tokens/s",
+    ]
     parts.append("server-only (nothing drafted)" if s.server_only else f"tau {s.tau:.2f}")
     if s.stream_tokens and not s.server_only:
         parts.append(f"{s.stream_tokens} streamed, {s.mode_switches} mode switches")
@@ -75,8 +82,16 @@ def token_texts(tokenizer: Tokenizer, ids: list[int], context: Sequence[int] = (
 
 
 class LiveView:
-    def __init__(self, tokenizer: Tokenizer, prompt: str, *, netsim=None, console: Console | None = None,
-                 context: Sequence[int] = (), hidden: Collection[int] = ()):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt: str,
+        *,
+        netsim=None,
+        console: Console | None = None,
+        context: Sequence[int] = (),
+        hidden: Collection[int] = (),
+    ):
         self.tok, self.prompt, self.netsim = tokenizer, prompt, netsim
         self.context, self.hidden = list(context), frozenset(hidden)
         self.console = console or Console()
@@ -128,12 +143,17 @@ class LiveView:
             text.append(piece, style=STYLE[tag])
         n_off = self.tags.count("offline")
         status = Text.assemble(
-            ("state ", "dim"), (self.state.value.upper(), f"bold {STATE_STYLE[self.state]}"),
-            ("   tokens ", "dim"), (str(len(self.tokens)), "bold"),
-            ("   verified ", "dim"), (str(len(self.tokens) - n_off), STYLE["verified"]),
-            ("   offline ", "dim"), (str(n_off), STYLE["offline"]),
-            ("   retracted ", "dim"), (str(self.retracted), "bold"),
-        )  # fmt: skip
+            ("state ", "dim"),
+            (self.state.value.upper(), f"bold {STATE_STYLE[self.state]}"),
+            ("   tokens ", "dim"),
+            (str(len(self.tokens)), "bold"),
+            ("   verified ", "dim"),
+            (str(len(self.tokens) - n_off), STYLE["verified"]),
+            ("   offline ", "dim"),
+            (str(n_off), STYLE["offline"]),
+            ("   retracted ", "dim"),
+            (str(self.retracted), "bold"),
+        )
         if self.netsim is not None:
             s = self.netsim.stats()
             status.append(f"   wire up {s.up_bytes:,} B  down {s.down_bytes:,} B  link {s.state}", "dim")
@@ -147,13 +167,23 @@ class LiveView:
         t.add_column(style="dim")
         t.add_column(justify="right")
         n_off = result.tags.count("offline")
-        rows = [("tokens", len(result.token_ids)), ("verified", len(result.token_ids) - n_off),
-                ("offline, unverified", n_off), ("offline drafted", s.offline_tokens), ("retracted", s.retracted),
-                ("rounds", s.rounds), ("tau", f"{s.tau:.2f}"), ("outages", s.outages), ("resyncs", s.resyncs),
-                ("rebuilt sessions", s.rebuilt), ("payload up / down", f"{s.bytes_up:,} / {s.bytes_down:,} B"),
-                ("time to first token", f"{1000 * s.ttft_from_start_s:.0f} ms"),
-                ("... after pairing", f"{1000 * s.ttft_s:.0f} ms"), ("tokens/s", f"{s.tokens_per_s:.1f}"),
-                ("wall", f"{s.wall_s:.2f} s")]  # fmt: skip
+        rows = [
+            ("tokens", len(result.token_ids)),
+            ("verified", len(result.token_ids) - n_off),
+            ("offline, unverified", n_off),
+            ("offline drafted", s.offline_tokens),
+            ("retracted", s.retracted),
+            ("rounds", s.rounds),
+            ("tau", f"{s.tau:.2f}"),
+            ("outages", s.outages),
+            ("resyncs", s.resyncs),
+            ("rebuilt sessions", s.rebuilt),
+            ("payload up / down", f"{s.bytes_up:,} / {s.bytes_down:,} B"),
+            ("time to first token", f"{1000 * s.ttft_from_start_s:.0f} ms"),
+            ("... after pairing", f"{1000 * s.ttft_s:.0f} ms"),
+            ("tokens/s", f"{s.tokens_per_s:.1f}"),
+            ("wall", f"{s.wall_s:.2f} s"),
+        ]
         if s.server_only:
             rows[3:10] = [("decoded by", "the server alone (server-only: no drafter)")]
         if s.stopped:
@@ -171,8 +201,9 @@ class PlainStream:
     """Text to stdout as it is produced; the link's state changes (one line each) and retractions as notes on
     stderr."""
 
-    def __init__(self, tokenizer: Tokenizer, *, out=None, err=None, context: Sequence[int] = (),
-                 hidden: Collection[int] = ()):  # fmt: skip
+    def __init__(
+        self, tokenizer: Tokenizer, *, out=None, err=None, context: Sequence[int] = (), hidden: Collection[int] = ()
+    ):
         self.tok, self.hidden = tokenizer, frozenset(hidden)
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.text = tokenizer.detokenizer(context=context)
@@ -229,9 +260,15 @@ class Connecting:
             self.console.print(Text(e.detail, style="dim"))
         elif e.kind == "download" and self.bar:
             if self.progress is None:
-                self.progress = Progress(TextColumn("client part"), BarColumn(), DownloadColumn(),
-                                         TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
-                                         transient=False)  # fmt: skip
+                self.progress = Progress(
+                    TextColumn("client part"),
+                    BarColumn(),
+                    DownloadColumn(),
+                    TransferSpeedColumn(),
+                    TimeRemainingColumn(),
+                    console=self.console,
+                    transient=False,
+                )
                 self.task = self.progress.add_task("download", total=e.total)
                 self.progress.start()
             self.progress.update(self.task, completed=e.count, total=e.total)

@@ -42,8 +42,9 @@ def _logprob(value: float) -> float:
     return min(float(value), 0.0)
 
 
-def server_logprobs(entries: Sequence[pb.TokenLogprob], tokens: Sequence[int], top: int,
-                    vocab: int) -> list[TokenLogprobs] | None:  # fmt: skip
+def server_logprobs(
+    entries: Sequence[pb.TokenLogprob], tokens: Sequence[int], top: int, vocab: int
+) -> list[TokenLogprobs] | None:
     """See the module docstring."""
     if not entries:
         return None

@@ -26,9 +26,13 @@ class LogConfig:
 
 
 def add_log_args(parser: argparse.ArgumentParser, default: str = LogConfig.log_level) -> None:
-    parser.add_argument("--log-level", choices=LEVELS, default=default,
-                        help="the least severe log records written to stderr; debug adds gRPC's own text of each "
-                             "failure (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default=default,
+        help="the least severe log records written to stderr; debug adds gRPC's own text of each "
+        "failure (default: %(default)s)",
+    )
 
 
 def configure(cfg: LogConfig) -> None:

@@ -74,8 +74,11 @@ class RunLimits:
         fp32) a few times over, beside its matrices widened to fp32 and pre-packed once."""
         shapes, heads = description["shapes"], description["drafter_config"]["n_heads"]
         scores = heads * shapes["max_seq_len"] ** 2 * 4
-        weights = sum(math.prod(shape) for g in description["graphs"].values()
-                      for shape in g.get("weights", {}).get("tensors", {}).values())  # fmt: skip
+        weights = sum(
+            math.prod(shape)
+            for g in description["graphs"].values()
+            for shape in g.get("weights", {}).get("tensors", {}).values()
+        )
         return cls(memory_bytes=max(DEFAULT_MEMORY_BYTES, 4 * scores + 8 * weights))
 
 

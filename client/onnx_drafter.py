@@ -159,8 +159,15 @@ class OnnxDrafter(DraftLoop):
         return self.backend.tree_width
 
     @classmethod
-    def load(cls, path: str | Path, *, threads: int = 1, check_hashes: bool = True, tree_width: int = 0,
-             limits: RunLimits | None = None) -> OnnxDrafter:  # fmt: skip
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        threads: int = 1,
+        check_hashes: bool = True,
+        tree_width: int = 0,
+        limits: RunLimits | None = None,
+    ) -> OnnxDrafter:
         path = Path(path)
         f = path / MANIFEST
         if not f.exists():
@@ -168,8 +175,14 @@ class OnnxDrafter(DraftLoop):
         manifest = json.loads(f.read_text())
         names = [g["file"] for g in manifest.get("graphs", {}).values()]
         names += [g["weights"]["file"] for g in manifest.get("graphs", {}).values() if "weights" in g]
-        return cls.from_files(manifest, {name: path / name for name in names}, threads=threads,
-                              check_hashes=check_hashes, tree_width=tree_width, limits=limits)  # fmt: skip
+        return cls.from_files(
+            manifest,
+            {name: path / name for name in names},
+            threads=threads,
+            check_hashes=check_hashes,
+            tree_width=tree_width,
+            limits=limits,
+        )
 
     @classmethod
     def from_files(

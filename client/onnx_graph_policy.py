@@ -79,8 +79,17 @@ class GraphLimits:
     def of(cls, cfg: ModelConfig, dcfg: DrafterConfig) -> GraphLimits:
         """The bounds the paired configs imply: no axis longer than the largest size they name, no tensor larger
         than a matrix of that many rows of the model's width (the embeddings: vocabulary x dim)."""
-        sizes = (cfg.vocab_size, cfg.dim, cfg.ffn_dim, cfg.max_seq_len, cfg.n_heads * cfg.head_dim, dcfg.ffn_dim,
-                 dcfg.lsa_ffn_dim, dcfg.eagle_ffn_dim, dcfg.n_heads * dcfg.head_dim)  # fmt: skip
+        sizes = (
+            cfg.vocab_size,
+            cfg.dim,
+            cfg.ffn_dim,
+            cfg.max_seq_len,
+            cfg.n_heads * cfg.head_dim,
+            dcfg.ffn_dim,
+            dcfg.lsa_ffn_dim,
+            dcfg.eagle_ffn_dim,
+            dcfg.n_heads * dcfg.head_dim,
+        )
         max_dim = max(sizes)
         return cls(max_dim=max_dim, max_elements=max_dim * max(cfg.dim, cfg.head_dim, dcfg.head_dim))
 
@@ -99,14 +108,18 @@ def check_graph(graph: bytes, limits: GraphLimits, external: Mapping[str, Sequen
     model.DiscardUnknownFields()
     need(model.ByteSize() == size, "it holds fields onnx.proto does not define")
     need(model.ir_version in IR_VERSIONS, f"IR version {model.ir_version} is not one the exporter writes")
-    need(not (model.functions or model.training_info or model.configuration), "it holds model-local functions "
-         "or training or device information")  # fmt: skip
+    need(
+        not (model.functions or model.training_info or model.configuration),
+        "it holds model-local functions or training or device information",
+    )
     for op in model.opset_import:
         need(op.domain in DEFAULT_DOMAINS, f"it imports operator domain {op.domain[:40]!r}")
         need(op.version in OPSETS, f"opset {op.version} is outside {OPSETS.start}..{OPSETS.stop - 1}")
     g = model.graph
-    need(not (g.sparse_initializer or g.quantization_annotation), "it holds sparse initializers or quantization "
-         "annotations")  # fmt: skip
+    need(
+        not (g.sparse_initializer or g.quantization_annotation),
+        "it holds sparse initializers or quantization annotations",
+    )
     need(len(g.node) <= MAX_NODES, f"{len(g.node)} nodes, over {MAX_NODES}")
     constants: dict[str, np.ndarray] = {}
     for t in g.initializer:
@@ -151,8 +164,10 @@ def _check_tensor(t, limits: GraphLimits, external: Mapping[str, Sequence[int]],
     need(not t.HasField("segment") and not t.string_data, f"{where} is segmented or holds strings")
     count = _check_dims(t.dims, limits, where)
     if t.data_location == ONNX_EXTERNAL:
-        need(list(external.get(t.name, ())) == list(t.dims) and t.name in external,
-             f"{where} is external data the description does not list with that shape")  # fmt: skip
+        need(
+            list(external.get(t.name, ())) == list(t.dims) and t.name in external,
+            f"{where} is external data the description does not list with that shape",
+        )
         need(not t.raw_data and not _typed_values(t), f"{where} is external and holds data too")
         return
     need(t.data_location == 0, f"{where} has data location {t.data_location}")
@@ -190,10 +205,14 @@ def _check_attribute(node, a, limits: GraphLimits, where: str) -> None:
     held = [f for f in _SINGLE_FORBIDDEN if a.HasField(f)] + [f for f in _REPEATED_FORBIDDEN if len(getattr(a, f))]
     if held:
         raise GraphRefused(f"{where} holds {held[0]} (a subgraph, sparse tensor, type or function reference)")
-    need(max(len(a.ints), len(a.floats), len(a.strings), len(a.tensors)) <= MAX_ATTRIBUTE_ITEMS,
-         f"{where} holds over {MAX_ATTRIBUTE_ITEMS} values")  # fmt: skip
-    need(len(a.s) <= MAX_ATTRIBUTE_STRING and all(len(s) <= MAX_ATTRIBUTE_STRING for s in a.strings),
-         f"{where} holds a string over {MAX_ATTRIBUTE_STRING} bytes")  # fmt: skip
+    need(
+        max(len(a.ints), len(a.floats), len(a.strings), len(a.tensors)) <= MAX_ATTRIBUTE_ITEMS,
+        f"{where} holds over {MAX_ATTRIBUTE_ITEMS} values",
+    )
+    need(
+        len(a.s) <= MAX_ATTRIBUTE_STRING and all(len(s) <= MAX_ATTRIBUTE_STRING for s in a.strings),
+        f"{where} holds a string over {MAX_ATTRIBUTE_STRING} bytes",
+    )
     if a.HasField("t"):
         _check_tensor(a.t, limits, {}, where)
     for t in a.tensors:

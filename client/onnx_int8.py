@@ -65,8 +65,9 @@ def int8_matmuls(
     g = model.graph
     taken = {t.name for t in g.initializer}
     int8 = {name for name, (q, scale) in stored.items() if scale is not None and q.ndim == 2}
-    of_weight = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Transpose" and n.input[0] in int8
-                 and _transposed_2d(n)}  # fmt: skip
+    of_weight = {
+        n.output[0]: n.input[0] for n in g.node if n.op_type == "Transpose" and n.input[0] in int8 and _transposed_2d(n)
+    }
     quantized: set[str] = set()
     for n in g.node:
         if n.op_type != "MatMul" or n.domain or n.input[1] not in of_weight:

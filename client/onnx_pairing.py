@@ -106,8 +106,11 @@ def fetch_onnx_part(
     cfg, dcfg = check_model_info(info)
     fmt = FORMATS[precision]
     if fmt not in info.client_part_formats:
-        raise PairingError(Problem.MODEL_INFO, f"the server does not offer the ONNX client part in {precision} "
-                           "(a server older than this client streams tensors only)")  # fmt: skip
+        raise PairingError(
+            Problem.MODEL_INFO,
+            f"the server does not offer the ONNX client part in {precision} "
+            "(a server older than this client streams tensors only)",
+        )
     cache = WeightCache(Path(cache_dir).expanduser())
     req, man = request_manifest(stub, info, fmt, metadata=metadata, timeout_s=timeout_s)
     entries = manifest_entries(man)
@@ -124,8 +127,9 @@ def fetch_onnx_part(
     except ValueError as e:
         raise PairingError(Problem.MANIFEST, f"the ONNX part does not load: {str(e)[:300]}") from None
     except Exception as e:  # onnxruntime raises its own types on a graph it refuses
-        raise PairingError(Problem.MANIFEST, f"onnxruntime refuses the ONNX part: {type(e).__name__}: "
-                           f"{str(e)[:300]}") from None  # fmt: skip
+        raise PairingError(
+            Problem.MANIFEST, f"onnxruntime refuses the ONNX part: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
     return OnnxClientPart(drafter, tokenizer, sum(e.nbytes for e in entries))
 
 
@@ -172,13 +176,19 @@ def check_description(
     need(isinstance(graphs, dict) and graphs.keys() == io.keys(), f"the graphs are not {', '.join(io)}")
     for name, g in graphs.items():
         need(isinstance(g, dict), f"graph {name!r} is not an object")
-        need(g.get("file") == f"{name}.onnx" and g.get("sha256") == entries[f"{name}.onnx"].sha256,
-             f"graph {name!r} names another file than {name}.onnx")  # fmt: skip
+        need(
+            g.get("file") == f"{name}.onnx" and g.get("sha256") == entries[f"{name}.onnx"].sha256,
+            f"graph {name!r} names another file than {name}.onnx",
+        )
         need([g.get("inputs"), g.get("outputs")] == list(io[name]), f"graph {name!r} breaks the graph contract")
         w = g.get("weights")
-        need(isinstance(w, dict) and w.get("file") == f"{name}.safetensors" and w.get("precision") == precision
-             and w.get("sha256") == entries[f"{name}.safetensors"].sha256,
-             f"graph {name!r}'s weights are not {name}.safetensors in {precision}")  # fmt: skip
+        need(
+            isinstance(w, dict)
+            and w.get("file") == f"{name}.safetensors"
+            and w.get("precision") == precision
+            and w.get("sha256") == entries[f"{name}.safetensors"].sha256,
+            f"graph {name!r}'s weights are not {name}.safetensors in {precision}",
+        )
         stored = _stored_bytes(w.get("tensors"), precision, need)
         need(stored <= entries[f"{name}.safetensors"].nbytes, f"graph {name!r}'s weights do not fit their file")
 

@@ -226,13 +226,18 @@ def check_onnx_manifest(entries: list[TensorEntry], kind: str, *, max_bytes: int
     names = [e.name for e in entries]
     if sorted(names) != sorted(onnx_entries(kind)):
         extra = [n[:80] for n in sorted(set(names) - set(onnx_entries(kind)))[:3]]
-        raise ServerDataError(Problem.MANIFEST, f"the ONNX part's entries are {len(names)} files, unknown: {extra}; "
-                              f"a {kind} drafter's are {', '.join(onnx_entries(kind))}")  # fmt: skip
+        raise ServerDataError(
+            Problem.MANIFEST,
+            f"the ONNX part's entries are {len(names)} files, unknown: {extra}; "
+            f"a {kind} drafter's are {', '.join(onnx_entries(kind))}",
+        )
     limits = {ONNX_MANIFEST: MAX_DESCRIPTION_BYTES, TOKENIZER_TENSOR: MAX_TOKENIZER_BYTES}
     for e in entries:
         if e.dtype != "uint8" or e.shape != (e.nbytes,) or e.nbytes < 1:
-            raise ServerDataError(Problem.MANIFEST, f"entry {e.name!r} must be uint8 bytes, not {e.dtype[:40]!r} "
-                                  f"{list(e.shape)[:4]} of {e.nbytes} bytes")  # fmt: skip
+            raise ServerDataError(
+                Problem.MANIFEST,
+                f"entry {e.name!r} must be uint8 bytes, not {e.dtype[:40]!r} {list(e.shape)[:4]} of {e.nbytes} bytes",
+            )
         if e.nbytes > limits.get(e.name, max_bytes):
             raise ServerDataError(Problem.WEIGHT_SIZE, f"entry {e.name!r} is {e.nbytes} bytes, over its limit")
         _check_key(e)
@@ -260,8 +265,9 @@ def served_eos_ids(info: pb.ModelInfo) -> tuple[int, ...]:
     older than both (the tokenizer's own are taken then). PairingError past MAX_EOS_IDS; the vocabulary is the
     tokenizer's to check."""
     if len(info.eos_ids) > MAX_EOS_IDS:
-        raise PairingError(Problem.MODEL_INFO, f"{len(info.eos_ids)} end-of-text ids, more than the {MAX_EOS_IDS} "
-                           "a model has")  # fmt: skip
+        raise PairingError(
+            Problem.MODEL_INFO, f"{len(info.eos_ids)} end-of-text ids, more than the {MAX_EOS_IDS} a model has"
+        )
     return tuple(dict.fromkeys([*([info.eos_id] if info.HasField("eos_id") else []), *info.eos_ids]))
 
 
@@ -270,8 +276,9 @@ def served_tokenizer(text: str, info: pb.ModelInfo) -> Tokenizer:
     in the vocabulary: ValueError otherwise; the tokenizer's own from an older server) and its clean-up of
     tokenization spaces. Does not check the hash."""
     ids = served_eos_ids(info)
-    return Tokenizer.from_json(text, eos_id=ids[0] if ids else None, eos_ids=ids,
-                               clean_up_spaces=info.clean_up_tokenization_spaces)  # fmt: skip
+    return Tokenizer.from_json(
+        text, eos_id=ids[0] if ids else None, eos_ids=ids, clean_up_spaces=info.clean_up_tokenization_spaces
+    )
 
 
 def check_tokenizer(data: bytes, info: pb.ModelInfo) -> Tokenizer:

@@ -52,9 +52,19 @@ from tether.v1 import tether_pb2 as pb
 class Resync:
     """The session's offline steps and resyncs over its text, link and output (see the module docstring)."""
 
-    def __init__(self, cfg: ClientConfig, text: SessionText, link: ServerLink, output: SessionOutput,
-                 check: ReplyCheck, drafter: DeltaGate, rounds: Rounds, *, controls: SamplingControls,
-                 rng: Any):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        text: SessionText,
+        link: ServerLink,
+        output: SessionOutput,
+        check: ReplyCheck,
+        drafter: DeltaGate,
+        rounds: Rounds,
+        *,
+        controls: SamplingControls,
+        rng: Any,
+    ):
         """rng: the random stream offline tokens are sampled from."""
         self.cfg, self.text, self.link, self.output, self.check = cfg, text, link, output, check
         self.drafter, self.rounds, self.controls, self.rng = drafter, rounds, controls, rng
@@ -105,9 +115,17 @@ class Resync:
         logprobs = self.output.logprobs
         seen: list[np.ndarray] = []  # its logits [V], when logprobs are reported: the target never scores it
         processing = self.controls.processing(text.sequence, len(text.prompt), self.check.vocab_size)
-        tokens, _, _ = self.drafter.draft(text.sequence[-1], 1, temperature=cfg.temperature, top_p=cfg.top_p,
-                                          top_k=cfg.top_k, generator=self.rng, min_p=cfg.min_p, processing=processing,
-                                          logits_seen=None if logprobs is None else seen.append)  # fmt: skip
+        tokens, _, _ = self.drafter.draft(
+            text.sequence[-1],
+            1,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            generator=self.rng,
+            min_p=cfg.min_p,
+            processing=processing,
+            logits_seen=None if logprobs is None else seen.append,
+        )
         self.offline_run += 1
         self.output.stats.offline_tokens += 1
         reported = None if logprobs is None else [drafter_logprobs(seen[0], tokens[0], logprobs, cfg)]
@@ -175,10 +193,16 @@ class Resync:
         cfg, link, stats = self.cfg, self.link, self.output.stats
         V = self.text.verified
         rewind = cfg.policy == "rewind" and not self._absorbing()
-        req = pb.ResyncRequest(session_id=link.session_id, resume_token=link.resume_token, verified_length=V,
-                               offline_tokens=piece, sampling=sampling_params(cfg, link.info, self.output.logprobs),
-                               delta_codec=CODECS[cfg.codec], model_fingerprint=link.info.model_fingerprint,
-                               rewind=rewind)  # fmt: skip
+        req = pb.ResyncRequest(
+            session_id=link.session_id,
+            resume_token=link.resume_token,
+            verified_length=V,
+            offline_tokens=piece,
+            sampling=sampling_params(cfg, link.info, self.output.logprobs),
+            delta_codec=CODECS[cfg.codec],
+            model_fingerprint=link.info.model_fingerprint,
+            rewind=rewind,
+        )
         try:
             reply = link.stub.Resync(req, metadata=link.metadata, timeout=cfg.connect_timeout_s)
         except grpc.RpcError as e:

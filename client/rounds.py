@@ -147,16 +147,30 @@ def check_verdict(reply: pb.ServerMessage, sent: Drafted, check: ReplyCheck) -> 
     else:
         if len(path) == v.accepted:
             return v, path
-    raise check.refused(Problem.VERDICT, f"round {number}: its verdict's path is not {v.accepted} nodes of the "
-                                         "tree sent, each a child of the one before")  # fmt: skip
+    raise check.refused(
+        Problem.VERDICT,
+        f"round {number}: its verdict's path is not {v.accepted} nodes of the "
+        "tree sent, each a child of the one before",
+    )
 
 
 class Rounds:
     """The session's ONLINE rounds over its text, link and output (see the module docstring)."""
 
-    def __init__(self, cfg: ClientConfig, text: SessionText, link: ServerLink, output: SessionOutput,
-                 check: ReplyCheck, drafter: DeltaGate, *, controls: SamplingControls, limits: Limits,
-                 streams: Callable[[int], Any], stopping: threading.Event):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        text: SessionText,
+        link: ServerLink,
+        output: SessionOutput,
+        check: ReplyCheck,
+        drafter: DeltaGate,
+        *,
+        controls: SamplingControls,
+        limits: Limits,
+        streams: Callable[[int], Any],
+        stopping: threading.Event,
+    ):
         """streams(n): the random stream the session's n-th online draft samples from; stopping: set by stop()."""
         self.cfg, self.text, self.link, self.output, self.check = cfg, text, link, output, check
         self.drafter, self.controls, self.limits = drafter, controls, limits
@@ -191,17 +205,26 @@ class Rounds:
         cfg, root, proc = self.cfg, context[-1], self._processing(context)
         t0 = time.monotonic()
         if shape.tree:
-            tree = self.drafter.draft_tree(root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1,
-                                           processing=proc)  # fmt: skip
+            tree = self.drafter.draft_tree(
+                root, depth=shape.k, top_k=shape.top_k, total_tokens=shape.nodes + 1, processing=proc
+            )
             tokens, parents = [int(t) for t in tree.tokens][1:], [int(p) for p in tree.parents][1:]
             msg = pb.DraftRound(round=number, root=root, tokens=tokens, parents=parents)
             d = Drafted(msg, parents, shape.chain_k, fed=0, main=main_branch(parents), proc=proc)
         else:  # a tree's nodes are top-k picks, which draw nothing: only chains take a stream
             rng = self.streams(self._drafts_started) if cfg.temperature > 0 else None
             self._drafts_started += 1
-            drafts, q_ids, q_probs = self.drafter.draft(root, shape.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                                                        top_k=cfg.top_k, stop=stop, generator=rng, min_p=cfg.min_p,
-                                                        processing=proc)  # fmt: skip
+            drafts, q_ids, q_probs = self.drafter.draft(
+                root,
+                shape.k,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                stop=stop,
+                generator=rng,
+                min_p=cfg.min_p,
+                processing=proc,
+            )
             msg = pb.DraftRound(round=number, root=root)
             d = Drafted(msg, None, shape.chain_k, fed=0, short=shape.k, rng=rng, proc=proc)
             self._extend(d, drafts, q_ids, q_probs)
@@ -222,9 +245,16 @@ class Rounds:
         """Complete a chain cut short: the same tokens and draws as if it had never stopped."""
         t0, cfg = time.monotonic(), self.cfg
         proc = None if d.proc is None else d.proc.after(list(d.msg.tokens))  # the position after the last draft
-        drafts, q_ids, q_probs = self.drafter.draft(d.msg.tokens[-1], d.short, temperature=cfg.temperature,
-                                                    top_p=cfg.top_p, top_k=cfg.top_k, generator=d.rng, min_p=cfg.min_p,
-                                                    processing=proc)  # fmt: skip
+        drafts, q_ids, q_probs = self.drafter.draft(
+            d.msg.tokens[-1],
+            d.short,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            generator=d.rng,
+            min_p=cfg.min_p,
+            processing=proc,
+        )
         self._extend(d, drafts, q_ids, q_probs)
         self.measured.drafted(time.monotonic() - t0, len(drafts))
 

@@ -38,8 +38,14 @@ class ServerLink:
     def __init__(self, cfg: ClientConfig):
         self.cfg = cfg
         self.affinity = secrets.token_hex(8)
-        self.replicas = Replicas(cfg.server, int(self.affinity, 16), keepalive_s=cfg.keepalive_s, tls_ca=cfg.tls_ca,
-                                 tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)  # fmt: skip
+        self.replicas = Replicas(
+            cfg.server,
+            int(self.affinity, 16),
+            keepalive_s=cfg.keepalive_s,
+            tls_ca=cfg.tls_ca,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+        )
         auth = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
         self.metadata = (*auth, (AFFINITY_HEADER, self.affinity))
         self.info: pb.ModelInfo | None = None  # GetModelInfo's answer (model_info())
@@ -55,11 +61,18 @@ class ServerLink:
         if self.info is None:
 
             def ask() -> pb.ModelInfo:
-                return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata,
-                                              timeout=max(0.1, deadline - time.monotonic()))  # fmt: skip
+                return self.stub.GetModelInfo(
+                    pb.GetModelInfoRequest(), metadata=self.metadata, timeout=max(0.1, deadline - time.monotonic())
+                )
 
-            self.info = first_contact(ask, backoff, address=self.replicas.address, tls=bool(self.cfg.tls_ca),
-                                      deadline=deadline, on_wait=on_wait)  # fmt: skip
+            self.info = first_contact(
+                ask,
+                backoff,
+                address=self.replicas.address,
+                tls=bool(self.cfg.tls_ca),
+                deadline=deadline,
+                on_wait=on_wait,
+            )
         return self.info
 
     def hold(self, session_id: str, resume_token: str) -> None:

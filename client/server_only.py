@@ -103,34 +103,44 @@ def fetch_tokenizer(
 ) -> Tokenizer:
     """The server's tokenizer, from the cache or streamed; see the module docstring."""
     if not is_sha256(info.tokenizer_sha256):
-        raise ServerDataError(Problem.CACHE_KEY, f"tokenizer_sha256 {info.tokenizer_sha256[:80]!r} is not 64 "
-                              "lowercase hex digits")  # fmt: skip
+        raise ServerDataError(
+            Problem.CACHE_KEY, f"tokenizer_sha256 {info.tokenizer_sha256[:80]!r} is not 64 lowercase hex digits"
+        )
     if not 0 < len(info.model_fingerprint) <= MAX_FINGERPRINT_CHARS:
-        raise ServerDataError(Problem.MODEL_INFO, f"model_fingerprint must hold 1 to {MAX_FINGERPRINT_CHARS} "
-                              "characters")  # fmt: skip
+        raise ServerDataError(
+            Problem.MODEL_INFO, f"model_fingerprint must hold 1 to {MAX_FINGERPRINT_CHARS} characters"
+        )
     cache = WeightCache(Path(cache_dir).expanduser())
     held = cache.find(info.tokenizer_sha256)
     if held is not None:  # verified when it was written; check_tokenizer hashes it again
         return check_tokenizer(held.read_bytes(), info)
     if pb.CLIENT_PART_TOKENIZER not in info.client_part_formats:
-        raise FormatNotOffered("the server does not stream its tokenizer (a server older than this client): give "
-                               "the model's with --tokenizer PATH (its tokenizer.json or directory)")  # fmt: skip
+        raise FormatNotOffered(
+            "the server does not stream its tokenizer (a server older than this client): give "
+            "the model's with --tokenizer PATH (its tokenizer.json or directory)"
+        )
     req, man = request_manifest(stub, info, pb.CLIENT_PART_TOKENIZER, metadata=metadata, timeout_s=timeout_s)
     entries = manifest_entries(man)
     if [e.name for e in entries] != [TOKENIZER_TENSOR]:
-        raise PairingError(Problem.MANIFEST, f"the tokenizer part must hold {TOKENIZER_TENSOR} alone, not "
-                           f"{len(entries)} entries")  # fmt: skip
+        raise PairingError(
+            Problem.MANIFEST, f"the tokenizer part must hold {TOKENIZER_TENSOR} alone, not {len(entries)} entries"
+        )
     entry = entries[0]
     if entry.dtype != "uint8" or entry.shape != (entry.nbytes,) or entry.nbytes < 1:
-        raise PairingError(Problem.MANIFEST, f"{TOKENIZER_TENSOR} must be uint8 bytes, not {entry.dtype[:40]!r} "
-                           f"{list(entry.shape)[:4]} of {entry.nbytes} bytes")  # fmt: skip
+        raise PairingError(
+            Problem.MANIFEST,
+            f"{TOKENIZER_TENSOR} must be uint8 bytes, not {entry.dtype[:40]!r} "
+            f"{list(entry.shape)[:4]} of {entry.nbytes} bytes",
+        )
     limit = min(MAX_STREAMED_BYTES, max_bytes)
     if entry.nbytes > limit:
-        raise PairingError(Problem.WEIGHT_SIZE, f"the tokenizer is {entry.nbytes} bytes, over the client's limit of "
-                           f"{limit}")  # fmt: skip
+        raise PairingError(
+            Problem.WEIGHT_SIZE, f"the tokenizer is {entry.nbytes} bytes, over the client's limit of {limit}"
+        )
     if entry.sha256 != info.tokenizer_sha256:
-        raise PairingError(Problem.TOKENIZER, "the tokenizer offered is not the one the server's model info names "
-                           "(its sha256 differs)")  # fmt: skip
+        raise PairingError(
+            Problem.TOKENIZER, "the tokenizer offered is not the one the server's model info names (its sha256 differs)"
+        )
     download(stub, req, man, entries, cache, metadata=metadata, timeout_s=timeout_s, on_progress=on_progress)
     return check_tokenizer(cache.blob(entry).read_bytes(), info)
 
@@ -147,8 +157,14 @@ def server_tokenizer(session: Connected, override: str | Path = "") -> Tokenizer
         session.on_event(Event("download", count=done, total=total))
 
     def fetch() -> Tokenizer:
-        return fetch_tokenizer(link.stub, info, cfg.cache_dir, metadata=link.metadata,
-                               max_bytes=cfg.max_weights_mb << 20, on_progress=progress)  # fmt: skip
+        return fetch_tokenizer(
+            link.stub,
+            info,
+            cfg.cache_dir,
+            metadata=link.metadata,
+            max_bytes=cfg.max_weights_mb << 20,
+            on_progress=progress,
+        )
 
     def interrupted(e: Exception) -> None:
         session.on_event(Event("info", detail=f"tokenizer download interrupted ({e}); resuming"))
@@ -169,17 +185,27 @@ def load_tokenizer(path: str | Path, info: pb.ModelInfo) -> Tokenizer:
     except Exception as e:  # the tokenizers library raises its own types on text it cannot read
         raise ValueError(f"--tokenizer {file} does not parse: {str(e)[:200]}") from None
     if tokenizer.sha256 != info.tokenizer_sha256:
-        raise ValueError(f"--tokenizer {file} is not the server's tokenizer (its hash differs): give the tokenizer "
-                         f"of the model the server runs ({info.model_id or 'see tether-server serve'})")  # fmt: skip
+        raise ValueError(
+            f"--tokenizer {file} is not the server's tokenizer (its hash differs): give the tokenizer "
+            f"of the model the server runs ({info.model_id or 'see tether-server serve'})"
+        )
     return tokenizer
 
 
 class ServerOnlySession:
     """Generate calls on a channel the caller owns; see the module docstring."""
 
-    def __init__(self, stub, metadata: tuple, cfg: ClientConfig, info: pb.ModelInfo, tokenizer: Tokenizer,
-                 on_event: Callable[[Event], None] | None = None,
-                 stop_ids: Collection[int] | None = None, started_at: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        stub,
+        metadata: tuple,
+        cfg: ClientConfig,
+        info: pb.ModelInfo,
+        tokenizer: Tokenizer,
+        on_event: Callable[[Event], None] | None = None,
+        stop_ids: Collection[int] | None = None,
+        started_at: float | None = None,
+    ):
         self.started_at = started_at  # when the command began (Stats.ttft_from_start_s); None: at the request
         self.stub, self.metadata, self.cfg, self.info, self.tokenizer = stub, metadata, cfg, info, tokenizer
         self.on_event = on_event or (lambda e: None)
@@ -206,8 +232,12 @@ class ServerOnlySession:
         self.stats = stats = Stats(server_only=True)
         self._set_state(State.CONNECTING)
         sampling = sampling_params(cfg, self.info)
-        req = pb.OpenSession(prompt=prompt, max_new_tokens=cfg.max_new_tokens, sampling=sampling,
-                             model_fingerprint=self.info.model_fingerprint)  # fmt: skip
+        req = pb.OpenSession(
+            prompt=prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=sampling,
+            model_fingerprint=self.info.model_fingerprint,
+        )
         stats.bytes_up += 4 * len(prompt)
         t0 = time.monotonic()
         tokens: list[int] = []

@@ -106,9 +106,15 @@ log = logging.getLogger("tether.client")
 class EdgeSession:
     """One generation (a chat's turns too) over its text, link, output and parts. See the module docstring."""
 
-    def __init__(self, cfg: ClientConfig, on_event: Callable[[Event], None] | None = None, *,
-                 paired: Paired | None = None, connect_attempts: int = 0,
-                 started_at: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        on_event: Callable[[Event], None] | None = None,
+        *,
+        paired: Paired | None = None,
+        connect_attempts: int = 0,
+        started_at: float | None = None,
+    ):
         """paired: a pairing made before (one per edge endpoint, tether.client.edge_api), used instead of pairing
         again; its drafter must be this session's own. connect_attempts: tries at opening the session before run()
         raises what failed (0: until the server refuses for good). started_at: when the command began
@@ -208,8 +214,17 @@ class EdgeSession:
         text, link = self.text, self.link
         if not self.cfg.session_file or len(text.sequence) <= text.verified:
             return
-        record = SessionRecord(self.cfg.server, link.info.model_fingerprint, link.session_id, link.resume_token,
-                               text.prompt, text.tokens, text.tags, text.verified, done)  # fmt: skip
+        record = SessionRecord(
+            self.cfg.server,
+            link.info.model_fingerprint,
+            link.session_id,
+            link.resume_token,
+            text.prompt,
+            text.tokens,
+            text.tags,
+            text.verified,
+            done,
+        )
         save_record(self.cfg.session_file, record)
 
     def _restore(self, record: SessionRecord) -> None:
@@ -224,9 +239,13 @@ class EdgeSession:
         # Under a penalty the server must count the generated text as generated, which an open over it would not:
         # it opens over the prompt alone, and the resync absorbs the text verified before whatever the policy.
         history = text.prompt if self.controls.penalised else text.sequence[: record.verified]
-        open_ = pb.OpenSession(prompt=history, sampling=self._sampling(), max_new_tokens=self.cfg.max_new_tokens,
-                               delta_codec=CODECS[self.cfg.codec],
-                               model_fingerprint=link.info.model_fingerprint)  # fmt: skip
+        open_ = pb.OpenSession(
+            prompt=history,
+            sampling=self._sampling(),
+            max_new_tokens=self.cfg.max_new_tokens,
+            delta_codec=CODECS[self.cfg.codec],
+            model_fingerprint=link.info.model_fingerprint,
+        )
         self.output.stats.bytes_up += 4 * len(history)
         o = self._opened(stream.request(pb.ClientMessage(open=open_), self.cfg.connect_timeout_s), len(history))
         link.hold(o.session_id, o.resume_token)
@@ -255,14 +274,19 @@ class EdgeSession:
 
         info = self.reuse.info if self.reuse is not None else self.model_info(deadline)
         if info.server_only:
-            raise ServerError(grpc.StatusCode.FAILED_PRECONDITION, f"{self.link.replicas.address} runs no drafter "
-                              "(server-only): stream from it with Generate", pb.REASON_NO_DRAFTER)  # fmt: skip
+            raise ServerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{self.link.replicas.address} runs no drafter (server-only): stream from it with Generate",
+                pb.REASON_NO_DRAFTER,
+            )
         model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
         check_controls(cfg, info, model_cfg.vocab_size)
         self.max_positions = model_cfg.max_seq_len
         if cfg.backend == "onnx" and FORMATS[cfg.precision] not in info.client_part_formats:
-            raise FormatNotOffered(f"{cfg.server} does not offer the ONNX client part in {cfg.precision} (a server "
-                                   "older than this client): pass --backend torch, or upgrade the server")  # fmt: skip
+            raise FormatNotOffered(
+                f"{cfg.server} does not offer the ONNX client part in {cfg.precision} (a server "
+                "older than this client): pass --backend torch, or upgrade the server"
+            )
 
         def interrupted(e: Exception) -> None:
             self.output.tell(Event("info", detail=f"weight download interrupted ({e}); resuming"))
@@ -276,14 +300,18 @@ class EdgeSession:
         self.check = ReplyCheck(self.output, layout.vocab_size)
         # Every delta the server sends is checked against this session before it is decoded: it may cover only
         # the client's own tokens after the verified ones (those it has, plus a round's accepted drafts).
-        self.drafter = DeltaGate(self.models.drafter, layout,
-                                 coverable=lambda start: self.text.sequence[start:] + self.rounds.accepted,
-                                 refuse=lambda message: self.check.refused(Problem.DELTA, message))  # fmt: skip
+        self.drafter = DeltaGate(
+            self.models.drafter,
+            layout,
+            coverable=lambda start: self.text.sequence[start:] + self.rounds.accepted,
+            refuse=lambda message: self.check.refused(Problem.DELTA, message),
+        )
         rng, streams = _draft_random(cfg)
         parts = (cfg, self.text, self.link, self.output, self.check)
         limits = Limits(model_cfg.max_seq_len, info.max_draft_tokens, info.max_tree_nodes)
-        self.rounds = Rounds(*parts, self.drafter, controls=self.controls, limits=limits, streams=streams,
-                             stopping=self._stopping)  # fmt: skip
+        self.rounds = Rounds(
+            *parts, self.drafter, controls=self.controls, limits=limits, streams=streams, stopping=self._stopping
+        )
         self.resync = Resync(*parts, self.drafter, self.rounds, controls=self.controls, rng=rng)
         self.online = OnlineModes(*parts, self.rounds, self.resync, controls=self.controls)
         return self.models
@@ -294,8 +322,13 @@ class EdgeSession:
         deadline = time.monotonic() + self.cfg.connect_timeout_s if deadline is None else deadline
 
         def waiting(hint) -> None:
-            self.output.tell(Event("info", detail=f"{hint.value} at {self.link.replicas.address} yet; waiting up "
-                                                  f"to {self.cfg.connect_timeout_s:g} s"))  # fmt: skip
+            self.output.tell(
+                Event(
+                    "info",
+                    detail=f"{hint.value} at {self.link.replicas.address} yet; waiting up "
+                    f"to {self.cfg.connect_timeout_s:g} s",
+                )
+            )
 
         return self.link.model_info(self.backoff.fresh(), deadline, waiting)
 
@@ -309,15 +342,29 @@ class EdgeSession:
             return self.reuse
         if cfg.backend == "onnx":
             tree_width = 0 if cfg.tree == "chain" else cfg.tree_top_k  # a chain-only client derives no tree session
-            part = fetch_onnx_part(link.stub, info, cfg.cache_dir, precision=cfg.precision, metadata=link.metadata,
-                                   max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress,
-                                   threads=cfg.threads, tree_width=tree_width)  # fmt: skip
+            part = fetch_onnx_part(
+                link.stub,
+                info,
+                cfg.cache_dir,
+                precision=cfg.precision,
+                metadata=link.metadata,
+                max_bytes=cfg.max_weights_mb << 20,
+                on_progress=self._progress,
+                threads=cfg.threads,
+                tree_width=tree_width,
+            )
             return Paired(info, part.tokenizer, part.drafter, part.nbytes)
         # The torch backend (kept to compare against) is the only part of the client that imports torch.
         from tether.client.pairing import build_client_models, fetch_client_part
 
-        tensors = fetch_client_part(link.stub, info, cfg.cache_dir, metadata=link.metadata,
-                                    max_bytes=cfg.max_weights_mb << 20, on_progress=self._progress)  # fmt: skip
+        tensors = fetch_client_part(
+            link.stub,
+            info,
+            cfg.cache_dir,
+            metadata=link.metadata,
+            max_bytes=cfg.max_weights_mb << 20,
+            on_progress=self._progress,
+        )
         models = build_client_models(info, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return Paired(info, models.tokenizer, models.drafter, nbytes)
@@ -326,9 +373,13 @@ class EdgeSession:
         cfg, text, link, output = self.cfg, self.text, self.link, self.output
         stream = link.new_stream()
         # A chat asks room for later turns too (the server caps it at its own limit; past that, turns rebuild).
-        open_ = pb.OpenSession(prompt=text.prompt, sampling=self._sampling(),
-                               max_new_tokens=cfg.max_new_tokens + self.reserve, delta_codec=CODECS[cfg.codec],
-                               model_fingerprint=link.info.model_fingerprint)  # fmt: skip
+        open_ = pb.OpenSession(
+            prompt=text.prompt,
+            sampling=self._sampling(),
+            max_new_tokens=cfg.max_new_tokens + self.reserve,
+            delta_codec=CODECS[cfg.codec],
+            model_fingerprint=link.info.model_fingerprint,
+        )
         output.stats.bytes_up += 4 * len(text.prompt)
         output.prompt_sent_at = time.monotonic()
         o = self._opened(stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s), len(text.prompt))
@@ -380,8 +431,10 @@ class EdgeSession:
         if self.models is None:
             raise RuntimeError("extend() continues a session that has run")
         if len(prompt) + 1 >= self.max_positions:
-            raise ValueError(f"the conversation ({len(prompt)} tokens) no longer fits the model's context of "
-                             f"{self.max_positions} tokens")  # fmt: skip
+            raise ValueError(
+                f"the conversation ({len(prompt)} tokens) no longer fits the model's context of "
+                f"{self.max_positions} tokens"
+            )
         V = self.text.verified
         room = len(prompt) + self.cfg.max_new_tokens + lookahead_rows(self.cfg) <= self.capacity
         # Under a penalty the server would count the new turn's tokens, absorbed, as generated, where a fresh
@@ -536,8 +589,10 @@ def _draft_random(cfg: ClientConfig) -> tuple[Any, Callable[[int], Any]]:
         return np.random.default_rng(draft_seed(cfg.seed)), lambda n: np.random.default_rng(draft_seed(cfg.seed, n))
     import torch
 
-    return (torch.Generator().manual_seed(draft_seed(cfg.seed)),
-            lambda n: torch.Generator().manual_seed(draft_seed(cfg.seed, n)))  # fmt: skip
+    return (
+        torch.Generator().manual_seed(draft_seed(cfg.seed)),
+        lambda n: torch.Generator().manual_seed(draft_seed(cfg.seed, n)),
+    )
 
 
 def generate(cfg: ClientConfig, prompt: list[int], on_event: Callable[[Event], None] | None = None) -> Result:

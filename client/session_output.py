@@ -29,8 +29,14 @@ from tether.shared.sampling import TokenLogprobs
 class SessionOutput:
     """The tokens, events, state and counters a session gives its caller; see the module docstring."""
 
-    def __init__(self, cfg: ClientConfig, text: SessionText, on_event: Callable[[Event], None] | None,
-                 started_at: float, save: Callable[[], None]):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        text: SessionText,
+        on_event: Callable[[Event], None] | None,
+        started_at: float,
+        save: Callable[[], None],
+    ):
         self.cfg, self.text, self.save = cfg, text, save
         self.on_event = on_event or (lambda e: None)
         self.stop_ids: frozenset[int] | None = None  # tokens that end a generation (pairing adds end-of-text)

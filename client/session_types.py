@@ -45,11 +45,28 @@ PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
 POLICIES = ("keep", "rewind")
 CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
 SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.round_plan)
-CHOICES = {"mode": MODES, "policy": POLICIES, "backend": BACKENDS, "precision": PRECISIONS, "codec": tuple(CODECS),
-           "tree": SHAPES}  # fmt: skip
+CHOICES = {
+    "mode": MODES,
+    "policy": POLICIES,
+    "backend": BACKENDS,
+    "precision": PRECISIONS,
+    "codec": tuple(CODECS),
+    "tree": SHAPES,
+}
 # The fields of the sampling rule (a request of the edge's HTTP API brings its own: tether.client.edge_serve).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "seed")  # fmt: skip
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+)
 
 
 class State(StrEnum):
@@ -119,9 +136,11 @@ class ClientConfig:
         if self.k < 0:
             raise ValueError(f"k must be at least 0, not {self.k}")
         if self.mode == "stream" and (self.presence_penalty or self.frequency_penalty):
-            raise ValueError("mode stream restarts the server's decoding over the text at each switch, which would "
-                             "count the text generated before as prompt: presence and frequency penalties need "
-                             "mode hybrid or auto")  # fmt: skip
+            raise ValueError(
+                "mode stream restarts the server's decoding over the text at each switch, which would "
+                "count the text generated before as prompt: presence and frequency penalties need "
+                "mode hybrid or auto"
+            )
         self.controls()
         if any(t < 0 for t in self.stop_token_ids):
             raise ControlError(
@@ -131,9 +150,16 @@ class ClientConfig:
     def controls(self) -> SamplingControls:
         """The sampling rule these settings ask for; ControlError (a ValueError naming the control) when one is
         out of its range."""
-        return SamplingControls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)  # fmt: skip
+        return SamplingControls(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+        )
 
 
 @dataclass

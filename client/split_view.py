@@ -54,10 +54,20 @@ MAX_WIDTH, MAX_HEIGHT = 80, 24  # one classic terminal
 STATUS_ROWS = 8  # link, header, state, tokens, outages, drafting, payload, log
 LINK_STYLE = {"up": "bold green", "cut": "bold red", "stalled": "bold magenta"}
 # What each state means in each pane, in a few words.
-HYBRID_STATES = {State.CONNECTING: "opening", State.ONLINE: "drafting, verified", State.OFFLINE: "drafting alone",
-                 State.RESYNCING: "resyncing", State.DONE: "done"}  # fmt: skip
-SERVER_STATES = {State.CONNECTING: "asking", State.ONLINE: "streaming", State.OFFLINE: "no text: link down",
-                 State.RESYNCING: "asking again", State.DONE: "done"}  # fmt: skip
+HYBRID_STATES = {
+    State.CONNECTING: "opening",
+    State.ONLINE: "drafting, verified",
+    State.OFFLINE: "drafting alone",
+    State.RESYNCING: "resyncing",
+    State.DONE: "done",
+}
+SERVER_STATES = {
+    State.CONNECTING: "asking",
+    State.ONLINE: "streaming",
+    State.OFFLINE: "no text: link down",
+    State.RESYNCING: "asking again",
+    State.DONE: "done",
+}
 # Control characters a model may write would move the cursor or restyle the terminal: each shows as one cell.
 _SHOWN = {c: "\ufffd" for c in (*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))}
 
@@ -122,8 +132,13 @@ class Pane:
         return out
 
     def panel(self, cells: int) -> Panel:
-        return Panel(_Tail(self.text(cells)), title=self.title, title_align="left", padding=(0, 1),
-                     border_style=STATE_STYLE[self.state])  # fmt: skip
+        return Panel(
+            _Tail(self.text(cells)),
+            title=self.title,
+            title_align="left",
+            padding=(0, 1),
+            border_style=STATE_STYLE[self.state],
+        )
 
 
 class _Tail:
@@ -238,8 +253,11 @@ class SplitView:
         table.add_row("", Text("hybrid", "bold"), Text("server-only", "bold"))
         table.add_row("state", *(self._state(p) for p in (h, s)))
         table.add_row("tokens", *(self._tokens(p) for p in (h, s)))
-        table.add_row("in outages", Text(f"{h.in_outages} written alone", STYLE["offline"] if h.in_outages else ""),
-                      f"{s.in_outages} came over the link")  # fmt: skip
+        table.add_row(
+            "in outages",
+            Text(f"{h.in_outages} written alone", STYLE["offline"] if h.in_outages else ""),
+            f"{s.in_outages} came over the link",
+        )
         hs = h.stats or Stats()
         table.add_row("drafting", f"tau {hs.tau:.2f} in {hs.rounds} rounds", "none: the server decodes")
         table.add_row("payload up/dn", *(self._payload(p) for p in (h, s)))
@@ -267,12 +285,16 @@ class SplitView:
 
     # ---- the end -----------------------------------------------------------------------------------------
 
-    def summary(self, hybrid: Result, server: Result, *, wire: tuple[int, int] | None = None,
-                server_calls: int = 0) -> None:  # fmt: skip
+    def summary(
+        self, hybrid: Result, server: Result, *, wire: tuple[int, int] | None = None, server_calls: int = 0
+    ) -> None:
         """The comparison, side by side; `wire` is netsim's (up, down) bytes of both streams together."""
         hs, ss = hybrid.stats, server.stats
-        t = Table(title="hybrid and server-only: one prompt, one link, the same drops", box=box.SIMPLE_HEAD,
-                  width=min(self.console.width, MAX_WIDTH))  # fmt: skip
+        t = Table(
+            title="hybrid and server-only: one prompt, one link, the same drops",
+            box=box.SIMPLE_HEAD,
+            width=min(self.console.width, MAX_WIDTH),
+        )
         t.add_column("", style="dim", ratio=4)
         t.add_column("hybrid", justify="right", ratio=3)
         t.add_column("server-only", justify="right", ratio=3)
@@ -287,7 +309,7 @@ class SplitView:
             ("time to first token", f"{1000 * hs.ttft_s:.0f} ms", f"{1000 * ss.ttft_s:.0f} ms"),
             ("tokens/s", f"{hs.tokens_per_s:.1f}", f"{ss.tokens_per_s:.1f}"),
             ("wall", f"{hs.wall_s:.2f} s", f"{ss.wall_s:.2f} s"),
-        ]  # fmt: skip
+        ]
         if server_calls:
             rows.append(("Generate calls", "-", str(server_calls)))
         if hs.stopped or ss.stopped:

@@ -172,8 +172,14 @@ def _code_name(value: int) -> str:
     return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
 
 
-_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}  # fmt: skip
+_TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
 _CAUSES = {grpc.StatusCode.UNAVAILABLE: Cause.UNREACHABLE, grpc.StatusCode.DEADLINE_EXCEEDED: Cause.STALLED}
 
 
@@ -260,8 +266,15 @@ class Backoff:
                 time.sleep(self.failed(err))
 
 
-def first_contact(call: Callable[[], T], backoff: Backoff, *, address: str, tls: bool, deadline: float,
-                  on_wait: Callable[[Hint], None] | None = None) -> T:  # fmt: skip
+def first_contact(
+    call: Callable[[], T],
+    backoff: Backoff,
+    *,
+    address: str,
+    tls: bool,
+    deadline: float,
+    on_wait: Callable[[Hint], None] | None = None,
+) -> T:
     """`call()`, a command's first call to `address` (see the module docstring); `on_wait(hint)` when it keeps
     trying a server that is not listening yet."""
     found: list[Hint | None] = []  # what diagnose saw, once
@@ -447,16 +460,19 @@ def parse_endpoints(server: str) -> list[str]:
     for a in addresses:
         m = _ENDPOINT.match(a)
         if m is None or not 0 < int(m.group(2)) < 65536:
-            raise ValueError(f"--server {a!r} is not HOST:PORT (for example 127.0.0.1:50051 or [::1]:50051; "
-                             f"tether-server listens on 50051 unless told otherwise)")  # fmt: skip
+            raise ValueError(
+                f"--server {a!r} is not HOST:PORT (for example 127.0.0.1:50051 or [::1]:50051; "
+                f"tether-server listens on 50051 unless told otherwise)"
+            )
     return addresses
 
 
 class Replicas:
     """The endpoints of a --server list and the channel to the one in use; see the module docstring."""
 
-    def __init__(self, server: str, first: int, *, keepalive_s: float, tls_ca: str = "", tls_cert: str = "",
-                 tls_key: str = ""):  # fmt: skip
+    def __init__(
+        self, server: str, first: int, *, keepalive_s: float, tls_ca: str = "", tls_cert: str = "", tls_key: str = ""
+    ):
         self.addresses = parse_endpoints(server)
         self.index = first % len(self.addresses)
         self._channel_args = {"keepalive_s": keepalive_s, "tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}

@@ -54,8 +54,9 @@ class WeightCache:
 
     def _file(self, folder: Path, entry: TensorEntry, suffix: str) -> Path:
         if not is_sha256(entry.sha256):
-            raise WeightCacheError(Problem.CACHE_KEY, f"tensor {entry.name!r}: sha256 {entry.sha256[:80]!r} "
-                                   "is not 64 lowercase hex digits")  # fmt: skip
+            raise WeightCacheError(
+                Problem.CACHE_KEY, f"tensor {entry.name!r}: sha256 {entry.sha256[:80]!r} is not 64 lowercase hex digits"
+            )
         path = (folder / f"{entry.sha256}{suffix}").resolve()
         if path.parent != folder.resolve():  # the check above already rules this out; a second fence costs nothing
             raise WeightCacheError(Problem.CACHE_KEY, f"tensor {entry.name!r} would be stored outside {folder}")
@@ -89,8 +90,9 @@ class WeightCache:
         part = self._part(entry)
         held = part.stat().st_size if part.exists() else 0
         if offset > held:
-            raise WeightCacheError(Problem.CHUNK, f"chunk of {entry.name!r} at {offset} leaves a gap after {held} "
-                                   "bytes")  # fmt: skip
+            raise WeightCacheError(
+                Problem.CHUNK, f"chunk of {entry.name!r} at {offset} leaves a gap after {held} bytes"
+            )
         if offset + len(data) > entry.nbytes:
             raise WeightCacheError(Problem.CHUNK, f"chunk of {entry.name!r} runs past its {entry.nbytes} bytes")
         if offset + len(data) > held:  # a resent chunk that we already hold adds nothing
@@ -110,8 +112,9 @@ class WeightCache:
                 h.update(block)
         if h.hexdigest() != entry.sha256:
             part.unlink()
-            raise WeightCacheError(Problem.CHECKSUM, f"tensor {entry.name!r} failed its sha256 check; its download "
-                                   "starts over")  # fmt: skip
+            raise WeightCacheError(
+                Problem.CHECKSUM, f"tensor {entry.name!r} failed its sha256 check; its download starts over"
+            )
         os.replace(part, self._blob(entry))
 
     def find(self, sha256: str) -> Path | None:

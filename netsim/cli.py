@@ -66,8 +66,14 @@ def format_stats(stats: NetSimStats) -> str:
 
 
 async def serve(cfg: NetSimConfig, link: LinkConfig, scenario: Scenario | None) -> NetSimStats:
-    sim = NetSim(cfg.listen, cfg.upstream, link, scenario=scenario, seed=None if cfg.seed < 0 else cfg.seed,
-                 on_event=None if cfg.quiet else log_event)  # fmt: skip
+    sim = NetSim(
+        cfg.listen,
+        cfg.upstream,
+        link,
+        scenario=scenario,
+        seed=None if cfg.seed < 0 else cfg.seed,
+        on_event=None if cfg.quiet else log_event,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the listening line: whoever reads it may signal at once

@@ -63,8 +63,9 @@ def _serve(conn: Connection, listen, upstream, link: LinkConfig | None, kwargs: 
 class NetSimProcess:
     """NetSimThread's interface, the proxy in a spawned child process (see the module docstring)."""
 
-    def __init__(self, listen: str | tuple[str, int], upstream: str | tuple[str, int], link: LinkConfig | None = None,
-                 **kwargs):  # fmt: skip
+    def __init__(
+        self, listen: str | tuple[str, int], upstream: str | tuple[str, int], link: LinkConfig | None = None, **kwargs
+    ):
         """Takes NetSim's arguments, `on_event` excepted."""
         if "on_event" in kwargs:
             raise TypeError("NetSimProcess takes no on_event: events happen in the child process (use NetSimThread)")
@@ -138,8 +139,13 @@ class NetSimProcess:
     def restore(self) -> None:
         self._call("restore")
 
-    def set_link(self, latency_ms: float | None = None, jitter_ms: float | None = None,
-                 bandwidth_kbps: float | None = None, direction: str = "both") -> None:  # fmt: skip
+    def set_link(
+        self,
+        latency_ms: float | None = None,
+        jitter_ms: float | None = None,
+        bandwidth_kbps: float | None = None,
+        direction: str = "both",
+    ) -> None:
         self._call("set_link", latency_ms, jitter_ms, bandwidth_kbps, direction)
 
     def link(self, direction: str = "up") -> LinkConfig:

@@ -169,8 +169,9 @@ class _Conn:
         self.writers: list[asyncio.StreamWriter] = []
 
     def stats(self) -> ConnStats:
-        return ConnStats(self.id, self.peer, self.bytes["up"], self.bytes["down"], self.opened_s, self.closed_s,
-                         self.outcome)  # fmt: skip
+        return ConnStats(
+            self.id, self.peer, self.bytes["up"], self.bytes["down"], self.opened_s, self.closed_s, self.outcome
+        )
 
 
 class _Pipe:
@@ -512,8 +513,9 @@ class NetSimThread:
     are already reset). `on_event` runs on the proxy's thread.
     """
 
-    def __init__(self, listen: str | tuple[str, int], upstream: str | tuple[str, int], link: LinkConfig | None = None,
-                 **kwargs):  # fmt: skip
+    def __init__(
+        self, listen: str | tuple[str, int], upstream: str | tuple[str, int], link: LinkConfig | None = None, **kwargs
+    ):
         """Takes NetSim's arguments, and `loop_factory` (timers.new_event_loop: timers precise to microseconds;
         asyncio.new_event_loop is the stock loop, whose timers on Linux fire up to a millisecond late)."""
         self._args = (listen, upstream, link)
@@ -597,8 +599,13 @@ class NetSimThread:
     def restore(self) -> None:
         self._call(lambda: self._sim.restore())
 
-    def set_link(self, latency_ms: float | None = None, jitter_ms: float | None = None,
-                 bandwidth_kbps: float | None = None, direction: str = "both") -> None:  # fmt: skip
+    def set_link(
+        self,
+        latency_ms: float | None = None,
+        jitter_ms: float | None = None,
+        bandwidth_kbps: float | None = None,
+        direction: str = "both",
+    ) -> None:
         self._call(lambda: self._sim.set_link(latency_ms, jitter_ms, bandwidth_kbps, direction))
 
     def link(self, direction: str = "up") -> LinkConfig:

@@ -89,8 +89,7 @@ def parse_scenario(data: object, source: str = "scenario") -> Scenario:
     for i, item in enumerate(data):
         where = f"{source}: event {i}"
         if not isinstance(item, dict):
-            raise ScenarioError(f"{where}: each event is an object like {{\"at\": 1.0, \"event\": \"cut\"}}, "
-                                f"got {item!r}")  # fmt: skip
+            raise ScenarioError(f'{where}: each event is an object like {{"at": 1.0, "event": "cut"}}, got {item!r}')
         if "at" not in item or "event" not in item:
             raise ScenarioError(f'{where}: needs both "at" and "event", got {item!r}')
         name = item["event"]
@@ -99,8 +98,9 @@ def parse_scenario(data: object, source: str = "scenario") -> Scenario:
         at = _number(item["at"], "at", where)
         allowed = {"at", "event", *LINK_FIELDS, "direction"} if name == "set" else {"at", "event"}
         if unknown := sorted(set(item) - allowed):
-            raise ScenarioError(f"{where}: unknown field(s) {', '.join(unknown)} for {name!r} "
-                                f"(allowed: {', '.join(sorted(allowed))})")  # fmt: skip
+            raise ScenarioError(
+                f"{where}: unknown field(s) {', '.join(unknown)} for {name!r} (allowed: {', '.join(sorted(allowed))})"
+            )
         if events and at < events[-1].at:
             raise ScenarioError(f"{where}: times must not decrease ({at} comes after {events[-1].at})")
         if events and events[-1].event == "end":

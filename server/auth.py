@@ -114,13 +114,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return _refusing(handler, error)
         stream = details.method in STREAMS
         if self.keys and self.calls[caller] >= self.max_calls_per_key:
-            return _refusing(handler, RequestError(Reason.REASON_CAPACITY,
-                                                   f"this key has {self.max_calls_per_key} calls in flight",
-                                                   retry_after_s=FULL_RETRY_S))  # fmt: skip
+            return _refusing(
+                handler,
+                RequestError(
+                    Reason.REASON_CAPACITY,
+                    f"this key has {self.max_calls_per_key} calls in flight",
+                    retry_after_s=FULL_RETRY_S,
+                ),
+            )
         if stream and self.streams >= self.max_streams:
-            return _refusing(handler, RequestError(Reason.REASON_CAPACITY,
-                                                   f"the server holds {self.max_streams} streams",
-                                                   retry_after_s=FULL_RETRY_S))  # fmt: skip
+            return _refusing(
+                handler,
+                RequestError(
+                    Reason.REASON_CAPACITY, f"the server holds {self.max_streams} streams", retry_after_s=FULL_RETRY_S
+                ),
+            )
         return _counted(handler, self, caller, stream)
 
     def _enter(self, caller: str, stream: bool, context) -> None:

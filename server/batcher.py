@@ -42,8 +42,9 @@ from tether.shared.speculative import DraftTree
 
 
 @torch.inference_mode()
-def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32), absorb_max: int = 64,
-            drafter=None) -> None:  # fmt: skip
+def warm_up(
+    target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32), absorb_max: int = 64, drafter=None
+) -> None:
     """Run every kernel variant a server will need once, so Triton compiles (and autotunes) them before the first
     client instead of inside its open or round deadline (a compile there costs seconds: an outage on a healthy
     link). Covered, for short and split-K contexts: prefills with and without a cached prefix; batched verify
@@ -82,8 +83,15 @@ def warm_up(target: Transformer, pool, sizes: tuple[int, ...] = (1, 4, 8, 16, 32
 
 
 class RoundBatcher:
-    def __init__(self, target: Transformer, *, window_s: float = 0.0, max_batch: int = 128,
-                 max_tokens: int = StepConfig.max_bucket_tokens, on_batch=None):  # fmt: skip
+    def __init__(
+        self,
+        target: Transformer,
+        *,
+        window_s: float = 0.0,
+        max_batch: int = 128,
+        max_tokens: int = StepConfig.max_bucket_tokens,
+        on_batch=None,
+    ):
         self.target, self.window_s = target, window_s  # window_s: extra wait for more rounds before a step
         self.max_batch = max_batch  # rounds per step at most
         self.max_tokens = max_tokens  # rows x the largest tree (to a power of two) per step at most: a step bucket

@@ -120,8 +120,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     how = f"{result['drafter']} drafter, tau {result['tau']}" if result["drafter"] else "plain decoding"
     first = ""
     if result["ttft_s"] is not None:
-        first = (f", first token {1000 * result['ttft_s']:.0f} ms after the models were ready, "
-                 f"{result['ttft_from_start_s']:.2f} s from the start")  # fmt: skip
+        first = (
+            f", first token {1000 * result['ttft_s']:.0f} ms after the models were ready, "
+            f"{result['ttft_from_start_s']:.2f} s from the start"
+        )
     print(f"\n[{result['new_tokens']} tokens, {result['tokens_per_s']} tok/s{first}, {how}]", file=sys.stderr)
     return 0
 
@@ -164,13 +166,21 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 COMMANDS = (  # name, help, flags, function
     *TRAINING_COMMANDS,
-    ("serve", "serve the target and drafter over gRPC (tether.v1.Tether) and, with --http-port, an OpenAI API",
-     _serve_args, cmd_serve),
+    (
+        "serve",
+        "serve the target and drafter over gRPC (tether.v1.Tether) and, with --http-port, an OpenAI API",
+        _serve_args,
+        cmd_serve,
+    ),
     ("warm", "load the models, compile and tune serve's kernels into --cache-dir, and exit", _warm_args, cmd_warm),
     ("generate", "generate text in-process with the target model", _generate_args, cmd_generate),
-    ("quantize", "rewrite a target checkpoint as int8 rows (or plain), in shards of at most --max-shard-mb",
-     _quantize_args, cmd_quantize),
-)  # fmt: skip
+    (
+        "quantize",
+        "rewrite a target checkpoint as int8 rows (or plain), in shards of at most --max-shard-mb",
+        _quantize_args,
+        cmd_quantize,
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,11 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The flags of each command that name a model directory, and the files it must hold. train-drafter's --target is
 # checked for being there at all: train-drafter looks at its tokenizer before it loads the rest.
-MODEL_DIRS = {"serve": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
-              "warm": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
-              "generate": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
-              "quantize": {"--model": TARGET_FILES},
-              "train-drafter": {"--target": ()}}  # fmt: skip
+MODEL_DIRS = {
+    "serve": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+    "warm": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+    "generate": {"--model": TARGET_FILES, "--drafter": DRAFTER_FILES},
+    "quantize": {"--model": TARGET_FILES},
+    "train-drafter": {"--target": ()},
+}
 
 
 def check_model_dirs(argv: Sequence[str]) -> None:

@@ -198,8 +198,12 @@ class ClientExporter:
                 if not final.is_dir():
                     raise
                 # Another process sharing the directory finished first: its export is as good as ours.
-            log.info("ONNX client part %s ready in %.1f s", final, time.perf_counter() - t0,
-                     extra={"event": "onnx_export", "precision": precision})  # fmt: skip
+            log.info(
+                "ONNX client part %s ready in %.1f s",
+                final,
+                time.perf_counter() - t0,
+                extra={"event": "onnx_export", "precision": precision},
+            )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -232,8 +236,12 @@ class ClientExporter:
         weights = out / (g["file"].removesuffix(".onnx") + ".safetensors")
         save_file(encode_weights(arrays, precision), str(weights))
         g["sha256"] = hashlib.sha256(graph).hexdigest()
-        g["weights"] = {"file": weights.name, "precision": precision, "sha256": _sha256(weights.read_bytes()),
-                        "tensors": {k: list(a.shape) for k, a in arrays.items()}}  # fmt: skip
+        g["weights"] = {
+            "file": weights.name,
+            "precision": precision,
+            "sha256": _sha256(weights.read_bytes()),
+            "tensors": {k: list(a.shape) for k, a in arrays.items()},
+        }
 
     def _open(self, precision: str, final: Path) -> ExportedPart:
         files: dict[str, Any] = {TOKENIZER_TENSOR: tensor_bytes(self.weights[TOKENIZER_TENSOR])}

@@ -63,13 +63,19 @@ def check_ports(cfg: ServeConfig) -> None:
         if not 0 <= number <= 65535:
             raise ValueError(f"{flag} is a port from 0 to 65535, got {number}")
         if address_in_use(cfg.host, number):
-            raise CommandError(Refusal.ADDRESS_IN_USE, f"{flag} {number}: {cfg.host}:{number} is in use by another "
-                               "process (a tether-server already running?): stop it, or pick another port")  # fmt: skip
+            raise CommandError(
+                Refusal.ADDRESS_IN_USE,
+                f"{flag} {number}: {cfg.host}:{number} is in use by another "
+                "process (a tether-server already running?): stop it, or pick another port",
+            )
     if cfg.metrics_port and cfg.metrics_port == cfg.port:
         raise ValueError(f"--metrics-port and --port are both {cfg.port}: give each its own port")
     if cfg.http_port > 0 and address_in_use(cfg.http_host, cfg.http_port):
-        raise CommandError(Refusal.ADDRESS_IN_USE, f"--http-port {cfg.http_port}: {cfg.http_host}:{cfg.http_port} is "
-                           "in use by another process: stop it, or pick another port")  # fmt: skip
+        raise CommandError(
+            Refusal.ADDRESS_IN_USE,
+            f"--http-port {cfg.http_port}: {cfg.http_host}:{cfg.http_port} is "
+            "in use by another process: stop it, or pick another port",
+        )
 
 
 def start_metrics(engine: Engine, host_name: str, number: int) -> None:
@@ -78,8 +84,9 @@ def start_metrics(engine: Engine, host_name: str, number: int) -> None:
         serve_metrics(engine.metrics, host_name, number)
     except OSError as e:
         reason = Refusal.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else Refusal.CANNOT_LISTEN
-        raise CommandError(reason, f"--metrics-port {number}: cannot listen on {host_name}:{number}: "
-                           f"{e.strerror or e}") from None  # fmt: skip
+        raise CommandError(
+            reason, f"--metrics-port {number}: cannot listen on {host_name}:{number}: {e.strerror or e}"
+        ) from None
 
 
 def start_http_api(engine: Engine, model_id: str, config) -> tuple[object, int]:
@@ -88,16 +95,25 @@ def start_http_api(engine: Engine, model_id: str, config) -> tuple[object, int]:
         return start_http(engine, model_id, config)
     except OSError as e:
         reason = Refusal.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else Refusal.CANNOT_LISTEN
-        raise CommandError(reason, f"--http-port {config.port}: cannot listen on {config.host}:{config.port}: "
-                           f"{e.strerror or e}") from None  # fmt: skip
+        raise CommandError(
+            reason, f"--http-port {config.port}: cannot listen on {config.host}:{config.port}: {e.strerror or e}"
+        ) from None
 
 
 def _http_config(cfg: ServeConfig, config: ServiceConfig):
     from tether.shared.openai_app import HttpConfig
 
-    return HttpConfig(host=cfg.http_host, port=cfg.http_port, api_keys=config.api_keys,
-                      max_streams=cfg.http_max_streams, max_n=cfg.http_max_n, grace_s=cfg.grace_s,
-                      tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_client_ca=cfg.tls_client_ca)  # fmt: skip
+    return HttpConfig(
+        host=cfg.http_host,
+        port=cfg.http_port,
+        api_keys=config.api_keys,
+        max_streams=cfg.http_max_streams,
+        max_n=cfg.http_max_n,
+        grace_s=cfg.grace_s,
+        tls_cert=cfg.tls_cert,
+        tls_key=cfg.tls_key,
+        tls_client_ca=cfg.tls_client_ca,
+    )
 
 
 def warm(cfg: ServeConfig) -> int:
@@ -107,8 +123,10 @@ def warm(cfg: ServeConfig) -> int:
     device = pick_device(cfg.device)
     backend = attention_backend(device, cfg.attention)
     if backend != "triton":
-        raise ValueError(f"nothing to warm on {device}: the {backend} attention backend compiles no kernels "
-                         "(the Triton kernels need a CUDA device)")  # fmt: skip
+        raise ValueError(
+            f"nothing to warm on {device}: the {backend} attention backend compiles no kernels "
+            "(the Triton kernels need a CUDA device)"
+        )
     torch.set_grad_enabled(False)
     engine = Engine.build(cfg)
     try:
@@ -138,8 +156,9 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
     if precisions and cfg.drafter == "none":
         raise ValueError("--onnx-precisions exports the drafter's client part: it needs a drafter, not --drafter none")
     if not -1 <= cfg.http_port <= 65535 or cfg.http_max_streams < 1 or cfg.http_max_n < 1:
-        raise ValueError("--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams and --http-max-n "
-                         "at least 1")  # fmt: skip
+        raise ValueError(
+            "--http-port is -1 (off), 0 (any free port) or a port; --http-max-streams and --http-max-n at least 1"
+        )
     check_ports(cfg)
     if plan.engines > 1:
         use_cache(cfg)  # before the engine processes start: they inherit Triton's cache directory
@@ -151,8 +170,14 @@ def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> int:
             workers.stop()
 
 
-def _serve(cfg: ServeConfig, plan: LaunchPlan, precisions: list[str], workers: EngineWorkers | None, t_start: float,
-           ready: threading.Event | None) -> int:  # fmt: skip
+def _serve(
+    cfg: ServeConfig,
+    plan: LaunchPlan,
+    precisions: list[str],
+    workers: EngineWorkers | None,
+    t_start: float,
+    ready: threading.Event | None,
+) -> int:
     """serve, once its flags are checked: `cfg` is this engine's share of the command line's (engine 0's)."""
     torch.set_grad_enabled(False)
     engine = Engine.build(cfg, engine_index=0 if plan.engines > 1 else None)
@@ -173,8 +198,15 @@ def _serve(cfg: ServeConfig, plan: LaunchPlan, precisions: list[str], workers: E
 
     server = None
     try:
-        server, port = listen(service, f"{cfg.host}:{cfg.port}", plan, tls=tls, engine_sockets=engines,
-                              log_format=cfg.log_format, log_level=cfg.log_level)  # fmt: skip
+        server, port = listen(
+            service,
+            f"{cfg.host}:{cfg.port}",
+            plan,
+            tls=tls,
+            engine_sockets=engines,
+            log_format=cfg.log_format,
+            log_level=cfg.log_level,
+        )
         if cfg.metrics_port:
             start_metrics(engine, cfg.host, cfg.metrics_port)
     except CommandError:
@@ -198,8 +230,12 @@ def _serve(cfg: ServeConfig, plan: LaunchPlan, precisions: list[str], workers: E
             raise
         print(f"http listening on {cfg.http_host}:{http_port}", flush=True)
     ready_s = time.perf_counter() - t_start
-    log.info("ready in %.1f s (%s)", ready_s, cache_state,
-             extra={"event": "ready", "ready_s": round(ready_s, 2), "kernel_cache": cache_state})  # fmt: skip
+    log.info(
+        "ready in %.1f s (%s)",
+        ready_s,
+        cache_state,
+        extra={"event": "ready", "ready_s": round(ready_s, 2), "kernel_cache": cache_state},
+    )
     if ready is not None:
         ready.set()
     # Wake up now and then: a signal the kernel hands to another thread (gloo's, gRPC's) only sets a flag that

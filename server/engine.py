@@ -102,16 +102,31 @@ class SpeculativeEngine:
         per_round = self.tree[2] if self.tree else self.k + 1
         capacity = min(len(prompt_ids) + max_new_tokens + per_round, self.target.cfg.max_seq_len)
         # top_k is the verifier's: drafts proposed without it stay lossless, the target's rule decides.
-        server = SequenceVerifier(self.target, self.drafter, capacity=capacity, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, generator=generator, pool=self._pool_for(capacity),
-                                  controls=controls)  # fmt: skip
+        server = SequenceVerifier(
+            self.target,
+            self.drafter,
+            capacity=capacity,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generator=generator,
+            pool=self._pool_for(capacity),
+            controls=controls,
+        )
         try:
             yield from self._rounds(server, prompt_ids, max_new_tokens, stops, generator)
         finally:
             server.release()
 
-    def propose(self, root: int, room: int, left: int, controls: SamplingControls,
-                processing: LogitsProcessing | None, generator: torch.Generator | None) -> DraftTree:  # fmt: skip
+    def propose(
+        self,
+        root: int,
+        room: int,
+        left: int,
+        controls: SamplingControls,
+        processing: LogitsProcessing | None,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
         """The next round's draft after `root`: `room` draft nodes fit after it in the cache, `left` tokens are still
         wanted (the bonus counts, so a chain drafts at most left - 1); the drafter proposes from the sampling rule
         `controls` with `processing` (the logit_bias and penalties of the position after the root), sampling from
@@ -120,12 +135,20 @@ class SpeculativeEngine:
         k = min(self.k, left - 1, room)
         if self.drafter is not None and self.tree and room > 0:
             depth, top_k, total = self.tree
-            return self.drafter.draft_tree(root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1),
-                                           processing=processing)  # fmt: skip
+            return self.drafter.draft_tree(
+                root, depth=depth, top_k=top_k, total_tokens=min(total, room + 1), processing=processing
+            )
         if self.drafter is not None and k > 0:
-            drafts, q_ids, q_probs = self.drafter.draft(root, k, temperature=controls.temperature, top_p=controls.top_p,
-                                                        support=self.support, generator=generator,
-                                                        min_p=controls.min_p, processing=processing)  # fmt: skip
+            drafts, q_ids, q_probs = self.drafter.draft(
+                root,
+                k,
+                temperature=controls.temperature,
+                top_p=controls.top_p,
+                support=self.support,
+                generator=generator,
+                min_p=controls.min_p,
+                processing=processing,
+            )
             return DraftTree.chain(root, drafts, q_ids, q_probs)
         return DraftTree.chain(root, [])
 
@@ -140,8 +163,14 @@ class SpeculativeEngine:
             self._pool = KVPool(t.cfg, blocks, BLOCK_SIZE, device=t.device, dtype=t.dtype)
         return self._pool
 
-    def _rounds(self, server: SequenceVerifier, prompt_ids: list[int], max_new_tokens: int, stops: frozenset[int],
-                generator: torch.Generator | None):  # fmt: skip
+    def _rounds(
+        self,
+        server: SequenceVerifier,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stops: frozenset[int],
+        generator: torch.Generator | None,
+    ):
         capacity = server.cache.capacity
         controls = server.controls
         root, delta = server.open(prompt_ids)

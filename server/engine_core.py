@@ -136,14 +136,14 @@ class Engine:
         self.exporter: ClientExporter | None = None
         if drafter is not None:
             part = client_weights if client_weights is not None else client_part_tensors(target, drafter)
-            self.weights = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
-                            for k, v in part.items()}  # fmt: skip
+            self.weights = {
+                k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in part.items()
+            }
             # The tokenizer travels with the weights (resumable, cached by hash): a client needs only an address.
             self.weights[TOKENIZER_TENSOR] = tokenizer_tensor(tokenizer.to_json())
             self.manifest = build_manifest(self.weights)
             self.drafter_fingerprint = drafter_fingerprint(drafter.dcfg.to_dict(), self.manifest)
-            self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint,
-                                           export_dir)  # fmt: skip
+            self.exporter = ClientExporter(target.cfg, drafter.dcfg, self.weights, self.drafter_fingerprint, export_dir)
         drafting = [pb.CLIENT_PART_TENSORS, *FORMATS] if drafter is not None else []
         # Every id that ends a generation: the tokenizer's (config.json / generation_config.json lists, its own
         # end-of-text) and the chat format's generation_config ids, first one first.
@@ -172,8 +172,9 @@ class Engine:
             sampling_controls=True,
         )  # what GetModelInfo answers: built once (the tokenizer's hash alone takes milliseconds)
         self.metrics = ServiceMetrics()
-        self.pool = pool or KVPool.for_budget(target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device,
-                                              dtype=target.dtype)  # fmt: skip
+        self.pool = pool or KVPool.for_budget(
+            target.cfg, c.kv_pool_bytes, c.kv_block_size, device=target.device, dtype=target.dtype
+        )
         # The step runner of this engine's rounds, made here once (the pool owns it; a tensor-parallel pool makes its
         # broadcasting kind): on the "triton" backend, the one that runs fixed-shape steps.
         self.runner = self.pool.runner_for(target) if target.backend == "triton" else None
@@ -184,8 +185,9 @@ class Engine:
         # Weakly: the batcher's threads reach this gauge, and would hold the pool and the engine through it.
         pool_ref = weakref.ref(self.pool)
         self.metrics.kv_blocks_used.set_function(lambda: p.used_blocks if (p := pool_ref()) is not None else 0)
-        self.batcher = RoundBatcher(target, window_s=c.batch_window_s, max_batch=c.max_batch,
-                                    on_batch=self.metrics.observe_batch)  # fmt: skip
+        self.batcher = RoundBatcher(
+            target, window_s=c.batch_window_s, max_batch=c.max_batch, on_batch=self.metrics.observe_batch
+        )
         self.work = ModelWork(c.model_threads, c.max_model_calls_per_caller)
         self.plain = PlainDecoder(target, c, self.table, self.work, self.batcher, self.check, self.eos_ids)
         # What Generate and the HTTP API decode with: the target alone, or with drafts made here (serve --server-draft).
@@ -193,15 +195,30 @@ class Engine:
         if server_draft:
             if drafter is None:
                 raise ValueError(SERVER_DRAFT_NEEDS_DRAFTER)
-            self.decoding = ServerDraftDecoder(target, c, self.table, self.work, self.batcher, self.check,
-                                               self.eos_ids, drafter=drafter, k=server_draft)  # fmt: skip
-            log.info("server-draft on: Generate and the HTTP API draft %d tokens a round with the %s drafter here",
-                     server_draft, drafter.dcfg.kind, extra={"event": "server_draft", "k": server_draft})  # fmt: skip
+            self.decoding = ServerDraftDecoder(
+                target,
+                c,
+                self.table,
+                self.work,
+                self.batcher,
+                self.check,
+                self.eos_ids,
+                drafter=drafter,
+                k=server_draft,
+            )
+            log.info(
+                "server-draft on: Generate and the HTTP API draft %d tokens a round with the %s drafter here",
+                server_draft,
+                drafter.dcfg.kind,
+                extra={"event": "server_draft", "k": server_draft},
+            )
         # An engine dropped without close() (an embedding program's, a test's) still ends its threads, and so frees
         # its KV pool; close() is the orderly way.
         # Not at interpreter exit, though: the threads are daemons then, and ending them midway aborts the process.
-        for done in (weakref.finalize(self, RoundBatcher.close, self.batcher),
-                     weakref.finalize(self, self.work.close, False)):  # fmt: skip
+        for done in (
+            weakref.finalize(self, RoundBatcher.close, self.batcher),
+            weakref.finalize(self, self.work.close, False),
+        ):
             done.atexit = False
 
     @classmethod
@@ -216,8 +233,9 @@ class Engine:
         followers, stop_ranks, extra = [], None, {}
         if cfg.tp > 1:
             kind = "cuda" if device.startswith("cuda") else "cpu"
-            followers, port = start_followers(cfg.tp, cfg.model, kind, cfg.dtype, config.kv_pool_bytes,
-                                              cfg.kv_block_size, cfg.attention)  # fmt: skip
+            followers, port = start_followers(
+                cfg.tp, cfg.model, kind, cfg.dtype, config.kv_pool_bytes, cfg.kv_block_size, cfg.attention
+            )
             cmd_group = join_rank0(cfg.tp, port, kind)
             device = "cuda:0" if kind == "cuda" else "cpu"
         target, tokenizer, drafter, model_fp = load_models(cfg, device)
@@ -248,9 +266,18 @@ class Engine:
         if cfg.cache_dir:
             extra["export_dir"] = Path(cfg.cache_dir).expanduser() / "onnx"
         chat = ChatFormat.from_model_dir(cfg.model, tokenizer)
-        engine = cls(target, drafter, tokenizer, config, model_fingerprint=model_fp, chat_format=chat,
-                     kernel_dir=kernel_dir, round_graph_tokens=cfg.round_graph_tokens,
-                     server_draft=cfg.server_draft_k if cfg.server_draft else 0, **extra)  # fmt: skip
+        engine = cls(
+            target,
+            drafter,
+            tokenizer,
+            config,
+            model_fingerprint=model_fp,
+            chat_format=chat,
+            kernel_dir=kernel_dir,
+            round_graph_tokens=cfg.round_graph_tokens,
+            server_draft=cfg.server_draft_k if cfg.server_draft else 0,
+            **extra,
+        )
         engine._stop_ranks = stop_ranks
         return engine
 
@@ -275,16 +302,26 @@ class Engine:
         if drafter is not None and self.round_graph_tokens > 0:
             t1 = time.perf_counter()
             n = runner.capture_shapes(runner.round_shapes(self.round_graph_tokens), drafter=drafter)
-            log.info("captured %d step graphs for rounds of %d tokens in %.1f s", n, self.round_graph_tokens,
-                     time.perf_counter() - t1)  # fmt: skip
+            log.info(
+                "captured %d step graphs for rounds of %d tokens in %.1f s",
+                n,
+                self.round_graph_tokens,
+                time.perf_counter() - t1,
+            )
         seconds, added = time.perf_counter() - t0, count_entries(self.kernel_dir) - before
         if interpreting():
             state = "interpreted kernels, nothing cached"
         else:
             state = "cold cache" if added > 0 else "warm cache"
-        log.info("warm-up: attention kernels compiled and tuned in %.1f s (%s: %d new files in %s, %d before)", seconds,
-                 state, added, self.kernel_dir, before, extra={"event": "warm_up", "warm_up_s": round(seconds, 2),
-                                                               "cache_files_added": added})  # fmt: skip
+        log.info(
+            "warm-up: attention kernels compiled and tuned in %.1f s (%s: %d new files in %s, %d before)",
+            seconds,
+            state,
+            added,
+            self.kernel_dir,
+            before,
+            extra={"event": "warm_up", "warm_up_s": round(seconds, 2), "cache_files_added": added},
+        )
         return state
 
     def _shapes_key(self) -> str:
@@ -351,14 +388,22 @@ class Engine:
     def new_verifier(self, sampling: pb.SamplingParams, capacity: int) -> SequenceVerifier:
         """A session's verifier; `sampling` was checked (Checks.sampling) before."""
         generator = torch.Generator().manual_seed(sampling.seed)
-        return SequenceVerifier(self.target, self.drafter, capacity=capacity, controls=sampling_controls(sampling),
-                                generator=generator, pool=self.pool, prefill_chunk=self.config.prefill_chunk,
-                                logprobs=requested_logprobs(sampling))  # fmt: skip
+        return SequenceVerifier(
+            self.target,
+            self.drafter,
+            capacity=capacity,
+            controls=sampling_controls(sampling),
+            generator=generator,
+            pool=self.pool,
+            prefill_chunk=self.config.prefill_chunk,
+            logprobs=requested_logprobs(sampling),
+        )
 
     def need_drafter(self) -> None:
         if self.drafter is None:
-            raise RequestError(Reason.REASON_NO_DRAFTER,
-                               "this server runs no drafter (serve --drafter none): decode with Generate")  # fmt: skip
+            raise RequestError(
+                Reason.REASON_NO_DRAFTER, "this server runs no drafter (serve --drafter none): decode with Generate"
+            )
 
     def owned(self, session_id: str, caller: str) -> Session:
         """The caller's session of that id, or RequestError(REASON_UNKNOWN_SESSION)."""

@@ -115,8 +115,13 @@ class EngineWorkers:
     def _watch(self, k: int, proc: subprocess.Popen) -> None:
         status = proc.wait()
         if not self.stopping:
-            log.error("engine %d exited with status %s; its sessions are lost (clients rebuild them by resync) and "
-                      "the other engines serve on", k, status, extra={"event": "engine_exit"})  # fmt: skip
+            log.error(
+                "engine %d exited with status %s; its sessions are lost (clients rebuild them by resync) and "
+                "the other engines serve on",
+                k,
+                status,
+                extra={"event": "engine_exit"},
+            )
 
     def stop(self) -> None:
         self.stopping = True

@@ -343,8 +343,9 @@ async def run(engine_sockets: list[str]) -> int:
         each.framer.max_frame = max(each.framer.max_frame, cfg["max_message_bytes"] + 4096)
         each.max_message_bytes = cfg["max_message_bytes"]
     configure_logging(cfg.get("log_format", "text"), cfg.get("log_level", "warning"))
-    auth = AuthInterceptor(frozenset(cfg["api_keys"]), max_calls_per_key=cfg["max_calls_per_key"],
-                           max_streams=cfg["max_streams"])  # fmt: skip
+    auth = AuthInterceptor(
+        frozenset(cfg["api_keys"]), max_calls_per_key=cfg["max_calls_per_key"], max_streams=cfg["max_streams"]
+    )
     options = [*channel_options(cfg["max_message_bytes"]), ("grpc.so_reuseport", 1)]  # the front ends share the port
     server = grpc.aio.server(interceptors=[auth], options=options)
     server.add_generic_rpc_handlers((Forwarding(forwarding_handlers(Router(links))),))
@@ -387,8 +388,12 @@ async def run(engine_sockets: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="a front end of tether-server serve --frontends N (started by serve)")
-    ap.add_argument("--engine", required=True, action="append",
-                    help="an engine's Unix socket; once per engine, the serving process's first")  # fmt: skip
+    ap.add_argument(
+        "--engine",
+        required=True,
+        action="append",
+        help="an engine's Unix socket; once per engine, the serving process's first",
+    )
     args = ap.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)

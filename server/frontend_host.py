@@ -136,8 +136,11 @@ class EngineCall:
                 log.exception("internal error in %s", self.method, extra={"event": "error"})
                 e = Aborted(grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}", ())
             code = e.code if isinstance(e.code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-            send(self.id, Kind.ABORT, dump({"code": code.value[0], "details": e.details,
-                                            "metadata": dump_metadata(e.metadata)}))  # fmt: skip
+            send(
+                self.id,
+                Kind.ABORT,
+                dump({"code": code.value[0], "details": e.details, "metadata": dump_metadata(e.metadata)}),
+            )
         finally:
             self.conn.calls.pop(self.id, None)
 
@@ -187,8 +190,9 @@ class FrontendConnection(asyncio.Protocol):
             if call_id in self.calls:
                 raise FrameError(f"call {call_id} opened twice")
             head = load(payload)
-            call = self.calls[call_id] = EngineCall(self, call_id, str(head.get("method")), str(head.get("caller")),
-                                                    str(head.get("peer", "")))  # fmt: skip
+            call = self.calls[call_id] = EngineCall(
+                self, call_id, str(head.get("method")), str(head.get("caller")), str(head.get("peer", ""))
+            )
             call.task = self.host.loop.create_task(call.run(self.host.service))
             return
         call = self.calls.get(call_id)
@@ -214,16 +218,27 @@ class FrontendConnection(asyncio.Protocol):
 class FrontendHost:
     """The engine's socket, its front-end processes and their supervision (all on the gRPC event loop)."""
 
-    def __init__(self, service: Servable, address: str, n: int, tls: TLSFiles | None, logs: tuple[str, str],
-                 engines: tuple[str, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        service: Servable,
+        address: str,
+        n: int,
+        tls: TLSFiles | None,
+        logs: tuple[str, str],
+        engines: tuple[str, ...] = (),
+    ):
         c = service.config
         self.service, self.address, self.n, self.tls = service, address, n, tls
         self.engines = engines  # the other engine processes' sockets (serve --engines): front ends link to them too
         self.loop = event_loop()
-        self.limits = {"max_message_bytes": c.max_message_bytes, "api_keys": sorted(c.api_keys),
-                       "max_calls_per_key": math.ceil(c.max_calls_per_key / n),
-                       "max_streams": math.ceil(c.max_streams / n), "log_format": logs[0],
-                       "log_level": logs[1]}  # fmt: skip
+        self.limits = {
+            "max_message_bytes": c.max_message_bytes,
+            "api_keys": sorted(c.api_keys),
+            "max_calls_per_key": math.ceil(c.max_calls_per_key / n),
+            "max_streams": math.ceil(c.max_streams / n),
+            "log_format": logs[0],
+            "log_level": logs[1],
+        }
         self.dir = Path(tempfile.mkdtemp(prefix="tether-engine-"))  # mode 0700: this user's alone
         self.socket = str(self.dir / "engine.sock")
         self.procs: list[subprocess.Popen] = []
@@ -294,8 +309,12 @@ class FrontendHost:
                 if self.stopping:
                     return
                 self.procs.remove(proc)
-                log.warning("front end %d exited with status %s; starting another", proc.pid, proc.returncode,
-                            extra={"event": "frontend_restart"})  # fmt: skip
+                log.warning(
+                    "front end %d exited with status %s; starting another",
+                    proc.pid,
+                    proc.returncode,
+                    extra={"event": "frontend_restart"},
+                )
                 proc = self._spawn()
                 try:
                     await self._started(proc)

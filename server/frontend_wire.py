@@ -163,8 +163,9 @@ class VerdictFrame:
     payload: bytes
 
 
-def verdict_frame(round_no: int, accepted: int, bonus: int, path: Sequence[int], delta: ArrayDelta,
-                  codec: Codec) -> VerdictFrame:  # fmt: skip
+def verdict_frame(
+    round_no: int, accepted: int, bonus: int, path: Sequence[int], delta: ArrayDelta, codec: Codec
+) -> VerdictFrame:
     """The verdict of round `round_no` with its delta's bfloat16 bits as a RAW bundle, a fraction of the cost of
     encoding them (tobytes, against byte planes and zstd). `path`: a tree round's accepted nodes, the root left out
     (a chain round: empty). Raises struct.error or CodecError for what no reply could carry."""

@@ -61,9 +61,16 @@ class GenerateConfig:
     @property
     def controls(self) -> SamplingControls:
         """The sampling rule (ControlError, naming the control, for a value out of its range)."""
-        return SamplingControls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)  # fmt: skip
+        return SamplingControls(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+        )
 
 
 def logit_bias_pair(text: str) -> tuple[int, float]:
@@ -74,15 +81,27 @@ def logit_bias_pair(text: str) -> tuple[int, float]:
     return int(token), float(bias)
 
 
-def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = None, *,
-                  on_start: Callable[[], None] | None = None, started: float | None = None) -> dict:  # fmt: skip
+def generate_text(
+    cfg: GenerateConfig,
+    on_text: Callable[[str], None] | None = None,
+    *,
+    on_start: Callable[[], None] | None = None,
+    started: float | None = None,
+) -> dict:
     started = time.perf_counter() if started is None else started
     controls = cfg.controls  # its ranges checked before anything loads
     # The engine serve builds, warmed up the same way (kernels compiled and tuned once into the cache, then read
     # from it): one generation is a session of it.
-    serve_cfg = ServeConfig(model=cfg.model, revision=cfg.revision, drafter=cfg.drafter, device=pick_device(cfg.device),
-                            cache_dir=cfg.cache_dir, kv_pool_mb=cfg.kv_pool_mb, round_graph_tokens=0,
-                            max_sessions=1)  # fmt: skip
+    serve_cfg = ServeConfig(
+        model=cfg.model,
+        revision=cfg.revision,
+        drafter=cfg.drafter,
+        device=pick_device(cfg.device),
+        cache_dir=cfg.cache_dir,
+        kv_pool_mb=cfg.kv_pool_mb,
+        round_graph_tokens=0,
+        max_sessions=1,
+    )
     engine = Engine.build(serve_cfg)
     try:
         engine.warm_up()
@@ -95,8 +114,14 @@ def generate_text(cfg: GenerateConfig, on_text: Callable[[str], None] | None = N
         engine.close()
 
 
-def _generate(cfg: GenerateConfig, engine: Engine, controls: SamplingControls, on_text: Callable[[str], None] | None,
-              on_start: Callable[[], None] | None, started: float) -> dict:  # fmt: skip
+def _generate(
+    cfg: GenerateConfig,
+    engine: Engine,
+    controls: SamplingControls,
+    on_text: Callable[[str], None] | None,
+    on_start: Callable[[], None] | None,
+    started: float,
+) -> dict:
     model, tok, drafter = engine.target, engine.tokenizer, engine.drafter
     prompt_ids = tok.encode(cfg.prompt)
     if not prompt_ids:
@@ -123,8 +148,13 @@ def _generate(cfg: GenerateConfig, engine: Engine, controls: SamplingControls, o
         on_start()
     t0 = time.perf_counter()
     first = None  # when the first token came
-    chunks = spec.generate(prompt_ids, cfg.max_new_tokens, controls=controls, generator=generator,
-                             stop_ids=(*tok.eos_ids, *cfg.stop_token_ids))  # fmt: skip
+    chunks = spec.generate(
+        prompt_ids,
+        cfg.max_new_tokens,
+        controls=controls,
+        generator=generator,
+        stop_ids=(*tok.eos_ids, *cfg.stop_token_ids),
+    )
     for chunk in chunks:
         if first is None and chunk:
             first = time.perf_counter()

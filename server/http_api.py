@@ -51,17 +51,29 @@ KINDS = {
 
 def api_error(e: RequestError) -> ApiError:
     kind = KINDS.get(e.reason, ErrorKind.INTERNAL)
-    return ApiError(kind, e.message if kind is not ErrorKind.INTERNAL else "internal server error", e.field,
-                    retry_after_s=e.retry_after_s)  # fmt: skip
+    return ApiError(
+        kind,
+        e.message if kind is not ErrorKind.INTERNAL else "internal server error",
+        e.field,
+        retry_after_s=e.retry_after_s,
+    )
 
 
 def sampling_params(sampling: Sampling) -> pb.SamplingParams:
     """The HTTP request's sampling on the wire (what server-only decoding takes), every control included."""
-    return pb.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                             seed=sampling.seed, min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
-                             frequency_penalty=sampling.frequency_penalty,
-                             repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias),
-                             stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos)  # fmt: skip
+    return pb.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias),
+        stop_token_ids=sampling.stop_token_ids,
+        ignore_eos=sampling.ignore_eos,
+    )
 
 
 class EngineBackend:
@@ -88,9 +100,15 @@ class EngineBackend:
             self.outstanding += 1
         # Decoding ends where the app's text does: at the stop tokens, and at end-of-text unless ignore_eos.
         reported = None if sampling.logprobs is None else []
-        chunks = self.decoding.decode(ids, params, max_tokens, released=self._release,
-                                   stop_ids=self.decoding.stop_ids(params), logprobs=reported,
-                                   top_logprobs=sampling.logprobs or 0)  # fmt: skip
+        chunks = self.decoding.decode(
+            ids,
+            params,
+            max_tokens,
+            released=self._release,
+            stop_ids=self.decoding.stop_ids(params),
+            logprobs=reported,
+            top_logprobs=sampling.logprobs or 0,
+        )
         try:
             async with contextlib.aclosing(chunks):
                 sent = 0

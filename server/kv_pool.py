@@ -254,8 +254,18 @@ class PagedCache:
         vf[new] = v[0].to(vf.dtype)
         return kf[seen][None], vf[seen][None]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        depth_k: Tensor | None,
+        depth_v: Tensor | None,
+        *,
+        scale: float,
+        tree_mask: Tensor | None,
+    ) -> None:
         """No in-place path for one sequence: the model writes the rows and runs its attention backend over them."""
         return None
 
@@ -343,8 +353,18 @@ class SlotView:
         kf, vf = _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        depth_k: Tensor | None,
+        depth_v: Tensor | None,
+        *,
+        scale: float,
+        tree_mask: Tensor | None,
+    ) -> None:
         """A gathering view: the model writes the rows and runs its attention backend over the gathered keys."""
         return None
 
@@ -359,8 +379,15 @@ class PagedKernelView:
 
     length = 0  # positions are always given explicitly
 
-    def __init__(self, pool: KVPool, write_slots: Tensor, write_rows: Tensor | None, block_table: Tensor,
-                 cache_lens: Tensor, q_lens: Tensor):  # fmt: skip
+    def __init__(
+        self,
+        pool: KVPool,
+        write_slots: Tensor,
+        write_rows: Tensor | None,
+        block_table: Tensor,
+        cache_lens: Tensor,
+        q_lens: Tensor,
+    ):
         from tether.kernels.moda import moda_verify  # only the server imports the kernels, and only here
 
         dev = pool.device
@@ -378,10 +405,31 @@ class PagedKernelView:
         answers None, so the model never asks)."""
         raise TypeError("PagedKernelView attends in place: the model calls its attend, not write")
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> Tensor:  # fmt: skip
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        depth_k: Tensor | None,
+        depth_v: Tensor | None,
+        *,
+        scale: float,
+        tree_mask: Tensor | None,
+    ) -> Tensor:
         """q [B, Tq, Hq, D], k/v [B, Tq, Hkv, D] (new rows), depth [B, Tq, L, Hkv, D] -> [B, Tq, Hq, D]."""
         _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         out = torch.zeros_like(q)
-        return self.verify_op(q, self.pool.k[layer], self.pool.v[layer], self.block_table, self.cache_lens,
-                              self.q_lens, depth_k, depth_v, tree_mask=tree_mask, scale=scale, out=out)  # fmt: skip
+        return self.verify_op(
+            q,
+            self.pool.k[layer],
+            self.pool.v[layer],
+            self.block_table,
+            self.cache_lens,
+            self.q_lens,
+            depth_k,
+            depth_v,
+            tree_mask=tree_mask,
+            scale=scale,
+            out=out,
+        )

@@ -46,8 +46,10 @@ class LaunchPlan:
         if not 1 <= cfg.engines <= MAX_ENGINES:
             raise ValueError(f"--engines is 1 to {MAX_ENGINES}, got {cfg.engines}")
         if cfg.engines > 1 and (cfg.frontends < 1 or cfg.tp > 1 or 0 < cfg.kv_pool_mb < cfg.engines):
-            raise ValueError("--engines E > 1 needs --frontends N >= 1 (they route the calls), --tp 1, and "
-                             "--kv-pool-mb 0 (auto) or at least E MB (each engine takes an even share)")  # fmt: skip
+            raise ValueError(
+                "--engines E > 1 needs --frontends N >= 1 (they route the calls), --tp 1, and "
+                "--kv-pool-mb 0 (auto) or at least E MB (each engine takes an even share)"
+            )
         return cls(tp=cfg.tp, engines=cfg.engines, frontends=cfg.frontends)
 
     def notes(self) -> list[str]:
@@ -62,8 +64,16 @@ def start_engines(plan: LaunchPlan, cfg: ServeConfig) -> EngineWorkers | None:
     return EngineWorkers(cfg) if plan.engines > 1 else None
 
 
-def listen(service: Servable, address: str, plan: LaunchPlan, *, tls: TLSFiles | None = None,
-           engine_sockets: Sequence[str] = (), log_format: str = "text", log_level: str = "warning"):  # fmt: skip
+def listen(
+    service: Servable,
+    address: str,
+    plan: LaunchPlan,
+    *,
+    tls: TLSFiles | None = None,
+    engine_sockets: Sequence[str] = (),
+    log_format: str = "text",
+    log_level: str = "warning",
+):
     """gRPC for `service` on `address` as the plan says: (handle, port), or a CommandError when it cannot listen.
     The front ends, if any, take calls as soon as this returns."""
     if engine_sockets and not plan.frontends:
@@ -72,7 +82,14 @@ def listen(service: Servable, address: str, plan: LaunchPlan, *, tls: TLSFiles |
         return make_server(service, address, tls=tls)
     check_free(address)  # the front ends bind with SO_REUSEPORT, which would join a listener that has it too
     try:
-        return start_frontends(service, address, plan.frontends, tls=tls, engines=engine_sockets,
-                               log_format=log_format, log_level=log_level)  # fmt: skip
+        return start_frontends(
+            service,
+            address,
+            plan.frontends,
+            tls=tls,
+            engines=engine_sockets,
+            log_format=log_format,
+            log_level=log_level,
+        )
     except OSError as e:  # a front end could not bind, or died before it said so
         raise CommandError(Refusal.CANNOT_LISTEN, str(e)) from None

@@ -20,8 +20,9 @@ class ReportingVerifier(Protocol):
 
 
 def wire_logprob(e: TokenLogprobs) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token=e.token, logprob=e.logprob, top_ids=[t for t, _ in e.top],
-                           top_logprobs=[v for _, v in e.top])  # fmt: skip
+    return pb.TokenLogprob(
+        token=e.token, logprob=e.logprob, top_ids=[t for t, _ in e.top], top_logprobs=[v for _, v in e.top]
+    )
 
 
 def wire_logprobs(entries: Iterable[TokenLogprobs]) -> list[pb.TokenLogprob]:

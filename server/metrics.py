@@ -30,15 +30,24 @@ class HttpMetrics:
 
     def __init__(self, registry: CollectorRegistry):
         r = registry
-        self.requests = Counter("tether_http_requests", "HTTP API requests answered, by route and status",
-                                ["path", "status"], registry=r)  # fmt: skip
-        self.ttft = Histogram("tether_http_ttft_seconds", "HTTP API generations: time from the request's arrival "
-                              "to its first token", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
-        self.tokens = Counter("tether_http_tokens", "HTTP API tokens, by kind: prompt or completion", ["kind"],
-                              registry=r)  # fmt: skip
-        self.duration = Histogram("tether_http_request_seconds", "HTTP API requests: arrival to the last byte",
-                                  registry=r, buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60))  # fmt: skip
+        self.requests = Counter(
+            "tether_http_requests", "HTTP API requests answered, by route and status", ["path", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "tether_http_ttft_seconds",
+            "HTTP API generations: time from the request's arrival to its first token",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.tokens = Counter(
+            "tether_http_tokens", "HTTP API tokens, by kind: prompt or completion", ["kind"], registry=r
+        )
+        self.duration = Histogram(
+            "tether_http_request_seconds",
+            "HTTP API requests: arrival to the last byte",
+            registry=r,
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60),
+        )
 
     def observe(self, record: RequestRecord) -> None:
         self.requests.labels(path=path_label(record.path), status=str(record.status)).inc()
@@ -58,13 +67,21 @@ class ServiceMetrics:
         self.rounds = Counter("tether_rounds", "verification rounds answered", registry=r)
         self.accepted = Counter("tether_accepted_tokens", "draft tokens the target accepted", registry=r)
         self.drafted = Counter("tether_drafted_tokens", "draft tokens received", registry=r)
-        self.tau = Histogram("tether_tau", "tokens gained per round (accepted + 1)",
-                             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65), registry=r)  # fmt: skip
+        self.tau = Histogram(
+            "tether_tau",
+            "tokens gained per round (accepted + 1)",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65),
+            registry=r,
+        )
         self.bytes_out = Counter("tether_bytes_out", "payload bytes sent, by kind", ["kind"], registry=r)
         self.kv_delta_bytes = self.bytes_out.labels(kind="kv_delta")  # every reply's: no label lookup per round
         self.sessions = Gauge("tether_sessions", "sessions held", registry=r)
-        self.evictions = Counter("tether_evictions", "sessions evicted (least recently used), by reason: the session "
-                                 "limit or KV memory", ["reason"], registry=r)  # fmt: skip
+        self.evictions = Counter(
+            "tether_evictions",
+            "sessions evicted (least recently used), by reason: the session limit or KV memory",
+            ["reason"],
+            registry=r,
+        )
         self.kv_blocks = Gauge("tether_kv_blocks", "blocks in the paged KV pool", registry=r)
         self.kv_blocks_used = Gauge("tether_kv_blocks_used", "KV blocks held by sessions", registry=r)
         self.opened = Counter("tether_sessions_opened", "sessions opened (and rebuilt by resync)", registry=r)
@@ -72,19 +89,33 @@ class ServiceMetrics:
         self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)
         # Not errors: each one a pipelined client's missed guess (its overlapping round is refused, nothing lost).
         self.stale_rounds = Counter("tether_stale_rounds", "overlapping rounds refused as stale", registry=r)
-        self.verify_seconds = Histogram("tether_verify_seconds", "round latency: batching wait + forward + verdict",
-                                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
-                                        registry=r)  # fmt: skip
-        self.batch_size = Histogram("tether_batch_size", "rounds verified in one target forward",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)  # fmt: skip
-        self.batch_seconds = Histogram("tether_batch_seconds", "one batched verify on the batcher's thread: "
-                                       "staging, the GPU step, verdicts and the deltas' gather", registry=r,
-                                       buckets=(5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))  # fmt: skip
+        self.verify_seconds = Histogram(
+            "tether_verify_seconds",
+            "round latency: batching wait + forward + verdict",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "tether_batch_size",
+            "rounds verified in one target forward",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "tether_batch_seconds",
+            "one batched verify on the batcher's thread: staging, the GPU step, verdicts and the deltas' gather",
+            registry=r,
+            buckets=(5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+        )
 
         self.http = HttpMetrics(r)
-        self.gc_pause = Histogram("tether_gc_pause_seconds", "pauses of Python's cyclic garbage collector (every "
-                                  "thread stops), by generation", ["generation"], registry=r,
-                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5))  # fmt: skip
+        self.gc_pause = Histogram(
+            "tether_gc_pause_seconds",
+            "pauses of Python's cyclic garbage collector (every thread stops), by generation",
+            ["generation"],
+            registry=r,
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+        )
 
     def observe_batch(self, size: int, seconds: float) -> None:
         self.batch_size.observe(size)

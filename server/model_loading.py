@@ -57,15 +57,18 @@ def attention_backend(device: str, requested: str = "auto") -> str:
         from tether.kernels.utils import interpreting
 
         if not device.startswith("cuda") and not interpreting():
-            raise ValueError("--attention triton needs a CUDA device (or TRITON_INTERPRET=1, for tests): use "
-                             "--attention auto or reference")  # fmt: skip
+            raise ValueError(
+                "--attention triton needs a CUDA device (or TRITON_INTERPRET=1, for tests): use "
+                "--attention auto or reference"
+            )
 
         register_backend("triton", moda_backend)
     return name
 
 
-def load(model_dir: str | Path, device: str, dtype: str = "", attention: str = "auto", *,
-         fused: bool | None = None) -> tuple[Transformer, Tokenizer]:  # fmt: skip
+def load(
+    model_dir: str | Path, device: str, dtype: str = "", attention: str = "auto", *, fused: bool | None = None
+) -> tuple[Transformer, Tokenizer]:
     """The model and its tokenizer; dtype "" = bfloat16 on CUDA, float32 elsewhere; attention as in
     `attention_backend`; `fused` (default: on the "triton" backend) applies tether.server.fuse's transform (not
     for a tensor-parallel shard, which re-slices each projection itself)."""

@@ -62,9 +62,11 @@ class ModelWork:
         owner = work_owner()
         with self._lock:
             if self._per_caller[owner] >= self.max_per_caller:
-                raise RequestError(Reason.REASON_CAPACITY,
-                                   f"this caller has {self.max_per_caller} calls waiting for the model",
-                                   retry_after_s=QUEUE_RETRY_S)  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_CAPACITY,
+                    f"this caller has {self.max_per_caller} calls waiting for the model",
+                    retry_after_s=QUEUE_RETRY_S,
+                )
             self._per_caller[owner] += 1
         gone = threading.Event()
         job = functools.partial(fn, *args, stop=gone.is_set) if stoppable else functools.partial(fn, *args)
@@ -86,8 +88,9 @@ class ModelWork:
                 del self._per_caller[owner]
             self._gone.pop(work, None)
 
-    async def wait(self, work: concurrent.futures.Future, claim: Claim | None = None,
-                   here: asyncio.Future | None = None) -> Any:  # fmt: skip
+    async def wait(
+        self, work: concurrent.futures.Future, claim: Claim | None = None, here: asyncio.Future | None = None
+    ) -> Any:
         """The result of `work` (from `here`, its outcome on this loop, when the batcher gave one)."""
         self._track(work)
         # A wrapped Future is shielded (cancelling it would cancel `work` from the loop's side, after the fact);

@@ -98,10 +98,24 @@ class PlainSteps:
 class PlainDecoder:
     """Generate's and the HTTP API's decoding (see the module docstring)."""
 
-    def __init__(self, target, config, table: SessionTable, work: ModelWork, batcher: RoundBatcher, check: Checks,
-                 eos_ids: tuple[int, ...]):  # fmt: skip
-        self.target, self.config, self.table, self.work, self.batcher, self.check = (target, config, table, work,
-                                                                                     batcher, check)  # fmt: skip
+    def __init__(
+        self,
+        target,
+        config,
+        table: SessionTable,
+        work: ModelWork,
+        batcher: RoundBatcher,
+        check: Checks,
+        eos_ids: tuple[int, ...],
+    ):
+        self.target, self.config, self.table, self.work, self.batcher, self.check = (
+            target,
+            config,
+            table,
+            work,
+            batcher,
+            check,
+        )
         self.eos_ids = eos_ids  # every end-of-text id of the model
         self.generating = 0  # server-only generations decoding now (event loop only: no lock)
         self.server_part: ServerDrafter | None = None  # the drafter part the verifier makes deltas with (none here)
@@ -124,10 +138,17 @@ class PlainDecoder:
         """The ids that end a generation: the request's stop tokens, and the end-of-text ids unless it ignores them."""
         return frozenset(() if sampling.ignore_eos else self.eos_ids) | frozenset(sampling.stop_token_ids)
 
-    async def decode(self, prompt: list[int], sampling: pb.SamplingParams, max_new_tokens: int = 0, *,
-                     released: Callable[[], None] | None = None, stop_ids: Collection[int] = (),
-                     logprobs: list[TokenLogprobs] | None = None,
-                     top_logprobs: int = 0) -> AsyncIterator[list[int]]:  # fmt: skip
+    async def decode(
+        self,
+        prompt: list[int],
+        sampling: pb.SamplingParams,
+        max_new_tokens: int = 0,
+        *,
+        released: Callable[[], None] | None = None,
+        stop_ids: Collection[int] = (),
+        logprobs: list[TokenLogprobs] | None = None,
+        top_logprobs: int = 0,
+    ) -> AsyncIterator[list[int]]:
         """Server-only decoding of a checked prompt and sampling (`check_generation`): the target's tokens in chunks
         as they are decided, the first one alone right after the prefill; `max_new_tokens` (0: the server's limit) at
         most, ending after the first token of `stop_ids` (the caller's end-of-text ids and stop tokens; empty: only
@@ -138,9 +159,15 @@ class PlainDecoder:
         generator = torch.Generator().manual_seed(sampling.seed)
         # Through the paged pool (and so through a tensor-parallel target too), given back when the stream ends.
         cache = self.table.lend(len(prompt) + n)
-        ver = SequenceVerifier(self.target, self.server_part, capacity=cache.capacity,
-                               controls=sampling_controls(sampling), generator=generator, cache=cache,
-                               logprobs=None if logprobs is None else top_logprobs)  # fmt: skip
+        ver = SequenceVerifier(
+            self.target,
+            self.server_part,
+            capacity=cache.capacity,
+            controls=sampling_controls(sampling),
+            generator=generator,
+            cache=cache,
+            logprobs=None if logprobs is None else top_logprobs,
+        )
 
         def reported(chunk: list[int]) -> list[int]:
             if logprobs is not None:  # the verifier reported every token decided, the chunk's first

@@ -69,11 +69,14 @@ def resolve_kv_pool(
     read after the models loaded, or one pair per tensor-parallel rank; needed for auto on CUDA, checked against an
     explicit size when given."""
     if kv_pool_mb < 0:
-        raise ValueError(f"--kv-pool-mb is 0 (auto: a share of the free device memory) or a size in MB, got "
-                         f"{kv_pool_mb}")  # fmt: skip
+        raise ValueError(
+            f"--kv-pool-mb is 0 (auto: a share of the free device memory) or a size in MB, got {kv_pool_mb}"
+        )
     if not 0 < share < 1:
-        raise ValueError(f"--kv-pool-share is the part of the free device memory an auto KV pool takes, above 0 and "
-                         f"below 1 (default {DEFAULT_SHARE}), got {share}")  # fmt: skip
+        raise ValueError(
+            f"--kv-pool-share is the part of the free device memory an auto KV pool takes, above 0 and "
+            f"below 1 (default {DEFAULT_SHARE}), got {share}"
+        )
     if engines < 1 or tp < 1:
         raise ValueError(f"engines and tp are at least 1, got {engines} and {tp}")
     ranks = _ranks(mem_info, tp)
@@ -82,27 +85,34 @@ def resolve_kv_pool(
     per_rank = " per rank" if tp > 1 else ""
     if kv_pool_mb > 0:
         if free is not None and kv_pool_mb * MB > free:
-            raise ValueError(f"--kv-pool-mb {kv_pool_mb} asks for more than the {free // MB:,} MB free on {where} "
-                             f"after loading the models: give a smaller size, or 0 for auto ({share:.0%} of the "
-                             "free memory)")  # fmt: skip
+            raise ValueError(
+                f"--kv-pool-mb {kv_pool_mb} asks for more than the {free // MB:,} MB free on {where} "
+                f"after loading the models: give a smaller size, or 0 for auto ({share:.0%} of the "
+                "free memory)"
+            )
         split = f": this engine's share of --kv-pool-mb over {engines} engines" if engines > 1 else " (--kv-pool-mb)"
         return PoolBudget(kv_pool_mb * MB, f"KV pool {kv_pool_mb:,} MB{per_rank}{split}", auto=False)
     how = "(auto; --kv-pool-mb sets it)"
     over = f" over {engines} engines" if engines > 1 else ""
     if not device.startswith("cuda"):
         mb = max(1, CPU_DEFAULT_MB // engines)
-        return PoolBudget(mb * MB, f"KV pool {mb:,} MB{per_rank}: the {CPU_DEFAULT_MB} MB default on {device}{over} "
-                          f"{how}", auto=True)  # fmt: skip
+        return PoolBudget(
+            mb * MB, f"KV pool {mb:,} MB{per_rank}: the {CPU_DEFAULT_MB} MB default on {device}{over} {how}", auto=True
+        )
     if free is None:
-        raise ValueError(f"an auto KV pool on {device} needs its free memory (torch.cuda.mem_get_info, read after the "
-                         "models load): pass mem_info")  # fmt: skip
+        raise ValueError(
+            f"an auto KV pool on {device} needs its free memory (torch.cuda.mem_get_info, read after the "
+            "models load): pass mem_info"
+        )
     mb = int(share * free) // engines // MB
     if mb < MIN_AUTO_MB:
         total = min(t for _, t in ranks)
-        raise ValueError(f"{device} has {free // MB:,} MB free of {total // MB:,} MB after loading the models: an "
-                         f"auto KV pool ({share:.0%}{over}) would be {mb} MB, below the {MIN_AUTO_MB} MB it needs. "
-                         "Free the GPU (another process holds memory? see nvidia-smi), run fewer --engines, or set "
-                         "--kv-pool-mb to an explicit size")  # fmt: skip
+        raise ValueError(
+            f"{device} has {free // MB:,} MB free of {total // MB:,} MB after loading the models: an "
+            f"auto KV pool ({share:.0%}{over}) would be {mb} MB, below the {MIN_AUTO_MB} MB it needs. "
+            "Free the GPU (another process holds memory? see nvidia-smi), run fewer --engines, or set "
+            "--kv-pool-mb to an explicit size"
+        )
     note = f"KV pool {mb:,} MB{per_rank}: {share:.0%} of {free // MB:,} MB free on {where}{over} {how}"
     return PoolBudget(mb * MB, note, auto=True)
 

@@ -55,8 +55,9 @@ async def resync(engine: Engine, req: pb.ResyncRequest, caller: str) -> pb.Resyn
             return await _extend(engine, held, claim, V, offline, req.rewind)
     history = engine.check.tokens(req.history, "history", c.max_prompt_tokens + c.max_new_tokens)
     if not history or len(history) != V:
-        raise RequestError(Reason.REASON_HISTORY_REQUIRED,
-                           "session not held here: resend with the full verified history")  # fmt: skip
+        raise RequestError(
+            Reason.REASON_HISTORY_REQUIRED, "session not held here: resend with the full verified history"
+        )
     prompt_len = req.prompt_length if req.HasField("prompt_length") else V
     if prompt_len > V:
         raise invalid(f"prompt_length must be at most {V}, the history's length")
@@ -70,8 +71,9 @@ async def resync(engine: Engine, req: pb.ResyncRequest, caller: str) -> pb.Resyn
             prefill = functools.partial(session.verifier.open, history, prompt_len=prompt_len)
             await engine.in_thread(prefill, claim=claim, stoppable=True)
         except (ValueError, PoolExhausted) as e:
-            raise RequestError(Reason.REASON_CAPACITY, f"no KV memory to rebuild the session: {e}",
-                               retry_after_s=POOL_RETRY_S) from None  # fmt: skip
+            raise RequestError(
+                Reason.REASON_CAPACITY, f"no KV memory to rebuild the session: {e}", retry_after_s=POOL_RETRY_S
+            ) from None
         engine.metrics.opened.inc()
         reply = await _absorb(engine, session, claim, V, offline, req.rewind, rebuilt=True)
         claim.keep()
@@ -83,36 +85,47 @@ async def _extend(engine: Engine, session: Session, claim: Claim, V: int, offlin
     async with claim:
         ver = session.verifier
         if V > ver.length:
-            raise RequestError(Reason.REASON_OUT_OF_ORDER,
-                               f"client claims {V} verified positions, the server holds {ver.length}")  # fmt: skip
+            raise RequestError(
+                Reason.REASON_OUT_OF_ORDER, f"client claims {V} verified positions, the server holds {ver.length}"
+            )
         if len(offline) > ver.cache.capacity - V:
             raise RequestError(Reason.REASON_SESSION_FULL, "too many offline tokens for this session")
         return await _absorb(engine, session, claim, V, offline, rewind, rebuilt=False)
 
 
-async def _absorb(engine: Engine, session: Session, claim: Claim, V: int, offline: list[int], rewind: bool, *,
-                  rebuilt: bool) -> pb.ResyncReply:  # fmt: skip
+async def _absorb(
+    engine: Engine, session: Session, claim: Claim, V: int, offline: list[int], rewind: bool, *, rebuilt: bool
+) -> pb.ResyncReply:
     try:
         disagreement, next_token, delta = await engine.in_thread(
             functools.partial(session.verifier.absorb, V, offline, rewind=rewind), claim=claim
         )
     except PoolExhausted:
-        raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly",
-                           retry_after_s=POOL_RETRY_S) from None  # fmt: skip
+        raise RequestError(
+            Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", retry_after_s=POOL_RETRY_S
+        ) from None
     payload = await engine.in_thread(engine.encode_delta, delta, session.codec)
     session.root = next_token
     session.last_round, session.last_reply = 0, None  # round numbering restarts after a resync
     session.resyncs += 1
-    reply = pb.ResyncReply(session_id=session.id, resume_token=session.resume_token, rebuilt=rebuilt,
-                           first_disagreement=disagreement, target_token=next_token,
-                           verified_length=session.verifier.length, delta=payload)  # fmt: skip
+    reply = pb.ResyncReply(
+        session_id=session.id,
+        resume_token=session.resume_token,
+        rebuilt=rebuilt,
+        first_disagreement=disagreement,
+        target_token=next_token,
+        verified_length=session.verifier.length,
+        delta=payload,
+    )
     if reported := taken_logprobs(session.verifier, 1):  # the next token's; a rebuild's prefill reports dropped
         reply.target_logprob.CopyFrom(reported[0])
     # Refused here rather than failing in gRPC's send: a client that retries from its verified length with
     # fewer tokens gets the same state (the cache is truncated to that length first).
     if reply.ByteSize() > engine.config.max_message_bytes - 1024:
         limit = engine.config.max_message_bytes
-        raise RequestError(Reason.REASON_REPLY_TOO_LARGE,
-                           f"the reply for {len(offline)} offline tokens would take {reply.ByteSize()} bytes, over "
-                           f"the {limit}-byte message limit: resync fewer tokens per call")  # fmt: skip
+        raise RequestError(
+            Reason.REASON_REPLY_TOO_LARGE,
+            f"the reply for {len(offline)} offline tokens would take {reply.ByteSize()} bytes, over "
+            f"the {limit}-byte message limit: resync fewer tokens per call",
+        )
     return reply

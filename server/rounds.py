@@ -90,8 +90,18 @@ class BatchCacheView:
             pv[i, :L] = vv[0, :L]
         return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        depth_k: Tensor | None,
+        depth_v: Tensor | None,
+        *,
+        scale: float,
+        tree_mask: Tensor | None,
+    ) -> None:
         """A gathering view (PagedBatchView too): the model writes the rows and runs its attention backend."""
         return None
 
@@ -230,8 +240,9 @@ def step_batch(caches: Sequence[PagedCache], trees: Sequence[DraftTree]) -> Step
 
 
 @contextlib.contextmanager
-def forward_rows(target: Target, caches: list, trees: Sequence[DraftTree], *,
-                 states: bool) -> Iterator[tuple[ForwardOutput, Tensor | None]]:  # fmt: skip
+def forward_rows(
+    target: Target, caches: list, trees: Sequence[DraftTree], *, states: bool
+) -> Iterator[tuple[ForwardOutput, Tensor | None]]:
     """One forward of each tree after its cache's committed rows (their K/V written as pending rows). Yields the
     ForwardOutput (row i, token j: trees[i]'s node j; rows padded) and, from a fixed-shape step, every row's greedy
     verdict packed as tether.shared.acceptance.pack does (else None). Valid inside the `with` only."""
@@ -260,20 +271,28 @@ def forward_rows(target: Target, caches: list, trees: Sequence[DraftTree], *,
         mask[i, :n, base : base + n] = tree.ancestor_mask()
         mask[i, torch.arange(n, tq), base + torch.arange(n, tq)] = True  # padding sees itself only
     with MODEL_COMPUTE.measure():
-        out = target.run(tokens.to(dev), cache=view, positions=positions.to(dev), tree_mask=mask.to(dev),
-                         hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+        out = target.run(
+            tokens.to(dev),
+            cache=view,
+            positions=positions.to(dev),
+            tree_mask=mask.to(dev),
+            hidden_layers=(target.cfg.n_layers,) if states else (),
+            return_kv=states,
+        )
     yield out, None
 
 
-def gather_deltas(out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, list[int], list[int]]], *,
-                  host: bool = False) -> list[DraftDelta]:  # fmt: skip
+def gather_deltas(
+    out: ForwardOutput, drafter, rows: Sequence[tuple[int, int, list[int], list[int]]], *, host: bool = False
+) -> list[DraftDelta]:
     """Each row's delta from one forward: rows are (batch row, start position, node offsets, their tokens). The
     rows' states are gathered on the device and the drafter's server part runs once over all of them; `host`
     copies the result to pinned host memory in one go (encoding then never waits on the GPU)."""
     T = out.logits.shape[1]
     idx = torch.tensor([b * T + j for b, _, path, _ in rows for j in path], device=out.logits.device)
-    flat = TargetStates(k=out.k.flatten(1, 2)[:, idx], v=out.v.flatten(1, 2)[:, idx],
-                        hidden=out.hidden[0].flatten(0, 1)[idx])  # fmt: skip
+    flat = TargetStates(
+        k=out.k.flatten(1, 2)[:, idx], v=out.v.flatten(1, 2)[:, idx], hidden=out.hidden[0].flatten(0, 1)[idx]
+    )
     with MODEL_COMPUTE.measure():
         tensors = drafter.server_delta(flat, 0, [t for *_, tokens in rows for t in tokens]).tensors
     if host:
@@ -308,8 +327,9 @@ def every_token_delta(out: ForwardOutput, drafter, rows: int, runner: StepRunner
     return _to_host(part, sync=False)
 
 
-def slice_deltas(tensors: dict[str, Tensor], T: int,
-                 rows: Sequence[tuple[int, int, list[int], list[int]]]) -> list[ArrayDelta]:  # fmt: skip
+def slice_deltas(
+    tensors: dict[str, Tensor], T: int, rows: Sequence[tuple[int, int, list[int], list[int]]]
+) -> list[ArrayDelta]:
     """Each row's delta out of every_token_delta's tensors (after the stream has reached them), as numpy arrays of
     bfloat16 bits, the form the wire sends (ArrayDelta, as a client decodes it). One gather per tensor for the whole
     step takes every row's accepted positions, in row order (fp32 tensors, on the CPU, are converted after it: only
@@ -368,10 +388,16 @@ def _verify_rows(target: Target, items: list[tuple[RoundSequence, DraftTree]], h
                 early = every_token_delta(out, next(iter(drafters.values())), len(items), runner)
             verdicts = unpack_verdicts(trees, host_copy(greedy))  # the one wait: the deltas' copies came before it
         else:
-            verdicts = verify_rows(trees, out.logits[: len(items)], [c.temperature for c in controls],
-                                   [c.top_p for c in controls], [ver.generator for ver, _ in items],
-                                   [c.top_k for c in controls], min_ps=[c.min_p for c in controls],
-                                   processing=[ver.processing_at(tree._tokens[0]) for ver, tree in items])  # fmt: skip
+            verdicts = verify_rows(
+                trees,
+                out.logits[: len(items)],
+                [c.temperature for c in controls],
+                [c.top_p for c in controls],
+                [ver.generator for ver, _ in items],
+                [c.top_k for c in controls],
+                min_ps=[c.min_p for c in controls],
+                processing=[ver.processing_at(tree._tokens[0]) for ver, tree in items],
+            )
         # One pass over the rows: each verdict's emitted tokens once (the delta's and the record's), its drafter.
         ok: list[int] = []
         emitted: dict[int, list[int]] = {}

@@ -175,8 +175,10 @@ def check_free(address: str) -> None:
     """A CommandError when something already listens on `address` ("host:port", "[v6]:port")."""
     host, _, port = address.rpartition(":")
     if port.isdigit() and address_in_use(host, int(port)):
-        raise CommandError(Refusal.ADDRESS_IN_USE, f"{address} is in use by another process: stop it, or listen on "
-                           "another port (0: any free one)")  # fmt: skip
+        raise CommandError(
+            Refusal.ADDRESS_IN_USE,
+            f"{address} is in use by another process: stop it, or listen on another port (0: any free one)",
+        )
 
 
 def make_server(

@@ -105,8 +105,12 @@ class ServeConfig:
 
 
 # The fields that take one of a fixed set of values, and those whose values a function checks (the CLI's flags).
-CHOICES = {"dtype": ("", *DTYPES), "attention": ("auto", "triton", "reference", "sdpa"), "log_format": ("text", "json"),
-           "log_level": ("debug", "info", "warning", "error")}  # fmt: skip
+CHOICES = {
+    "dtype": ("", *DTYPES),
+    "attention": ("auto", "triton", "reference", "sdpa"),
+    "log_format": ("text", "json"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
 TYPES = {
     "host": host("--port"),
     "http_host": host("--http-port"),
@@ -117,9 +121,21 @@ TYPES = {
 
 # The flags of `tether-server warm`: what decides which kernels the warm-up compiles, and where they go.
 WARM_FIELDS = (
-    "model", "revision", "drafter", "device", "dtype", "attention", "kv_pool_mb", "kv_pool_share", "kv_block_size",
-    "prefill_chunk", "cache_dir", "round_graph_tokens", "log_format", "log_level",
-)  # fmt: skip
+    "model",
+    "revision",
+    "drafter",
+    "device",
+    "dtype",
+    "attention",
+    "kv_pool_mb",
+    "kv_pool_share",
+    "kv_block_size",
+    "prefill_chunk",
+    "cache_dir",
+    "round_graph_tokens",
+    "log_format",
+    "log_level",
+)
 
 
 SERVER_DRAFT_NEEDS_DRAFTER = "--server-draft drafts with the drafter on the server: give it one, not --drafter none"
@@ -162,12 +178,19 @@ def service_config(cfg: ServeConfig) -> ServiceConfig:
     # Auto is the CPU's fixed default here: the engine sizes the pool from the device's free memory once the models
     # are loaded (pool_budget.resolve_kv_pool). Both flags are checked here, before anything loads.
     pool = resolve_kv_pool(cfg.kv_pool_mb, cfg.kv_pool_share, "cpu", engines=cfg.engines)
-    return ServiceConfig(max_sessions=cfg.max_sessions, api_keys=read_api_keys(cfg.api_keys), model_id=model_name(cfg),
-                         max_sessions_per_key=cfg.max_sessions_per_key, session_lease_s=cfg.session_lease_s,
-                         stream_idle_s=cfg.stream_idle_s, max_streams=cfg.max_streams,
-                         max_model_calls_per_caller=cfg.max_model_calls_per_caller,
-                         kv_pool_bytes=pool.bytes, kv_block_size=cfg.kv_block_size,
-                         prefill_chunk=cfg.prefill_chunk)  # fmt: skip
+    return ServiceConfig(
+        max_sessions=cfg.max_sessions,
+        api_keys=read_api_keys(cfg.api_keys),
+        model_id=model_name(cfg),
+        max_sessions_per_key=cfg.max_sessions_per_key,
+        session_lease_s=cfg.session_lease_s,
+        stream_idle_s=cfg.stream_idle_s,
+        max_streams=cfg.max_streams,
+        max_model_calls_per_caller=cfg.max_model_calls_per_caller,
+        kv_pool_bytes=pool.bytes,
+        kv_block_size=cfg.kv_block_size,
+        prefill_chunk=cfg.prefill_chunk,
+    )
 
 
 def model_name(cfg: ServeConfig) -> str:

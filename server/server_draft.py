@@ -50,8 +50,10 @@ def on_device(delta: DraftDelta | ArrayDelta, device: torch.device) -> DraftDelt
     drafter's device; a delta already in torch as it is."""
     if not isinstance(delta, ArrayDelta):
         return delta
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(device)
-               for k, a in delta.tensors.items()}  # fmt: skip
+    tensors = {
+        k: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(device)
+        for k, a in delta.tensors.items()
+    }
     return DraftDelta(delta.start, list(delta.tokens), tensors)
 
 
@@ -77,8 +79,9 @@ class DraftStats:
 class DraftedSteps(PlainSteps):
     """One server-draft generation's rounds (see the module docstring): PlainSteps whose tokens come from drafts."""
 
-    def __init__(self, ver: SequenceVerifier, decoder: ServerDraftDecoder, spec: SpeculativeEngine,
-                 generator: torch.Generator):  # fmt: skip
+    def __init__(
+        self, ver: SequenceVerifier, decoder: ServerDraftDecoder, spec: SpeculativeEngine, generator: torch.Generator
+    ):
         super().__init__(ver, decoder.work, decoder.batcher)
         self.spec = spec  # its drafter is this stream's own
         self.generator = generator  # the drafts' sampling stream

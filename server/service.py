@@ -150,7 +150,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 tensors=[
                     pb.TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes, sha256=e.sha256)
                     for e in manifest
-                ],  # fmt: skip
+                ],
                 format=request.format,
             )
         )
@@ -192,8 +192,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 except asyncio.CancelledError:
                     if not watch.expired():
                         raise
-                    e = RequestError(Reason.REASON_STREAM_IDLE,
-                                     f"the stream sent nothing for {watch.idle_s:g} s; reconnect")  # fmt: skip
+                    e = RequestError(
+                        Reason.REASON_STREAM_IDLE, f"the stream sent nothing for {watch.idle_s:g} s; reconnect"
+                    )
                     await self._abort(context, e, "session", session.id if session else "")
                 kind = message.WhichOneof("body")
                 round_no = message.round.round if kind == "round" else 0
@@ -219,8 +220,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                     replies = [inline(e, round_no)]
                 except Exception as e:  # a bug must cost one message, not the stream or the server
                     log.exception("internal error", extra={"event": "error", "session": session.id if session else ""})
-                    replies = [inline(RequestError(Reason.REASON_INTERNAL, f"internal error: {type(e).__name__}"),
-                                      round_no)]  # fmt: skip
+                    replies = [
+                        inline(RequestError(Reason.REASON_INTERNAL, f"internal error: {type(e).__name__}"), round_no)
+                    ]
                 for reply in replies:
                     yield reply
                 unanswered = None
@@ -248,16 +250,30 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 first, delta = await self.engine.in_thread(session.verifier.open, prompt, claim=claim, stoppable=True)
                 parts = await self.engine.in_thread(self.engine.delta_parts, delta, codec)
             except (ValueError, PoolExhausted) as e:
-                raise RequestError(Reason.REASON_CAPACITY, f"no KV memory for the prompt: {e}",
-                                   retry_after_s=POOL_RETRY_S) from None  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_CAPACITY, f"no KV memory for the prompt: {e}", retry_after_s=POOL_RETRY_S
+                ) from None
             session.root = first
             claim.keep()
         self.engine.metrics.opened.inc()
-        log.info("session opened", extra={"event": "open", "session": session.id, "key": caller[:12],
-                                           "prompt_tokens": len(prompt),
-                                           "temperature": req.sampling.temperature})  # fmt: skip
-        opened = pb.Opened(request_id=req.request_id, session_id=session.id, resume_token=session.resume_token,
-                           first_token=first, delta=parts[0], delta_parts=len(parts) - 1)  # fmt: skip
+        log.info(
+            "session opened",
+            extra={
+                "event": "open",
+                "session": session.id,
+                "key": caller[:12],
+                "prompt_tokens": len(prompt),
+                "temperature": req.sampling.temperature,
+            },
+        )
+        opened = pb.Opened(
+            request_id=req.request_id,
+            session_id=session.id,
+            resume_token=session.resume_token,
+            first_token=first,
+            delta=parts[0],
+            delta_parts=len(parts) - 1,
+        )
         if reported := taken_logprobs(session.verifier, 1):
             opened.first_logprob.CopyFrom(reported[0])
         return session, [pb.ServerMessage(opened=opened)] + [pb.ServerMessage(delta=p) for p in parts[1:]]
@@ -269,8 +285,12 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         session = self.engine.owned(req.session_id, caller)
         self.engine.check_resume_token(session, req.resume_token)
         async with await self.engine.table.claim(session):
-            attached = pb.Attached(session_id=session.id, verified_length=session.verifier.length,
-                                   root=session.root, last_round=session.last_round)  # fmt: skip
+            attached = pb.Attached(
+                session_id=session.id,
+                verified_length=session.verifier.length,
+                root=session.root,
+                last_round=session.last_round,
+            )
             epoch = session.resyncs
         return session, epoch, pb.ServerMessage(attached=attached)
 
@@ -287,33 +307,44 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             stands = (s.last_round + 1, s.root, s.verifier.length)
             if req.after_length and (req.round, req.root, req.after_length) != stands:
                 # Sent before the verdict of the round before it, on a guess of that verdict which did not hold.
-                raise RequestError(Reason.REASON_STALE_ROUND,
-                                   f"round {req.round} assumed {req.after_length} verified positions and root "
-                                   f"{req.root}; the session stands at {s.verifier.length}, root {s.root}")  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_STALE_ROUND,
+                    f"round {req.round} assumed {req.after_length} verified positions and root "
+                    f"{req.root}; the session stands at {s.verifier.length}, root {s.root}",
+                )
             if req.round != s.last_round + 1:
-                raise RequestError(Reason.REASON_OUT_OF_ORDER,
-                                   f"round {req.round} out of order: expected {s.last_round + 1}")  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_OUT_OF_ORDER, f"round {req.round} out of order: expected {s.last_round + 1}"
+                )
             if req.root != s.root:
-                raise RequestError(Reason.REASON_OUT_OF_ORDER,
-                                   f"round root {req.root} is not the last decided token {s.root}")  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_OUT_OF_ORDER, f"round root {req.root} is not the last decided token {s.root}"
+                )
             tree = self.engine.check.draft_tree(req, c.max_draft_tokens)
             if len(tree) > s.verifier.room:
-                raise RequestError(Reason.REASON_SESSION_FULL,
-                                   f"{len(tree)} tokens do not fit the {s.verifier.room} positions left")  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_SESSION_FULL, f"{len(tree)} tokens do not fit the {s.verifier.room} positions left"
+                )
             try:
                 with self.engine.metrics.verify_seconds.time():
                     # The reply is made on the batcher's thread, straight after the step; a front end carrying the
                     # call encodes its delta (VERDICT_FRAMES), which takes that work off the engine.
                     framed = VERDICT_FRAMES.get() and s.verifier.logprobs is None
-                    finish = functools.partial(self._verdict_frame if framed else self._verdict_reply, req.round,
-                                               s.codec, bool(req.parents), s.verifier)  # fmt: skip
+                    finish = functools.partial(
+                        self._verdict_frame if framed else self._verdict_reply,
+                        req.round,
+                        s.codec,
+                        bool(req.parents),
+                        s.verifier,
+                    )
                     work, here = self.engine.batcher.submit_here(s.verifier, tree, finish)
                     verdict, message = await self.engine.work.wait(work, claim, here)
             except ValueError as e:
                 raise invalid(str(e)) from None
             except PoolExhausted:
-                raise RequestError(Reason.REASON_CAPACITY, "the KV pool is full; try again shortly",
-                                   retry_after_s=POOL_RETRY_S) from None  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", retry_after_s=POOL_RETRY_S
+                ) from None
             m = self.engine.metrics
             m.rounds.inc()
             m.drafted.inc(len(tree) - 1)
@@ -322,8 +353,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             s.root, s.last_round, s.last_reply = verdict.bonus, req.round, message
             return message
 
-    def _verdict_reply(self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier,
-                       result: tuple) -> tuple:  # fmt: skip
+    def _verdict_reply(
+        self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier, result: tuple
+    ) -> tuple:
         """(verdict, its ServerMessage) from a round's (verdict, delta). A tree round's reply names the accepted
         nodes (`path`, the root left out); a chain round's is what it has always been. With logprobs asked, the
         round's emitted tokens' entries go with it."""
@@ -332,9 +364,14 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             payload = self.engine.encode_delta(delta, codec)
         except CodecError as e:  # the session's codec was checked at open: this is the server's fault, not the call's
             raise RuntimeError(f"encoding a round's delta failed: {e}") from e
-        v = pb.Verdict(round=round_no, accepted=verdict.accepted, bonus=verdict.bonus, delta=payload,
-                       path=verdict.path[1:] if tree_round else (),
-                       logprobs=taken_logprobs(verifier, verdict.accepted + 1))  # fmt: skip
+        v = pb.Verdict(
+            round=round_no,
+            accepted=verdict.accepted,
+            bonus=verdict.bonus,
+            delta=payload,
+            path=verdict.path[1:] if tree_round else (),
+            logprobs=taken_logprobs(verifier, verdict.accepted + 1),
+        )
         return verdict, pb.ServerMessage(verdict=v)
 
     def _again(self, reply: pb.ServerMessage | VerdictFrame) -> pb.ServerMessage | VerdictFrame:
@@ -344,8 +381,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             return pb.ServerMessage.FromString(verdict_message(reply.payload)[0])
         return reply
 
-    def _verdict_frame(self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier,
-                       result: tuple) -> tuple:  # fmt: skip
+    def _verdict_frame(
+        self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier, result: tuple
+    ) -> tuple:
         """_verdict_reply's reply as a VERDICT frame for the front end carrying the call, which encodes its delta
         (torch tensors first become the bfloat16 bits encode_delta would send)."""
         verdict, delta = result
@@ -362,10 +400,17 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         except RequestError as e:
             await self._abort(context, e, "resync", request.session_id if is_session_id(request.session_id) else "")
         self.engine.metrics.resyncs.labels(outcome="rebuilt" if reply.rebuilt else "extended").inc()
-        log.info("session resynced", extra={"event": "resync", "session": reply.session_id, "rebuilt": reply.rebuilt,
-                                            "offline_tokens": len(request.offline_tokens),
-                                            "first_disagreement": reply.first_disagreement,
-                                            "verified_length": reply.verified_length})  # fmt: skip
+        log.info(
+            "session resynced",
+            extra={
+                "event": "resync",
+                "session": reply.session_id,
+                "rebuilt": reply.rebuilt,
+                "offline_tokens": len(request.offline_tokens),
+                "first_disagreement": reply.first_disagreement,
+                "verified_length": reply.verified_length,
+            },
+        )
         return reply
 
     async def Generate(self, request: pb.OpenSession, context) -> AsyncIterator[pb.GeneratedTokens]:
@@ -377,9 +422,14 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             await self._abort(context, e, "generate")
         top = requested_logprobs(request.sampling)  # checked by check_generation
         reported = None if top is None else []
-        chunks = self.engine.decoding.decode(prompt, request.sampling, request.max_new_tokens, logprobs=reported,
-                                            stop_ids=self.engine.decoding.stop_ids(request.sampling),
-                                            top_logprobs=top or 0)  # fmt: skip
+        chunks = self.engine.decoding.decode(
+            prompt,
+            request.sampling,
+            request.max_new_tokens,
+            logprobs=reported,
+            stop_ids=self.engine.decoding.stop_ids(request.sampling),
+            top_logprobs=top or 0,
+        )
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

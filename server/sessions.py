@@ -242,16 +242,19 @@ class SessionTable:
             if owner and len(mine) >= lim.max_sessions_per_key:
                 idle = [s.last_used for s in mine if not s.busy]
                 wait = max(0.1, min(idle) + lim.lease_s - self.clock()) if idle else BUSY_RETRY_S
-                raise RequestError(Reason.REASON_KEY_QUOTA,
-                                   f"this key holds {len(mine)} sessions, the limit is {lim.max_sessions_per_key}",
-                                   retry_after_s=wait)  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_KEY_QUOTA,
+                    f"this key holds {len(mine)} sessions, the limit is {lim.max_sessions_per_key}",
+                    retry_after_s=wait,
+                )
         while True:
             with self._lock:
                 if len(self._sessions) < lim.max_sessions:
                     return
             if not self._evict_lru("sessions"):
-                raise RequestError(Reason.REASON_CAPACITY, f"all {lim.max_sessions} sessions are busy",
-                                   retry_after_s=BUSY_RETRY_S)  # fmt: skip
+                raise RequestError(
+                    Reason.REASON_CAPACITY, f"all {lim.max_sessions} sessions are busy", retry_after_s=BUSY_RETRY_S
+                )
 
     def _evict_lru(self, reason: str) -> bool:
         """Evict the least recently used idle session; False when every session is busy."""
@@ -288,8 +291,10 @@ class SessionTable:
         if self.metrics is not None and reason != "closed":
             self.metrics.evictions.labels(reason=reason).inc()
         event = "close" if reason == "closed" else "evict"
-        log.info(f"session {'closed' if reason == 'closed' else 'evicted'}",
-                 extra={"event": event, "session": session.id, "reason": reason, "length": length})  # fmt: skip
+        log.info(
+            f"session {'closed' if reason == 'closed' else 'evicted'}",
+            extra={"event": event, "session": session.id, "reason": reason, "length": length},
+        )
 
     def _count(self) -> None:
         if self.metrics is not None:

@@ -121,8 +121,9 @@ class _Graph:
         B, T, W, _ = self.bucket
         if self.copied is not None:
             self.copied.synchronize()
-        tokens, positions, parents, slots, lens, q_lens, table = np.split(self.host_meta.numpy(),
-                                                                          np.cumsum(self.sizes)[:-1])  # fmt: skip
+        tokens, positions, parents, slots, lens, q_lens, table = np.split(
+            self.host_meta.numpy(), np.cumsum(self.sizes)[:-1]
+        )
         mask = self.host_mask.numpy()
         tokens[:] = 0
         positions[:] = 0
@@ -161,24 +162,41 @@ class _Graph:
         return StepOutput(out, greedy_packed(out.logits, tokens.view(B, T), parents.view(B, T), q_lens))
 
 
-def _forward(runner: StepRunner, shape: Bucket, tokens: Tensor, positions: Tensor, slots: Tensor, lens: Tensor,
-             q_lens: Tensor, table: Tensor, mask: Tensor) -> ForwardOutput:  # fmt: skip
+def _forward(
+    runner: StepRunner,
+    shape: Bucket,
+    tokens: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    lens: Tensor,
+    q_lens: Tensor,
+    table: Tensor,
+    mask: Tensor,
+) -> ForwardOutput:
     """The target's forward of a step of `shape` from its device tensors (flat tokens, positions and slots [B * T],
     lens and q_lens [B], table [B * W]; mask [B, T, T]): a bucket's graph and an eager step both run it."""
     B, T, W, states = shape
     # Every new row is scattered, in order (write_rows None): padding into the scratch block.
-    view = PagedKernelView(runner.pool, slots, None, table.view(B, W).to(torch.int32),
-                           lens.to(torch.int32), q_lens.to(torch.int32))  # fmt: skip
+    view = PagedKernelView(
+        runner.pool, slots, None, table.view(B, W).to(torch.int32), lens.to(torch.int32), q_lens.to(torch.int32)
+    )
     target = runner.target
-    return target.run(tokens.view(B, T), cache=view, positions=positions.view(B, T), tree_mask=mask,
-                      hidden_layers=(target.cfg.n_layers,) if states else (), return_kv=states)  # fmt: skip
+    return target.run(
+        tokens.view(B, T),
+        cache=view,
+        positions=positions.view(B, T),
+        tree_mask=mask,
+        hidden_layers=(target.cfg.n_layers,) if states else (),
+        return_kv=states,
+    )
 
 
 def _server_part(drafter, out: ForwardOutput, rows: int) -> dict[str, Tensor]:
     """The drafter's server part over every token of a forward's first `rows` rows: [rows * T] along each
     POSITION_AXIS."""
-    flat = TargetStates(k=out.k[:, :rows].flatten(1, 2), v=out.v[:, :rows].flatten(1, 2),
-                        hidden=out.hidden[0][:rows].flatten(0, 1))  # fmt: skip
+    flat = TargetStates(
+        k=out.k[:, :rows].flatten(1, 2), v=out.v[:, :rows].flatten(1, 2), hidden=out.hidden[0][:rows].flatten(0, 1)
+    )
     return drafter.server_delta(flat, 0, []).tensors
 
 
@@ -324,8 +342,16 @@ class StepRunner:
         b, t = batch.tokens.shape
         w = batch.block_table.shape[1]
         slots = np.where(batch.slots < 0, self.scratch_slot, batch.slots)  # padding: the scratch block
-        flat = np.concatenate([batch.tokens.ravel(), batch.positions.ravel(), slots.ravel(), batch.cache_lens,
-                               batch.q_lens, batch.block_table.ravel()])  # fmt: skip
+        flat = np.concatenate(
+            [
+                batch.tokens.ravel(),
+                batch.positions.ravel(),
+                slots.ravel(),
+                batch.cache_lens,
+                batch.q_lens,
+                batch.block_table.ravel(),
+            ]
+        )
         dev = self.pool.device
         sizes = (b * t, b * t, b * t, b, b, b * w)
         tokens, positions, slots_d, lens, q_lens, table = torch.from_numpy(flat).to(dev).split(sizes)
@@ -339,8 +365,9 @@ class StepRunner:
         width of that shape. Inside a step graph the copies are three more kernels of it."""
         buf = self._states.get((rows, tokens))
         if buf is None:
-            buf = self._states[(rows, tokens)] = ForwardOutput(None, torch.empty_like(out.k), torch.empty_like(out.v),
-                                                               (torch.empty_like(out.hidden[0]),))  # fmt: skip
+            buf = self._states[(rows, tokens)] = ForwardOutput(
+                None, torch.empty_like(out.k), torch.empty_like(out.v), (torch.empty_like(out.hidden[0]),)
+            )
         buf.k.copy_(out.k)
         buf.v.copy_(out.v)
         buf.hidden[0].copy_(out.hidden[0])

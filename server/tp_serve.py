@@ -51,11 +51,19 @@ def _window_of(cache: ForwardCache, n_new: int) -> dict:
     if isinstance(cache, PagedCache):
         cache.reserve(n_new)
         L = cache.length
-        return {"write_slots": cache.slots(L, L + n_new), "write_rows": torch.arange(n_new),
-                "read_slots": cache.slots(0, L)[None]}  # fmt: skip
+        return {
+            "write_slots": cache.slots(L, L + n_new),
+            "write_rows": torch.arange(n_new),
+            "read_slots": cache.slots(0, L)[None],
+        }
     if isinstance(cache, PagedKernelView):
-        return {"write_slots": cache.write_slots, "write_rows": cache.write_rows, "block_table": cache.block_table,
-                "cache_lens": cache.cache_lens, "q_lens": cache.q_lens}  # fmt: skip
+        return {
+            "write_slots": cache.write_slots,
+            "write_rows": cache.write_rows,
+            "block_table": cache.block_table,
+            "cache_lens": cache.cache_lens,
+            "q_lens": cache.q_lens,
+        }
     if hasattr(cache, "slot_view"):
         v = cache.slot_view
         return {"write_slots": v.write_slots, "write_rows": v.write_rows, "read_slots": v.read_slots}
@@ -67,14 +75,19 @@ def _execute(model: Transformer, pool: KVPool, cmd: dict) -> ForwardOutput:
     dev = pool.device
     w = cmd["window"]
     if "block_table" in w:
-        view = PagedKernelView(pool, w["write_slots"], w["write_rows"], w["block_table"], w["cache_lens"],
-                               w["q_lens"])  # fmt: skip
+        view = PagedKernelView(pool, w["write_slots"], w["write_rows"], w["block_table"], w["cache_lens"], w["q_lens"])
     else:
         view = SlotView(pool, w["write_slots"], w["write_rows"], w["read_slots"])
     mask = cmd["tree_mask"]
-    out = model.run(cmd["ids"].to(dev), cache=view, positions=cmd["positions"].to(dev),
-                    tree_mask=None if mask is None else mask.to(dev), hidden_layers=cmd["hidden_layers"],
-                    return_kv=cmd["return_kv"], last_only=cmd["last_only"])  # fmt: skip
+    out = model.run(
+        cmd["ids"].to(dev),
+        cache=view,
+        positions=cmd["positions"].to(dev),
+        tree_mask=None if mask is None else mask.to(dev),
+        hidden_layers=cmd["hidden_layers"],
+        return_kv=cmd["return_kv"],
+        last_only=cmd["last_only"],
+    )
     if cmd["return_kv"]:
         out = dataclasses.replace(out, k=gather_heads(out.k, -2), v=gather_heads(out.v, -2))  # [L, B, T, Hkv, D]
     return out
@@ -187,8 +200,14 @@ class TPTarget:
 
     def make_pool(self, budget_bytes: int, block_size: int) -> KVPool:
         """The pool shard of rank 0; followers build theirs from the same arguments (`follow`)."""
-        self.pool = TPPool.for_budget(self.model.cfg, budget_bytes, block_size, device=self.model.device,
-                                      dtype=self.model.embed_tokens.weight.dtype, broadcast=self.broadcast)  # fmt: skip
+        self.pool = TPPool.for_budget(
+            self.model.cfg,
+            budget_bytes,
+            block_size,
+            device=self.model.device,
+            dtype=self.model.embed_tokens.weight.dtype,
+            broadcast=self.broadcast,
+        )
         return self.pool
 
     @torch.inference_mode()
@@ -208,9 +227,16 @@ class TPTarget:
             window = {name: t.cpu() for name, t in _window_of(cache, T).items()}
             if positions is None:
                 positions = torch.arange(cache.length, cache.length + T)
-            cmd = {"op": "run", "ids": input_ids.cpu(), "positions": positions.cpu().view(-1, T),
-                   "tree_mask": None if tree_mask is None else tree_mask.cpu(), "window": window,
-                   "hidden_layers": tuple(hidden_layers), "return_kv": return_kv, "last_only": last_only}  # fmt: skip
+            cmd = {
+                "op": "run",
+                "ids": input_ids.cpu(),
+                "positions": positions.cpu().view(-1, T),
+                "tree_mask": None if tree_mask is None else tree_mask.cpu(),
+                "window": window,
+                "hidden_layers": tuple(hidden_layers),
+                "return_kv": return_kv,
+                "last_only": last_only,
+            }
             dist.broadcast_object_list([cmd], src=0, group=self.cmd_group)
             return _execute(self.model, self.pool, cmd)
 
@@ -260,8 +286,9 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, budget: int,
-                   block: int, attention: str) -> None:  # fmt: skip
+def _follower_main(
+    rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, budget: int, block: int, attention: str
+) -> None:
     # Rank 0 decides when to stop (a terminal's Ctrl-C reaches the whole process group); if rank 0 dies without
     # saying so, a follower must not linger holding a GPU.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -286,8 +313,9 @@ def _follower_main(rank: int, world: int, port: int, model_dir: str, device: str
         dist.destroy_process_group()
 
 
-def start_followers(world: int, model_dir: str, device: str, dtype: str, budget: int, block: int,
-                    attention: str = "auto") -> tuple[list, int]:  # fmt: skip
+def start_followers(
+    world: int, model_dir: str, device: str, dtype: str, budget: int, block: int, attention: str = "auto"
+) -> tuple[list, int]:
     """Start ranks 1..world-1 as fresh processes (the same model, dtype and attention backend as rank 0); returns
     them and the rendezvous port rank 0 must use."""
     disable_multicast()

@@ -114,8 +114,9 @@ class Checks:
     def stop_ids(self, s: pb.SamplingParams) -> frozenset[int]:
         """The request's stop_token_ids: at most MAX_STOP_TOKEN_IDS, each in the vocabulary."""
         if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise invalid(f"stop_token_ids holds {len(s.stop_token_ids)} ids, the limit is {MAX_STOP_TOKEN_IDS}",
-                          "stop_token_ids")  # fmt: skip
+            raise invalid(
+                f"stop_token_ids holds {len(s.stop_token_ids)} ids, the limit is {MAX_STOP_TOKEN_IDS}", "stop_token_ids"
+            )
         if any(t >= self.vocab for t in s.stop_token_ids):
             raise invalid(f"stop_token_ids: a token id is outside [0, {self.vocab})", "stop_token_ids")
         return frozenset(s.stop_token_ids)

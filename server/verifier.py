@@ -141,12 +141,14 @@ class SequenceVerifier:
         if processing is not None:
             logits = torch.from_numpy(processing.apply_np(logits.float().cpu().numpy()))
         c = self.controls
-        return sample_token(logits, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p,
-                            generator=self.generator)  # fmt: skip
+        return sample_token(
+            logits, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, min_p=c.min_p, generator=self.generator
+        )
 
     @torch.inference_mode()
-    def open(self, prompt_ids: list[int], stop: Callable[[], bool] | None = None, *,
-             prompt_len: int | None = None) -> tuple[int, DraftDelta | None]:  # fmt: skip
+    def open(
+        self, prompt_ids: list[int], stop: Callable[[], bool] | None = None, *, prompt_len: int | None = None
+    ) -> tuple[int, DraftDelta | None]:
         """Prefill; `stop` (its caller has gone) is asked before each chunk, and Stopped raised when it says so.
         `prompt_len`: of these tokens, how many are the prompt (the rest were generated, as in a resync's history;
         the frequency and presence penalties count those); None: all of them."""
@@ -166,14 +168,25 @@ class SequenceVerifier:
         for i in range(0, prompt.shape[1], self.prefill_chunk):
             if stop is not None and stop():
                 raise Stopped(f"prefill stopped after {i} of {prompt.shape[1]} positions")
-            outs.append(self.target.prefill(prompt[:, i : i + self.prefill_chunk], self.cache, last_only=True,
-                                            hidden_layers=(self.target.cfg.n_layers,), return_kv=want))  # fmt: skip
-        out = outs[0] if len(outs) == 1 else ForwardOutput(
-            logits=outs[-1].logits,
-            k=torch.cat([o.k for o in outs], 2) if want else None,
-            v=torch.cat([o.v for o in outs], 2) if want else None,
-            hidden=(torch.cat([o.hidden[0] for o in outs], 1),),
-        )  # fmt: skip
+            outs.append(
+                self.target.prefill(
+                    prompt[:, i : i + self.prefill_chunk],
+                    self.cache,
+                    last_only=True,
+                    hidden_layers=(self.target.cfg.n_layers,),
+                    return_kv=want,
+                )
+            )
+        out = (
+            outs[0]
+            if len(outs) == 1
+            else ForwardOutput(
+                logits=outs[-1].logits,
+                k=torch.cat([o.k for o in outs], 2) if want else None,
+                v=torch.cat([o.v for o in outs], 2) if want else None,
+                hidden=(torch.cat([o.hidden[0] for o in outs], 1),),
+            )
+        )
         processing = None
         if self.controls.processes_logits:
             processing = self.controls.processing(self.tokens, self.prompt_len, self.target.cfg.vocab_size)

@@ -202,9 +202,13 @@ def _sampled(
     rows = torch.arange(B, device=dev)
 
     def probs_at(j: int) -> Tensor:  # [B, V] node j's target distribution, every row's own settings
-        return target_probs(logits[:, j] if logits_at is None else logits_at(j), temperature,
-                            1.0 if top_p is None else top_p, 0 if top_k is None else top_k,
-                            0.0 if min_p is None else min_p)  # fmt: skip
+        return target_probs(
+            logits[:, j] if logits_at is None else logits_at(j),
+            temperature,
+            1.0 if top_p is None else top_p,
+            0 if top_k is None else top_k,
+            0.0 if min_p is None else min_p,
+        )
 
     p = probs_at(0)  # [B, V] the current distribution, residual-adjusted after rejections
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # [B] the current node
@@ -288,8 +292,9 @@ def greedy_packed(logits: Tensor, tokens: Tensor, parents: Tensor, sizes: Tensor
     return pack(Acceptance(on_path, leaf, bonus, torch.zeros(B, dtype=torch.bool, device=logits.device)))
 
 
-def unpack_verdicts(trees: Sequence[DraftTree], packed: Tensor, errors: Sequence[ValueError | None] = ()
-                    ) -> list[Verdict | ValueError]:  # fmt: skip
+def unpack_verdicts(
+    trees: Sequence[DraftTree], packed: Tensor, errors: Sequence[ValueError | None] = ()
+) -> list[Verdict | ValueError]:
     """Verdicts from `pack`'s rows on the host (rows past len(trees) are ignored; errors[b], if any, wins)."""
     T = packed.shape[1] - 3
     out: list[Verdict | ValueError] = []
@@ -324,8 +329,19 @@ class _Rows:
     errors: list[ValueError | None]  # per row, what `verify` raises before it draws anything
 
     def tensors(self) -> dict[str, Tensor | ProcessingRows | None]:
-        names = ("tokens", "parents", "sizes", "temperature", "top_p", "top_k", "min_p", "processing", "q_ids",
-                 "q_probs", "uniforms")  # fmt: skip
+        names = (
+            "tokens",
+            "parents",
+            "sizes",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "processing",
+            "q_ids",
+            "q_probs",
+            "uniforms",
+        )
         return {k: getattr(self, k) for k in names}
 
 
@@ -345,8 +361,7 @@ def _pad_rows(
     top_ks = [0] * B if top_ks is None else top_ks
     min_ps = [0.0] * B if min_ps is None else min_ps
     processing = [None] * B if processing is None else processing
-    if not (len(temperatures) == len(top_ps) == len(generators) == len(top_ks) == len(min_ps) == len(processing)
-            == B):  # fmt: skip
+    if not (len(temperatures) == len(top_ps) == len(generators) == len(top_ks) == len(min_ps) == len(processing) == B):
         raise ValueError(f"need one temperature, top_p, top_k, min_p, processing and generator per tree ({B})")
     errors: list[ValueError | None] = [None] * B
     temps = [0.0] * B
@@ -362,8 +377,7 @@ def _pad_rows(
     sampled = [b for b in range(B) if temps[b] > 0]
     rows_processing = None
     if any(r is not None for r in processing):
-        rows_processing = ProcessingRows.stack([None if errors[b] else r for b, r in enumerate(processing)],
-                                               vocab_size)  # fmt: skip
+        rows_processing = ProcessingRows.stack([None if errors[b] else r for b, r in enumerate(processing)], vocab_size)
 
     sizes = torch.tensor([len(tree) for tree in trees], dtype=torch.long)  # [B]
     tokens = torch.zeros(B, T, dtype=torch.long)  # [B, T]
@@ -394,5 +408,18 @@ def _pad_rows(
         if any(min_ps[b] > 0 for b in sampled):
             min_p = torch.tensor([float(min_ps[b]) if temps[b] > 0 else 0.0 for b in range(B)], dtype=torch.float64)
     temperature = torch.tensor(temps, dtype=torch.float64)
-    return _Rows(tokens, parents, sizes, temperature, top_p, top_k, min_p, rows_processing, q_ids, q_probs, uniforms,
-                 bool(sampled), errors)  # fmt: skip
+    return _Rows(
+        tokens,
+        parents,
+        sizes,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        rows_processing,
+        q_ids,
+        q_probs,
+        uniforms,
+        bool(sampled),
+        errors,
+    )

@@ -144,12 +144,19 @@ class ChatFormat:
         id of the tokenizer, then `extra_stop_ids`, stop a generation."""
         eos = _read_added(tokenizer)[0].get(tokenizer.eos_id, EOS_TOKEN) if tokenizer.eos_id is not None else ""
         stops = tuple(dict.fromkeys([*tokenizer.eos_ids, *extra_stop_ids]))
-        return cls(BUILTIN_TEMPLATE, {"bos_token": eos, "eos_token": eos}, tokenizer, builtin=True,
-                   extra_stop_ids=stops)  # fmt: skip
+        return cls(
+            BUILTIN_TEMPLATE, {"bos_token": eos, "eos_token": eos}, tokenizer, builtin=True, extra_stop_ids=stops
+        )
 
     def to_json(self) -> str:
-        return json.dumps({"template": self.template, "specials": self.specials, "builtin": self.builtin,
-                           "extra_stop_ids": list(self.extra_stop_ids)})  # fmt: skip
+        return json.dumps(
+            {
+                "template": self.template,
+                "specials": self.specials,
+                "builtin": self.builtin,
+                "extra_stop_ids": list(self.extra_stop_ids),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str, tokenizer: Tokenizer) -> ChatFormat:
@@ -178,8 +185,13 @@ class ChatFormat:
         ids = isinstance(extra, list) and all(type(i) is int and 0 <= i < tokenizer.vocab_size for i in extra)
         if not ids:
             raise refuse("extra_stop_ids must be token ids of the vocabulary")
-        return cls(template, {k: specials[k] for k in SPECIAL_NAMES if k in specials}, tokenizer,
-                   builtin=data.get("builtin") is True, extra_stop_ids=tuple(extra))  # fmt: skip
+        return cls(
+            template,
+            {k: specials[k] for k in SPECIAL_NAMES if k in specials},
+            tokenizer,
+            builtin=data.get("builtin") is True,
+            extra_stop_ids=tuple(extra),
+        )
 
     # ---- rendering and encoding -------------------------------------------------------------------------
 
@@ -188,8 +200,13 @@ class ChatFormat:
         return _read_added(self.tokenizer)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        context = {"messages": [dict(m) for m in messages], "add_generation_prompt": add_generation_prompt,
-                   "tools": None, "documents": None, **self.specials}  # fmt: skip
+        context = {
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None,
+            "documents": None,
+            **self.specials,
+        }
         if self.template == BUILTIN_TEMPLATE:  # tether's own: trusted, and linear in the messages
             return render_compiled(_builtin_compiled(), context)
         return default_sandbox().render(self.template, context)

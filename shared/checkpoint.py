@@ -284,8 +284,9 @@ def _check_stored(path: Path, layout: dict, model_shapes: dict[str, tuple[int, .
         )
     for name, shape in stored.items():
         if shape != expected[name]:
-            raise StorageError(StorageFault.SHAPE, f"{path}: {name} has shape {list(shape)}, the config says "
-                               f"{list(expected[name])}")  # fmt: skip
+            raise StorageError(
+                StorageFault.SHAPE, f"{path}: {name} has shape {list(shape)}, the config says {list(expected[name])}"
+            )
 
 
 def read_config(path: str | Path) -> ModelConfig:

@@ -100,11 +100,13 @@ def add_dataclass_args(
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
         elif isinstance(default, tuple):
-            parser.add_argument(flag, nargs="*", default=list(default), type=types.get(f.name), help=helps.get(f.name),
-                                **extra)  # fmt: skip
+            parser.add_argument(
+                flag, nargs="*", default=list(default), type=types.get(f.name), help=helps.get(f.name), **extra
+            )
         else:
-            parser.add_argument(flag, type=types.get(f.name, type(default)), default=default, help=helps.get(f.name),
-                                **extra)  # fmt: skip
+            parser.add_argument(
+                flag, type=types.get(f.name, type(default)), default=default, help=helps.get(f.name), **extra
+            )
 
 
 def build_config(cls, args: argparse.Namespace, **extra):
@@ -179,9 +181,12 @@ def check_model_dir(flag: str, path: str, needs: Sequence[Sequence[str]] = ()) -
     where = Path(path).expanduser()
     if not where.exists():
         if HUB_ID.fullmatch(path):
-            raise CommandError(Refusal.HUB_ID, f"{flag} {path}: no such directory; tether loads local directories "
-                               f"only: if it is a Hugging Face hub id, download it with `hf download {path} "
-                               f"--local-dir DIR` and pass {flag} DIR")  # fmt: skip
+            raise CommandError(
+                Refusal.HUB_ID,
+                f"{flag} {path}: no such directory; tether loads local directories "
+                f"only: if it is a Hugging Face hub id, download it with `hf download {path} "
+                f"--local-dir DIR` and pass {flag} DIR",
+            )
         raise CommandError(Refusal.NO_SUCH_DIR, f"{flag} {path}: no such directory")
     if not where.is_dir():
         raise CommandError(Refusal.NOT_A_DIR, f"{flag} {path}: a file, not a directory")
@@ -190,8 +195,9 @@ def check_model_dir(flag: str, path: str, needs: Sequence[Sequence[str]] = ()) -
         raise CommandError(Refusal.EMPTY_DIR, f"{flag} {path}: the directory is empty{wanted}")
     missing = [names for names in needs if not any((where / name).is_file() for name in names)]
     if missing:
-        raise CommandError(Refusal.INCOMPLETE_DIR, f"{flag} {path}: no {_files(missing)} in it (it needs "
-                           f"{_files(needs)})")  # fmt: skip
+        raise CommandError(
+            Refusal.INCOMPLETE_DIR, f"{flag} {path}: no {_files(missing)} in it (it needs {_files(needs)})"
+        )
 
 
 def require_device(device: str, flag: str = "--device") -> None:
@@ -244,8 +250,9 @@ def port_or_off(text: str) -> int:
     try:
         return port(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected -1 (off) or a port from 0 to 65535 (0: any free port), got "
-                                         f"{text!r}") from None  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"expected -1 (off) or a port from 0 to 65535 (0: any free port), got {text!r}"
+        ) from None
 
 
 def address_in_use(host: str, port: int) -> bool:
@@ -385,8 +392,11 @@ class EnvParser(argparse.ArgumentParser):
         applied = [a for a in found if a in supplied and not given & self._excluding(a)]
         for a, b in itertools.combinations(applied, 2):
             if b in self._excluding(a):
-                self.exit(2, f"{self.prog}: error: {flag_variable(a)} and {flag_variable(b)} are both set, but "
-                             f"{a.option_strings[0]} and {b.option_strings[0]} exclude each other\n")  # fmt: skip
+                self.exit(
+                    2,
+                    f"{self.prog}: error: {flag_variable(a)} and {flag_variable(b)} are both set, but "
+                    f"{a.option_strings[0]} and {b.option_strings[0]} exclude each other\n",
+                )
         for a, marker in markers.items():
             if getattr(namespace, a.dest, marker) is marker:
                 self._restore_default(namespace, a)

@@ -50,8 +50,18 @@ class ForwardCache(Protocol):
         attention backend then reads)."""
         ...
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> Tensor | None:  # fmt: skip
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        depth_k: Tensor | None,
+        depth_v: Tensor | None,
+        *,
+        scale: float,
+        tree_mask: Tensor | None,
+    ) -> Tensor | None:
         """The cache's own in-place attention: store k, v [B, T, Hkv, D] and return the output [B, T, Hq, D] of q
         [B, T, Hq, D] over its rows and depth [B, T, E, Hkv, D] (a paged kernel reading the pool through block
         tables); None when it has no such path, and the model then calls `write` and its attention backend."""
@@ -117,9 +127,17 @@ class Target(Protocol):
         """The weights' dtype: what a KV pool for this target holds."""
         ...
 
-    def run(self, input_ids: Tensor, *, cache: ForwardCache | None = None, positions: Tensor | None = None,
-            tree_mask: Tensor | None = None, hidden_layers: Sequence[int] = (), return_kv: bool = False,
-            last_only: bool = False) -> ForwardOutput:  # fmt: skip
+    def run(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: ForwardCache | None = None,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+        return_kv: bool = False,
+        last_only: bool = False,
+    ) -> ForwardOutput:
         """One forward over new tokens input_ids [B, T]; positions [T] or [B, T]; tree_mask [B, T, T] or, through a
         gathering view, [B, T, L + T]. See tether.shared.model.Transformer.run."""
         ...
@@ -174,15 +192,27 @@ class Drafter(Protocol):
         """Adopt the verified states of a round's root and accepted drafts; whether rows drafted after them stayed."""
         ...
 
-    def draft(self, root: int, k: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-              support: int = 8, stop: Callable[[], bool] | None = None, generator: Any = None, min_p: float = 0.0,
-              processing: LogitsProcessing | None = None,
-              logits_seen: Callable[[np.ndarray], None] | None = None) -> tuple[list[int], Any, Any]:  # fmt: skip
+    def draft(
+        self,
+        root: int,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        support: int = 8,
+        stop: Callable[[], bool] | None = None,
+        generator: Any = None,
+        min_p: float = 0.0,
+        processing: LogitsProcessing | None = None,
+        logits_seen: Callable[[np.ndarray], None] | None = None,
+    ) -> tuple[list[int], Any, Any]:
         """A chain of up to k tokens after `root`: (tokens, q_ids, q_probs), the q's None when greedy."""
         ...
 
-    def draft_tree(self, root: int, *, depth: int, top_k: int, total_tokens: int,
-                   processing: LogitsProcessing | None = None) -> Any:  # fmt: skip
+    def draft_tree(
+        self, root: int, *, depth: int, top_k: int, total_tokens: int, processing: LogitsProcessing | None = None
+    ) -> Any:
         """An EAGLE-2 dynamic tree after `root` of at most `total_tokens` nodes; its rows are dropped again."""
         ...
 

@@ -39,15 +39,23 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 def _response(status: str, kind: str, code: str, message: str, extra: str = "") -> bytes:
     """A whole HTTP/1.1 response with OpenAI's error body, written before any h11 state exists (or is needed)."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-    head = (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}Connection: close\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}Connection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     return head.encode() + body
 
 
-_BUSY = _response("503 Service Unavailable", "server_error", "overloaded", "too many connections; try again shortly",
-                  "Retry-After: 1\r\n")  # fmt: skip
-_TIMEOUT = _response("408 Request Timeout", "invalid_request_error", "request_timeout",
-                     "the request's head did not arrive in time")  # fmt: skip
+_BUSY = _response(
+    "503 Service Unavailable",
+    "server_error",
+    "overloaded",
+    "too many connections; try again shortly",
+    "Retry-After: 1\r\n",
+)
+_TIMEOUT = _response(
+    "408 Request Timeout", "invalid_request_error", "request_timeout", "the request's head did not arrive in time"
+)
 
 
 def connection_cap(configured: int) -> int:
@@ -154,8 +162,7 @@ class ConnectionGuard:
 
     def timeout(self) -> None:
         self.timed_out += 1
-        self._log.log(logging.INFO, "head", "HTTP connection closed: no request head within %g s",
-                      self.head_timeout_s)  # fmt: skip
+        self._log.log(logging.INFO, "head", "HTTP connection closed: no request head within %g s", self.head_timeout_s)
 
 
 class _ClosingTransport:

@@ -26,8 +26,9 @@ from typing import Protocol
 
 ROUTES = ("/health", "/v1/models", "/v1/completions", "/v1/chat/completions")
 _SCOPE_KEY = "tether.record"
-_INTERNAL = json.dumps({"error": {"message": "internal server error", "type": "server_error", "param": None,
-                                  "code": "internal_error"}}).encode()  # fmt: skip
+_INTERNAL = json.dumps(
+    {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": "internal_error"}}
+).encode()
 
 
 @dataclass
@@ -82,13 +83,25 @@ class Observed:
         try:
             await self.app(scope, receive, sending)
         except Exception as e:
-            self.log.error("internal error in %s %s: %s: %s", record.method, path_label(record.path),
-                           type(e).__name__, " ".join(str(e).split())[:300])  # fmt: skip
+            self.log.error(
+                "internal error in %s %s: %s: %s",
+                record.method,
+                path_label(record.path),
+                type(e).__name__,
+                " ".join(str(e).split())[:300],
+            )
             self.log.debug("the internal error's traceback", exc_info=True)
             if record.status == 0:
-                await sending({"type": "http.response.start", "status": 500,
-                               "headers": [(b"content-type", b"application/json"),
-                                           (b"content-length", str(len(_INTERNAL)).encode())]})  # fmt: skip
+                await sending(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(_INTERNAL)).encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": _INTERNAL})
         finally:
             self._ended(record)
@@ -97,15 +110,28 @@ class Observed:
         record.duration_s = time.perf_counter() - record.started
         record.status = record.status or 499
         ttft = f"{record.ttft_s * 1e3:.1f}" if record.ttft_s is not None else "-"
-        self.log.info("%s %s %d %d+%d tokens ttft %s ms %.1f ms %s", record.method, record.path, record.status,
-                      record.prompt_tokens, record.completion_tokens, ttft, record.duration_s * 1e3,
-                      record.session or "-",
-                      extra={"event": "http_request", "method": record.method, "path": record.path,
-                             "status": record.status, "prompt_tokens": record.prompt_tokens,
-                             "completion_tokens": record.completion_tokens,
-                             "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1e3, 1),
-                             "duration_ms": round(record.duration_s * 1e3, 1),
-                             "session": record.session})  # fmt: skip
+        self.log.info(
+            "%s %s %d %d+%d tokens ttft %s ms %.1f ms %s",
+            record.method,
+            record.path,
+            record.status,
+            record.prompt_tokens,
+            record.completion_tokens,
+            ttft,
+            record.duration_s * 1e3,
+            record.session or "-",
+            extra={
+                "event": "http_request",
+                "method": record.method,
+                "path": record.path,
+                "status": record.status,
+                "prompt_tokens": record.prompt_tokens,
+                "completion_tokens": record.completion_tokens,
+                "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1e3, 1),
+                "duration_ms": round(record.duration_s * 1e3, 1),
+                "session": record.session,
+            },
+        )
         if self.observer is not None:
             try:
                 self.observer.observe(record)

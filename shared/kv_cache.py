@@ -52,8 +52,18 @@ class KVCache:
         self.v[layer, :, self.length : end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, depth_k: Tensor | None, depth_v: Tensor | None,
-               *, scale: float, tree_mask: Tensor | None) -> None:  # fmt: skip
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        depth_k: Tensor | None,
+        depth_v: Tensor | None,
+        *,
+        scale: float,
+        tree_mask: Tensor | None,
+    ) -> None:
         """No in-place kernel path: the model writes the rows and runs its attention backend over them."""
         return None
 

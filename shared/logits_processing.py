@@ -130,8 +130,9 @@ class SamplingControls:
         ctx = np.asarray(context, dtype=np.int64)
         seen = np.bincount(ctx, minlength=vocab_size)[:vocab_size] > 0  # [V]
         generated = np.bincount(ctx[prompt_len:], minlength=vocab_size)[:vocab_size].astype(np.float64)  # [V]
-        return LogitsProcessing(bias, self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
-                                seen, generated)  # fmt: skip
+        return LogitsProcessing(
+            bias, self.repetition_penalty, self.frequency_penalty, self.presence_penalty, seen, generated
+        )
 
 
 @dataclass(frozen=True, eq=False)  # arrays have no single truth value
@@ -156,8 +157,9 @@ class LogitsProcessing:
         generated = self.generated.copy()
         np.add.at(generated, np.asarray(tokens, dtype=np.int64), 1.0)
         seen = self.seen | (generated > 0)
-        return LogitsProcessing(self.bias, self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
-                                seen, generated)  # fmt: skip
+        return LogitsProcessing(
+            self.bias, self.repetition_penalty, self.frequency_penalty, self.presence_penalty, seen, generated
+        )
 
     def apply_np(self, logits: np.ndarray) -> np.ndarray:
         """logits [..., V] -> float64 processed logits [..., V]. Each step runs even when it changes nothing
@@ -190,9 +192,13 @@ class ProcessingRows:
         bias = torch.zeros(B, vocab_size, dtype=torch.float64)
         seen = torch.zeros(B, vocab_size, dtype=torch.bool)
         generated = torch.zeros(B, vocab_size, dtype=torch.float64)
-        scalars = torch.tensor([[1.0, 0.0, 0.0] if r is None else
-                                [r.repetition_penalty, r.frequency_penalty, r.presence_penalty] for r in rows],
-                               dtype=torch.float64).reshape(B, 3)  # fmt: skip
+        scalars = torch.tensor(
+            [
+                [1.0, 0.0, 0.0] if r is None else [r.repetition_penalty, r.frequency_penalty, r.presence_penalty]
+                for r in rows
+            ],
+            dtype=torch.float64,
+        ).reshape(B, 3)
         for b, r in enumerate(rows):
             if r is None:
                 continue
@@ -205,14 +211,19 @@ class ProcessingRows:
         return cls(bias, scalars[:, 0:1], scalars[:, 1:2], scalars[:, 2:3], seen, generated)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ProcessingRows:
-        return ProcessingRows(*(t.to(device, non_blocking=non_blocking) for t in (
-            self.bias, self.repetition, self.frequency, self.presence, self.seen, self.generated)))  # fmt: skip
+        return ProcessingRows(
+            *(
+                t.to(device, non_blocking=non_blocking)
+                for t in (self.bias, self.repetition, self.frequency, self.presence, self.seen, self.generated)
+            )
+        )
 
     def after(self, extra: Tensor) -> ProcessingRows:
         """The rows after further generated tokens, counted per row in `extra` [B, V] (float64)."""
         generated = self.generated + extra
-        return ProcessingRows(self.bias, self.repetition, self.frequency, self.presence, self.seen | (extra > 0),
-                              generated)  # fmt: skip
+        return ProcessingRows(
+            self.bias, self.repetition, self.frequency, self.presence, self.seen | (extra > 0), generated
+        )
 
     def apply(self, logits: Tensor) -> Tensor:
         """logits [B, V] -> float64 processed logits [B, V], LogitsProcessing.apply_np's ops in its order."""

@@ -415,8 +415,14 @@ class Transformer(nn.Module):
             processing = controls.processing(sequence, prompt_len, self.cfg.vocab_size)
             if processing is not None:
                 row = torch.from_numpy(processing.apply_np(row.float().cpu().numpy()))
-            token = sample_token(row, temperature=controls.temperature, top_p=controls.top_p, top_k=controls.top_k,
-                                 min_p=controls.min_p, generator=generator)  # fmt: skip
+            token = sample_token(
+                row,
+                temperature=controls.temperature,
+                top_p=controls.top_p,
+                top_k=controls.top_k,
+                min_p=controls.min_p,
+                generator=generator,
+            )
             yield token
             sequence.append(token)
             if token in stops or cache.length >= cache.capacity:

@@ -57,9 +57,12 @@ def resolve_model_dir(
     try:
         snapshot = Path(snapshot_download(name, revision=revision or None, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
-        raise CommandError(Refusal.NOT_CACHED, f"{flag} {name}: no such directory, nor a model{at} in the Hugging "
-                           f"Face cache ({cache}); tether downloads nothing: fetch it with `hf download {name}"
-                           f"{f' --revision {revision}' if revision else ''}` or pass a folder") from None  # fmt: skip
+        raise CommandError(
+            Refusal.NOT_CACHED,
+            f"{flag} {name}: no such directory, nor a model{at} in the Hugging "
+            f"Face cache ({cache}); tether downloads nothing: fetch it with `hf download {name}"
+            f"{f' --revision {revision}' if revision else ''}` or pass a folder",
+        ) from None
     try:
         check_model_dir(flag, str(snapshot), needs)
     except CommandError as e:

@@ -81,12 +81,37 @@ MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request (the gRPC server's bound 
 MAX_LOGPROBS = 20  # top tokens reported per token (OpenAI's top_logprobs bound)
 MAX_N = 128  # choices per request at most (HttpConfig.max_n is the server's own, smaller, bound)
 
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-                 "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-                 "ignore_eos", "min_p", "repetition_penalty", "stop_token_ids"}  # fmt: skip
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "ignore_eos",
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                               "tool_choice", "parallel_tool_calls"}  # fmt: skip
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -179,9 +204,16 @@ class Sampling:
 
     @property
     def controls(self) -> SamplingControls:
-        return SamplingControls(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)  # fmt: skip
+        return SamplingControls(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+        )
 
 
 @dataclass(frozen=True)
@@ -216,8 +248,9 @@ def parse_completion(body: Any) -> GenerationRequest:
         raise invalid("prompt is required: a string or a list of token ids", "prompt")
     else:
         _unicode(prompt, "prompt")
-    return _request(f, chat=False, prompt=prompt, messages=None, max_tokens=f.integer("max_tokens", 1),
-                    logprobs=logprobs)  # fmt: skip
+    return _request(
+        f, chat=False, prompt=prompt, messages=None, max_tokens=f.integer("max_tokens", 1), logprobs=logprobs
+    )
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -236,8 +269,9 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise invalid(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages")
     checked = tuple(_message(m, i) for i, m in enumerate(messages))
     limit = f.integer("max_completion_tokens", 1)
-    return _request(f, chat=True, prompt=None, messages=checked, max_tokens=limit or f.integer("max_tokens", 1),
-                    logprobs=logprobs)  # fmt: skip
+    return _request(
+        f, chat=True, prompt=None, messages=checked, max_tokens=limit or f.integer("max_tokens", 1), logprobs=logprobs
+    )
 
 
 def _message(m: Any, i: int) -> dict:
@@ -246,8 +280,9 @@ def _message(m: Any, i: int) -> dict:
         raise invalid(f"{param} needs a role, one of {', '.join(sorted(ROLES))}", f"{param}.role")
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text ones, joined as vLLM joins them
-        if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):  # fmt: skip
+        if not all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        ):
             raise invalid(f"{param}.content: only text parts are supported", f"{param}.content")
         content = "\n".join(p["text"] for p in content)
     if content is None and m["role"] == "assistant":
@@ -265,8 +300,9 @@ def _message(m: Any, i: int) -> dict:
     return {"role": m["role"], "content": content} | ({"name": m["name"]} if "name" in m else {})
 
 
-def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None,
-             logprobs: int | None) -> GenerationRequest:  # fmt: skip
+def _request(
+    f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None, logprobs: int | None
+) -> GenerationRequest:
     model = f.typed("model", str)
     n = f.integer("n", 1, MAX_N) or 1
     f.typed("user", str)
@@ -304,21 +340,25 @@ def _request(f: _Fields, *, chat: bool, prompt, messages, max_tokens: int | None
         ignore_eos=bool(f.typed("ignore_eos", bool)),
         **_controls(f),
     )
-    return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage,
-                             n)  # fmt: skip
+    return GenerationRequest(chat, model, prompt, messages, max_tokens, sampling, tuple(stop), stream, include_usage, n)
 
 
 def _controls(f: _Fields) -> dict[str, Any]:
     """The logits controls and stop token ids, as Sampling's fields; their ranges are SamplingControls' own."""
-    values = {name: value for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-              if (value := f.real(name)) is not None}  # fmt: skip
+    values = {
+        name: value
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        if (value := f.real(name)) is not None
+    }
     bias = f.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS:
-            raise invalid(f'logit_bias must be an object of up to {MAX_LOGIT_BIAS} "token id": bias entries',
-                          "logit_bias")  # fmt: skip
-        if not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < 1 << 32
-                   for k in bias):  # fmt: skip
+            raise invalid(
+                f'logit_bias must be an object of up to {MAX_LOGIT_BIAS} "token id": bias entries', "logit_bias"
+            )
+        if not all(
+            isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < 1 << 32 for k in bias
+        ):
             raise invalid("logit_bias keys must be token ids written as decimal strings", "logit_bias")
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in bias.values()):
             raise invalid("logit_bias values must be numbers in [-100, 100]", "logit_bias")
@@ -334,9 +374,14 @@ def _controls(f: _Fields) -> dict[str, Any]:
         or not all(_is_int(t) and 0 <= t < 1 << 32 for t in stop_ids)
     ):
         raise invalid(f"stop_token_ids must be a list of up to {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
-    return {"min_p": controls.min_p, "presence_penalty": controls.presence_penalty,
-            "frequency_penalty": controls.frequency_penalty, "repetition_penalty": controls.repetition_penalty,
-            "logit_bias": controls.logit_bias, "stop_token_ids": tuple(dict.fromkeys(stop_ids or ()))}  # fmt: skip
+    return {
+        "min_p": controls.min_p,
+        "presence_penalty": controls.presence_penalty,
+        "frequency_penalty": controls.frequency_penalty,
+        "repetition_penalty": controls.repetition_penalty,
+        "logit_bias": controls.logit_bias,
+        "stop_token_ids": tuple(dict.fromkeys(stop_ids or ())),
+    }
 
 
 def _unicode(text: str, param: str) -> None:
@@ -418,8 +463,15 @@ class _Fields:
 class TextStream:
     """Generated token ids -> the text to show, with stop ids and stop strings; see the module docstring."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *, stop_ids: frozenset[int] = frozenset(),
-                 hidden_ids: frozenset[int] = frozenset(), context: Sequence[int] = ()):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        *,
+        stop_ids: frozenset[int] = frozenset(),
+        hidden_ids: frozenset[int] = frozenset(),
+        context: Sequence[int] = (),
+    ):
         self.tokenizer, self.stop, self.stop_ids = tokenizer, tuple(stop), stop_ids
         self.hidden_ids = hidden_ids | stop_ids
         self.tokens = 0  # tokens consumed, the one that stopped it included
@@ -469,8 +521,11 @@ class TextStream:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
@@ -478,8 +533,12 @@ def completion_choice(index: int, text: str, finish: str | None, logprobs: dict 
 
 
 def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish}  # fmt: skip
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
 
 
 def chat_delta(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
@@ -487,13 +546,25 @@ def chat_delta(index: int, delta: dict, finish: str | None = None, logprobs: dic
 
 
 def completion_body(rid: str, created: int, model: str, choices: list[dict], used: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": used}  # fmt: skip
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": used,
+    }
 
 
 def chat_body(rid: str, created: int, model: str, choices: list[dict], used: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": used}  # fmt: skip
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": used,
+    }
 
 
 def completion_chunk(rid: str, created: int, model: str, choice: dict | None) -> dict:
@@ -516,8 +587,7 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str
         text = text_of(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
-    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
-                        for e in entries]}  # fmt: skip
+    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str], offset: int) -> dict:
@@ -525,8 +595,12 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int
     the choice's text (from `offset`: the length of its text before these tokens, each token's text counted)."""
     texts = [text_of(e.token) for e in entries]
     offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
-    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def with_offline(choice: dict, offline_tokens: int, drafter_logprobs: list[int] | None = None) -> dict:

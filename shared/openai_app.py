@@ -183,13 +183,21 @@ class OpenAIApp:
 
     def _model(self, name: str | None) -> str:
         if name is not None and name != self.backend.model_id:
-            raise ApiError(ErrorKind.MODEL_NOT_FOUND, f"the model `{name}` does not exist; this server serves "
-                                                      f"`{self.backend.model_id}`", "model")  # fmt: skip
+            raise ApiError(
+                ErrorKind.MODEL_NOT_FOUND,
+                f"the model `{name}` does not exist; this server serves `{self.backend.model_id}`",
+                "model",
+            )
         return self.backend.model_id
 
     def _model_card(self) -> dict:
-        return {"id": self.backend.model_id, "object": "model", "created": self.created, "owned_by": "tether",
-                "max_model_len": self.backend.max_context}  # fmt: skip
+        return {
+            "id": self.backend.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tether",
+            "max_model_len": self.backend.max_context,
+        }
 
     async def _body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -225,8 +233,10 @@ class OpenAIApp:
     def _token_ids(self, req: GenerationRequest) -> None:
         """The sampling's token ids (logit_bias, stop_token_ids) name tokens of the vocabulary."""
         vocab = self.backend.chat.tokenizer.vocab_size
-        for param, ids in (("logit_bias", [t for t, _ in req.sampling.logit_bias]),
-                           ("stop_token_ids", req.sampling.stop_token_ids)):  # fmt: skip
+        for param, ids in (
+            ("logit_bias", [t for t, _ in req.sampling.logit_bias]),
+            ("stop_token_ids", req.sampling.stop_token_ids),
+        ):
             if any(t >= vocab for t in ids):
                 raise invalid(f"{param}: token ids must be below the vocabulary size {vocab}", param)
 
@@ -239,15 +249,18 @@ class OpenAIApp:
                 if e.problem in (TemplateProblem.REFUSED, TemplateProblem.LIMIT):  # this conversation: the caller's
                     raise invalid(str(e), "messages") from None
                 log.error("the model's chat template cannot render any conversation: %s", e)  # the operator's to fix
-                raise ApiError(ErrorKind.INTERNAL, "the model's chat template is broken (the server log says how); "
-                               "/v1/completions still works") from None  # fmt: skip
+                raise ApiError(
+                    ErrorKind.INTERNAL,
+                    "the model's chat template is broken (the server log says how); /v1/completions still works",
+                ) from None
         elif isinstance(req.prompt, str):
             ids = self._encode(req.prompt, "prompt")
         else:
             ids = list(req.prompt)
             if any(t >= chat.tokenizer.vocab_size for t in ids):
-                raise invalid(f"prompt token ids must be below the vocabulary size {chat.tokenizer.vocab_size}",
-                              "prompt")  # fmt: skip
+                raise invalid(
+                    f"prompt token ids must be below the vocabulary size {chat.tokenizer.vocab_size}", "prompt"
+                )
         if not ids:
             raise invalid("the prompt is empty", "messages" if req.chat else "prompt")
         if len(ids) > b.max_prompt_tokens:
@@ -258,8 +271,9 @@ class OpenAIApp:
     def _encode(self, text: str, param: str) -> list[int]:
         limit = self.backend.max_prompt_tokens
         if self.backend.chat.surely_over(text, limit):  # refused without the seconds tokenizing it would take
-            raise ApiError(ErrorKind.CONTEXT_LENGTH, f"the prompt has more than {limit} tokens, the most this server "
-                           "takes", param)  # fmt: skip
+            raise ApiError(
+                ErrorKind.CONTEXT_LENGTH, f"the prompt has more than {limit} tokens, the most this server takes", param
+            )
         return self.backend.chat.encode(text)
 
     def _max_tokens(self, req: GenerationRequest, prompt: int) -> int:
@@ -272,9 +286,13 @@ class OpenAIApp:
         else:
             wanted = req.max_tokens
         if wanted < 1 or prompt + wanted > b.max_context:
-            raise ApiError(ErrorKind.CONTEXT_LENGTH, f"this model's maximum context length is {b.max_context} "
-                                                     f"tokens; the request asks for {prompt + max(wanted, 1)} "
-                                                     f"({prompt} in the prompt)", "max_tokens")  # fmt: skip
+            raise ApiError(
+                ErrorKind.CONTEXT_LENGTH,
+                f"this model's maximum context length is {b.max_context} "
+                f"tokens; the request asks for {prompt + max(wanted, 1)} "
+                f"({prompt} in the prompt)",
+                "max_tokens",
+            )
         return wanted
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -297,8 +315,12 @@ class OpenAIApp:
         gen = Completion(self, req, model, prompt, max_tokens, record)
         await gen.start()
         if req.stream:
-            return EventStream(gen.events(), self.config.send_timeout_s, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            return EventStream(
+                gen.events(),
+                self.config.send_timeout_s,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await gen.respond(request)
 
     def token_text(self, token: int) -> str:
@@ -337,9 +359,16 @@ class HttpServer:
         if c.tls_client_ca:
             tls |= dict(ssl_ca_certs=c.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         self.guard = ConnectionGuard(connection_cap(c.max_connections), c.header_timeout_s, log)
-        config = uvicorn.Config(self.app.asgi, lifespan="off", log_config=None, access_log=False,
-                                http=guarded_protocol(self.guard), timeout_keep_alive=c.keep_alive_s,
-                                timeout_graceful_shutdown=max(c.grace_s, 0.1), **tls)  # fmt: skip
+        config = uvicorn.Config(
+            self.app.asgi,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            http=guarded_protocol(self.guard),
+            timeout_keep_alive=c.keep_alive_s,
+            timeout_graceful_shutdown=max(c.grace_s, 0.1),
+            **tls,
+        )
         limit_logger("uvicorn.error")  # a warning per malformed request otherwise
         self._loop = loop
         self._server = server = _Server(config)

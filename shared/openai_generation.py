@@ -94,8 +94,13 @@ class Choice:
         # The request's stop tokens end it even with ignore_eos; their text is left out, as vLLM leaves it.
         stop_ids = (frozenset() if req.sampling.ignore_eos else chat.stop_ids) | frozenset(req.sampling.stop_token_ids)
         # A completion continues its prompt's text (its first space kept); a chat's reply starts a new turn.
-        self.text = TextStream(chat.tokenizer, req.stop, stop_ids=stop_ids, hidden_ids=chat.hidden_ids | chat.stop_ids,
-                               context=() if req.chat else prompt)  # fmt: skip
+        self.text = TextStream(
+            chat.tokenizer,
+            req.stop,
+            stop_ids=stop_ids,
+            hidden_ids=chat.hidden_ids | chat.stop_ids,
+            context=() if req.chat else prompt,
+        )
         self.finish = "length"
         self.first = Tokens([])
         self.offline_tokens = 0  # tokens consumed that were made offline
@@ -216,8 +221,9 @@ class Choice:
 class Completion:
     """One request's n choices (see the module docstring)."""
 
-    def __init__(self, app: App, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int,
-                 record: RequestRecord):  # fmt: skip
+    def __init__(
+        self, app: App, req: GenerationRequest, model: str, prompt: list[int], max_tokens: int, record: RequestRecord
+    ):
         self.app, self.req, self.model, self.prompt = app, req, model, prompt
         self.rid = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
         self.record = record
@@ -357,8 +363,11 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, sending)
         except _StalledReader:
-            log.info("%s: the client stopped reading its stream for %g s: generation closed", scope["path"],
-                     self.send_timeout_s)  # fmt: skip
+            log.info(
+                "%s: the client stopped reading its stream for %g s: generation closed",
+                scope["path"],
+                self.send_timeout_s,
+            )
         finally:
             await self.body_iterator.aclose()
 

@@ -38,12 +38,15 @@ def check_rule(temperature: float, top_p: float, top_k: int = 0, min_p: float = 
     """ValueError unless temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1 (what every caller of
     the rule needs)."""
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, "
-                         f"got {temperature}, {top_p}, {top_k}, {min_p}")  # fmt: skip
+        raise ValueError(
+            f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, "
+            f"got {temperature}, {top_p}, {top_k}, {min_p}"
+        )
 
 
-def probabilities_np(logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                     min_p: float = 0.0) -> np.ndarray:  # fmt: skip
+def probabilities_np(
+    logits: np.ndarray, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+) -> np.ndarray:
     """logits [..., V] -> probabilities [..., V] in fp32 after temperature, top-k, top-p and min-p truncation.
     Greedy takes the argmax in the logits' own precision (float64 processed logits keep their order)."""
     check_rule(temperature, top_p, top_k, min_p)
@@ -85,8 +88,15 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # the most probable tokens (id, logprob), most probable first
 
 
-def token_logprobs(logits: np.ndarray, token: int, top: int, temperature: float = 0.0, top_p: float = 1.0,
-                   top_k: int = 0, min_p: float = 0.0) -> TokenLogprobs:  # fmt: skip
+def token_logprobs(
+    logits: np.ndarray,
+    token: int,
+    top: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+) -> TokenLogprobs:
     """The log-probabilities of the distribution `token` was drawn from, given its (processed) logits [V]: the
     sampling rule's (temperature, then top-k, top-p and min-p, renormalised over the tokens they keep, as
     `probabilities_np` keeps them), computed as a float64 log-softmax so that small probabilities keep their
@@ -129,8 +139,9 @@ def proposal(p: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return top.astype(np.int64), q.astype(np.float32)
 
 
-def probabilities(logits: Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                  min_p: float = 0.0) -> Tensor:  # fmt: skip
+def probabilities(
+    logits: Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+) -> Tensor:
     """probabilities_np for a tensor: logits [..., V] -> fp32 [..., V] on the logits' device."""
     import torch
 

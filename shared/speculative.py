@@ -132,9 +132,17 @@ class DraftTree:
             n = len(ids)
             tree = object.__new__(cls)
             # Through numpy: torch.tensor parses a list element by element, ~5x slower for a round's few ids.
-            tree.__dict__.update(tokens=torch.from_numpy(np.array(ids, dtype=np.int64)), parents=_chain_parents(n),
-                                 q_ids=None, q_probs=None, source_ids=None, _n=n, is_chain=True,
-                                 _parents=list(range(-1, n - 1)), _tokens=ids)  # fmt: skip
+            tree.__dict__.update(
+                tokens=torch.from_numpy(np.array(ids, dtype=np.int64)),
+                parents=_chain_parents(n),
+                q_ids=None,
+                q_probs=None,
+                source_ids=None,
+                _n=n,
+                is_chain=True,
+                _parents=list(range(-1, n - 1)),
+                _tokens=ids,
+            )
             return tree
         ids = None
         if isinstance(draft_tokens, Tensor):
@@ -271,8 +279,13 @@ def draw_uniforms(n: int, generator: torch.Generator | None = None) -> Tensor:
     return torch.rand(2, n, dtype=torch.float64, generator=generator)
 
 
-def target_probs(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor = 1.0,
-                 top_k: int | Tensor = 0, min_p: float | Tensor = 0.0) -> Tensor:  # fmt: skip
+def target_probs(
+    logits: Tensor,
+    temperature: float | Tensor,
+    top_p: float | Tensor = 1.0,
+    top_k: int | Tensor = 0,
+    min_p: float | Tensor = 0.0,
+) -> Tensor:
     """logits [..., V] -> float64 probabilities [..., V] under temperature (> 0), top-k, top-p and min-p, row by row.
 
     The rule is `sampling.probabilities`' (keep the top_k most probable tokens, 0 keeping all, and renormalise;

@@ -125,8 +125,14 @@ class _Worker:
 
     def __init__(self, limits: RenderLimits):
         self.max_reply = 6 * limits.max_output_chars + (1 << 16)  # JSON's \uXXXX: 6 bytes a character at most
-        cmd = [sys.executable, "-I", "-m", "tether.shared.template_sandbox", str(limits.memory_bytes),
-               str(limits.max_output_chars)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-I",
+            "-m",
+            "tether.shared.template_sandbox",
+            str(limits.memory_bytes),
+            str(limits.max_output_chars),
+        ]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.ready = False
 
@@ -217,8 +223,9 @@ def environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -248,8 +255,9 @@ def render_compiled(compiled, context: dict[str, Any], max_chars: int | None = N
         for piece in compiled.generate(**context):
             size += len(piece)
             if max_chars is not None and size > max_chars:
-                raise ChatTemplateError(TemplateProblem.LIMIT, f"the chat template's output is over {max_chars} "
-                                        "characters")  # fmt: skip
+                raise ChatTemplateError(
+                    TemplateProblem.LIMIT, f"the chat template's output is over {max_chars} characters"
+                )
             pieces.append(piece)
     except jinja2.TemplateError as e:
         message = f"the chat template refused the conversation: {e.message or e}"
@@ -258,8 +266,9 @@ def render_compiled(compiled, context: dict[str, Any], max_chars: int | None = N
         if isinstance(e, ChatTemplateError):
             raise
         # Template code that fails on these messages (say `content | trim` on a list) refuses them just the same.
-        raise ChatTemplateError(TemplateProblem.REFUSED, "the chat template failed on the conversation: "
-                                f"{type(e).__name__}: {e}") from None  # fmt: skip
+        raise ChatTemplateError(
+            TemplateProblem.REFUSED, f"the chat template failed on the conversation: {type(e).__name__}: {e}"
+        ) from None
     return "".join(pieces)
 
 

@@ -87,6 +87,8 @@ def depth_regression(pred: tuple[Tensor, Tensor], true: tuple[Tensor, Tensor]) -
     """Mean squared error of predicted K and V [B, T, E, Hkv, D] against the target's, each relative to the mean
     square of the target's (so 1.0 is what predicting zeros scores), averaged over K and V. RoPE is orthogonal, so
     the error of rotated keys equals that of the pre-rotation ones the predictor computes."""
-    parts = [(p.float() - t.float()).pow(2).mean() / t.float().pow(2).mean().clamp_min(1e-12)
-             for p, t in zip(pred, true, strict=True)]  # fmt: skip
+    parts = [
+        (p.float() - t.float()).pow(2).mean() / t.float().pow(2).mean().clamp_min(1e-12)
+        for p, t in zip(pred, true, strict=True)
+    ]
     return sum(parts) / 2

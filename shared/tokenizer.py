@@ -423,8 +423,12 @@ class Tokenizer:
     def detokenizer(self, context: Sequence[int] = ()) -> Detokenizer:
         """A streaming decoder for one generation: push ids as they come, get exactly `decode(ids, after=context)`'s
         text in pieces; `context`: the prompt the generation continues (its text is not shown again)."""
-        return Detokenizer(self._decode_raw, byte_token_ids=self._byte_token_ids,
-                           clean_up_spaces=self._clean_up_spaces, context=context)  # fmt: skip
+        return Detokenizer(
+            self._decode_raw,
+            byte_token_ids=self._byte_token_ids,
+            clean_up_spaces=self._clean_up_spaces,
+            context=context,
+        )
 
     @functools.cached_property
     def _byte_token_ids(self) -> frozenset[int]:

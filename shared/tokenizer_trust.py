@@ -189,8 +189,9 @@ def _quantified(p: str, i: int, stack: list[_Group], inner: _Group | None) -> No
     _, repeats = _quantifier(p, i)
     if inner is not None:
         if repeats and (inner.repeats or inner.alternates):
-            raise ValueError("a tokenizer regex repeats a group that itself repeats or alternates (catastrophic "
-                             "backtracking)")  # fmt: skip
+            raise ValueError(
+                "a tokenizer regex repeats a group that itself repeats or alternates (catastrophic backtracking)"
+            )
         stack[-1].repeats |= inner.repeats
     stack[-1].repeats |= repeats
 

@@ -243,8 +243,9 @@ def build_client_part(cfg: ModelConfig, dcfg: DrafterConfig, tensors: Mapping[st
     result = drafter.load_state_dict(dstate, strict=False)
     absent = [k for k in result.missing_keys if not k.startswith("lsa.")]  # LSA runs on the server
     if absent or result.unexpected_keys:
-        raise ClientPartMismatch(f"drafter weights do not fit its config: missing {absent[:3]}, "
-                                 f"unexpected {result.unexpected_keys[:3]}")  # fmt: skip
+        raise ClientPartMismatch(
+            f"drafter weights do not fit its config: missing {absent[:3]}, unexpected {result.unexpected_keys[:3]}"
+        )
     return target, drafter.float().eval()
 
 

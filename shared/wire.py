@@ -109,8 +109,18 @@ _DTYPES: dict[int, str] = {
     10: "bool",
 }
 _DTYPE_IDS = {name: i for i, name in _DTYPES.items()}
-_NP: dict[str, str] = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8", "uint8": "u1",
-                       "int8": "i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "bool": "u1"}  # fmt: skip
+_NP: dict[str, str] = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "float64": "<f8",
+    "uint8": "u1",
+    "int8": "i1",
+    "int16": "<i2",
+    "int32": "<i4",
+    "int64": "<i8",
+    "bool": "u1",
+}
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 DTYPE_NAMES = tuple(_NP)  # every dtype the format carries, by name (torch's names for them)
 
@@ -548,8 +558,23 @@ def encode_bf16_bundle(arrays: Mapping[str, np.ndarray], codec: Codec, *, level:
                 payload = a.tobytes()  # C order, whatever a's strides
             head, frame_fixed = _entry_head(n_key, ndim)
             n = len(payload)
-            parts += [head.pack(n_key, key, frame_fixed + n, TENSOR_MAGIC, FORMAT_VERSION, codec_id, _BF16, _BF16,
-                                ndim, *a.shape, n, 0), payload]  # fmt: skip
+            parts += [
+                head.pack(
+                    n_key,
+                    key,
+                    frame_fixed + n,
+                    TENSOR_MAGIC,
+                    FORMAT_VERSION,
+                    codec_id,
+                    _BF16,
+                    _BF16,
+                    ndim,
+                    *a.shape,
+                    n,
+                    0,
+                ),
+                payload,
+            ]
     except struct.error:  # a dim or payload of 4 GiB or more: the general path refuses it in its own words
         return _encode_bf16_general(arrays, codec, level)
     return b"".join(parts)

@@ -62,8 +62,22 @@ _MIN_BLOCK_N = 16
 
 
 @triton.jit
-def _epilogue(acc, acc_up, rows, cols, M, N, bias, residual, out, stride_rm, stride_om,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+def _epilogue(
+    acc,
+    acc_up,
+    rows,
+    cols,
+    M,
+    N,
+    bias,
+    residual,
+    out,
+    stride_rm,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    GATED: tl.constexpr,
+):
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     dt = out.dtype.element_ty
     if GATED:
@@ -129,8 +143,7 @@ def linear_fwd_kernel(
             wu = tl.load(w_ptrs + up_off + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc_up = tl.dot(xk, tl.trans(wu), acc_up, input_precision=PREC)
     if SPLIT_K == 1:
-        _epilogue(acc, acc_up, rows, cols, M, N, bias, residual, out, stride_rm, stride_om,
-                  HAS_BIAS, HAS_RES, GATED)  # fmt: skip
+        _epilogue(acc, acc_up, rows, cols, M, N, bias, residual, out, stride_rm, stride_om, HAS_BIAS, HAS_RES, GATED)
     else:
         ok = row_ok[:, None] & col_ok[None, :]
         mn = rows[:, None] * N + cols[None, :]
@@ -151,8 +164,9 @@ def linear_fwd_kernel(
                 acc += tl.load(part_s + mn, mask=ok, other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_up += tl.load(part_s + M * N + mn, mask=ok, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, acc_up, rows, cols, M, N, bias, residual, out, stride_rm, stride_om,
-                      HAS_BIAS, HAS_RES, GATED)  # fmt: skip
+            _epilogue(
+                acc, acc_up, rows, cols, M, N, bias, residual, out, stride_rm, stride_om, HAS_BIAS, HAS_RES, GATED
+            )
             tl.atomic_xchg(counters + tile, 0)  # ready for the next call (or graph replay)
 
 
@@ -165,9 +179,17 @@ def _configs() -> list[triton.Config]:
     # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): small output tiles streaming long K slices, deep
     # pipelines to keep enough bytes in flight per SM; split-K for narrow outputs (pruned past SPLIT_K_MAX_N).
     shapes = [
-        (16, 256, 4, 4, 1), (16, 256, 4, 6, 1), (16, 512, 4, 3, 1), (32, 256, 4, 4, 1), (32, 512, 8, 3, 1),
-        (64, 128, 4, 4, 1), (64, 256, 8, 3, 1), (16, 256, 4, 4, 2), (32, 256, 4, 4, 2), (32, 256, 4, 4, 4),
-    ]  # fmt: skip
+        (16, 256, 4, 4, 1),
+        (16, 256, 4, 6, 1),
+        (16, 512, 4, 3, 1),
+        (32, 256, 4, 4, 1),
+        (32, 512, 8, 3, 1),
+        (64, 128, 4, 4, 1),
+        (64, 256, 8, 3, 1),
+        (16, 256, 4, 4, 2),
+        (32, 256, 4, 4, 2),
+        (32, 256, 4, 4, 4),
+    ]
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, num_warps=w, num_stages=st)
         for n, k, w, st, s in shapes
@@ -217,12 +239,27 @@ def linear_fwd(
     if split_max > 1 and counters is None:
         counters = torch.zeros(counters_needed(N), dtype=torch.int32, device=x.device)
     args = (
-        x, weight, bias if bias is not None else out, residual if residual is not None else out, out, partial,
-        counters if counters is not None else out, M, N, K, x.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
-    )  # fmt: skip
-    meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, GATED=gated,
-                PREC=dot_precision(x.dtype), BLOCK_M=ROW_TILE)  # fmt: skip
+        x,
+        weight,
+        bias if bias is not None else out,
+        residual if residual is not None else out,
+        out,
+        partial,
+        counters if counters is not None else out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+    )
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        GATED=gated,
+        PREC=dot_precision(x.dtype),
+        BLOCK_M=ROW_TILE,
+    )
     if config is not None:
         cfg = dict(config)
         num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)

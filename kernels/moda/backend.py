@@ -66,8 +66,9 @@ def _verify_path(q, k, v, depth_k, depth_v, scale, tree_mask) -> Tensor | None:
     lens = torch.full((B,), Tk, device=q.device, dtype=torch.int32)
     q_lens = torch.full((B,), Tq, device=q.device, dtype=torch.int32)
     mask = None if tree_mask is None else tree_mask.to(device=q.device, dtype=torch.bool)
-    return moda_verify(q, paged_k[0], paged_v[0], paged_k[1], lens, q_lens, depth_k, depth_v, tree_mask=mask,
-                       scale=scale)  # fmt: skip
+    return moda_verify(
+        q, paged_k[0], paged_v[0], paged_k[1], lens, q_lens, depth_k, depth_v, tree_mask=mask, scale=scale
+    )
 
 
 def moda_backend(

@@ -203,8 +203,9 @@ def moda_verify_fwd_kernel(
             off = (pos % BS).to(tl.int64)
             k_rows = k_head + blk.to(tl.int64) * stride_kn + off * stride_ks
             v_rows = v_head + blk.to(tl.int64) * stride_vn + off * stride_vs
-            m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, kv_ok[None, :], offs_d, d_ok, m_i, l_i, acc,
-                                         qk_scale, PREC)  # fmt: skip
+            m_i, l_i, acc = _attend_tile(
+                q_tile, k_rows, v_rows, kv_ok, kv_ok[None, :], offs_d, d_ok, m_i, l_i, acc, qk_scale, PREC
+            )
             blk = blk_next
 
         if pid_s == 0:
@@ -218,10 +219,12 @@ def moda_verify_fwd_kernel(
                     vis = vis & (tl.load(m_ptrs, mask=vis, other=0) != 0)
                 else:
                     vis = vis & (j[None, :] <= qi[:, None])
-                k_rows, v_rows = _paged_rows(k_head, v_head, bt_row, prefix + j, kv_ok, stride_kn, stride_ks,
-                                             stride_vn, stride_vs, BS)  # fmt: skip
-                m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc,
-                                             qk_scale, PREC)  # fmt: skip
+                k_rows, v_rows = _paged_rows(
+                    k_head, v_head, bt_row, prefix + j, kv_ok, stride_kn, stride_ks, stride_vn, stride_vs, BS
+                )
+                m_i, l_i, acc = _attend_tile(
+                    q_tile, k_rows, v_rows, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc, qk_scale, PREC
+                )
 
             # 3. Depth keys, chunk-aware: the tile's queries own the contiguous depth rows [q_lo * L, q_hi * L) of
             # the position-major [Kmax * L] layout; score them with tensor-core dots, each row masked to its own L.
@@ -236,8 +239,9 @@ def moda_verify_fwd_kernel(
                 vis = row_ok[:, None] & (qi[:, None] == owner[None, :])
                 k_rows = dk_base + owner * stride_dkt + layer * stride_dkl
                 v_rows = dv_base + owner * stride_dvt + layer * stride_dvl
-                m_i, l_i, acc = _attend_tile(q_tile, k_rows, v_rows, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc,
-                                             qk_scale, PREC)  # fmt: skip
+                m_i, l_i, acc = _attend_tile(
+                    q_tile, k_rows, v_rows, kv_ok, vis, offs_d, d_ok, m_i, l_i, acc, qk_scale, PREC
+                )
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -279,8 +283,9 @@ def moda_verify_combine_kernel(
     # sums do not depend on S (batch invariance).
     m = tl.max(tl.load(lse_part + row * S + offs_s, mask=offs_s < S, other=float("-inf")), 0)
     for s0 in range(BLOCK_S, S, BLOCK_S):
-        m = tl.maximum(m, tl.max(tl.load(lse_part + row * S + s0 + offs_s, mask=s0 + offs_s < S,
-                                         other=float("-inf")), 0))  # fmt: skip
+        m = tl.maximum(
+            m, tl.max(tl.load(lse_part + row * S + s0 + offs_s, mask=s0 + offs_s < S, other=float("-inf")), 0)
+        )
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     num = tl.zeros([BLOCK_D], dtype=tl.float32)
     den = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -311,8 +316,7 @@ def verify_config(device: torch.device) -> dict:
     k = 1 to 32, 4K-128K): 64-key tiles in 3 stages keep two programs per SM for every query tile (<= 64 rows), and
     a lone long row did best in about 33 splits of >= 256 keys (one wave of two programs per SM at 8 KV heads); also
     a sound default elsewhere."""
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "combine_warps": 1, "min_chunk_keys": 256,
-            "max_chunks": 32}  # fmt: skip
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "combine_warps": 1, "min_chunk_keys": 256, "max_chunks": 32}
 
 
 def _tile_m(G: int, kmax: int) -> int:
@@ -361,28 +365,78 @@ def moda_verify_fwd(
         o_part = lse_part = out  # never read
     grid = (cdiv(G * kmax, block_m), B * Hkv, num_splits)
     moda_verify_fwd_kernel[grid](
-        q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, mask, out, o_part, lse_part,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cache_lens,
+        q_lens,
+        depth_k,
+        depth_v,
+        mask,
+        out,
+        o_part,
+        lse_part,
         scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_table.stride(0),
-        depth_k.stride(0), depth_k.stride(1), depth_k.stride(2), depth_k.stride(3),
-        depth_v.stride(0), depth_v.stride(1), depth_v.stride(2), depth_v.stride(3),
-        stride_mb, stride_mi,
-        out.stride(0), out.stride(1), out.stride(2),
-        kmax, L, num_splits, *(chunks or (max(num_splits - 1, 1), 0)),
-        HKV=Hkv, G=G, D=D, BS=bs, TREE=tree_mask is not None, SPLIT=split, PREC=prec,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )  # fmt: skip
+        depth_k.stride(0),
+        depth_k.stride(1),
+        depth_k.stride(2),
+        depth_k.stride(3),
+        depth_v.stride(0),
+        depth_v.stride(1),
+        depth_v.stride(2),
+        depth_v.stride(3),
+        stride_mb,
+        stride_mi,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        kmax,
+        L,
+        num_splits,
+        *(chunks or (max(num_splits - 1, 1), 0)),
+        HKV=Hkv,
+        G=G,
+        D=D,
+        BS=bs,
+        TREE=tree_mask is not None,
+        SPLIT=split,
+        PREC=prec,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
     if split:
         # One combine variant for any split count (64 partials a pass): a power of two per split count meant a
         # compile each time a growing context crossed one.
         moda_verify_combine_kernel[(B * kmax, Hq)](
-            o_part, lse_part, out, q_lens, out.stride(0), out.stride(1), out.stride(2), kmax, num_splits,
-            HQ=Hq, D=D, BLOCK_S=64, BLOCK_D=block_d, num_warps=config.get("combine_warps", 1),
-        )  # fmt: skip
+            o_part,
+            lse_part,
+            out,
+            q_lens,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            kmax,
+            num_splits,
+            HQ=Hq,
+            D=D,
+            BLOCK_S=64,
+            BLOCK_D=block_d,
+            num_warps=config.get("combine_warps", 1),
+        )
     return out
 
 
@@ -406,22 +460,30 @@ def moda_verify(
     q's dtype. See the module docstring for the conventions and the split-K design."""
     B, kmax, Hq, D = q.shape
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[-1] != D:
-        raise ValueError(f"k/v cache must be [num_blocks, block_size, Hkv, {D}], got {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"k/v cache must be [num_blocks, block_size, Hkv, {D}], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     Hkv = k_cache.shape[2]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
     if D > 256:
         raise ValueError(f"head dim {D} > 256 is not supported")
     if block_table.dim() != 2 or block_table.shape[0] != B or cache_lens.shape != (B,) or q_lens.shape != (B,):
-        raise ValueError(f"block_table must be [{B}, max_blocks] and cache_lens, q_lens [{B}], got "
-                         f"{tuple(block_table.shape)}, {tuple(cache_lens.shape)}, {tuple(q_lens.shape)}")  # fmt: skip
+        raise ValueError(
+            f"block_table must be [{B}, max_blocks] and cache_lens, q_lens [{B}], got "
+            f"{tuple(block_table.shape)}, {tuple(cache_lens.shape)}, {tuple(q_lens.shape)}"
+        )
     if (depth_k is None) != (depth_v is None):
         raise ValueError("depth_k and depth_v come together")
-    if depth_k is not None and (depth_k.shape != depth_v.shape or depth_k.dim() != 5
-                                or depth_k.shape[:2] != (B, kmax) or depth_k.shape[3:] != (Hkv, D)):  # fmt: skip
-        raise ValueError(f"depth_k/depth_v must be [{B}, {kmax}, L, {Hkv}, {D}], got {tuple(depth_k.shape)}, "
-                         f"{tuple(depth_v.shape)}")  # fmt: skip
+    if depth_k is not None and (
+        depth_k.shape != depth_v.shape
+        or depth_k.dim() != 5
+        or depth_k.shape[:2] != (B, kmax)
+        or depth_k.shape[3:] != (Hkv, D)
+    ):
+        raise ValueError(
+            f"depth_k/depth_v must be [{B}, {kmax}, L, {Hkv}, {D}], got {tuple(depth_k.shape)}, {tuple(depth_v.shape)}"
+        )
     if tree_mask is not None and tree_mask.shape[-2:] != (kmax, kmax):
         raise ValueError(f"tree_mask must be [{B}, {kmax}, {kmax}] or [{kmax}, {kmax}], got {tuple(tree_mask.shape)}")
     if out is None:
@@ -437,8 +499,10 @@ def moda_verify(
         # Batch-invariant: the most chunks the table's width allows (a bound, no device sync), the query tile fixed.
         chunks = (config.get("max_chunks", 32), config.get("min_chunk_keys", 256))
         if chunks[1] % config["BLOCK_N"] or min(chunks) < 1:
-            raise ValueError(f"min_chunk_keys {chunks[1]} must be a positive multiple of BLOCK_N {config['BLOCK_N']}, "
-                             f"max_chunks {chunks[0]} positive")  # fmt: skip
+            raise ValueError(
+                f"min_chunk_keys {chunks[1]} must be a positive multiple of BLOCK_N {config['BLOCK_N']}, "
+                f"max_chunks {chunks[0]} positive"
+            )
         num_splits = 1 + max(1, min(chunks[0], cdiv(block_table.shape[1] * k_cache.shape[1], chunks[1])))
         config = {**config, "BLOCK_M": config.get("BLOCK_M") or INVARIANT_TILE_M}
     if num_splits < 1:
@@ -448,5 +512,19 @@ def moda_verify(
         t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
         for t in (block_table, cache_lens, q_lens)
     )
-    return moda_verify_fwd(q, k_cache, v_cache, block_table, cache_lens, q_lens, depth_k, depth_v, tree_mask,
-                           scale, num_splits, out, config, chunks)  # fmt: skip
+    return moda_verify_fwd(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        cache_lens,
+        q_lens,
+        depth_k,
+        depth_v,
+        tree_mask,
+        scale,
+        num_splits,
+        out,
+        config,
+        chunks,
+    )

@@ -94,10 +94,21 @@ def rms_norm_fwd(
     block_r, block_d, num_warps = rms_norm_config(D)
     has_res = residual is not None
     rms_norm_fwd_kernel[(cdiv(n_rows, block_r),)](
-        x, residual if has_res else x, weight, out, res_out if has_res else out,
-        n_rows, x.stride(0), residual.stride(0) if has_res else 0, eps,
-        D=D, RESIDUAL=has_res, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps,
-    )  # fmt: skip
+        x,
+        residual if has_res else x,
+        weight,
+        out,
+        res_out if has_res else out,
+        n_rows,
+        x.stride(0),
+        residual.stride(0) if has_res else 0,
+        eps,
+        D=D,
+        RESIDUAL=has_res,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
 
 
 def _rows(t: Tensor, D: int) -> Tensor:
@@ -108,8 +119,10 @@ def _rows(t: Tensor, D: int) -> Tensor:
 
 def _check_out(buf: Tensor, x: Tensor, dtype: torch.dtype, name: str) -> None:
     if buf.shape != x.shape or buf.dtype != dtype or buf.device != x.device or not buf.is_contiguous():
-        raise ValueError(f"{name} must be contiguous {tuple(x.shape)} {dtype} on {x.device}, got "
-                         f"{tuple(buf.shape)} {buf.dtype} on {buf.device}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be contiguous {tuple(x.shape)} {dtype} on {x.device}, got "
+            f"{tuple(buf.shape)} {buf.dtype} on {buf.device}"
+        )
 
 
 def rms_norm(
@@ -143,6 +156,12 @@ def rms_norm(
         else:
             _check_out(residual_out, x, x.dtype, "residual_out")
     w = weight if weight.is_contiguous() else weight.contiguous()
-    rms_norm_fwd(_rows(x, D), None if residual is None else _rows(residual, D), w, float(eps),
-                 out.view(-1, D), None if residual is None else residual_out.view(-1, D))  # fmt: skip
+    rms_norm_fwd(
+        _rows(x, D),
+        None if residual is None else _rows(residual, D),
+        w,
+        float(eps),
+        out.view(-1, D),
+        None if residual is None else residual_out.view(-1, D),
+    )
     return out if residual is None else (out, residual_out)

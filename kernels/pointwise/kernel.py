@@ -116,11 +116,25 @@ def rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
     stride_cb = 0 if cos.shape[0] == 1 else cos.stride(0)
     stride_sb = 0 if sin.shape[0] == 1 else sin.stride(0)
     rope_fwd_kernel[(cdiv(n_rows, block_r),)](
-        x, cos, sin, out, n_rows, T,
-        x.stride(0), x.stride(1), x.stride(2),
-        stride_cb, cos.stride(1), stride_sb, sin.stride(1),
-        H=H, HALF=D // 2, BLOCK_R=block_r, BLOCK_HALF=block_half, num_warps=4,
-    )  # fmt: skip
+        x,
+        cos,
+        sin,
+        out,
+        n_rows,
+        T,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        stride_cb,
+        cos.stride(1),
+        stride_sb,
+        sin.stride(1),
+        H=H,
+        HALF=D // 2,
+        BLOCK_R=block_r,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+    )
     return out
 
 

@@ -173,15 +173,17 @@ def init_from(drafter, path: str | Path) -> None:
     lack the depth predictor (which then starts fresh)."""
     have = load_drafter_config(path).to_dict()
     want = drafter.dcfg.to_dict()
-    differ = sorted(k for k in (have.keys() | want.keys()) - {"tli_depth", "target_fingerprint"}
-                    if have.get(k) != want.get(k))  # fmt: skip
+    differ = sorted(
+        k for k in (have.keys() | want.keys()) - {"tli_depth", "target_fingerprint"} if have.get(k) != want.get(k)
+    )
     if differ or have["target_fingerprint"] != want["target_fingerprint"]:
         raise ValueError(f"--init {path} is another drafter (differs in {differ or ['target_fingerprint']})")
     result = drafter.load_state_dict({k: v.float() for k, v in load_drafter_weights(path).items()}, strict=False)
     fresh = [k for k in result.missing_keys if not k.startswith("depth_predictor.")]
     if fresh or result.unexpected_keys:
-        raise ValueError(f"--init {path}: weights do not fit (missing {fresh[:3]}, unexpected "
-                         f"{result.unexpected_keys[:3]})")  # fmt: skip
+        raise ValueError(
+            f"--init {path}: weights do not fit (missing {fresh[:3]}, unexpected {result.unexpected_keys[:3]})"
+        )
 
 
 @torch.no_grad()
@@ -236,8 +238,12 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
     target = Transformer.from_pretrained(cfg.target, device=cfg.device, dtype=dtype)
     for p in target.parameters():
         p.requires_grad_(False)
-    dcfg = DrafterConfig(kind=cfg.kind, tli=cfg.tli if cfg.kind == "moa" else 0,
-                         target_fingerprint=fingerprint(cfg.target), **dict(cfg.overrides))  # fmt: skip
+    dcfg = DrafterConfig(
+        kind=cfg.kind,
+        tli=cfg.tli if cfg.kind == "moa" else 0,
+        target_fingerprint=fingerprint(cfg.target),
+        **dict(cfg.overrides),
+    )
     torch.manual_seed(cfg.seed)
     drafter = build_drafter(target, dcfg).to(cfg.device)  # trainable weights stay fp32 (autocast computes)
     if cfg.init:
@@ -266,8 +272,14 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
             history.setdefault("depth", []).append((step, ev["depth"]))
 
     def checkpoint() -> None:
-        state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                 "drafter_config": dcfg.to_dict(), "train_config": dataclasses.asdict(cfg)}  # fmt: skip
+        state = {
+            "drafter": drafter.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "history": history,
+            "drafter_config": dcfg.to_dict(),
+            "train_config": dataclasses.asdict(cfg),
+        }
         torch.save(state, out / "checkpoint.tmp")
         (out / "checkpoint.tmp").replace(ckpt_path)
         save_plot(history, out / "loss.png", f"drafter {dcfg.kind} (TLI {dcfg.tli})")

@@ -51,11 +51,26 @@ DEFAULT_MAX_FILE_BYTES = 1_000_000  # larger "source" files are generated tables
 # Canonical SPDX spelling of every identifier we allow; lookups are case-insensitive.
 PERMISSIVE = frozenset(
     {
-        "MIT", "MIT-0", "MIT-CMU", "BSD-2-Clause", "BSD-3-Clause", "0BSD", "Apache-2.0", "ISC", "PSF-2.0",
-        "Python-2.0", "CNRI-Python", "Zlib", "BSL-1.0", "HPND", "Unlicense", "CC0-1.0",
-        "LicenseRef-BSD", "LicenseRef-Apache",
+        "MIT",
+        "MIT-0",
+        "MIT-CMU",
+        "BSD-2-Clause",
+        "BSD-3-Clause",
+        "0BSD",
+        "Apache-2.0",
+        "ISC",
+        "PSF-2.0",
+        "Python-2.0",
+        "CNRI-Python",
+        "Zlib",
+        "BSL-1.0",
+        "HPND",
+        "Unlicense",
+        "CC0-1.0",
+        "LicenseRef-BSD",
+        "LicenseRef-Apache",
     }
-)  # fmt: skip
+)
 # Copyleft SPDX identifiers: a License field made of them is read as a statement (a refusal) and named copyleft.
 _COPYLEFT = re.compile(r"^(A?GPL|LGPL|MPL|EPL|EUPL|CDDL|OSL|CECILL|CC-BY-SA)-", re.IGNORECASE)
 _CANONICAL = {name.lower(): name for name in PERMISSIVE}
@@ -78,7 +93,7 @@ _LICENCE_NAMES = {
             "modified bsd license",
             "revised bsd license",
         )
-    },  # fmt: skip
+    },
     **{
         k: "BSD-2-Clause"
         for k in (
@@ -90,7 +105,7 @@ _LICENCE_NAMES = {
             "simplified bsd license",
             "freebsd",
         )
-    },  # fmt: skip
+    },
     **{k: "LicenseRef-Apache" for k in ("apache", "apache license", "apache software license")},
     **{
         k: "Apache-2.0"
@@ -108,7 +123,7 @@ _LICENCE_NAMES = {
             "asl 2",
             "asl 2.0",
         )
-    },  # fmt: skip
+    },
     **{k: "ISC" for k in ("isc", "isc license", "isc license (iscl)", "iscl")},
     **{k: "PSF-2.0" for k in ("psf", "psf license", "psfl", "python software foundation license")},
     **{k: "Zlib" for k in ("zlib", "zlib license", "zlib/libpng", "zlib/libpng license")},

@@ -192,8 +192,14 @@ def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def progress_bar(label: str, console: Console, quiet: bool) -> Progress:
     """The training progress bar: steps done, a live info field (loss, held-out figures), time left."""
-    columns = [TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn(), TimeRemainingColumn()]  # fmt: skip
+    columns = [
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     return Progress(*columns, console=console, disable=quiet)
 
 
@@ -368,6 +374,8 @@ def train_target(cfg: TrainConfig, console: Console | None = None) -> dict:
         "torch": torch.__version__,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    console.print(f"{'done' if summary['finished'] else 'stopped'}: step {step}, held-out loss "
-                  f"{summary['heldout_loss']:.4f} ({summary['wall_s']:.0f}s)")  # fmt: skip
+    console.print(
+        f"{'done' if summary['finished'] else 'stopped'}: step {step}, held-out loss "
+        f"{summary['heldout_loss']:.4f} ({summary['wall_s']:.0f}s)"
+    )
     return summary
