@@ -141,7 +141,7 @@ class ServerProbe:
             out |= memory(self.service)
             out |= {f"gc_{k}": v for k, v in self.pauses.snapshot(reset_max=True).items()}  # max: since last sample
             m = self.service.engine.metrics
-            fams = [*m.batch_size.collect(), *m.verify_seconds.collect(), *m.batch_seconds.collect()]
+            fams = [*m.batch_size.collect(), *m.rounds.collect(), *m.batch_seconds.collect()]
             samples = [s for f in fams for s in f.samples]
         elif self.metrics_url:
             import urllib.request

@@ -7,7 +7,7 @@ threads that drop a connection idle for CONNECTION_TIMEOUT_S. Names are prefixed
 `metrics.http` is the OpenAI-compatible API's observer (tether.shared.http_observe.HttpObserver): requests by
 route and status, time to first token, and prompt and completion tokens.
 
-    metrics = ServiceMetrics(); metrics.rounds.inc()
+    metrics = ServiceMetrics(); metrics.rounds.round(drafted=5, accepted=3, seconds=0.004)
     serve_metrics(metrics, "127.0.0.1", 9100)   # curl 127.0.0.1:9100/metrics
 """
 
@@ -20,6 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from tether.server.round_tally import RoundTally
 from tether.shared.http_observe import RequestRecord, path_label
 
 CONNECTION_TIMEOUT_S = 10.0  # a scraper's connection that sends nothing this long is closed
@@ -64,15 +65,9 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.rounds = Counter("tether_rounds", "verification rounds answered", registry=r)
-        self.accepted = Counter("tether_accepted_tokens", "draft tokens the target accepted", registry=r)
-        self.drafted = Counter("tether_drafted_tokens", "draft tokens received", registry=r)
-        self.tau = Histogram(
-            "tether_tau",
-            "tokens gained per round (accepted + 1)",
-            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 14, 20, 33, 65),
-            registry=r,
-        )
+        # rounds, drafted / accepted tokens, tau and verify_seconds: counted once a round, on the event loop
+        self.rounds = RoundTally()
+        r.register(self.rounds)
         self.bytes_out = Counter("tether_bytes_out", "payload bytes sent, by kind", ["kind"], registry=r)
         self.kv_delta_bytes = self.bytes_out.labels(kind="kv_delta")  # every reply's: no label lookup per round
         self.sessions = Gauge("tether_sessions", "sessions held", registry=r)
@@ -89,12 +84,6 @@ class ServiceMetrics:
         self.errors = Counter("tether_errors", "requests refused, by gRPC status", ["code"], registry=r)
         # Not errors: each one a pipelined client's missed guess (its overlapping round is refused, nothing lost).
         self.stale_rounds = Counter("tether_stale_rounds", "overlapping rounds refused as stale", registry=r)
-        self.verify_seconds = Histogram(
-            "tether_verify_seconds",
-            "round latency: batching wait + forward + verdict",
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
-            registry=r,
-        )
         self.batch_size = Histogram(
             "tether_batch_size",
             "rounds verified in one target forward",

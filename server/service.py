@@ -57,6 +57,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -325,31 +326,27 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 raise RequestError(
                     Reason.REASON_SESSION_FULL, f"{len(tree)} tokens do not fit the {s.verifier.room} positions left"
                 )
+            t0 = time.perf_counter()
             try:
-                with self.engine.metrics.verify_seconds.time():
-                    # The reply is made on the batcher's thread, straight after the step; a front end carrying the
-                    # call encodes its delta (VERDICT_FRAMES), which takes that work off the engine.
-                    framed = VERDICT_FRAMES.get() and s.verifier.logprobs is None
-                    finish = functools.partial(
-                        self._verdict_frame if framed else self._verdict_reply,
-                        req.round,
-                        s.codec,
-                        bool(req.parents),
-                        s.verifier,
-                    )
-                    work, here = self.engine.batcher.submit_here(s.verifier, tree, finish)
-                    verdict, message = await self.engine.work.wait(work, claim, here)
+                # The reply is made on the batcher's thread, straight after the step; a front end carrying the call
+                # encodes its delta (VERDICT_FRAMES), which takes that work off the engine.
+                framed = VERDICT_FRAMES.get() and s.verifier.logprobs is None
+                finish = functools.partial(
+                    self._verdict_frame if framed else self._verdict_reply,
+                    req.round,
+                    s.codec,
+                    bool(req.parents),
+                    s.verifier,
+                )
+                work, here = self.engine.batcher.submit_here(s.verifier, tree, finish)
+                verdict, message = await self.engine.work.wait(work, claim, here)
             except ValueError as e:
                 raise invalid(str(e)) from None
             except PoolExhausted:
                 raise RequestError(
                     Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", retry_after_s=POOL_RETRY_S
                 ) from None
-            m = self.engine.metrics
-            m.rounds.inc()
-            m.drafted.inc(len(tree) - 1)
-            m.accepted.inc(verdict.accepted)
-            m.tau.observe(verdict.tau)
+            self.engine.metrics.rounds.round(len(tree) - 1, verdict.accepted, time.perf_counter() - t0)
             s.root, s.last_round, s.last_reply = verdict.bonus, req.round, message
             return message
 
