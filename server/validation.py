@@ -96,7 +96,7 @@ class Checks:
         if len(tokens) > limit:
             raise RequestError(Reason.REASON_TOO_LONG, f"{what}: {len(tokens)} tokens, the limit is {limit}")
         ids = list(tokens)
-        if any(t >= self.vocab for t in ids):
+        if ids and max(ids) >= self.vocab:  # ids are unsigned on the wire
             raise invalid(f"{what}: a token id is outside [0, {self.vocab})")
         return ids
 

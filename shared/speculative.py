@@ -116,6 +116,16 @@ class DraftTree:
     def __len__(self) -> int:
         return self._n
 
+    def __getattr__(self, name: str):
+        """Only for an attribute not found the usual way: a chain built from ids (`chain`) makes its `tokens` tensor
+        on first use."""
+        ids = self.__dict__.get("_tokens")
+        if name != "tokens" or ids is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        # Through numpy: torch.tensor parses a list element by element, ~5x slower for a round's few ids.
+        tokens = self.__dict__["tokens"] = torch.from_numpy(np.array(ids, dtype=np.int64))
+        return tokens
+
     @classmethod
     def chain(
         cls,
@@ -131,16 +141,14 @@ class DraftTree:
             ids = [int(root_token), *map(int, draft_tokens)]
             n = len(ids)
             tree = object.__new__(cls)
-            # Through numpy: torch.tensor parses a list element by element, ~5x slower for a round's few ids.
+            # `tokens` is left out: __getattr__ makes it on first use, which a greedy round on the GPU never has.
             tree.__dict__.update(
-                tokens=torch.from_numpy(np.array(ids, dtype=np.int64)),
                 parents=_chain_parents(n),
                 q_ids=None,
                 q_probs=None,
                 source_ids=None,
                 _n=n,
                 is_chain=True,
-                _parents=list(range(-1, n - 1)),
                 _tokens=ids,
             )
             return tree
