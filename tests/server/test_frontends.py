@@ -677,6 +677,29 @@ def test_a_verdict_frame_becomes_the_reply_the_engine_would_have_made_for_every_
         wire.verdict_message(good, max_nbytes=100)
 
 
+def test_a_verdict_frames_layout_is_checked_before_its_bits_are_read():
+    """The delta's layout (names and shapes) is the front end's only guide to the bits after it: a layout that
+    names a tensor twice, declares no tensors, or more or fewer bits than the frame holds is a FrameError; the
+    engine refuses to frame anything but bfloat16 bits."""
+    delta = ArrayDelta(start=3, tokens=[1, 2], tensors={"lsa": np.arange(16, dtype=np.uint16).reshape(2, 8)})
+    good = wire.verdict_frame(1, 1, 4, (), delta, Codec.RAW).payload
+    at = wire.VERDICT_HEAD.size + 4 * 2  # the layout: count u8, then (name length u8, ndim u8, name, dims u32)
+    entry = struct.pack("<BB", 3, 2) + b"lsa" + struct.pack("<2I", 2, 8)
+    bits = good[at + 1 + len(entry) :]
+    assert good[at:] == b"\x01" + entry + bits and len(bits) == 32
+    for layout, tail in [
+        (b"\x02" + entry + entry, bits + bits),  # one name twice
+        (b"\x00", b""),  # no tensors
+        (b"\x01" + entry, bits + b"\x00\x00"),  # more bits than declared
+        (b"\x01" + struct.pack("<BB", 3, 2) + b"lsa" + struct.pack("<2I", 2, 1 << 30), bits),  # a huge shape
+    ]:
+        with pytest.raises(wire.FrameError):
+            wire.verdict_message(good[:at] + layout + tail)
+    as_float = ArrayDelta(start=3, tokens=[1, 2], tensors={"lsa": np.zeros((2, 8), np.float32)})
+    with pytest.raises(struct.error):
+        wire.verdict_frame(1, 1, 4, (), as_float, Codec.RAW)
+
+
 def test_a_front_end_encodes_verdicts_reports_their_bytes_once_a_loop_iteration_and_fails_a_bad_one_alone():
     """The front end's side of VERDICT, in process: two verdicts in one event-loop iteration cost the engine one
     DELTA_BYTES frame with their sum; a frame that does not parse ends that call INTERNAL."""
