@@ -63,7 +63,7 @@ from tether.server.frontend_wire import (
     verdict_message,
 )
 from tether.server.logs import configure_logging
-from tether.server.rpc_server import HEALTH_NAME, SERVICE_NAME, TLSFiles, channel_options
+from tether.server.rpc_server import HEALTH_NAME, SERVICE_NAME, TLSFiles, channel_options, new_event_loop
 from tether.shared import wire
 from tether.shared.ids import engine_of
 from tether.v1 import tether_pb2 as pb
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     # The loop is never closed and the interpreter never torn down: nothing is left to save, and gRPC's threads
     # torn down under either can abort the process ("terminate called without an active exception").
-    rc = asyncio.new_event_loop().run_until_complete(run(args.engine))
+    rc = new_event_loop().run_until_complete(run(args.engine))
     logging.shutdown()
     os._exit(rc)
 

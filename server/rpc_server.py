@@ -84,6 +84,17 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (Linux and macOS), else asyncio's. The engine's loop carries every
+    round twice (its request frame in, its verdict out): uvloop's handles, transports and cross-thread wake-ups take
+    about half the CPU of asyncio's pure-Python ones."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def event_loop() -> asyncio.AbstractEventLoop:
     """The process's one gRPC event loop, on a daemon thread of its own, started on first use and never closed.
     grpc.aio shares one completion queue per process; with one loop, no event is ever handed to a loop that has
@@ -91,7 +102,7 @@ def event_loop() -> asyncio.AbstractEventLoop:
     global _loop
     with _loop_lock:
         if _loop is None:
-            _loop = asyncio.new_event_loop()
+            _loop = new_event_loop()
             threading.Thread(target=_loop.run_forever, name="tether-grpc", daemon=True).start()
         return _loop
 
