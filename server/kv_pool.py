@@ -43,6 +43,7 @@ from torch import Tensor
 
 from tether.server.step import StepConfig, StepRunner
 from tether.shared.config import ModelConfig
+from tether.shared.contracts import gathering_attend
 
 if TYPE_CHECKING:
     from tether.shared.contracts import Target
@@ -260,20 +261,7 @@ class PagedCache:
         vf[new] = v[0].to(vf.dtype)
         return kf[seen][None], vf[seen][None]
 
-    def attend(
-        self,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        depth_k: Tensor | None,
-        depth_v: Tensor | None,
-        *,
-        scale: float,
-        tree_mask: Tensor | None,
-    ) -> None:
-        """No in-place path for one sequence: the model writes the rows and runs its attention backend over them."""
-        return None
+    attend = gathering_attend  # no in-place path for one sequence: the model writes the rows and gathers them
 
     def advance(self, n: int) -> None:
         """Commit the first n pending rows."""
@@ -359,20 +347,7 @@ class SlotView:
         kf, vf = _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
 
-    def attend(
-        self,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        depth_k: Tensor | None,
-        depth_v: Tensor | None,
-        *,
-        scale: float,
-        tree_mask: Tensor | None,
-    ) -> None:
-        """A gathering view: the model writes the rows and runs its attention backend over the gathered keys."""
-        return None
+    attend = gathering_attend  # a gathering view: the model writes the rows and gathers the keys
 
 
 class PagedKernelView:

@@ -184,16 +184,7 @@ class Sampling:
 
     @property
     def controls(self) -> SamplingControls:
-        return SamplingControls(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-        )
+        return SamplingControls.of(self)
 
 
 @dataclass(frozen=True)
