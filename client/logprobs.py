@@ -17,7 +17,7 @@ Contract:
 Why the drafter's values and not null: a token drafted offline was chosen by the drafter, so its logprob under
 the drafter is what produced it; every entry stays a number (OpenAI's chat schema has no null logprob, and typed
 clients read one as 0, probability 1), and the caller is told which entries are the drafter's
-(tether.shared.openai_api.with_offline: "drafter_logprobs").
+(tether.shared.openai_responses.with_offline: "drafter_logprobs").
 
     entries = server_logprobs(verdict.logprobs, accepted + [verdict.bonus], 5, vocab)
 """

@@ -4,9 +4,9 @@ States (docs/ARCHITECTURE.md, section 7): CONNECTING -> ONLINE -> OFFLINE -> RES
 The session takes and yields token ids: text is its callers' (tether.client.cli, chat, edge_api), which encode the
 prompt with the tokenizer pairing brings (`models.tokenizer`) and decode what it emits.
 - CONNECTING: `pair()`: GetModelInfo, then the client part from the weight cache or the server, in the form the
-  backend drafts with: ONNX graphs for onnxruntime (the default; tether.client.onnx_pairing, no torch anywhere on
-  that path), or tensors for the torch drafter (tether.client.pairing, imported only by that backend); then open
-  the session with the prompt, or go on from the session file (tether.client.session_file).
+  backend drafts with (tether.client.backend_part): ONNX graphs for onnxruntime (the default; no torch anywhere on
+  that path), or tensors for the torch drafter (imported only by that backend); then open the session with the
+  prompt, or go on from the session file (tether.client.session_file).
 - ONLINE, in the mode `mode` names (tether.client.adaptive; "auto" chooses by tether.client.mode_choice): chunks
   of the server's own decoding streamed in (Generate), tagged "verified", or the hybrid's rounds. Each round
   drafts after the root (the last token the target decided) a chain of k tokens or, where the server takes them,
@@ -67,37 +67,23 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import grpc
-import numpy as np
 
 from tether.client.adaptive import OnlineModes
-from tether.client.controls import check_controls, sampling_params, stop_ids
+from tether.client.backend_part import check_pairing, draft_random, fetch_part
+from tether.client.controls import sampling_params, stop_ids
 from tether.client.delta_gate import DeltaGate, DeltaLayout, wire_delta
 from tether.client.errors import Problem
-from tether.client.onnx_pairing import FORMATS, fetch_onnx_part
 from tether.client.outage import reason
-from tether.client.pairing_checks import check_model_info
 from tether.client.reply_check import ReplyCheck
 from tether.client.resync import Resync
 from tether.client.round_plan import Limits, lookahead_rows
 from tether.client.rounds import Rounds
-from tether.client.seeds import draft_seed
 from tether.client.server_link import ServerLink
 from tether.client.session_file import SessionRecord, load_record, save_record
 from tether.client.session_output import SessionOutput
 from tether.client.session_text import SessionText
 from tether.client.session_types import CODECS, ClientConfig, Event, Paired, Result, State, Stats
-from tether.client.transport import (
-    DOWNLOAD_ATTEMPTS,
-    Backoff,
-    FormatNotOffered,
-    LinkDown,
-    ServerError,
-    SessionFull,
-    SessionLost,
-)
+from tether.client.transport import DOWNLOAD_ATTEMPTS, Backoff, LinkDown, SessionFull, SessionLost
 from tether.v1 import tether_pb2 as pb
 
 log = logging.getLogger("tether.client")
@@ -273,25 +259,16 @@ class EdgeSession:
         deadline = time.monotonic() + cfg.connect_timeout_s
 
         info = self.reuse.info if self.reuse is not None else self.model_info(deadline)
-        if info.server_only:
-            raise ServerError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{self.link.replicas.address} runs no drafter (server-only): stream from it with Generate",
-                pb.REASON_NO_DRAFTER,
-            )
-        model_cfg, drafter_cfg = check_model_info(info)  # before anything is downloaded or allocated
-        check_controls(cfg, info, model_cfg.vocab_size)
+        model_cfg, drafter_cfg = check_pairing(cfg, info, self.link.replicas.address)
         self.max_positions = model_cfg.max_seq_len
-        if cfg.backend == "onnx" and FORMATS[cfg.precision] not in info.client_part_formats:
-            raise FormatNotOffered(
-                f"{cfg.server} does not offer the ONNX client part in {cfg.precision} (a server "
-                "older than this client): pass --backend torch, or upgrade the server"
-            )
 
         def interrupted(e: Exception) -> None:
             self.output.tell(Event("info", detail=f"weight download interrupted ({e}); resuming"))
 
-        self.models = backoff.retry(lambda: self._fetch_part(info), attempts=DOWNLOAD_ATTEMPTS, on_retry=interrupted)
+        def fetch() -> Paired:  # the pairing given to the session, or one fetched now
+            return self.reuse if self.reuse is not None else fetch_part(cfg, self.link, info, self._progress)
+
+        self.models = backoff.retry(fetch, attempts=DOWNLOAD_ATTEMPTS, on_retry=interrupted)
         self.output.stats.weights_bytes = self.models.nbytes
         # Every end-of-text id and the stop token ids, beside any the caller set (a chat's end of turn).
         self.output.stop_ids = self.output.ends | stop_ids(cfg, info, self.models.tokenizer)
@@ -306,7 +283,7 @@ class EdgeSession:
             coverable=lambda start: self.text.sequence[start:] + self.rounds.accepted,
             refuse=lambda message: self.check.refused(Problem.DELTA, message),
         )
-        rng, streams = _draft_random(cfg)
+        rng, streams = draft_random(cfg)
         parts = (cfg, self.text, self.link, self.output, self.check)
         limits = Limits(model_cfg.max_seq_len, info.max_draft_tokens, info.max_tree_nodes)
         self.rounds = Rounds(
@@ -334,40 +311,6 @@ class EdgeSession:
 
     def _progress(self, done: int, total: int) -> None:
         self.output.tell(Event("download", count=done, total=total))
-
-    def _fetch_part(self, info: pb.ModelInfo) -> Paired:
-        """The client part for the backend: the pairing given to the session, or one fetched now."""
-        cfg, link = self.cfg, self.link
-        if self.reuse is not None:
-            return self.reuse
-        if cfg.backend == "onnx":
-            tree_width = 0 if cfg.tree == "chain" else cfg.tree_top_k  # a chain-only client derives no tree session
-            part = fetch_onnx_part(
-                link.stub,
-                info,
-                cfg.cache_dir,
-                precision=cfg.precision,
-                metadata=link.metadata,
-                max_bytes=cfg.max_weights_mb << 20,
-                on_progress=self._progress,
-                threads=cfg.threads,
-                tree_width=tree_width,
-            )
-            return Paired(info, part.tokenizer, part.drafter, part.nbytes)
-        # The torch backend (kept to compare against) is the only part of the client that imports torch.
-        from tether.client.pairing import build_client_models, fetch_client_part
-
-        tensors = fetch_client_part(
-            link.stub,
-            info,
-            cfg.cache_dir,
-            metadata=link.metadata,
-            max_bytes=cfg.max_weights_mb << 20,
-            on_progress=self._progress,
-        )
-        models = build_client_models(info, tensors)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return Paired(info, models.tokenizer, models.drafter, nbytes)
 
     def _open(self) -> None:
         cfg, text, link, output = self.cfg, self.text, self.link, self.output
@@ -580,19 +523,6 @@ class EdgeSession:
     def close(self) -> None:
         """Close the server session if one is still held (a chat's, or one a Ctrl-C left), then the channel."""
         self.link.close()
-
-
-def _draft_random(cfg: ClientConfig) -> tuple[Any, Callable[[int], Any]]:
-    """The random streams the backend's drafter samples with (tether.client.seeds): offline tokens' one, and the
-    session's n-th online draft's."""
-    if cfg.backend == "onnx":
-        return np.random.default_rng(draft_seed(cfg.seed)), lambda n: np.random.default_rng(draft_seed(cfg.seed, n))
-    import torch
-
-    return (
-        torch.Generator().manual_seed(draft_seed(cfg.seed)),
-        lambda n: torch.Generator().manual_seed(draft_seed(cfg.seed, n)),
-    )
 
 
 def generate(cfg: ClientConfig, prompt: list[int], on_event: Callable[[Event], None] | None = None) -> Result:

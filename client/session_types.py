@@ -150,16 +150,7 @@ class ClientConfig:
     def controls(self) -> SamplingControls:
         """The sampling rule these settings ask for; ControlError (a ValueError naming the control) when one is
         out of its range."""
-        return SamplingControls(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-        )
+        return SamplingControls.of(self)
 
 
 @dataclass

@@ -7,7 +7,7 @@ tether-netsim --listen 127.0.0.1:0 --upstream 127.0.0.1:50051 --bandwidth-kbps 2
 Contract: prints one line `listening on HOST:PORT` once bound (port 0 picks a free one and prints it), logs link
 events on stderr (unless --quiet), and on SIGTERM/SIGINT, or when the scenario's `end` event plays, prints the
 bytes delivered each way (up = client->server, down = server->client) and connection counts: one line of text,
-or with --json one JSON line (tether.netsim.proxy.NetSimStats.summary()). Exits 2 on a bad flag or scenario, or
+or with --json one JSON line (tether.netsim.records.NetSimStats.summary()). Exits 2 on a bad flag or scenario, or
 an address that is not HOST:PORT. Scenario files: tether.netsim.scenario (times in seconds from the moment the proxy
 listens). Every flag can also come from a TETHER_* environment variable, --foo-bar from TETHER_FOO_BAR (a switch:
 1/0, true/false, yes/no); the command line wins, and --help lists each flag's default and variable.
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tether.netsim import timers
-from tether.netsim.proxy import LinkConfig, NetSim, NetSimEvent, NetSimStats
+from tether.netsim.proxy import NetSim
+from tether.netsim.records import LinkConfig, NetSimEvent, NetSimStats
 from tether.netsim.scenario import Scenario, load_scenario
 
 # netsim is a standalone harness that imports nothing else of tether's (tests/netsim/test_netsim_standalone.py), so

@@ -25,7 +25,8 @@ import multiprocessing
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from tether.netsim.proxy import LinkConfig, LinkState, NetSimStats, NetSimThread
+from tether.netsim.proxy import NetSimThread
+from tether.netsim.records import LinkConfig, LinkState, NetSimStats
 from tether.netsim.scenario import Scenario
 
 _STOP = "stop"

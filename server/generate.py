@@ -61,16 +61,7 @@ class GenerateConfig:
     @property
     def controls(self) -> SamplingControls:
         """The sampling rule (ControlError, naming the control, for a value out of its range)."""
-        return SamplingControls(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-        )
+        return SamplingControls.of(self)
 
 
 def logit_bias_pair(text: str) -> tuple[int, float]:

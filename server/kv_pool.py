@@ -18,9 +18,11 @@ Contract:
 - `SlotView(pool, write_slots, write_rows, read_slots)`: one forward's window on the pool as flat slot indices
   (vLLM's slot mapping), the cache interface the model calls; the batcher and tensor-parallel ranks use it.
 - `PagedKernelView(pool, write_slots, write_rows, block_table, cache_lens, q_lens)`: the same window for the
-  paged verify kernel, which reads the rows in place (the model calls its `attend`).
+  paged verify kernel, which reads the rows in place (the model calls its `attend`); `pool.kernel_view(...)` makes
+  one over the pool (what a step runner calls: tether.server.step.StepPool names what it needs of a pool).
 - `pool.runner_for(target)` is the StepRunner of that target's fixed-shape steps over this pool (tether.server.step),
   made once and owned by the pool: its owner (the Engine) makes it at construction, anyone else on the first step.
+  The runner knows the pool only by the StepPool Protocol, so this module imports tether.server.step, never back.
   `step_config` (a constructor argument) is how those steps run, graphs or eager; a tensor-parallel pool
   (tether.server.tp_serve.TPPool) makes its own kind of runner.
 
@@ -39,10 +41,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from tether.server.step import StepConfig, StepRunner
 from tether.shared.config import ModelConfig
+from tether.shared.contracts import gathering_attend
 
 if TYPE_CHECKING:
-    from tether.server.step import StepConfig, StepRunner
     from tether.shared.contracts import Target
 
 _PREFIXES = [list(range(n)) for n in range(257)]  # the chain prefixes PagedCache.in_place compares a path with
@@ -162,12 +165,16 @@ class KVPool:
 
     def make_runner(self, target: Target) -> StepRunner:
         """A new step runner for `target` over this pool, with the pool's step_config."""
-        from tether.server.step import StepRunner  # noqa: PLC0415 (tether.server.step imports this module)
-
         return StepRunner(target, self, self.step_config)
 
     def sequence(self, capacity: int) -> PagedCache:
         return PagedCache(self, capacity)
+
+    def kernel_view(
+        self, write_slots: Tensor, write_rows: Tensor | None, block_table: Tensor, cache_lens: Tensor, q_lens: Tensor
+    ) -> PagedKernelView:
+        """The paged verify kernel's window on this pool for one forward (PagedKernelView; a step's, StepPool)."""
+        return PagedKernelView(self, write_slots, write_rows, block_table, cache_lens, q_lens)
 
     def block_tables(self, seqs: Sequence[PagedCache]) -> tuple[Tensor, Tensor]:
         """The paged kernel's view of `seqs`: block table int32 [B, max_blocks] (-1 past each row's blocks) and
@@ -254,20 +261,7 @@ class PagedCache:
         vf[new] = v[0].to(vf.dtype)
         return kf[seen][None], vf[seen][None]
 
-    def attend(
-        self,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        depth_k: Tensor | None,
-        depth_v: Tensor | None,
-        *,
-        scale: float,
-        tree_mask: Tensor | None,
-    ) -> None:
-        """No in-place path for one sequence: the model writes the rows and runs its attention backend over them."""
-        return None
+    attend = gathering_attend  # no in-place path for one sequence: the model writes the rows and gathers them
 
     def advance(self, n: int) -> None:
         """Commit the first n pending rows."""
@@ -353,20 +347,7 @@ class SlotView:
         kf, vf = _store_new_rows(self.pool, layer, self.write_slots, self.write_rows, k, v)
         return torch.cat([kf[self.read_slots].to(k.dtype), k], 1), torch.cat([vf[self.read_slots].to(v.dtype), v], 1)
 
-    def attend(
-        self,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        depth_k: Tensor | None,
-        depth_v: Tensor | None,
-        *,
-        scale: float,
-        tree_mask: Tensor | None,
-    ) -> None:
-        """A gathering view: the model writes the rows and runs its attention backend over the gathered keys."""
-        return None
+    attend = gathering_attend  # a gathering view: the model writes the rows and gathers the keys
 
 
 class PagedKernelView:

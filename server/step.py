@@ -34,21 +34,36 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from tether.server.device_wait import host_copy
-from tether.server.kv_pool import KVPool, PagedKernelView
 from tether.shared.acceptance import greedy_packed
-from tether.shared.contracts import ForwardOutput
+from tether.shared.contracts import ForwardCache, ForwardOutput
 from tether.shared.drafter import POSITION_AXIS, TargetStates
 from tether.shared.model import Transformer
 
 log = logging.getLogger("tether.server")
 _CAPTURE_LOCK = threading.Lock()  # one CUDA graph capture at a time in this process (StepRunner._capture)
+
+
+class StepPool(Protocol):
+    """What a StepRunner needs of the pool it steps over (tether.server.kv_pool.KVPool, which makes its runner, and
+    a tensor-parallel rank's shard of one): its device and block size, the `scratch` block padding reads and writes,
+    and the window the paged verify kernel reads in place (`kernel_view`: KVPool's PagedKernelView over it)."""
+
+    block_size: int
+    scratch: int  # the block never handed to a sequence
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def kernel_view(
+        self, write_slots: Tensor, write_rows: Tensor | None, block_table: Tensor, cache_lens: Tensor, q_lens: Tensor
+    ) -> ForwardCache: ...
 
 
 @dataclass(frozen=True)
@@ -177,8 +192,8 @@ def _forward(
     lens and q_lens [B], table [B * W]; mask [B, T, T]): a bucket's graph and an eager step both run it."""
     B, T, W, states = shape
     # Every new row is scattered, in order (write_rows None): padding into the scratch block.
-    view = PagedKernelView(
-        runner.pool, slots, None, table.view(B, W).to(torch.int32), lens.to(torch.int32), q_lens.to(torch.int32)
+    view = runner.pool.kernel_view(
+        slots, None, table.view(B, W).to(torch.int32), lens.to(torch.int32), q_lens.to(torch.int32)
     )
     target = runner.target
     return target.run(
@@ -260,7 +275,7 @@ class _DecodeGraph:
         for i in range(K):
             pos = self.meta[1:2] + i  # [1]
             slot = table[pos // bs] * bs + pos % bs  # [1]
-            view = PagedKernelView(runner.pool, slot, None, table32, (pos + 1).to(torch.int32), q_len)
+            view = runner.pool.kernel_view(slot, None, table32, (pos + 1).to(torch.int32), q_len)
             logits = runner.target.run(token, cache=view, positions=pos.view(1, 1), tree_mask=sees_itself).logits
             token = logits.argmax(-1)  # [1, 1]: first maximum on ties, as the verdicts take it
             out.append(token.view(1))
@@ -268,7 +283,7 @@ class _DecodeGraph:
 
 
 class StepRunner:
-    def __init__(self, target: Transformer, pool: KVPool, config: StepConfig | None = None):
+    def __init__(self, target: Transformer, pool: StepPool, config: StepConfig | None = None):
         self.target, self.pool = target, pool
         self.config = config or StepConfig()
         self.use_graphs = self.config.graphs and pool.device.type == "cuda"

@@ -68,6 +68,24 @@ class ForwardCache(Protocol):
         ...
 
 
+def gathering_attend(
+    self: ForwardCache,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    depth_k: Tensor | None,
+    depth_v: Tensor | None,
+    *,
+    scale: float,
+    tree_mask: Tensor | None,
+) -> None:
+    """ForwardCache.attend of a cache with no in-place kernel path (a contiguous KVCache, a pool sequence, the
+    gathering views): None, so the model writes the rows and runs its attention backend over the keys `write`
+    returns. Such a cache takes it as its member: `attend = gathering_attend`."""
+    return None
+
+
 class SequenceCache(ForwardCache, Protocol):
     """One sequence's cache (batch 1), as a SequenceVerifier owns it: committed rows [0, length), pending rows
     written by a forward until the caller commits them."""

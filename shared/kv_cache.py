@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from tether.shared.config import ModelConfig
+from tether.shared.contracts import gathering_attend
 
 
 class KVCache:
@@ -52,20 +53,7 @@ class KVCache:
         self.v[layer, :, self.length : end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
-    def attend(
-        self,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        depth_k: Tensor | None,
-        depth_v: Tensor | None,
-        *,
-        scale: float,
-        tree_mask: Tensor | None,
-    ) -> None:
-        """No in-place kernel path: the model writes the rows and runs its attention backend over them."""
-        return None
+    attend = gathering_attend  # no in-place kernel path: the model writes the rows and gathers them
 
     def reserve(self, n: int) -> None:
         """Room for n rows past the committed length is already allocated; only the capacity is checked."""

@@ -4,8 +4,9 @@ presence penalties, one definition computed alike on numpy and torch.
 Contract. `SamplingControls` holds every knob of one sequence's sampling (temperature, top_p, top_k, min_p, the
 three penalties, logit_bias), checked on construction against the ranges vLLM and OpenAI accept, and against a
 vocabulary by `check_vocab`; a bad value raises `ControlError` (a ValueError naming the control in `.control`,
-so an API answers 400 / INVALID_ARGUMENT with the parameter's name). The processed distribution of a position,
-in vLLM's order and with its semantics:
+so an API answers 400 / INVALID_ARGUMENT with the parameter's name); `SamplingControls.of(config)` reads them off a
+configuration or request that carries them under the same names (`ControlFields`). The processed distribution of a
+position, in vLLM's order and with its semantics:
 
 1. logit_bias[id] is added to the token's logit;
 2. the repetition penalty r, over every token of the context (prompt and generated): a positive logit is divided
@@ -36,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -54,6 +55,36 @@ class ControlError(ValueError):
     def __init__(self, control: str, message: str):
         super().__init__(message)
         self.control = control
+
+
+class ControlFields(Protocol):
+    """A configuration or request that carries every sampling control under SamplingControls' names, read-only (the
+    edge's ClientConfig, `tether-server generate`'s GenerateConfig, the OpenAI API's Sampling): what
+    `SamplingControls.of` reads."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_p(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def min_p(self) -> float: ...
+
+    @property
+    def presence_penalty(self) -> float: ...
+
+    @property
+    def frequency_penalty(self) -> float: ...
+
+    @property
+    def repetition_penalty(self) -> float: ...
+
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
 
 
 @dataclass(frozen=True)
@@ -99,6 +130,21 @@ class SamplingControls:
             bias[int(token)] = float(value)
         object.__setattr__(self, "logit_bias", tuple(sorted(bias.items())))
         object.__setattr__(self, "top_k", int(self.top_k))
+
+    @classmethod
+    def of(cls, source: ControlFields) -> SamplingControls:
+        """The controls a configuration or request carries under these names (ControlError, naming the control,
+        for one out of its range)."""
+        return cls(
+            temperature=source.temperature,
+            top_p=source.top_p,
+            top_k=source.top_k,
+            min_p=source.min_p,
+            presence_penalty=source.presence_penalty,
+            frequency_penalty=source.frequency_penalty,
+            repetition_penalty=source.repetition_penalty,
+            logit_bias=source.logit_bias,
+        )
 
     def check_vocab(self, vocab_size: int) -> None:
         """ControlError unless every logit_bias id is a token of a vocabulary of `vocab_size`."""

@@ -26,35 +26,16 @@ Contract:
   code; `body()` is {"error": {"message", "type", "param", "code"}}; `headers()` carries Retry-After (and
   `Connection: close` for a 408: the rest of that request's body is never read). The message and param are kept
   encodable whatever a caller sent (a lone surrogate in an unknown field's name becomes U+FFFD).
-- `TextStream(tokenizer, stop, stop_ids, hidden_ids, context)`: `push(token)` returns the text that may be shown
-  now (a character split across tokens waits until whole; text that could be the start of a stop string waits until
-  it is known not to be). A stop id (end of text) or a stop string ends it with finish_reason "stop"; the text
-  returned ends before the stop string; hidden ids (special tokens) add no text. `flush()` gives what was held.
-  `context`: the prompt ids the tokens continue, so the text reads as it does after the prompt (a SentencePiece-style
-  continuation's first space kept: Tokenizer.detokenizer(context=...)).
-- `completion_choice`, `chat_choice`, `chat_delta` build one choice, `completion_body`, `chat_body`,
-  `completion_chunk`, `chat_chunk`, `usage` the JSON bodies around them; `chat_logprobs` and
-  `completion_logprobs` a choice's logprobs in each endpoint's shape (from tether.shared.sampling.TokenLogprobs, a
-  backend's `Tokens.logprobs`); `sse(obj)` and `SSE_DONE` frame a stream.
-- `Tokens(ids, offline, verified)`: a chunk of token ids as a backend yields them; `offline` marks ids the edge drafted
-  alone, `verified` says how many offline ids sent before a resync has since kept
-  while its link was down. A backend that can do that (the edge's) gets tether's one extension of OpenAI's schema,
-  `with_offline(choice, n)`: every choice (of a body or a chunk) carries `"tether": {"offline_tokens": n}`, the
-  number of completion tokens behind that choice's text that were made offline and not verified (in a stream:
-  since the chunk before, so they add up to the body's count), and when logprobs were asked `"drafter_logprobs":
-  [i, ...]`, the indices of the choice's logprobs entries (in a stream: the chunk's) whose values are the edge
-  drafter's own (`Tokens.drafter_logprobs`: tokens drafted offline, which the target never scored; they stay
-  numbers, as OpenAI's schema has them). Clients that do not know it ignore it (the openai package keeps unknown
-  fields as extras).
+- `Tokens(ids, offline, verified, logprobs, drafter_logprobs)`: a chunk of token ids as a backend yields them;
+  `offline` marks ids the edge drafted alone while its link was down, `verified` says how many offline ids sent
+  before a resync has since kept (the response's extension: tether.shared.openai_responses.with_offline).
 
+The rest of the protocol is beside it: tether.shared.text_stream (token ids -> the text to show, stop strings
+and stop ids) and tether.shared.openai_responses (the response and SSE chunk bodies).
 Torch- and gRPC-free: the server's HTTP API (tether.server.http_api) and an edge endpoint use it alike.
 
     req = parse_chat(json.loads(body))
-    text = TextStream(tokenizer, req.stop, stop_ids=fmt.stop_ids)
-    for token in tokens:
-        piece = text.push(token)
-        if text.finish_reason:
-            break
+    req.sampling.controls, req.stop, req.max_tokens
 """
 
 from __future__ import annotations
@@ -63,13 +44,12 @@ import enum
 import json
 import math
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tether.shared.logits_processing import ControlError, SamplingControls
 from tether.shared.sampling import TokenLogprobs
-from tether.shared.tokenizer import Tokenizer
 
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
@@ -204,16 +184,7 @@ class Sampling:
 
     @property
     def controls(self) -> SamplingControls:
-        return SamplingControls(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-        )
+        return SamplingControls.of(self)
 
 
 @dataclass(frozen=True)
@@ -458,162 +429,3 @@ class _Fields:
         value = self.body.get(name)
         if value is not None and not any(value == a and type(value) is type(a) for a in allowed):
             raise invalid(f"{name} is not supported (only {json.dumps(allowed[0])})", name)
-
-
-class TextStream:
-    """Generated token ids -> the text to show, with stop ids and stop strings; see the module docstring."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        stop: Sequence[str] = (),
-        *,
-        stop_ids: frozenset[int] = frozenset(),
-        hidden_ids: frozenset[int] = frozenset(),
-        context: Sequence[int] = (),
-    ):
-        self.tokenizer, self.stop, self.stop_ids = tokenizer, tuple(stop), stop_ids
-        self.hidden_ids = hidden_ids | stop_ids
-        self.tokens = 0  # tokens consumed, the one that stopped it included
-        self.finish_reason: str | None = None  # "stop" once a stop id or string was met
-        self._held = ""  # decoded text that may be the start of a stop string
-        self._detokenizer = tokenizer.detokenizer(context=context)
-
-    def push(self, token: int) -> str:
-        if self.finish_reason is not None:
-            raise ValueError("the stream has finished")
-        self.tokens += 1
-        if token in self.stop_ids:
-            text = self._cut(self._detokenizer.flush())  # what the detokenizer held back is final now
-            self.finish_reason = "stop"
-            return self._release(text + self._held)
-        return "" if token in self.hidden_ids else self._cut(self._detokenizer.push([token]))
-
-    def flush(self) -> str:
-        """The text held back, once no more tokens come (the generation reached its length)."""
-        if self.finish_reason is not None:
-            return ""
-        return self._release(self._cut(self._detokenizer.flush()) + self._held)
-
-    def _release(self, text: str) -> str:
-        self._held = ""
-        return text
-
-    def _cut(self, piece: str) -> str:
-        """Add `piece` to the held text; return what is known not to be, or to precede, a stop string."""
-        text = self._held + piece
-        if not self.stop:
-            return self._release(text)
-        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if found:
-            self.finish_reason = "stop"
-            return self._release(text[: min(found)])
-        hold = 0
-        for n in range(min(len(text), max(map(len, self.stop)) - 1), 0, -1):
-            if any(s.startswith(text[-n:]) for s in self.stop):
-                hold = n
-                break
-        self._held = text[len(text) - hold :]
-        return text[: len(text) - hold]
-
-
-# ---- response bodies -------------------------------------------------------------------------------------------
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-
-def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish,
-    }
-
-
-def chat_delta(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-
-def completion_body(rid: str, created: int, model: str, choices: list[dict], used: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": used,
-    }
-
-
-def chat_body(rid: str, created: int, model: str, choices: list[dict], used: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": used,
-    }
-
-
-def completion_chunk(rid: str, created: int, model: str, choice: dict | None) -> dict:
-    """A streamed piece of one choice (completion_choice); None: the usage-only last chunk (no choices)."""
-    choices = [] if choice is None else [choice]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-
-
-def chat_chunk(rid: str, created: int, model: str, choice: dict | None) -> dict:
-    """A streamed piece of one choice's message (chat_delta); None: the usage-only last chunk (no choices)."""
-    choices = [] if choice is None else [choice]
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-
-
-def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str]) -> dict:
-    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}, each
-    token's text by `text_of` (its decoded text; bytes are that text's UTF-8)."""
-
-    def one(token: int, logprob: float) -> dict:
-        text = text_of(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-
-    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
-
-
-def completion_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str], offset: int) -> dict:
-    """Completions' `logprobs`: parallel lists of the tokens' texts, logprobs, top {text: logprob} and offsets in
-    the choice's text (from `offset`: the length of its text before these tokens, each token's text counted)."""
-    texts = [text_of(e.token) for e in entries]
-    offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
-    return {
-        "tokens": texts,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def with_offline(choice: dict, offline_tokens: int, drafter_logprobs: list[int] | None = None) -> dict:
-    """`choice` with tether's extension: how many of the choice's tokens were made offline, and with logprobs, the
-    indices of its logprobs entries (chat's content, completions' tokens) that are the drafter's own."""
-    choice["tether"] = {"offline_tokens": offline_tokens}
-    if drafter_logprobs is not None:
-        choice["tether"]["drafter_logprobs"] = drafter_logprobs
-    return choice
-
-
-def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"

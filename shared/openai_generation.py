@@ -10,12 +10,12 @@ Contract:
   choice's index), each choice's finish chunk as it ends, the usage chunk when asked, `data: [DONE]`; a refusal
   mid-stream is an error event. `respond(request)` is the whole body, or a 499 when the client goes away first.
   Either way every choice's generation is closed when it ends, or at once when the client goes away.
-- A choice's text is tether.shared.openai_api's TextStream (stop strings, stop ids, hidden special tokens). With
+- A choice's text is tether.shared.text_stream's TextStream (stop strings, stop ids, hidden special tokens). With
   Sampling.logprobs each consumed token's log-probabilities, as the backend reported them (Tokens.logprobs), go
-  with the text of the chunk that consumed it, in chat's or completions' shape (openai_api.chat_logprobs /
+  with the text of the chunk that consumed it, in chat's or completions' shape (openai_responses.chat_logprobs /
   completion_logprobs; a token's text is its own decode). A backend that reports none when asked is refused at
   start, a 400 naming logprobs. Entries a backend marks as its drafter's (Tokens.drafter_logprobs) are named in
-  the choice's tether extension (openai_api.with_offline).
+  the choice's tether extension (openai_responses.with_offline).
 - `EventStream` is the SSE response: its generator is closed however the response ends, and it ends when the
   client stops reading for `send_timeout_s`.
 """
@@ -36,13 +36,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tether.shared.chat_template import ChatFormat
 from tether.shared.http_observe import RequestRecord
-from tether.shared.openai_api import (
+from tether.shared.openai_api import ApiError, GenerationRequest, Sampling, Tokens, invalid
+from tether.shared.openai_responses import (
     SSE_DONE,
-    ApiError,
-    GenerationRequest,
-    Sampling,
-    TextStream,
-    Tokens,
     chat_body,
     chat_choice,
     chat_chunk,
@@ -52,12 +48,12 @@ from tether.shared.openai_api import (
     completion_choice,
     completion_chunk,
     completion_logprobs,
-    invalid,
     sse,
     usage,
     with_offline,
 )
 from tether.shared.sampling import TokenLogprobs
+from tether.shared.text_stream import TextStream
 
 log = logging.getLogger("tether.http")
 

@@ -30,7 +30,6 @@ before anything loads, so a Hugging Face target needs a corpus built with `build
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from rich.console import Console
 from tether.server.engine import SpeculativeEngine
 from tether.server.model_loading import default_model_dir
 from tether.server.train.corpus import CorpusManifest
-from tether.server.train.target import Batches, autocast, lr_at, progress_bar, save_plot
+from tether.server.train.target import Batches, autocast, lr_at, progress_bar, save_checkpoint
 from tether.shared.checkpoint import fingerprint
 from tether.shared.cli_support import require_device
 from tether.shared.drafter import DrafterConfig, load_drafter_config, load_drafter_weights, save_drafter
@@ -272,18 +271,8 @@ def train_drafter(cfg: DrafterTrainConfig, console: Console | None = None) -> di
             history.setdefault("depth", []).append((step, ev["depth"]))
 
     def checkpoint() -> None:
-        state = {
-            "drafter": drafter.state_dict(),
-            "optimizer": opt.state_dict(),
-            "step": step,
-            "history": history,
-            "drafter_config": dcfg.to_dict(),
-            "train_config": dataclasses.asdict(cfg),
-        }
-        torch.save(state, out / "checkpoint.tmp")
-        (out / "checkpoint.tmp").replace(ckpt_path)
-        save_plot(history, out / "loss.png", f"drafter {dcfg.kind} (TLI {dcfg.tli})")
-        (out / "history.json").write_text(json.dumps(history))
+        weights = {"drafter": drafter.state_dict(), "drafter_config": dcfg.to_dict()}
+        save_checkpoint(out, weights, opt, step, history, cfg, f"drafter {dcfg.kind} (TLI {dcfg.tli})")
 
     if not history["tau"]:
         evaluate()

@@ -3,8 +3,9 @@
 Contract: `train_target(TrainConfig)` trains a model of a named preset on a corpus directory built by
 tether.server.train.corpus (built on first use when missing), and leaves in `out`:
 - config.json, model.safetensors, tokenizer.json: the finished model, loadable by Transformer.from_pretrained;
-- checkpoint.pt: model + optimizer + step + loss history, rewritten every `save_every` steps and when a run stops;
-  a rerun with the same `out` resumes from it (and a larger --steps extends a finished run);
+- checkpoint.pt: model + optimizer + step + loss history (`save_checkpoint`, train-drafter's writer too), rewritten
+  every `save_every` steps and when a run stops; a rerun with the same `out` resumes from it (and a larger --steps
+  extends a finished run);
 - history.json and loss.png: train and held-out loss against tokens seen, and the throughput of every 10 steps
   (tokens/s; on CUDA also the model FLOPs utilisation against the device's bf16 peak);
 - summary.json: where the run stands (`finished` is false after a chunk that stopped early).
@@ -28,6 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -226,6 +228,25 @@ def save_plot(history: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def save_checkpoint(
+    out: Path, weights: dict, optimizer: torch.optim.Optimizer, step: int, history: dict, cfg: Any, title: str
+) -> None:
+    """A run's resumable state in out/checkpoint.pt (`weights`: the model's state and config under the run's own
+    keys, beside the optimizer, step, history and the run's config), written whole or not at all, then its loss
+    plot and history.json: what train-target and train-drafter write every checkpoint interval."""
+    state = {
+        **weights,
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "history": history,
+        "train_config": dataclasses.asdict(cfg),
+    }
+    torch.save(state, out / "checkpoint.tmp")
+    (out / "checkpoint.tmp").replace(out / "checkpoint.pt")
+    save_plot(history, out / "loss.png", title)
+    (out / "history.json").write_text(json.dumps(history))
+
+
 def train_target(cfg: TrainConfig, console: Console | None = None) -> dict:
     """Train (or resume) and return a summary: steps, tokens, held-out loss, throughput, wall time."""
     require_device(cfg.device)  # before the corpus is built: minutes on a small machine
@@ -266,18 +287,9 @@ def train_target(cfg: TrainConfig, console: Console | None = None) -> dict:
     forward = torch.compile(model) if cfg.compile else model  # shares the weights; checkpoints save `model`
 
     def checkpoint() -> None:
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "history": history,
-            "model_config": model_cfg.to_dict(),
-            "train_config": dataclasses.asdict(cfg),
-        }
-        torch.save(state, out / "checkpoint.tmp")
-        (out / "checkpoint.tmp").replace(ckpt_path)
-        save_plot(history, out / "loss.png", f"{cfg.preset} (moda={model_cfg.moda}, {model_cfg.norm_position}-norm)")
-        (out / "history.json").write_text(json.dumps(history))
+        weights = {"model": model.state_dict(), "model_config": model_cfg.to_dict()}
+        title = f"{cfg.preset} (moda={model_cfg.moda}, {model_cfg.norm_position}-norm)"
+        save_checkpoint(out, weights, optimizer, step, history, cfg, title)
 
     if not history["val"]:
         history["val"].append((0, heldout_loss(model, batches, cfg)))

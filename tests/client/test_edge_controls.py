@@ -1,6 +1,6 @@
 """The edge HTTP API's logprobs without a server: which logprobs go out with which tokens (tether.client.edge_api's
 Release), how the server's are checked (tether.client.logprobs), and how the app names the drafter's own entries in
-a choice (tether.shared.openai_api.with_offline, in bodies, streams and the openai package's objects).
+a choice (tether.shared.openai_responses.with_offline, in bodies, streams and the openai package's objects).
 """
 
 import json

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tether.client.session import ClientConfig, EdgeSession, ServerError
+from tether.client.session import ClientConfig, EdgeSession
 from tether.client.session_file import SessionRecord, load_record, save_record
+from tether.client.transport import ServerError
 from tether.v1 import tether_pb2 as pb
 
 

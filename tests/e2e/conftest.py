@@ -4,7 +4,7 @@ import pytest
 import torch
 from toy_models import toy_model_dir
 
-from tether.client import session as session_module
+from tether.client import backend_part
 from tether.server.engine_core import Engine
 from tether.server.model_loading import load
 from tether.server.rpc_server import make_server
@@ -52,7 +52,7 @@ def paired_once(monkeypatch, tmp_path_factory) -> str:
     session's `begin` resets the drafter): each pairing would otherwise load it from the cache again, which
     dominates a generation of a few tokens."""
     parts: dict = {}
-    real = session_module.fetch_onnx_part
+    real = backend_part.fetch_onnx_part
 
     def fetch(stub, info, cache_dir, **kwargs):
         key = (info.drafter_fingerprint, kwargs.get("precision"))
@@ -60,7 +60,7 @@ def paired_once(monkeypatch, tmp_path_factory) -> str:
             parts[key] = real(stub, info, cache_dir, **kwargs)
         return parts[key]
 
-    monkeypatch.setattr(session_module, "fetch_onnx_part", fetch)
+    monkeypatch.setattr(backend_part, "fetch_onnx_part", fetch)
     return str(tmp_path_factory.mktemp("cache"))
 
 

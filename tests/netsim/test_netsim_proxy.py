@@ -10,7 +10,8 @@ import time
 import pytest
 from netsim_helpers import closed_by_peer, connect, recv_exactly, wait_for
 
-from tether.netsim.proxy import LinkConfig, LinkState, NetSim, NetSimThread, parse_address
+from tether.netsim.proxy import NetSim, NetSimThread
+from tether.netsim.records import LinkConfig, LinkState, parse_address
 
 SLACK_S = 0.005  # timer granularity: a deadline may fire this much early
 

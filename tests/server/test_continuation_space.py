@@ -21,8 +21,8 @@ from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.chat_template import ChatFormat
 from tether.shared.checkpoint import fingerprint
-from tether.shared.openai_api import TextStream
 from tether.shared.openai_app import HttpConfig
+from tether.shared.text_stream import TextStream
 from tether.shared.tokenizer import Tokenizer
 
 PROMPT = "The quick"

@@ -17,9 +17,10 @@ from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
 from tether.server.service import TetherService
 from tether.shared.logits_processing import SamplingControls
-from tether.shared.openai_api import TextStream, parse_completion
+from tether.shared.openai_api import parse_completion
 from tether.shared.openai_app import HttpConfig
 from tether.shared.sampling import token_logprobs
+from tether.shared.text_stream import TextStream
 from tether.shared.tokenizer import Tokenizer
 
 FP = "f" * 64

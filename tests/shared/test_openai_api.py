@@ -1,7 +1,8 @@
-"""The OpenAI API's protocol without a server (tether.shared.openai_api): requests parsed into frozen values with
-every malformed or unsupported field refused by name, the error body and Retry-After, and TextStream: stop strings
-matched on the decoded text across token boundaries (held back only while they may still match), characters split
-across tokens, end-of-text and hidden special tokens, and a tokenizer that is not byte-level."""
+"""The OpenAI API's protocol without a server: requests parsed into frozen values with every malformed or
+unsupported field refused by name, the error body and Retry-After (tether.shared.openai_api), and TextStream
+(tether.shared.text_stream): stop strings matched on the decoded text across token boundaries (held back only while
+they may still match), characters split across tokens, end-of-text and hidden special tokens, and a tokenizer that
+is not byte-level."""
 
 import pytest
 import tokenizers
@@ -12,10 +13,10 @@ from tether.shared.openai_api import (
     ApiError,
     ErrorKind,
     Sampling,
-    TextStream,
     parse_chat,
     parse_completion,
 )
+from tether.shared.text_stream import TextStream
 from tether.shared.tokenizer import Tokenizer
 
 
