@@ -18,7 +18,15 @@ verified), named chain, chain+pipe, tree, tree+pipe (and auto, auto+pipe: the cl
 round r+1 before r's verdict where the server takes overlapping rounds (ClientConfig.overlap, the default); +ahead
 drafts it as early but sends it once the verdict bears its guess out (the pipelining before overlap). A mode the
 client in use cannot run (a ClientConfig without those fields) is reported "n/a", never run as something else.
-Grid: every RTT in `--rtt-ms` (one-way latency RTT/2 each way) x every bandwidth in `--mbps` (a cap each way).
+Every hybrid mode is forced (ClientConfig.mode "hybrid"); `adaptive` is the client as it ships (ClientConfig.mode
+"auto", its default tree and pipelining: auto+pipe when it drafts): it streams or drafts, whichever it measures
+faster (tether.client.mode_choice). `server-draft` is the server-only stream from a second server that drafts for
+itself (`serve --server-draft`, k = --k): in this process after the first one is closed, or `--server-draft-server`.
+Grid: every load in `--load` x every RTT in `--rtt-ms` (one-way latency RTT/2 each way) x every bandwidth in `--mbps`
+(a cap each way). A load is N background clients (0: idle; `full`: the server's max batch, ServiceConfig.max_batch,
+or `--full-load` against --server): bench/server.py's synthetic Generate streams (random prompts of
+`--load-prompt-len`, `--load-tokens` each, one after another), in a child process on the server's own address
+(not through netsim), running through every cell of that load and killed after it (bounded by --load-limit-s).
 
 Per cell (definitions, also in the JSON's "definitions"):
 - tok_s: tokens / wall, the wall from sending the open (server-only: the Generate call) to the last token;
@@ -43,13 +51,19 @@ Then outages (`--outages-s`, with `--outage-mode` at `--outage-rtt-ms` / `--outa
 reader's pace (`--pace` tokens/s, policy keep); once it has written 2 x pace tokens the link is cut for the outage's
 seconds; reported: offline tokens, the first resync's duration (request to next verified token) and its bytes.
 
+- mean_batch: the server's mean batch size (rounds and stream steps per step) over the cell, where the bench reads
+  the server's metrics: how full the background clients keep it.
+The summary (record "summary", one cell per load, bandwidth and RTT): each mode's tok_s, the better of server-only
+and the hybrid modes measured (`best_other`; server-draft is another deployment, not this client's option) and
+adaptive's ratio to it (`adaptive_ratio`; issue #45's target: >= 0.95 in every cell).
 Prints a table per part, then one JSON line (record "bench": "link"); `--plot FILE` draws tokens/s against RTT, a
 panel per bandwidth, a line per mode and each hybrid mode's synchronous bound dashed (matplotlib, when installed).
 
     python bench/link.py --device cpu --plot bench/link.png      # the full grid, in-process server on the CPU
     python bench/link.py --device cuda --cache-dir /var/cache/tether --plot link-h200.png   # the server on a GPU
     python bench/link.py --server 10.0.0.5:50051 --metrics-url http://10.0.0.5:9100/metrics   # a deployment
-    python bench/link.py --quick                                 # RTT 0 and 10 ms, 100 Mbit/s, 16 tokens, no outage
+    python bench/link.py --quick                                 # RTT 0 and 10 ms, 100 Mbit/s, 16 tokens, idle
+    python bench/link.py --device cuda --mbps 100 --load 0 full --outages-s 5   # issue #45's table
 
 Tests: tests/server/test_bench_link.py (a tiny grid and a short outage on the CPU; the record's structure and bounds).
 """
@@ -62,9 +76,11 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -83,6 +99,9 @@ from tether.v1 import tether_pb2 as pb
 
 PROMPT = "import json\n\n\ndef load_settings(path):\n    "
 SERVER_ONLY = "server-only"
+SERVER_DRAFT = "server-draft"  # the server-only stream, from a server that drafts for itself (serve --server-draft)
+ADAPTIVE = "adaptive"  # the client's default (ClientConfig.mode "auto": it streams or drafts, whichever is faster)
+STREAMED = (SERVER_ONLY, SERVER_DRAFT)  # the modes a Generate stream measures
 # The hybrid modes: the ClientConfig fields each sets. A client without a field does what LEGACY says.
 MODES = {
     "chain": {"tree": "chain", "pipeline": False},
@@ -101,7 +120,9 @@ CLIENT_INTS = ("tree_nodes", "tree_depth", "tree_top_k", "overlap_depth")
 # What a client from before tree rounds and pipelining does; one from before overlapping rounds sends a round drafted
 # ahead after the verdict it depends on.
 LEGACY = {"tree": "chain", "pipeline": False, "overlap": False}
-DEFAULT_MODES = (SERVER_ONLY, "chain", "chain+pipe", "tree", "tree+pipe")
+DEFAULT_MODES = (SERVER_ONLY, SERVER_DRAFT, "auto+pipe", ADAPTIVE)
+MODEL_CALLS = 4096  # the in-process server's max_model_calls_per_caller: the background clients share one host
+FULL = "full"  # --load's word for the server's whole batch (ServiceConfig.max_batch background clients)
 PIPELINE_HITS = "pipeline_hits"  # the Stats field counting rounds sent pre-drafted (shown when the client has it)
 # Where a round's time goes: the row's key (ms per round) -> the Stats field (s, summed), shown when the client has it
 ROUND_PARTS = {"work_ms": "round_work_s", "wait_ms": "verdict_wait_s", "to_send_ms": "verdict_to_send_s"}
@@ -128,6 +149,8 @@ def client_options(mode: str) -> dict | None:
     """The ClientConfig fields of a hybrid mode, or None when the client in use cannot run it (it lacks a field
     whose value the mode needs to differ from LEGACY)."""
     have = {f.name for f in dataclasses.fields(ClientConfig)}
+    if mode == ADAPTIVE:  # the client's own defaults, the online mode left to it
+        return {"mode": "auto"} if "mode" in have else None
     options = {}
     for name, value in MODES[mode].items():
         if name in have:
@@ -151,9 +174,11 @@ def bench_module(name: str) -> ModuleType:
 class LocalServer:
     """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process, by serve's own engine
     (tether.server.engine_core.Engine.build) with serve's defaults: on the Triton backend its kernel warm-up (which also
-    captures the step graphs a `--cache-dir` recorded and those of k = 5 rounds), then the settled heap."""
+    captures the step graphs a `--cache-dir` recorded and those of k = 5 rounds), then the settled heap.
+    `server_draft`: serve --server-draft (--server-draft-k = --k). Every background client comes from this host, so
+    the per-caller bound on calls waiting for the model threads is raised past what --load sends."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, server_draft: bool = False):
         import torch
 
         from tether.server.engine_core import Engine
@@ -163,11 +188,13 @@ class LocalServer:
         from tether.server.service import TetherService
 
         extra = {k: v for k, v in (("model", args.model), ("drafter", args.drafter)) if v}
-        cfg = ServeConfig(device=pick_device(args.device), cache_dir=args.cache_dir, **extra)
+        cfg = ServeConfig(device=pick_device(args.device), cache_dir=args.cache_dir, server_draft=server_draft,
+                          server_draft_k=args.k, max_model_calls_per_caller=MODEL_CALLS, **extra)  # fmt: skip
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             fail(f"--device {cfg.device}: this host has no CUDA device (--device cpu, or --server HOST:PORT)")
         self.device = cfg.device
         engine = Engine.build(cfg)
+        self.max_batch = engine.config.max_batch  # --load full: this many background clients
         self.warm = engine.warm_up()
         engine.settle()
         self.service = TetherService(engine)
@@ -187,15 +214,50 @@ class LocalServer:
         self.service.engine.close()  # and settle()'s frozen heap back to the collector
 
 
+class Background:
+    """`n` other users of the server, loading it while a cell is measured: bench/server.py's synthetic Generate
+    clients (bench/server_clients.generate_until: greedy streams of --load-tokens after random --load-prompt-len
+    prompts, one after another per client) in a child process of their own, on the server's own address (their
+    links are not the timed client's). Bounded: the process ends by itself after --load-limit-s, and close() ends
+    it sooner. n = 0: nothing runs."""
+
+    def __init__(self, address: str, n: int, args: argparse.Namespace):
+        self.proc = None
+        if n <= 0:
+            return
+        server = bench_module("server")
+        limit = args.load_limit_s
+        spec = server.parser().parse_args(["--mode", "generate", "--duration", str(limit), "--tokens",
+                                           str(args.load_tokens), "--prompt-len", str(args.load_prompt_len),
+                                           "--timeout", str(limit + 60)])  # fmt: skip
+        spec = json.dumps({k: v for k, v in vars(spec).items() if k not in ("clients", "worker")})
+        cmd = [sys.executable, str(Path(server.__file__).resolve()), "--worker", address, "--worker-clients", str(n),
+               "--worker-seed", str(n), "--worker-first", "0", "--worker-spec", spec]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            server.read_line(self.proc, time.monotonic() + 120 + n)  # ready: its first stream ran
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 class Rig:
     """tether-netsim in front of the server, the client's weight cache, and what the bench reads of the server."""
 
-    def __init__(self, upstream: str, args: argparse.Namespace, service=None):
+    def __init__(self, upstream: str, args: argparse.Namespace, service=None, metrics_url: str = ""):
         self.args = args
         self.sim = (NetSimProcess if args.netsim == "process" else NetSimThread)(("127.0.0.1", 0), upstream)
         self.sim.start()
         self.cache = tempfile.TemporaryDirectory(prefix="tether-link-")
-        self.probe = bench_module("server").ServerProbe(service, args.metrics_url)
+        self.probe = bench_module("server").ServerProbe(service, metrics_url)
 
     def config(self, **kw) -> ClientConfig:
         a = self.args
@@ -219,6 +281,11 @@ class Rig:
         s, m = self.sim.stats(), self.probe.sample()
         verify_s, rounds = m.get("tether_verify_seconds_sum", 0.0), m.get("tether_verify_seconds_count", 0)
         return s.up_bytes + s.down_bytes, verify_s, rounds
+
+    def batches(self) -> tuple[float, float]:
+        """The server's batch-size sum and count so far (0, 0 when it cannot be read)."""
+        m = self.probe.sample()
+        return m.get("tether_batch_size_sum", 0.0), m.get("tether_batch_size_count", 0)
 
     def close(self) -> None:
         self.sim.stop()
@@ -263,6 +330,7 @@ def run_hybrid(rig: Rig, mode: str) -> dict:
                   "server_round_ms": 1e3 * (v1 - v0) / (n1 - n0) if n1 > n0 else None,
                   "ttft_ms": 1e3 * s.ttft_s, "offline_tokens": s.offline_tokens,
                   "pipeline_hits": stats.get(PIPELINE_HITS), **per_round,
+                  "stream_tokens": stats.get("stream_tokens"), "mode_switches": stats.get("mode_switches"),
                   "client_stats": {k: v for k, v in stats.items() if not isinstance(v, list)}}  # fmt: skip
 
 
@@ -282,11 +350,21 @@ def run_server_only(rig: Rig, info: pb.ModelInfo, tokenizer) -> dict:
     s = result.stats
     return cell(len(result.token_ids), s.wall_s, s.bytes_up + s.bytes_down, wire) | {
         "tau": None, "rounds": None, "round_ms": None, "server_round_ms": None, "ttft_ms": 1e3 * s.ttft_s,
-        "offline_tokens": 0, "pipeline_hits": None} | dict.fromkeys(ROUND_PARTS)  # fmt: skip
+        "offline_tokens": 0, "pipeline_hits": None, "stream_tokens": len(result.token_ids),
+        "mode_switches": None} | dict.fromkeys(ROUND_PARTS)  # fmt: skip
 
 
 def measure(rig: Rig, mode: str, info: pb.ModelInfo, tokenizer) -> dict:
-    if mode == SERVER_ONLY:
+    """One cell of `mode` over the rig (a server-draft rig for SERVER_DRAFT), with the server's mean batch size over
+    it where the bench reads the server's metrics (`mean_batch`: how full the background clients keep it)."""
+    b0 = rig.batches()
+    row = _measure(rig, mode, info, tokenizer)
+    b1 = rig.batches()
+    return row | {"mean_batch": (b1[0] - b0[0]) / (b1[1] - b0[1]) if b1[1] > b0[1] else None}
+
+
+def _measure(rig: Rig, mode: str, info: pb.ModelInfo, tokenizer) -> dict:
+    if mode in STREAMED:
         return run_server_only(rig, info, tokenizer)
     if info.server_only:
         return {"skipped": "the server runs no drafter"}
@@ -297,12 +375,14 @@ def measure(rig: Rig, mode: str, info: pb.ModelInfo, tokenizer) -> dict:
 
 def add_bounds(rows: list[dict]) -> None:
     """The synchronous bounds of each measured hybrid row, and its ratios to them (module docstring)."""
-    at_rtt0 = {(r["mode"], r["mbps"]): r["round_ms"] for r in rows if r["rtt_ms"] == 0 and r.get("round_ms")}
+    at_rtt0 = {(r["mode"], r["mbps"], r.get("load")): r["round_ms"] for r in rows
+               if r["rtt_ms"] == 0 and r.get("round_ms")}  # fmt: skip
     for r in rows:
         tau, rtt = r.get("tau"), r["rtt_ms"]
         wait, server = r.get("wait_ms"), r.get("server_round_ms")
         r["overhead_ms"] = wait - rtt - server if wait is not None and server is not None else None
-        for key, step in (("bound", r.get("server_round_ms")), ("bound_rtt0", at_rtt0.get((r["mode"], r["mbps"])))):
+        rtt0 = at_rtt0.get((r["mode"], r["mbps"], r.get("load")))
+        for key, step in (("bound", r.get("server_round_ms")), ("bound_rtt0", rtt0)):
             bound = 1e3 * tau / (rtt + step) if tau and step else None
             r[f"{key}_tok_s"] = bound
             r[f"{key}_ratio"] = r["tok_s"] / bound if bound and r.get("tok_s") else None
@@ -363,9 +443,21 @@ def parser() -> argparse.ArgumentParser:
         "--modes",
         nargs="+",
         default=list(DEFAULT_MODES),
-        choices=(SERVER_ONLY, *MODES),
-        help="server-only streaming, and hybrid modes: the draft's shape, +pipe = pipelined drafting",
+        choices=(*STREAMED, *MODES, ADAPTIVE),
+        help="server-only streaming (server-draft: from a server that drafts for itself), hybrid modes (the draft's "
+        "shape, +pipe = pipelined drafting), adaptive (the client's default: it streams or drafts)",
     )
+    ap.add_argument("--server-draft-server", default="", metavar="HOST:PORT",
+                    help="with --server: a `serve --server-draft` for the server-draft mode; empty: that mode is "
+                    "skipped (without --server, one in this process)")  # fmt: skip
+    ap.add_argument("--load", nargs="+", default=["0", FULL], metavar="N",
+                    help=f"background clients loading the server, each load in turn (0: idle; {FULL}: the server's "
+                    "max batch, ServiceConfig.max_batch)")  # fmt: skip
+    ap.add_argument("--full-load", type=int, default=128, help=f"with --server: clients --load {FULL} means")
+    ap.add_argument("--load-tokens", type=int, default=128, help="background clients: tokens per Generate stream")
+    ap.add_argument("--load-prompt-len", type=int, default=128, help="background clients: random prompt tokens")
+    ap.add_argument("--load-limit-s", type=float, default=900.0,
+                    help="background clients: their process ends by itself after this long (a bound)")  # fmt: skip
     ap.add_argument("--netsim", choices=("process", "thread"), default="process",
                     help="where the proxy runs: a child process of its own, or a thread of the bench's")  # fmt: skip
     ap.add_argument("--rtt-ms", type=float, nargs="+", default=[0, 10, 50, 150], help="round trips netsim adds")
@@ -382,13 +474,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default="", help="bearer key, when the server asks for one")
     ap.add_argument("--warmup", type=int, default=1, help="untimed generations per mode first (graphs, caches)")
     ap.add_argument("--outages-s", type=float, nargs="*", default=[5, 30], help="outages to measure (none: skip)")
-    ap.add_argument("--outage-mode", default="chain", choices=tuple(MODES), help="the client's mode in outage runs")
+    ap.add_argument(
+        "--outage-mode", default="chain", choices=(*MODES, ADAPTIVE), help="the client's mode in outage runs"
+    )
     ap.add_argument("--outage-rtt-ms", type=float, default=50, help="the link of the outage runs: RTT")
     ap.add_argument("--outage-mbps", type=float, default=10, help="the link of the outage runs: bandwidth")
     ap.add_argument("--pace", type=float, default=20.0, help="tokens/s the client writes at in the outage runs")
     ap.add_argument("--plot", type=Path, default=None, help="write tokens/s vs RTT here (PNG)")
     ap.add_argument("--quick", action="store_true", help="a sanity run: RTT 0 and 10 ms, 100 Mbit/s, 16 tokens, "
-                    "no outage, no warm-up")  # fmt: skip
+                    "idle server, no outage, no warm-up")  # fmt: skip
     return ap
 
 
@@ -398,8 +492,11 @@ def settings(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.rtt_ms, args.mbps, args.new_tokens, args.outages_s, args.warmup = [0, 10], [100], 16, [], 0
+        args.load = ["0"]
     if args.new_tokens < 2 or args.k < 1 or args.pace <= 0 or min(args.rtt_ms) < 0 or min(args.mbps) < 0:
         ap.error("--new-tokens must be at least 2, --k at least 1, --pace positive, RTTs and bandwidths >= 0")
+    if any(load != FULL and not (load.isdigit()) for load in args.load):
+        ap.error(f"--load takes client counts (0 and up) or {FULL}")
     if args.outages_s and client_options(args.outage_mode) is None:
         ap.error(f"--outage-mode {args.outage_mode}: this client has no ClientConfig.tree / pipeline")
     return args
@@ -407,24 +504,73 @@ def settings(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = settings(argv)
-    if args.server:
-        reach(args)
-    local = LocalServer(args) if not args.server else None
+    for address in (args.server, args.server_draft_server):
+        if address:
+            reach(args, address)
+    rows, outages, where, model = [], [], [], ""
+    plain = [m for m in args.modes if m != SERVER_DRAFT]
+    for server_draft, modes in ((False, plain), (True, [SERVER_DRAFT] if SERVER_DRAFT in args.modes else [])):
+        if not modes:
+            continue
+        if server_draft and args.server and not args.server_draft_server:
+            rows += [{"mode": SERVER_DRAFT, "load": load, "load_clients": None, "rtt_ms": rtt, "mbps": mbps,
+                      "skipped": "no --server-draft-server"} for load in args.load for mbps in args.mbps
+                     for rtt in args.rtt_ms]  # fmt: skip
+            continue
+        part, lost, here, model_id = run_server(args, modes, server_draft)
+        rows, outages, model = rows + part, outages + lost, model or model_id
+        where.append(here)
+    order = {key: {v: i for i, v in enumerate(values)} for key, values in
+             (("load", args.load), ("mbps", args.mbps), ("rtt_ms", args.rtt_ms), ("mode", args.modes))}  # fmt: skip
+    rows.sort(key=lambda r: tuple(order[k][r[k]] for k in ("load", "mbps", "rtt_ms", "mode")))
+    add_bounds(rows)
+    cells = summary(rows, args.modes)
+    where = "; ".join(where) + f", netsim in a {args.netsim}"
+    console = Console(width=200)
+    console.print(grid_table(args, rows, where))
+    console.print(summary_table(args, cells))
+    if outages:
+        console.print(outage_table(args, outages))
+    if args.plot:
+        plot(rows, args.plot, console)
+    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    record = {"bench": "link", "device": where, "host": platform.node(), "model": model,
+              "torch": _torch_version(), "args": flags, "prompt": PROMPT, "definitions": DEFINITIONS, "rows": rows,
+              "summary": cells, "outages": outages}  # fmt: skip
+    print(json.dumps(record))
+    return record
+
+
+def run_server(args: argparse.Namespace, modes: list[str], server_draft: bool) -> tuple[list, list, str, str]:
+    """Every cell of `modes` against one server (--server-draft's when `server_draft`): in this process unless
+    --server (--server-draft-server) names one; each load of --load in turn, its background clients running
+    through that load's cells. Then, on the plain server, the outage runs. Its rows, outages, where it ran and
+    the model's id."""
+    remote = args.server_draft_server if server_draft else args.server
+    local = LocalServer(args, server_draft) if not remote else None
     restore_threads = _one_thread(local)
     rig, rows, outages = None, [], []
     try:
-        rig = Rig(args.server or local.address, args, local.service if local else None)
+        address = remote or local.address
+        metrics = "" if server_draft else args.metrics_url
+        rig = Rig(address, args, local.service if local else None, metrics)
         info, tokenizer = pair(rig)
         for _ in range(args.warmup):
-            for mode in args.modes:
+            for mode in modes:
                 measure(rig, mode, info, tokenizer)
-        for mbps in args.mbps:
-            for rtt in args.rtt_ms:
-                rig.shape(rtt, mbps)
-                for mode in args.modes:
-                    rows.append({"mode": mode, "rtt_ms": rtt, "mbps": mbps} | measure(rig, mode, info, tokenizer))
-        add_bounds(rows)
-        if args.outages_s and not info.server_only:
+        for load in args.load:
+            n = load_clients(load, local, args)
+            background = Background(address, n, args)
+            try:
+                for mbps in args.mbps:
+                    for rtt in args.rtt_ms:
+                        rig.shape(rtt, mbps)
+                        for mode in modes:
+                            head = {"mode": mode, "load": load, "load_clients": n, "rtt_ms": rtt, "mbps": mbps}
+                            rows.append(head | measure(rig, mode, info, tokenizer))
+            finally:
+                background.close()
+        if args.outages_s and not server_draft and not info.server_only:
             rig.shape(args.outage_rtt_ms, args.outage_mbps)
             outages = [run_outage(rig, o, args.outage_mode) for o in args.outages_s]
     except ServerError as e:  # a refusal reconnecting will not fix (a key, a model the client refuses): one line
@@ -435,25 +581,39 @@ def main(argv: list[str] | None = None) -> dict:
         if local is not None:
             local.close()
         restore_threads()
-    where = (local.describe() if local else f"server at {args.server}") + f", netsim in a {args.netsim}"
-    console = Console(width=200)
-    console.print(grid_table(args, rows, where))
-    if outages:
-        console.print(outage_table(args, outages))
-    if args.plot:
-        plot(rows, args.plot, console)
-    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    record = {"bench": "link", "device": where, "host": platform.node(), "model": info.model_id,
-              "torch": _torch_version(), "args": flags, "prompt": PROMPT, "definitions": DEFINITIONS, "rows": rows,
-              "outages": outages}  # fmt: skip
-    print(json.dumps(record))
-    return record
+    where = local.describe() if local else f"server at {remote}"
+    return rows, outages, (f"{SERVER_DRAFT}: " if server_draft else "") + where, info.model_id
 
 
-def reach(args: argparse.Namespace) -> None:
-    """Ask --server for its ModelInfo directly, before netsim is in the way: one line and exit when nothing answers
+def load_clients(load: str, local: LocalServer | None, args: argparse.Namespace) -> int:
+    """Background clients of a --load value: a count, or FULL: the server's max batch (--full-load for --server)."""
+    if load != FULL:
+        return int(load)
+    return local.max_batch if local is not None else args.full_load
+
+
+def summary(rows: list[dict], modes: list[str]) -> list[dict]:
+    """Per (load, bandwidth, RTT): each mode's tokens/s, the better of server-only and the hybrid modes (server-draft
+    is another deployment, not an option of this client), and adaptive's ratio to it (the issue's target: >= 0.95)."""
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["load"], r["mbps"], r["rtt_ms"])
+        cell_ = cells.setdefault(key, {"load": r["load"], "load_clients": r["load_clients"], "mbps": r["mbps"],
+                                       "rtt_ms": r["rtt_ms"], "tok_s": {}})  # fmt: skip
+        cell_["tok_s"][r["mode"]] = r.get("tok_s")
+    for c in cells.values():
+        rivals = {m: v for m, v in c["tok_s"].items() if v and (m == SERVER_ONLY or m in MODES)}
+        best = max(rivals, key=rivals.get, default=None)
+        mine = c["tok_s"].get(ADAPTIVE)
+        c |= {"best_other": best, "best_other_tok_s": rivals.get(best),
+              "adaptive_ratio": mine / rivals[best] if mine and best else None}  # fmt: skip
+    return list(cells.values())
+
+
+def reach(args: argparse.Namespace, address: str) -> None:
+    """Ask a server for its ModelInfo directly, before netsim is in the way: one line and exit when nothing answers
     there (transport.first_contact's hint names what does)."""
-    session = EdgeSession(ClientConfig(server=args.server, api_key=args.api_key, connect_timeout_s=10.0))
+    session = EdgeSession(ClientConfig(server=address, api_key=args.api_key, connect_timeout_s=10.0))
     try:
         session.model_info()
     except ServerError as e:
@@ -491,22 +651,41 @@ def _num(x, fmt: str) -> str:
 def grid_table(args: argparse.Namespace, rows: list[dict], where: str) -> Table:
     t = Table(title=f"end to end over netsim: {where}; {args.new_tokens} tokens, greedy, k={args.k}, codec "
                     f"{args.codec}, {args.backend} client; bound = tau / (RTT + step)")  # fmt: skip
-    columns = ("mode", "RTT ms", "Mbit/s", "tok/s", "tau", "round ms", "server ms", "bound", "x bound", "bound@0",
-               "x bound@0", "payload B/tok", "wire B/tok", "pre-drafted", "work ms", "wait ms", "to send ms",
-               "overhead ms")  # fmt: skip
+    columns = ("mode", "load", "RTT ms", "Mbit/s", "tok/s", "batch", "tau", "round ms", "server ms", "bound",
+               "x bound", "bound@0", "x bound@0", "payload B/tok", "wire B/tok", "pre-drafted", "work ms", "wait ms",
+               "to send ms", "overhead ms")  # fmt: skip
     for c in columns:
         t.add_column(c, justify="right")
     for r in rows:
-        head = (r["mode"], f"{r['rtt_ms']:g}", f"{r['mbps']:g}")
+        head = (r["mode"], _load(r), f"{r['rtt_ms']:g}", f"{r['mbps']:g}")
         if "skipped" in r:
-            t.add_row(*head, "n/a", *["-"] * (len(columns) - 4))
+            t.add_row(*head, "n/a", *["-"] * (len(columns) - 5))
             continue
         hits = f"{r['pipeline_hits']}/{r['rounds']}" if r.get("pipeline_hits") is not None else "-"
-        t.add_row(*head, _num(r["tok_s"], ".1f"), _num(r["tau"], ".2f"), _num(r["round_ms"], ".1f"),
+        t.add_row(*head, _num(r["tok_s"], ".1f"), _num(r["mean_batch"], ".1f"), _num(r["tau"], ".2f"),
+                  _num(r["round_ms"], ".1f"),
                   _num(r["server_round_ms"], ".2f"), _num(r["bound_tok_s"], ".0f"), _num(r["bound_ratio"], ".2f"),
                   _num(r["bound_rtt0_tok_s"], ".0f"), _num(r["bound_rtt0_ratio"], ".2f"),
                   _num(r["payload_B_per_tok"], ",.0f"), _num(r["wire_B_per_tok"], ",.0f"), hits,
                   *(_num(r.get(key), ".1f") for key in (*ROUND_PARTS, "overhead_ms")))  # fmt: skip
+    return t
+
+
+def _load(r: dict) -> str:
+    n = r.get("load_clients")
+    return r["load"] if n is None or r["load"] != FULL else f"{FULL} ({n})"
+
+
+def summary_table(args: argparse.Namespace, cells: list[dict]) -> Table:
+    """Tokens/s per mode by load and RTT, and adaptive's ratio to the better of server-only and the hybrid."""
+    modes = list(args.modes)
+    t = Table(title=f"tokens/s by server load (background Generate clients) and RTT, {args.new_tokens} tokens; "
+              f"adaptive / the better of {SERVER_ONLY} and hybrid (target >= 0.95)")  # fmt: skip
+    for c in ("load", "Mbit/s", "RTT ms", *modes, "adaptive / best", "best"):
+        t.add_column(c, justify="right")
+    for c in cells:
+        t.add_row(_load(c), f"{c['mbps']:g}", f"{c['rtt_ms']:g}", *(_num(c["tok_s"].get(m), ".0f") for m in modes),
+                  _num(c["adaptive_ratio"], ".2f"), c["best_other"] or "-")  # fmt: skip
     return t
 
 
@@ -522,8 +701,8 @@ def outage_table(args: argparse.Namespace, outages: list[dict]) -> Table:
 
 
 def plot(rows: list[dict], path: Path, console: Console) -> bool:
-    """Tokens/s against RTT, a panel per bandwidth: a line per mode, each hybrid mode's bound dashed in its colour
-    (bound_tok_s, else bound_rtt0_tok_s). False (and one line said) without matplotlib."""
+    """Tokens/s against RTT, a panel per load and bandwidth: a line per mode, each hybrid mode's bound dashed in its
+    colour (bound_tok_s, else bound_rtt0_tok_s). False (and one line said) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -533,19 +712,23 @@ def plot(rows: list[dict], path: Path, console: Console) -> bool:
     import matplotlib.pyplot as plt
 
     measured = [r for r in rows if r.get("tok_s")]
-    bands = sorted({r["mbps"] for r in measured})
-    fig, axes = plt.subplots(1, len(bands), figsize=(4.5 * len(bands) + 1, 4.6), sharey=True, squeeze=False,
+    panels = list(dict.fromkeys((r["load"], r["mbps"]) for r in measured))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 4.6), sharey=True, squeeze=False,
                              layout="constrained")  # fmt: skip
-    for ax, mbps in zip(axes[0], bands, strict=True):
+    for ax, (load, mbps) in zip(axes[0], panels, strict=True):
         for i, mode in enumerate(dict.fromkeys(r["mode"] for r in measured)):
-            mine = sorted((r for r in measured if r["mode"] == mode and r["mbps"] == mbps), key=lambda r: r["rtt_ms"])
+            mine = sorted((r for r in measured if r["mode"] == mode and r["mbps"] == mbps and r["load"] == load),
+                          key=lambda r: r["rtt_ms"])  # fmt: skip
+            if not mine:
+                continue
             colour = f"C{i}"
             ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker="o", color=colour, label=mode)
             bound = [(r["rtt_ms"], r["bound_tok_s"] or r["bound_rtt0_tok_s"]) for r in mine]
             bound = [(x, y) for x, y in bound if y]
             if bound:
                 ax.plot(*zip(*bound, strict=True), linestyle="--", color=colour, alpha=0.6, label=f"{mode} bound")
-        ax.set_title("unlimited" if mbps == 0 else f"{mbps:g} Mbit/s")
+        loaded = "idle" if load == "0" else f"load {load}"
+        ax.set_title(f"{loaded}, " + ("unlimited" if mbps == 0 else f"{mbps:g} Mbit/s"))
         ax.set_xlabel("RTT (ms)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
@@ -553,7 +736,7 @@ def plot(rows: list[dict], path: Path, console: Console) -> bool:
     fig.legend(
         *axes[0][0].get_legend_handles_labels(),
         loc="outside lower center",
-        ncol=min(5, 2 + len(bands)),
+        ncol=min(5, 2 + len(panels)),
         fontsize="small",
     )
     fig.savefig(path, dpi=120)
