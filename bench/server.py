@@ -281,8 +281,9 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
     return row
 
 
-def start_server(args: argparse.Namespace):
-    """The default models (or --model / --drafter) served on 127.0.0.1:0 in this process."""
+def start_server(args: argparse.Namespace, models: tuple | None = None, server_draft: int = 0):
+    """The default models (or --model / --drafter; or `models`: load_models' tuple) served on 127.0.0.1:0 in this
+    process; `server_draft` > 0: Generate drafts that many tokens a round here (serve --server-draft)."""
     import torch
 
     from tether.server.engine_core import Engine
@@ -291,7 +292,7 @@ def start_server(args: argparse.Namespace):
     from tether.server.serve_config import ServiceConfig
     from tether.server.service import TetherService
 
-    target, drafter, tok, fp = load_models(args)
+    target, drafter, tok, fp = models or load_models(args)
     most = max(args.clients)
     cuda = target.device.type == "cuda"  # auto --kv-pool-mb: serve's share of the memory free after loading
     pool = resolve_kv_pool(args.kv_pool_mb, device=str(target.device),
@@ -302,7 +303,8 @@ def start_server(args: argparse.Namespace):
                            kv_pool_bytes=pool.bytes,
                            batch_window_s=args.batch_window_ms / 1e3, max_batch=args.max_batch)  # fmt: skip
     # Warmed up and settled as `tether-server serve` does before it listens (--round-graph-tokens k + 1).
-    engine = Engine(target, drafter, tok, config, model_fingerprint=fp, round_graph_tokens=args.k + 1)
+    engine = Engine(target, drafter, tok, config, model_fingerprint=fp, round_graph_tokens=args.k + 1,
+                    server_draft=server_draft)  # fmt: skip
     engine.warm_up()
     engine.settle()
     service = TetherService(engine)
@@ -488,6 +490,8 @@ def parser() -> argparse.ArgumentParser:
                     "recently used idle one is evicted); 0: max(256, 2 x the most --clients)")  # fmt: skip
     ap.add_argument("--frontends", type=int, default=0,
                     help="in-process server: gRPC in this many front-end processes (serve --frontends)")  # fmt: skip
+    ap.add_argument("--rtt-ms", type=float, default=0.0, help="a round trip each client adds to every round (after "
+                    "its verdict) and before each Generate stream: a sleep, as a link would (no netsim)")  # fmt: skip
     ap.add_argument("--rpc-timeout", type=float, default=60.0, help="seconds per message / unary call")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per client count, all included")
     ap.add_argument("--seed", type=int, default=0)

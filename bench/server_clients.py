@@ -124,8 +124,9 @@ class RoundClient:
         """What a replay follows and checks of each verdict (nothing here); `counted`: it arrived in the window."""
 
     def exhausted(self) -> bool:
-        """Whether this session has no round left to send (a trace ran out): the next round opens a new one."""
-        return False
+        """Whether this session has no round left to send (its --warmup-rounds + --rounds were sent, all its
+        max_new_tokens may be spent; a trace ran out): the next round opens a new one."""
+        return self.round >= self.args.warmup_rounds + self.args.rounds
 
     async def open(self) -> None:
         self.call = self.stub.Session(timeout=self.args.timeout)
@@ -175,6 +176,8 @@ class RoundClient:
                 self.evicted += 1
                 await self.resync()
                 continue
+            if rtt_s := self.args.rtt_ms / 1e3:  # the verdict's way back, as a link would take
+                await asyncio.sleep(rtt_s)
             t2 = time.perf_counter()
             self.history += [root, *drafts[: v.accepted]]  # what the verdict verified (the bonus is the next root)
             out["lat_s"].append(t2 - t1)
@@ -252,6 +255,8 @@ async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until
     between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt."""
     out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0}
     while time.perf_counter() < until:
+        if rtt_s := args.rtt_ms / 1e3:  # the open's way out and the first chunk's back
+            await asyncio.sleep(rtt_s)
         req = pb.OpenSession(prompt=prompts(), max_new_tokens=args.tokens, model_fingerprint=fp, sampling=FIXED_LENGTH)
         call = stub.Generate(req, timeout=args.timeout)
         t0 = last = time.perf_counter()

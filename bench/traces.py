@@ -21,6 +21,16 @@ File format (JSON, `save` / `load`):
                  "first": 17,                                 # the target's first token after the prompt
                  "rounds": [{"root": 17, "drafts": [5 ids], "accepted": 3, "bonus": 42}, ...]}, ...]}
 
+Acceptance (`record_acceptance`, bench/capacity.py's `--acceptance FILE`): the per-round accepted lengths alone, as a
+histogram, recorded the same way (greedy chains of k drafts, `record_one`) on the held-out prompts a user would
+write (deploy/models/prompts/heldout.jsonl: function headers and docstrings from packages no model trained on), for
+a replay that forces a target of other weights to the same acceptance (bench/forced_acceptance.py):
+
+    {"format": "tether-acceptance", "version": 1, "target_fingerprint": "...", "drafter": "drafter",
+     "prompt_file": "heldout.jsonl", "prompts": 64, "tokens": 128, "k": 5, "device": "cuda", "dtype": "bfloat16",
+     "counts": [n0, n1, ..., nk],      # rounds of k drafts that accepted a = 0 .. k of them
+     "tau": 3.1}                       # sum (a + 1) n_a / sum n_a: the recorded tokens per round
+
 Round r's root is the previous round's bonus (round 0's: `first`); `drafts` are what the drafter proposed after it
 (fewer than k only when the generation's last round had less room); `accepted` and `bonus` are the target's verdict,
 kept for reference: a replay against the same target (same device and dtype, greedy) gets exactly these, elsewhere
@@ -135,6 +145,50 @@ def record(target, drafter, tokenizer, *, prompts: int, prompt_len: int, tokens:
         if progress:
             progress(i + 1, len(windows))
     return out
+
+
+ACCEPTANCE_FORMAT = "tether-acceptance"
+
+
+def heldout_prompts(tokenizer, path: str | Path, n: int) -> list[list[int]]:
+    """The first n prompts of a held-out prompt file (bench/heldout_prompts.py's JSON lines), as token ids."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if n < 1 or len(lines) < n:
+        raise ValueError(f"{path} holds {len(lines)} prompts; asked for {n}")
+    return [tokenizer.encode(json.loads(line)["text"]) for line in lines[:n]]
+
+
+def record_acceptance(target, drafter, tokenizer, *, prompt_file: str | Path, prompts: int, tokens: int, k: int = 5,
+                      target_fingerprint: str = "", drafter_dir: str | Path = "", progress=None) -> dict:  # fmt: skip
+    """The accepted-length histogram of greedy chains of k drafts, `tokens` after each of the first `prompts`
+    held-out prompts (module docstring); rounds that had fewer than k drafts (a generation's last) are left out."""
+    if tokens < 2 or k < 1:
+        raise ValueError("tokens must be at least 2 and k at least 1")
+    counts = [0] * (k + 1)
+    windows = heldout_prompts(tokenizer, prompt_file, prompts)
+    for i, prompt in enumerate(windows):
+        for r in record_one(target, drafter, prompt, tokens, k)["rounds"]:
+            if len(r["drafts"]) == k:
+                counts[r["accepted"]] += 1
+        if progress:
+            progress(i + 1, len(windows))
+    w = target.embed_tokens.weight
+    return {"format": ACCEPTANCE_FORMAT, "version": VERSION, "target_fingerprint": target_fingerprint,
+            "drafter": Path(drafter_dir).name if drafter_dir else "", "prompt_file": Path(prompt_file).name,
+            "prompts": prompts, "tokens": tokens, "k": k, "device": str(w.device),
+            "dtype": str(w.dtype).removeprefix("torch."), "counts": counts,
+            "tau": sum((a + 1) * n for a, n in enumerate(counts)) / max(1, sum(counts))}  # fmt: skip
+
+
+def load_acceptance(path: str | Path) -> dict:
+    """An acceptance file, checked for its format, version and counts."""
+    rec = json.loads(Path(path).read_text())
+    if not isinstance(rec, dict) or rec.get("format") != ACCEPTANCE_FORMAT or rec.get("version") != VERSION:
+        raise ValueError(f"{path} is not a {ACCEPTANCE_FORMAT} file of version {VERSION}")
+    counts = rec.get("counts")
+    if not isinstance(counts, list) or len(counts) < 2 or not all(isinstance(n, int) and n >= 0 for n in counts):
+        raise ValueError(f"{path}: counts must be a list of k + 1 non-negative integers")
+    return rec
 
 
 def tau(trace: dict) -> float:

@@ -121,6 +121,22 @@ PRESETS: dict[str, ModelConfig] = {
     "compact": ModelConfig(
         vocab_size=8192, dim=384, n_layers=10, n_heads=6, n_kv_heads=2, head_dim=64, ffn_dim=960, norm_position="pre"
     ),
+    # Llama-3.2-1B shapes (random weights) for the capacity benchmark's small real-size target (bench/capacity.py).
+    "llama3-1b": ModelConfig(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        ffn_dim=8192,
+        norm_position="pre",
+        rope_theta=500000.0,
+        moda=False,
+        moda_ffn_kv=False,
+        tied_embeddings=True,
+        max_seq_len=8192,
+    ),
     # Llama-3-8B shapes (random weights) for kernel and tensor-parallel benchmarks.
     "llama3-8b": ModelConfig(
         vocab_size=128256,
