@@ -30,14 +30,14 @@ of --drafter's config built for it with random weights; the tokenizer is --model
 
 "Sustains N": over the window at least `--share` (default 0.95) of the N clients (rounded up: all of them below 20
 clients) each got >= 0.95 x the rate. Per mode, RTT and rate (every one of `--rtt-ms` x `--rate`), N is searched
-by doubling from a start (1 for a mode's first rate; after that the count sustained at the rate before, scaled by
-the rates' ratio) up to `--max-clients`, or halving down when the start fails, then bisected between the last pass
-and the first failure until the gap is at most 1/8 of the last pass (`--no-bisect`: doubling only). A count whose
-run fails outright (a server error, a timeout) fails. Streamed modes do not depend on the round trip but for each
-stream's start: they are searched at the first RTT only, and the record says so (`measured_rtt_ms`). Saturation
-(`--saturation`): total tokens/s with --max-clients clients unpaced, once per mode at the first RTT. Latency: at
-the largest count sustained, p50 / p99 of hybrid rounds (write to verdict, the RTT included) and of the gaps
-between a stream's messages.
+by doubling from a start (`--start-clients`, 1, for a mode's first rate; after that the count sustained at the rate
+before, scaled by the rates' ratio) up to `--max-clients`, or halving down when the start fails, then bisected
+between the last pass and the first failure until the gap is at most 1/8 of the last pass (`--no-bisect`: doubling
+only). A count whose run fails outright (a server error, a timeout) fails. Streamed modes do not depend on the
+round trip but for each stream's start: they are searched at the first RTT only, and the record says so
+(`measured_rtt_ms`). Saturation (`--saturation`): total tokens/s with --max-clients clients unpaced, once per mode
+at the first RTT. Latency: at the largest count sustained, p50 / p99 of hybrid rounds (write to verdict, the RTT
+included) and of the gaps between a stream's messages.
 
 Prints a compact table (users sustained per mode by RTT and rate, hybrid / server-only, auto's pick), then one JSON
 line; `--plot FILE` draws users per GPU against per-user tokens/s, one line per mode, a panel per RTT.
@@ -49,6 +49,7 @@ line; `--plot FILE` draws users per GPU against per-user tokens/s, one line per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -64,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HYBRID, SERVER_ONLY, SERVER_DRAFT, AUTO = "hybrid", "server-only", "server-draft", "auto"
 RUN_MODES = (HYBRID, SERVER_ONLY, SERVER_DRAFT)  # what runs; AUTO is derived from two of them
 STREAMED = (SERVER_ONLY, SERVER_DRAFT)
+REPLAYED_TOKENS = 256  # a stream's tokens when no traces give their length
 
 
 def load_server():
@@ -185,7 +187,7 @@ class Capacity:
         for mode in modes:
             rtts = a.rtt_ms[:1] if mode in STREAMED else a.rtt_ms
             for rtt in rtts:
-                start, last = 1, None
+                start, last = a.start_clients, None
                 for rate in a.rate:
                     if last is not None:  # the count sustained at the rate before, scaled to this one
                         start = max(1, round(last["sustained"] * last["rate"] / rate))
@@ -286,6 +288,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-clients", type=int, default=64, help="the largest count searched, and the saturation run's")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds timed per run")
     ap.add_argument("--share", type=float, default=0.95, help="share of clients that must get 0.95 x the rate")
+    ap.add_argument("--start-clients", type=int, default=1,
+                    help="the count each mode's first search starts from (doubling up or halving down)")  # fmt: skip
     ap.add_argument("--no-bisect", dest="bisect", action="store_false", help="doubling only")
     ap.add_argument("--saturation", action=argparse.BooleanOptionalAction, default=True,
                     help="each mode's unpaced run at --max-clients")  # fmt: skip
@@ -308,7 +312,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (traces, replayed sessions)")
     ap.add_argument("--trace-tokens", type=int, default=256, help="recording traces: tokens generated per prompt")
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round (recording, replay, server-draft)")
-    ap.add_argument("--tokens", type=int, default=0, help="streams: tokens each (0: the traces' length; replayed: 256)")
+    ap.add_argument("--tokens", type=int, default=0,
+                    help=f"streams: tokens each (0: the traces' length; replayed: {REPLAYED_TOKENS})")  # fmt: skip
     ap.add_argument("--warmup-rounds", type=int, default=2, help="hybrid: untimed rounds per client first")
     load_server().add_deployment_options(ap)
     ap.add_argument("--frontends", type=int, default=0,
@@ -364,10 +369,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if min(args.rate) <= 0 or args.max_clients < 1 or args.duration <= 0 or not 0 < args.share <= 1:
         raise SystemExit("--rate and --duration must be positive, --max-clients at least 1, --share in (0, 1]")
-    if args.preset and not args.acceptance:
-        args.acceptance = "acceptance.json"
-    replayed = bool(args.acceptance)
-    if replayed and args.target:
+    args.acceptance = args.acceptance or ("acceptance.json" if args.preset else "")
+    if args.acceptance and args.target:
         raise SystemExit("replayed acceptance forces the in-process server's verdicts: it cannot run with --target")
     if SERVER_DRAFT in args.modes and args.target:
         raise SystemExit("server-draft starts a server of its own in this process: it cannot run with --target")
@@ -375,80 +378,39 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from rich.console import Console
 
+    from tether.server.model_loading import default_model_dir
+
     server = load_server()
-    forced_module = server.sibling("forced_acceptance")
     # The in-process server's settings: bench/server.py's parser (and defaults), sized for --max-clients.
+    args.model = args.model or str(default_model_dir())
+    args.drafter = args.drafter or str(default_model_dir("drafter"))
     sargv = ["--clients", str(args.max_clients), "--prompt-len", str(args.prompt_len), "--k", str(args.k),
              "--prompts", str(args.prompts), "--trace-tokens", str(args.trace_tokens), "--kv-pool-mb",
              str(args.kv_pool_mb), "--device", args.device, "--model", args.model,
              "--drafter", args.drafter, "--frontends", str(args.frontends)]  # fmt: skip
     sargs = server.parser().parse_args(sargv)
     sargs.device = sargs.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from tether.server.model_loading import default_model_dir
-
-    args.model = args.model or str(default_model_dir())
-    args.drafter = args.drafter or str(default_model_dir("drafter"))
-    accepted = acceptance_file(args, sargs) if replayed else None
+    accepted = acceptance_file(args, sargs) if args.acceptance else None
     if accepted and accepted["k"] != args.k:
         raise SystemExit(f"{args.acceptance} was recorded with k = {accepted['k']}; this run drafts k = {args.k}")
-    models = (
-        (random_models(args, sargs.device) if args.preset else server.load_models(sargs)) if not args.target else None
-    )
-    traces = server.sibling("traces")
-    cells, saturation, where, recorded, forced_tau = [], {}, "", None, None
-    plain_modes = [m for m in args.modes if m != SERVER_DRAFT]
-    forced = forced_module.ForcedAcceptance(forced_module.AcceptanceHistogram(accepted["counts"]), args.seed) \
-        if accepted else None  # fmt: skip
-    for server_draft, modes in ((0, plain_modes), (args.k, [SERVER_DRAFT] if SERVER_DRAFT in args.modes else [])):
-        if not modes:
-            continue
-        service = rpc = None
-        if args.target:
-            address, where = args.target, f"server at {args.target}"
-        else:
-            service, rpc, port = server.start_server(sargs, models, server_draft)
-            address = f"127.0.0.1:{port}"
-            where = torch.cuda.get_device_name() if sargs.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
-            where += ", in-process server"
-        try:
-            if not replayed and HYBRID in modes and recorded is None:
-                if not os.path.exists(args.traces):
-                    if service is None:
-                        raise SystemExit(
-                            f"{args.traces} does not exist (record it with bench/server.py --record-traces)"
-                        )
-                    e = service.engine
-                    server.record_traces(sargs, args.traces, e.target, e.drafter, e.tokenizer, e.model_fingerprint)
-                recorded = traces.load(args.traces)
-            tokens = args.tokens or (recorded["tokens"] if recorded else 256)
-            with server.ServerProbe(service, args.metrics_url, rpc) as probe:
-                cap = Capacity(args, server, address, probe, tokens, replayed)
-                if forced is not None:
-                    with forced:
-                        part, sat = cap.cells(modes)
-                else:
-                    part, sat = cap.cells(modes)
-            cells += part
-            saturation |= sat
-        finally:
-            if rpc is not None:
-                server.stop_server(service, rpc)
-    if forced is not None:
-        forced_tau = forced.tau
-    cells = with_auto(cells)
+    forced = None
     if accepted:
-        acceptance = {k: v for k, v in accepted.items() if k != "format"} | {
-            "forced_tau": forced_tau,
-            "file": args.acceptance,
-        }
-        said = (f"acceptance replayed from {accepted['prompts']} held-out prompts of {accepted['drafter'] or 'the'} "
-                f"drafter's target (recorded tau {accepted['tau']:.2f}, forced {forced_tau or 0:.2f})")  # fmt: skip
-    else:
-        acceptance = {k: v for k, v in recorded.items() if k != "traces"} | traces.summary(recorded) if recorded else {}
-        said = (f"drafts replayed from {acceptance['prompts']} standard-library prompts (recorded tau "
-                f"{acceptance['tau']:.2f})") if recorded else "no hybrid"  # fmt: skip
-    shape = f"{args.preset} (random weights{f', {args.layers} layers' if args.layers else ''})" if args.preset \
-        else args.model  # fmt: skip
+        fa = server.sibling("forced_acceptance")
+        forced = fa.ForcedAcceptance(fa.AcceptanceHistogram(accepted["counts"]), args.seed)
+    models = None
+    if not args.target:
+        models = random_models(args, sargs.device) if args.preset else server.load_models(sargs)
+    cells, saturation, where, recorded = [], {}, "", None
+    plain = [m for m in args.modes if m != SERVER_DRAFT]
+    for server_draft, modes in ((0, plain), (args.k, [SERVER_DRAFT] if SERVER_DRAFT in args.modes else [])):
+        if modes:
+            part, sat, where, recorded = serve_and_search(args, sargs, models, server_draft, modes, forced, recorded)
+            cells, saturation = cells + part, saturation | sat
+    cells = with_auto(cells)
+    acceptance, said = acceptance_summary(args, accepted, forced, recorded)
+    shape = args.model
+    if args.preset:
+        shape = f"{args.preset} (random weights{f', {args.layers} layers' if args.layers else ''})"
     where = f"target {shape}; {where}"
     Console(width=200).print(table(args, cells, where, said))
     if args.plot:
@@ -459,6 +421,58 @@ def main(argv: list[str] | None = None) -> dict:
               "acceptance": acceptance, "cells": cells, "saturation": saturation, "ratios": ratios(cells)}  # fmt: skip
     print(json.dumps(record))
     return record
+
+
+def serve_and_search(
+    args: argparse.Namespace,
+    sargs: argparse.Namespace,
+    models: tuple | None,
+    server_draft: int,
+    modes: list[str],
+    forced,
+    recorded: dict | None,
+) -> tuple[list, dict, str, dict | None]:
+    """`modes`' cells against one server: --target, or one started here on `models` (`server_draft` > 0: with
+    --server-draft), its verdicts `forced` while they run (when given); traced hybrid rounds read (and first
+    record) --traces. The cells, the saturation runs, where they ran and the traces."""
+    import torch
+
+    server = load_server()
+    service = rpc = None
+    if args.target:
+        address, where = args.target, f"server at {args.target}"
+    else:
+        service, rpc, port = server.start_server(sargs, models, server_draft)
+        address = f"127.0.0.1:{port}"
+        where = torch.cuda.get_device_name() if sargs.device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)"
+        where += ", in-process server"
+    try:
+        if forced is None and HYBRID in modes and recorded is None:
+            if not os.path.exists(args.traces):
+                if service is None:
+                    raise SystemExit(f"{args.traces} does not exist (record it with bench/server.py --record-traces)")
+                e = service.engine
+                server.record_traces(sargs, args.traces, e.target, e.drafter, e.tokenizer, e.model_fingerprint)
+            recorded = server.sibling("traces").load(args.traces)
+        tokens = args.tokens or (recorded["tokens"] if recorded else REPLAYED_TOKENS)
+        with server.ServerProbe(service, args.metrics_url, rpc) as probe, forced or contextlib.nullcontext():
+            cells, saturation = Capacity(args, server, address, probe, tokens, forced is not None).cells(modes)
+    finally:
+        if rpc is not None:
+            server.stop_server(service, rpc)
+    return cells, saturation, where, recorded
+
+
+def acceptance_summary(args: argparse.Namespace, accepted: dict | None, forced, recorded: dict | None):
+    """The record's "acceptance" and the line the table and plot say it in."""
+    if accepted:
+        out = {k: v for k, v in accepted.items() if k != "format"} | {"file": args.acceptance, "forced_tau": forced.tau}
+        return out, (f"acceptance replayed: tau {accepted['tau']:.2f} recorded on {accepted['prompts']} held-out "
+                     f"prompts, {forced.tau:.2f} forced")  # fmt: skip
+    if recorded:
+        out = {k: v for k, v in recorded.items() if k != "traces"} | load_server().sibling("traces").summary(recorded)
+        return out, f"drafts replayed from {out['prompts']} standard-library prompts (recorded tau {out['tau']:.2f})"
+    return {}, "no hybrid"
 
 
 if __name__ == "__main__":
