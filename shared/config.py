@@ -93,6 +93,22 @@ _MEDIUM = ModelConfig(
     vocab_size=8192, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, ffn_dim=2048, norm_position="pre"
 )
 
+_LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    ffn_dim=14336,
+    norm_position="pre",
+    rope_theta=500000.0,
+    moda=False,
+    moda_ffn_kv=False,
+    tied_embeddings=False,
+    max_seq_len=8192,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests: every feature on, awkward sizes, runs in milliseconds.
     "tiny": ModelConfig(vocab_size=512, dim=48, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, ffn_dim=80),
@@ -121,37 +137,11 @@ PRESETS: dict[str, ModelConfig] = {
     "compact": ModelConfig(
         vocab_size=8192, dim=384, n_layers=10, n_heads=6, n_kv_heads=2, head_dim=64, ffn_dim=960, norm_position="pre"
     ),
-    # Llama-3.2-1B shapes (random weights) for the capacity benchmark's small real-size target (bench/capacity.py).
-    "llama3-1b": ModelConfig(
-        vocab_size=128256,
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=64,
-        ffn_dim=8192,
-        norm_position="pre",
-        rope_theta=500000.0,
-        moda=False,
-        moda_ffn_kv=False,
-        tied_embeddings=True,
-        max_seq_len=8192,
-    ),
     # Llama-3-8B shapes (random weights) for kernel and tensor-parallel benchmarks.
-    "llama3-8b": ModelConfig(
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        ffn_dim=14336,
-        norm_position="pre",
-        rope_theta=500000.0,
-        moda=False,
-        moda_ffn_kv=False,
-        tied_embeddings=False,
-        max_seq_len=8192,
+    "llama3-8b": _LLAMA3_8B,
+    # Llama-3.2-1B shapes (random weights): the capacity benchmark's smaller real-size target (bench/capacity.py).
+    "llama3-1b": dataclasses.replace(
+        _LLAMA3_8B, dim=2048, n_layers=16, head_dim=64, ffn_dim=8192, tied_embeddings=True
     ),
 }
 
