@@ -25,9 +25,12 @@ The clients' code is bench/server_clients.py; this file starts their processes a
 - `generate`: the server-only baseline, N concurrent Generate streams of `--tokens` tokens (random prompts of
   `--prompt-len`, or the prompts of --traces); total and per-stream tokens/s and time to first token.
 
+`--rtt-ms R` puts a link's round trip into every client: a sleep of R after each verdict arrives (a round's
+latency includes it) and before each Generate stream opens (no netsim: hundreds of clients stay cheap).
 `--duration S` times a window of S seconds instead of a number of rounds / tokens: Session clients send rounds
-until it ends (a round's tokens count when its verdict arrives in it), Generate clients open streams one after
-another and count the tokens received in it; rates are over S; rows list every client's tokens/s. `--rate R`
+until it ends (a round's tokens count when its verdict arrives in it; a random-draft session that has sent its
+--warmup-rounds + --rounds opens a new one), Generate clients open streams one after another and count the tokens
+received in it; rates are over S; rows list every client's tokens/s. `--rate R`
 paces each Session client to R tokens/s: a round goes when the tokens gained so far are due at R (behind its
 budget, a client catches up back to back); with --duration, rows count the clients that got 0.95 R or more
 (bench/capacity.py searches the client count a server sustains this way).
