@@ -40,10 +40,13 @@ at the first RTT. Latency: at the largest count sustained, p50 / p99 of hybrid r
 included) and of the gaps between a stream's messages.
 
 Prints a compact table (users sustained per mode by RTT and rate, hybrid / server-only, auto's pick), then one JSON
-line; `--plot FILE` draws users per GPU against per-user tokens/s, one line per mode, a panel per RTT.
+line; `--plot FILE` draws users per GPU against per-user tokens/s, one line per mode, a panel per RTT. `--merge
+FILE...` reads the output of several runs (a mode or an RTT each, to keep each run short) and prints, plots and
+records them as one, auto and the ratios recomputed.
 
     python bench/capacity.py --device cpu --rate 20 --rtt-ms 50 --max-clients 64 --traces traces.json --prompts 32
-    python bench/capacity.py --preset llama3-8b --rate 10 20 40 --rtt-ms 50 --max-clients 512 --plot cap-8b.png
+    python bench/capacity.py --preset llama3-8b --rate 10 20 40 --rtt-ms 50 --max-clients 512 > cap-8b-50.txt
+    python bench/capacity.py --merge cap-8b-*.txt --plot cap-8b.png
 """
 
 from __future__ import annotations
@@ -322,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run, all included")
     ap.add_argument("--plot", type=Path, default=None, help="write users per GPU vs tokens/s per user here (PNG)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", default=[], metavar="FILE",
+                    help="print (and --plot) earlier runs' output files as one record; runs nothing")  # fmt: skip
     return ap
 
 
@@ -365,8 +370,44 @@ def acceptance_file(args: argparse.Namespace, sargs: argparse.Namespace) -> dict
     return traces.load_acceptance(args.acceptance)
 
 
+def merge(args: argparse.Namespace) -> dict:
+    """--merge: the records of several runs (each file's last JSON line, e.g. one mode or one RTT per GPU run) as
+    one table, plot and record; auto and the ratios recomputed over the cells of all of them."""
+    from rich.console import Console
+
+    records = [json.loads(Path(f).read_text().strip().splitlines()[-1]) for f in args.merge]
+    cells = with_auto([c for r in records for c in r["cells"] if c["mode"] != AUTO])
+    first = records[0]["args"]
+    args.rtt_ms = sorted({c["rtt_ms"] for c in cells})
+    args.rate = sorted({c["rate"] for c in cells})
+    args.max_clients = max(r["args"]["max_clients"] for r in records)
+    args.share, args.duration = first["share"], first["duration"]
+    said = "; ".join(dict.fromkeys(_said(r["acceptance"]) for r in records))
+    where = "; ".join(dict.fromkeys(r["device"] for r in records))
+    Console(width=200).print(table(args, cells, where, said))
+    if args.plot:
+        plot(args, cells, args.plot, f"{records[0]['target']}: users sustained per mode; {said}")
+    record = {"bench": "capacity", "merged": args.merge, "device": where, "target": records[0]["target"],
+              "acceptance": records[0]["acceptance"], "cells": cells, "ratios": ratios(cells)}  # fmt: skip
+    print(json.dumps(record))
+    return record
+
+
+def _said(acceptance: dict) -> str:
+    """How a record's hybrid acceptance came about, in one line (acceptance_summary's)."""
+    if "counts" in acceptance:
+        return (f"acceptance replayed: tau {acceptance['tau']:.2f} recorded on {acceptance['prompts']} held-out "
+                f"prompts, {acceptance['forced_tau']:.2f} forced")  # fmt: skip
+    if acceptance:
+        return (f"drafts replayed from {acceptance['prompts']} standard-library prompts (recorded tau "
+                f"{acceptance['tau']:.2f})")  # fmt: skip
+    return "no hybrid"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
+    if args.merge:
+        return merge(args)
     if min(args.rate) <= 0 or args.max_clients < 1 or args.duration <= 0 or not 0 < args.share <= 1:
         raise SystemExit("--rate and --duration must be positive, --max-clients at least 1, --share in (0, 1]")
     args.acceptance = args.acceptance or ("acceptance.json" if args.preset else "")
@@ -465,14 +506,12 @@ def serve_and_search(
 
 def acceptance_summary(args: argparse.Namespace, accepted: dict | None, forced, recorded: dict | None):
     """The record's "acceptance" and the line the table and plot say it in."""
+    out = {}
     if accepted:
         out = {k: v for k, v in accepted.items() if k != "format"} | {"file": args.acceptance, "forced_tau": forced.tau}
-        return out, (f"acceptance replayed: tau {accepted['tau']:.2f} recorded on {accepted['prompts']} held-out "
-                     f"prompts, {forced.tau:.2f} forced")  # fmt: skip
-    if recorded:
+    elif recorded:
         out = {k: v for k, v in recorded.items() if k != "traces"} | load_server().sibling("traces").summary(recorded)
-        return out, f"drafts replayed from {out['prompts']} standard-library prompts (recorded tau {out['tau']:.2f})"
-    return {}, "no hybrid"
+    return out, _said(out)
 
 
 if __name__ == "__main__":

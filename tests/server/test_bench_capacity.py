@@ -176,3 +176,25 @@ def _has_matplotlib() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_merge_runs(capacity, tmp_path):
+    """Runs of one mode each read back as one record: auto and the ratios over all their cells."""
+
+    def run_output(name: str, cells: list[dict]) -> str:
+        record = {"bench": "capacity", "args": {"max_clients": 64, "share": 0.95, "duration": 5.0}, "device": "GPU",
+                  "target": "llama3-8b (random weights)", "cells": cells,
+                  "acceptance": {"counts": [1, 1], "tau": 1.5, "prompts": 64, "forced_tau": 1.5}}  # fmt: skip
+        path = tmp_path / name
+        path.write_text("a table first\n" + json.dumps(record) + "\n")
+        return str(path)
+
+    hybrid = {"mode": "hybrid", "rtt_ms": 50, "rate": 20, "sustained": 48}
+    stale = {"mode": "auto", "rtt_ms": 50, "rate": 20, "sustained": 48, "picks": "hybrid", "derived": True}
+    plain = {"mode": "server-only", "rtt_ms": 50, "rate": 20, "sustained": 64}
+    plot = tmp_path / "merged.png"
+    record = capacity.main(["--merge", run_output("a", [hybrid, stale]), run_output("b", [plain]), "--plot", str(plot)])
+    auto = [c for c in record["cells"] if c["mode"] == "auto"]
+    assert len(auto) == 1 and auto[0]["picks"] == "server-only" and auto[0]["sustained"] == 64
+    assert record["ratios"] == [{"rtt_ms": 50, "rate": 20, "hybrid_over_server_only": 0.75}]
+    assert plot.exists() == _has_matplotlib()
