@@ -24,6 +24,11 @@ round and to each stream's start (bench/server.py --rtt-ms: a sleep, as a link w
   more; where every user measures the same, all of them settle on the better of hybrid and server-only, so auto
   sustains max(hybrid, server-only) and the record names the pick. A population that splits is not measured.
 
+bench/acceptance-compact.json is such a file: the shipped default pair (deploy/models: the 19M compact target and
+its MoA drafter), 64 held-out prompts x 128 greedy tokens, k = 5, float32 on a CPU: tau 4.68 (63% of the rounds
+accept all 5 drafts: greedy continuations of a small model repeat themselves, so this likely overstates what an 8B
+pair accepts).
+
 `--preset NAME` (llama3-1b, llama3-8b, any of tether.shared.config.PRESETS; `--layers` keeps fewer) serves a target
 of those shapes with seeded random weights (a verify step's cost depends on shapes, not values) and a MoA drafter
 of --drafter's config built for it with random weights; the tokenizer is --model's (its ids fit the vocabulary).
@@ -45,7 +50,10 @@ FILE...` reads the output of several runs (a mode or an RTT each, to keep each r
 records them as one, auto and the ratios recomputed.
 
     python bench/capacity.py --device cpu --rate 20 --rtt-ms 50 --max-clients 64 --traces traces.json --prompts 32
-    python bench/capacity.py --preset llama3-8b --rate 10 20 40 --rtt-ms 50 --max-clients 512 > cap-8b-50.txt
+    python bench/capacity.py --preset llama3-8b --acceptance bench/acceptance-compact.json --rate 10 20 40 \
+        --rtt-ms 50 --max-clients 512 > cap-8b-50.txt
+    python bench/capacity.py --preset llama3-8b --acceptance bench/acceptance-compact.json --modes server-only \
+        --rate 10 20 40 --rtt-ms 50 10 150 --max-clients 512 > cap-8b-streams.txt
     python bench/capacity.py --merge cap-8b-*.txt --plot cap-8b.png
 """
 
