@@ -92,7 +92,7 @@ from rich.table import Table
 from tether.client.server_only import ServerOnlySession, server_tokenizer
 from tether.client.session import ClientConfig, EdgeSession
 from tether.client.session_types import BACKENDS, CODECS, PRECISIONS
-from tether.client.transport import Replicas, ServerError
+from tether.client.transport import LinkDown, Replicas, ServerError
 from tether.netsim.process import NetSimProcess
 from tether.netsim.proxy import NetSimThread
 from tether.v1 import tether_pb2 as pb
@@ -358,7 +358,10 @@ def measure(rig: Rig, mode: str, info: pb.ModelInfo, tokenizer) -> dict:
     """One cell of `mode` over the rig (a server-draft rig for SERVER_DRAFT), with the server's mean batch size over
     it where the bench reads the server's metrics (`mean_batch`: how full the background clients keep it)."""
     b0 = rig.batches()
-    row = _measure(rig, mode, info, tokenizer)
+    try:
+        row = _measure(rig, mode, info, tokenizer)
+    except (LinkDown, ServerError) as e:  # e.g. a stream whose tokens stopped under full load: the cell says so
+        row = {"failed": f"{type(e).__name__}: {e}"}
     b1 = rig.batches()
     return row | {"mean_batch": (b1[0] - b0[0]) / (b1[1] - b0[1]) if b1[1] > b0[1] else None}
 
@@ -658,8 +661,8 @@ def grid_table(args: argparse.Namespace, rows: list[dict], where: str) -> Table:
         t.add_column(c, justify="right")
     for r in rows:
         head = (r["mode"], _load(r), f"{r['rtt_ms']:g}", f"{r['mbps']:g}")
-        if "skipped" in r:
-            t.add_row(*head, "n/a", *["-"] * (len(columns) - 5))
+        if "skipped" in r or "failed" in r:
+            t.add_row(*head, "failed" if "failed" in r else "n/a", *["-"] * (len(columns) - 5))
             continue
         hits = f"{r['pipeline_hits']}/{r['rounds']}" if r.get("pipeline_hits") is not None else "-"
         t.add_row(*head, _num(r["tok_s"], ".1f"), _num(r["mean_batch"], ".1f"), _num(r["tau"], ".2f"),

@@ -121,3 +121,24 @@ def test_quick_and_modes(link):
         link.settings(["--new-tokens", "1"])
     with pytest.raises(SystemExit):
         link.settings(["--load", "busy"])
+
+
+def test_a_cell_whose_stream_fails_is_recorded_and_the_grid_goes_on(link, monkeypatch):
+    """A cell that ends in LinkDown or ServerError (e.g. a stream whose tokens stopped under full load) is a row
+    that says so, shown as failed in the grid, not the end of the run."""
+
+    class Rig:
+        def batches(self):
+            return (0.0, 0)
+
+    def down(*_):
+        raise link.LinkDown("DEADLINE_EXCEEDED: Stream removed")
+
+    monkeypatch.setattr(link, "run_server_only", down)
+    row = link.measure(Rig(), "server-only", None, None)
+    assert row["failed"].startswith("LinkDown: DEADLINE_EXCEEDED") and row["mean_batch"] is None
+    args = link.settings(["--quick"])
+    row |= {"mode": "server-only", "load": "0", "load_clients": 0, "rtt_ms": 0, "mbps": 100}
+    table = link.grid_table(args, [row], "here")
+    assert list(table.columns[4].cells) == ["failed"]
+    assert link.summary([row], ["server-only"])[0]["tok_s"]["server-only"] is None
