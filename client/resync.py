@@ -43,7 +43,7 @@ from tether.client.rounds import Rounds
 from tether.client.server_link import ServerLink
 from tether.client.session_output import SessionOutput
 from tether.client.session_text import SessionText
-from tether.client.session_types import CODECS, ClientConfig, Event, State
+from tether.client.session_types import ClientConfig, Event, State, codec_fields
 from tether.client.transport import ServerError, rpc_error
 from tether.shared.logits_processing import SamplingControls
 from tether.v1 import tether_pb2 as pb
@@ -199,7 +199,7 @@ class Resync:
             verified_length=V,
             offline_tokens=piece,
             sampling=sampling_params(cfg, link.info, self.output.logprobs),
-            delta_codec=CODECS[cfg.codec],
+            **codec_fields(cfg.codec),
             model_fingerprint=link.info.model_fingerprint,
             rewind=rewind,
         )

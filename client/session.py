@@ -82,7 +82,7 @@ from tether.client.server_link import ServerLink
 from tether.client.session_file import SessionRecord, load_record, save_record
 from tether.client.session_output import SessionOutput
 from tether.client.session_text import SessionText
-from tether.client.session_types import CODECS, ClientConfig, Event, Paired, Result, State, Stats
+from tether.client.session_types import ClientConfig, Event, Paired, Result, State, Stats, codec_fields
 from tether.client.transport import DOWNLOAD_ATTEMPTS, Backoff, LinkDown, SessionFull, SessionLost
 from tether.v1 import tether_pb2 as pb
 
@@ -229,7 +229,7 @@ class EdgeSession:
             prompt=history,
             sampling=self._sampling(),
             max_new_tokens=self.cfg.max_new_tokens,
-            delta_codec=CODECS[self.cfg.codec],
+            **codec_fields(self.cfg.codec),
             model_fingerprint=link.info.model_fingerprint,
         )
         self.output.stats.bytes_up += 4 * len(history)
@@ -320,7 +320,7 @@ class EdgeSession:
             prompt=text.prompt,
             sampling=self._sampling(),
             max_new_tokens=cfg.max_new_tokens + self.reserve,
-            delta_codec=CODECS[cfg.codec],
+            **codec_fields(cfg.codec),
             model_fingerprint=link.info.model_fingerprint,
         )
         output.stats.bytes_up += 4 * len(text.prompt)

@@ -43,7 +43,18 @@ from tether.v1 import tether_pb2 as pb
 BACKENDS = ("onnx", "torch")  # the drafter runtimes; torch only to compare against (it needs torch installed)
 PRECISIONS = ONNX_PRECISIONS  # the weights of the ONNX client part on the wire
 POLICIES = ("keep", "rewind")
-CODECS = {"lossless": Codec.FP16_SHUFFLE_ZSTD, "int8": Codec.INT8_ZSTD, "raw": Codec.RAW}
+CODECS = {
+    "lossless": Codec.FP16_SHUFFLE_ZSTD,
+    "int8": Codec.INT8_ZSTD,
+    "int4": Codec.INT4_HADAMARD,
+    "int3": Codec.INT3_HADAMARD,
+    "int2": Codec.INT2_HADAMARD,
+    "raw": Codec.RAW,
+}
+# Each codec above the one before it in what it keeps: a choice is offered first, then those that lose less, so a
+# server without it sends more bytes of states no worse, never fewer of worse ones.
+_BY_LOSS = (Codec.INT2_HADAMARD, Codec.INT3_HADAMARD, Codec.INT4_HADAMARD, Codec.INT8_ZSTD, Codec.FP16_SHUFFLE_ZSTD)
+_BEFORE_OFFERS = frozenset({Codec.RAW, Codec.FP16_SHUFFLE_ZSTD, Codec.INT8_ZSTD})  # what servers read before
 SHAPES = ("chain", "tree", "auto")  # a round's draft (tether.client.round_plan)
 CHOICES = {
     "mode": MODES,
@@ -105,7 +116,9 @@ class ClientConfig:
     pipeline: bool = True  # draft the next round while this one is verified
     overlap: bool = True  # with pipeline: send that round before the verdict, where the server takes it (ModelInfo)
     overlap_depth: int = 2  # with overlap, greedy: rounds sent ahead of the one in flight (sampling: 1; rounds.py)
-    codec: str = "lossless"  # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd) or "raw"
+    # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd), "int4" / "int3" / "int2" (rotated groups,
+    # tether.shared.wire_codecs) or "raw"; offered to the server with its fallbacks (codec_fields)
+    codec: str = "lossless"
     api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
     tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
     tls_cert: str = ""  # PEM client certificate (mTLS)
@@ -260,3 +273,12 @@ class Paired:
     tokenizer: Tokenizer
     drafter: Any  # an OnnxDrafter, or the torch drafter module (tether.shared.drafter)
     nbytes: int  # the client part's bytes (weights and tokenizer), as downloaded or found in the cache
+
+
+def codec_fields(name: str) -> dict[str, Codec | list[Codec]]:
+    """The codec fields of an OpenSession or ResyncRequest for `name` (a CODECS key): accept_codecs offers it, then
+    each codec that loses less (RAW after lossless); delta_codec, what a server that reads no offer sends, is the
+    first of those such a server knows."""
+    chosen = CODECS[name]
+    offer = [chosen] if chosen == Codec.RAW else [*_BY_LOSS[_BY_LOSS.index(chosen) :], Codec.RAW]
+    return {"delta_codec": next(c for c in offer if c in _BEFORE_OFFERS), "accept_codecs": offer}

@@ -157,7 +157,7 @@ class Engine:
             drafter_config_json=json.dumps(drafter.dcfg.to_dict()) if drafter is not None else "",
             drafter_fingerprint=self.drafter_fingerprint,
             tli_layers=drafter.dcfg.tli if drafter is not None else 0,
-            codecs=[pb.CODEC_RAW, pb.CODEC_FP16_SHUFFLE_ZSTD, pb.CODEC_INT8_ZSTD],
+            codecs=[int(c) for c in Codec],  # every codec it sends: the client's offer picks (validation.pick_codec)
             max_prompt_tokens=c.max_prompt_tokens,
             max_draft_tokens=c.max_draft_tokens,
             max_message_bytes=c.max_message_bytes,

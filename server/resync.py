@@ -25,7 +25,7 @@ from tether.server.kv_pool import PoolExhausted
 from tether.server.logprob_wire import taken_logprobs
 from tether.server.plain_decoding import POOL_RETRY_S
 from tether.server.sessions import Claim, Session
-from tether.server.validation import check_codec, check_id, invalid
+from tether.server.validation import check_id, invalid, pick_codec
 from tether.v1 import tether_pb2 as pb
 
 
@@ -35,7 +35,7 @@ async def resync(engine: Engine, req: pb.ResyncRequest, caller: str) -> pb.Resyn
     engine.need_drafter()
     engine.check.fingerprint(req.model_fingerprint)
     engine.check.sampling(req.sampling)
-    codec = check_codec(req.delta_codec)
+    codec = pick_codec(req.delta_codec, req.accept_codecs)
     offline = engine.check.tokens(req.offline_tokens, "offline tokens", c.max_new_tokens + 1)
     if not offline:
         raise invalid("resync needs at least the root token")

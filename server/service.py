@@ -73,7 +73,7 @@ from tether.server.plain_decoding import POOL_RETRY_S
 from tether.server.resync import resync
 from tether.server.serve_config import ServiceConfig
 from tether.server.sessions import Session
-from tether.server.validation import check_codec, invalid, requested_logprobs
+from tether.server.validation import invalid, pick_codec, requested_logprobs
 from tether.server.verifier import SequenceVerifier
 from tether.shared.codecs import Codec, CodecError, bf16_bits
 from tether.shared.drafter_config import ArrayDelta
@@ -240,7 +240,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
         if not prompt:
             raise invalid("empty prompt")
         self.engine.check.sampling(req.sampling)
-        codec = check_codec(req.delta_codec)
+        codec = pick_codec(req.delta_codec, req.accept_codecs)
         if len(req.request_id) > 128:
             raise invalid("request_id is longer than 128 characters")
         self.engine.check.fits_pool(len(prompt), "prompt")

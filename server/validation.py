@@ -81,6 +81,24 @@ def check_codec(value: int) -> Codec:
         raise invalid(f"unknown delta codec {value}") from None
 
 
+MAX_CODEC_OFFER = 32  # far more than there are codecs: a longer offer is no client's
+
+
+def pick_codec(delta_codec: int, accepted: Sequence[int]) -> Codec:
+    """The codec a session's deltas travel in: the first of the client's offer (`accept_codecs`, its preference
+    first) that this server knows, skipping a newer client's others; from a client that offers none (older
+    clients), `delta_codec`. An offer with none known, or too long, is refused."""
+    if not accepted:
+        return check_codec(delta_codec)
+    if len(accepted) > MAX_CODEC_OFFER:
+        raise invalid(f"accept_codecs lists {len(accepted)} codecs, at most {MAX_CODEC_OFFER}")
+    known = {int(c) for c in Codec}
+    for value in accepted:
+        if value in known:
+            return Codec(value)
+    raise invalid(f"none of the codecs offered ({', '.join(map(str, accepted))}) is one this server sends")
+
+
 def check_id(text: str, what: str) -> None:
     if not is_session_id(text):
         raise invalid(f"{what} must be the 32 lowercase hex digits the server handed out")

@@ -33,6 +33,9 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_RAW: _ClassVar[Codec]
     CODEC_FP16_SHUFFLE_ZSTD: _ClassVar[Codec]
     CODEC_INT8_ZSTD: _ClassVar[Codec]
+    CODEC_INT4_HADAMARD: _ClassVar[Codec]
+    CODEC_INT3_HADAMARD: _ClassVar[Codec]
+    CODEC_INT2_HADAMARD: _ClassVar[Codec]
 
 class ClientPartFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +65,9 @@ REASON_STALE_ROUND: ErrorReason
 CODEC_RAW: Codec
 CODEC_FP16_SHUFFLE_ZSTD: Codec
 CODEC_INT8_ZSTD: Codec
+CODEC_INT4_HADAMARD: Codec
+CODEC_INT3_HADAMARD: Codec
+CODEC_INT2_HADAMARD: Codec
 CLIENT_PART_TENSORS: ClientPartFormat
 CLIENT_PART_ONNX_FP32: ClientPartFormat
 CLIENT_PART_ONNX_FP16: ClientPartFormat
@@ -252,20 +258,22 @@ class KVDelta(_message.Message):
     def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "max_new_tokens", "delta_codec", "model_fingerprint")
+    __slots__ = ("request_id", "prompt", "sampling", "max_new_tokens", "delta_codec", "model_fingerprint", "accept_codecs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DELTA_CODEC_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
     delta_codec: Codec
     model_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    accept_codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., accept_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
 
 class DraftRound(_message.Message):
     __slots__ = ("round", "root", "tokens", "q", "parents", "after_length")
@@ -376,7 +384,7 @@ class ServerMessage(_message.Message):
     def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., delta: _Optional[_Union[KVDelta, _Mapping]] = ...) -> None: ...
 
 class ResyncRequest(_message.Message):
-    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind", "prompt_length")
+    __slots__ = ("session_id", "resume_token", "verified_length", "offline_tokens", "history", "sampling", "delta_codec", "model_fingerprint", "rewind", "prompt_length", "accept_codecs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +395,7 @@ class ResyncRequest(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_CODECS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     resume_token: str
     verified_length: int
@@ -397,7 +406,8 @@ class ResyncRequest(_message.Message):
     model_fingerprint: str
     rewind: bool
     prompt_length: int
-    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., rewind: _Optional[bool] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    accept_codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    def __init__(self, session_id: _Optional[str] = ..., resume_token: _Optional[str] = ..., verified_length: _Optional[int] = ..., offline_tokens: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., delta_codec: _Optional[_Union[Codec, str]] = ..., model_fingerprint: _Optional[str] = ..., rewind: _Optional[bool] = ..., prompt_length: _Optional[int] = ..., accept_codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
 
 class ResyncReply(_message.Message):
     __slots__ = ("session_id", "resume_token", "rebuilt", "first_disagreement", "target_token", "verified_length", "delta", "target_logprob")
