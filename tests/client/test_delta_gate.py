@@ -16,7 +16,7 @@ import zstandard
 
 from tether.client.delta_gate import DeltaGate, DeltaLayout, WireDelta, frames_problem
 from tether.client.errors import Problem, ServerDataError
-from tether.shared import codecs
+from tether.shared import codecs, wire_codecs
 from tether.shared import wire as core
 from tether.shared.codecs import Codec, EncodedTensor, encode_many
 from tether.shared.config import PRESETS
@@ -57,8 +57,12 @@ class Recorder:
 
 def gate(sequence=PROMPT, drafts=()):
     inner = Recorder()
-    g = DeltaGate(inner, LAYOUT, coverable=lambda start: list(sequence[start:]) + list(drafts),
-                  refuse=lambda message: Refused(message))  # fmt: skip
+    g = DeltaGate(
+        inner,
+        LAYOUT,
+        coverable=lambda start: list(sequence[start:]) + list(drafts),
+        refuse=lambda message: Refused(message),
+    )
     return g, inner
 
 
@@ -88,7 +92,7 @@ def no_decompression(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("decompressed before the checks")
 
-    monkeypatch.setattr(core, "_decompress", refuse)  # the one decoder, under both wrappers
+    monkeypatch.setattr(wire_codecs, "decompress", refuse)  # the one decoder, under both wrappers
 
 
 @pytest.mark.parametrize("names", [{"x": (1 << 30,)}, {"lsa": (3, 1 << 29)}], ids=["unknown_name", "lsa_of_3GiB"])
@@ -122,11 +126,30 @@ def test_an_honest_delta_is_decoded_for_the_drafter():
     tensors = honest(3)
     g, inner = gate()
     g.begin(WireDelta(0, PROMPT, encode_many(tensors, Codec.FP16_SHUFFLE_ZSTD)))
-    (kind, delta), = inner.calls  # fmt: skip
+    ((kind, delta),) = inner.calls
     assert kind == "begin" and delta.start == 0 and delta.tokens == PROMPT
     # Decoded torch-free: numpy arrays, bfloat16 widened exactly to float32.
     assert all(isinstance(delta.tensors[k], np.ndarray) for k in tensors)
     assert all(torch.equal(torch.from_numpy(delta.tensors[k]), tensors[k].float()) for k in tensors)
+
+
+@pytest.mark.parametrize("codec", [Codec.INT4_HADAMARD, Codec.INT3_HADAMARD, Codec.INT2_HADAMARD])
+def test_a_grouped_delta_is_decoded_and_a_lying_one_refused_before_decoding(codec, monkeypatch):
+    tensors = honest(3)
+    g, inner = gate()
+    g.begin(WireDelta(0, PROMPT, encode_many(tensors, codec)))
+    ((kind, delta),) = inner.calls
+    for k, t in tensors.items():
+        assert delta.tensors[k].shape == t.shape and np.isfinite(delta.tensors[k]).all()
+        x = t.float().numpy()
+        assert np.linalg.norm(delta.tensors[k] - x) / np.linalg.norm(x) < 0.6
+    monkeypatch.setattr(core, "decode_payload", lambda *a: pytest.fail("decoded before the checks"))
+    short = codecs.encode(tensors["lsa"][:, : CFG.dim // 2], codec)  # a frame true to itself, not to the layout
+    rest = {k: codecs.encode(t, codec) for k, t in tensors.items() if k != "lsa"}
+    g, inner = gate()
+    with pytest.raises(Refused, match="shape"):
+        g.begin(WireDelta(0, PROMPT, bundle({"lsa": short} | rest)))
+    assert inner.calls == []
 
 
 def test_a_round_delta_covers_at_most_the_root_and_the_drafts_sent():
