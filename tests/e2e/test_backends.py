@@ -52,6 +52,16 @@ def test_smaller_onnx_weights_give_the_same_greedy_text(address, fp32_onnx, tmp_
     assert result.stats.weights_bytes <= at_most * fp32_onnx.stats.weights_bytes
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3"])
+def test_lossy_delta_codecs_keep_the_greedy_text_for_fewer_bytes(address, fp32_onnx, tmp_path, codec):
+    """The client offers its codec and the server sends it: the drafts may differ, the target's text may not."""
+    cfg = ClientConfig(server=address, max_new_tokens=48, codec=codec, cache_dir=str(tmp_path), **PATIENT)
+    result = generate_text(cfg, PROMPT)
+    assert result.token_ids == fp32_onnx.token_ids and result.stats.accepted > 0
+    per_token = result.stats.bytes_down / len(result.token_ids)
+    assert per_token < 0.75 * fp32_onnx.stats.bytes_down / len(fp32_onnx.token_ids)
+
+
 def test_onnx_backend_samples(address, tmp_path):
     cfg = ClientConfig(server=address, max_new_tokens=24, temperature=0.8, seed=3, cache_dir=str(tmp_path), **PATIENT)
     result = generate_text(cfg, "import os\n")
