@@ -116,9 +116,7 @@ class ClientConfig:
     pipeline: bool = True  # draft the next round while this one is verified
     overlap: bool = True  # with pipeline: send that round before the verdict, where the server takes it (ModelInfo)
     overlap_depth: int = 2  # with overlap, greedy: rounds sent ahead of the one in flight (sampling: 1; rounds.py)
-    # KV-delta codec: "lossless" (fp16 shuffle + zstd), "int8" (+ zstd), "int4" / "int3" / "int2" (rotated groups,
-    # tether.shared.wire_codecs) or "raw"; offered to the server with its fallbacks (codec_fields)
-    codec: str = "lossless"
+    codec: str = "lossless"  # KV-delta codec: lossless (fp16 shuffle + zstd), int8 (+ zstd), int4/int3/int2 or raw
     api_key: str = ""  # bearer key, when the server asks for one (others can read argv: prefer TETHER_API_KEY)
     tls_ca: str = ""  # PEM CA bundle to verify the server: TLS (empty = plaintext)
     tls_cert: str = ""  # PEM client certificate (mTLS)
