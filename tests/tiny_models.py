@@ -1,8 +1,9 @@
 """Tiny random models the tests share: fast, awkwardly sized, and far from uniform so that bugs show."""
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +27,32 @@ def tiny_target(seed: int = 0, std: float = 0.15, **overrides) -> Transformer:
 
 def tiny_moa_drafter(target: Transformer, tli: int = 1):
     return build_drafter(target, DrafterConfig(kind="moa", tli=tli, n_heads=4, n_kv_heads=2, head_dim=12)).eval()
+
+
+@contextlib.contextmanager
+def served_tiny_pair(config, fingerprint: str, vocab_size: int) -> Iterator[tuple]:
+    """tiny_target of `vocab_size` and its MoA drafter served over gRPC on loopback under `config` (a ServiceConfig):
+    yields (target, drafter, service, stub); the server stops when the block ends."""
+    import grpc
+
+    from tether.server.engine_core import Engine
+    from tether.server.rpc_server import make_server
+    from tether.server.service import TetherService
+    from tether.shared.tokenizer import Tokenizer
+    from tether.v1 import tether_pb2_grpc
+
+    target = tiny_target(vocab_size=vocab_size)
+    drafter = tiny_moa_drafter(target)
+    tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
+    service = TetherService(Engine(target, drafter, tok, config, model_fingerprint=fingerprint))
+    server, port = make_server(service, "127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield target, drafter, service, tether_pb2_grpc.TetherStub(channel)
+    finally:
+        channel.close()
+        server.stop(grace=None)
 
 
 def tiny_pair(kind: str, vocab_size: int, tli: int = 1):

@@ -7,19 +7,14 @@ import queue
 import grpc
 import pytest
 import torch
-from tiny_models import tiny_moa_drafter, tiny_target
+from tiny_models import served_tiny_pair
 
 from tether.client.session_types import codec_fields
-from tether.server.engine_core import Engine
-from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
-from tether.server.service import TetherService
 from tether.shared.codecs import Codec, decode_many
 from tether.shared.drafter import DraftDelta
-from tether.shared.tokenizer import Tokenizer
 from tether.shared.wire import parse_many
 from tether.v1 import tether_pb2 as pb
-from tether.v1 import tether_pb2_grpc
 
 FP = "c" * 64
 VOCAB = 7  # small, so random drafts are often right and acceptance paths run
@@ -27,17 +22,8 @@ VOCAB = 7  # small, so random drafts are often right and acceptance paths run
 
 @pytest.fixture(scope="module")
 def served():
-    target = tiny_target(vocab_size=VOCAB)
-    drafter = tiny_moa_drafter(target)
-    tok = Tokenizer.train(texts=["def f(x):\n    return x\n"] * 20, vocab_size=260)
-    engine = Engine(target, drafter, tok, ServiceConfig(max_prompt_tokens=64, max_sessions=8), model_fingerprint=FP)
-    service = TetherService(engine)
-    server, port = make_server(service, "127.0.0.1:0")
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield target, drafter, tether_pb2_grpc.TetherStub(channel)
-    channel.close()
-    server.stop(grace=None)
+    with served_tiny_pair(ServiceConfig(max_prompt_tokens=64, max_sessions=8), FP, VOCAB) as (target, drafter, _, stub):
+        yield target, drafter, stub
 
 
 def to_delta(kv: pb.KVDelta) -> DraftDelta:
