@@ -17,7 +17,11 @@ are of real rounds with the real tokens per round. For each codec (`--codecs`, t
 - quality (`--quality`): tau of the same chains with every delta decoded through the codec before the drafter takes
   it, the offline agreement (the drafter alone for `--offline` tokens after the prompt, mean over positions)
   likewise, both against FP16_SHUFFLE_ZSTD (lossless: the bfloat16 the server sends). Every output is checked
-  against plain greedy decoding (the run fails if one differs: greedy output is the target's whatever the codec);
+  against plain greedy decoding (the run fails if one differs: greedy output is the target's whatever the codec).
+  tau moves a few percent from run to run of different rounds, so the codecs are also compared paired: during the
+  lossless run a shadow drafter per codec takes the same deltas through its codec and drafts from the same roots;
+  `same 1st draft` is the share of rounds whose first draft token equals the lossless drafter's, `same drafts` the
+  share of draft tokens before the first difference;
 - entropy: zstd on each grouped codec's packed symbols against the packed bytes, and how far delta coding along
   tokens would shrink each tensor's variance (var(x[t] - x[t-1]) / var(x[t]) on the prompts' contiguous deltas).
 Prints tables, then one JSON line. On a shared CPU run it with OMP_NUM_THREADS=1.
@@ -90,6 +94,40 @@ class WireDrafter:
         delta, nbytes = self._wire(delta, self.rounds)
         self.round_bytes += nbytes
         return self.drafter.commit(delta, **kwargs)
+
+
+class ShadowedDrafter(WireDrafter):
+    """A WireDrafter that also feeds each shadow (a WireDrafter over its own copy of the drafter, with its own codec)
+    the same deltas and, at each round, drafts with it from the same root: how often the shadow's chain equals the
+    one this drafter sent, paired round by round, so that the codec's effect is not lost in the noise of tau."""
+
+    def __init__(self, drafter, codec: Codec, shadows: list[WireDrafter]):
+        super().__init__(drafter, codec)
+        self.shadows = shadows
+        # per shadow: rounds whose first draft matched, drafts matched before the first difference, drafts, rounds
+        self.agree = {s.codec.name: [0, 0, 0, 0] for s in shadows}
+
+    def begin(self, delta: DraftDelta, capacity: int):
+        for s in self.shadows:
+            s.begin(delta, capacity)
+        return super().begin(delta, capacity)
+
+    def commit(self, delta: DraftDelta, **kwargs):
+        for s in self.shadows:
+            s.commit(delta, **kwargs)
+        return super().commit(delta, **kwargs)
+
+    def draft(self, root: int, k: int, **controls):
+        out = self.drafter.draft(root, k, **controls)
+        for s in self.shadows:
+            theirs = s.draft(root, k, **controls)[0]
+            same = next((i for i, (a, b) in enumerate(zip(out[0], theirs, strict=True)) if a != b), len(theirs))
+            counts = self.agree[s.codec.name]
+            counts[0] += same > 0
+            counts[1] += same
+            counts[2] += len(theirs)
+            counts[3] += 1
+        return out
 
 
 def n_of(r: Round) -> int:
@@ -170,10 +208,11 @@ def entropy(rounds: list[Round], prompts: list[Round]) -> dict:
     return {"zstd_over_packed": zstd_over_packed, "token_delta_variance": variance}
 
 
-def chains(target, drafter, prompts, references, codec: Codec, k: int, new_tokens: int, offline: int):
-    """tau and offline agreement with every delta through `codec`, and the WireDrafter that saw the chains' deltas.
-    Raises AssertionError if an output is not the target's own greedy continuation."""
-    wired = WireDrafter(drafter, codec)
+def chains(target, drafter, prompts, references, codec: Codec, k: int, new_tokens: int, offline: int, shadows=()):
+    """tau and offline agreement with every delta through `codec`, and the WireDrafter that saw the chains' deltas
+    (a ShadowedDrafter over `shadows` if any). Raises AssertionError if an output is not the target's own greedy
+    continuation."""
+    wired = ShadowedDrafter(drafter, codec, list(shadows)) if shadows else WireDrafter(drafter, codec)
     engine = SpeculativeEngine(target, wired, k=k)
     taus = []
     for p, ref in zip(prompts, references, strict=True):
@@ -187,8 +226,12 @@ def chains(target, drafter, prompts, references, codec: Codec, k: int, new_token
         probe.begin(drafter.server_delta(target_states(out), 0, p), len(p) + offline + 2)
         drafts, _, _ = probe.draft(ref[0], offline)
         hits += np.array(drafts[:offline]) == np.array(ref[1 : offline + 1])
-    figures = {"codec": codec.name, "tau": float(np.mean(taus)), "offline_agreement": float(hits.mean() / len(prompts)),
-               "round_bytes_per_token": wired.round_bytes / sum(n_of(r) for r in wired.rounds)}  # fmt: skip
+    figures = {
+        "codec": codec.name,
+        "tau": float(np.mean(taus)),
+        "offline_agreement": float(hits.mean() / len(prompts)),
+        "round_bytes_per_token": wired.round_bytes / sum(n_of(r) for r in wired.rounds),
+    }
     return figures, wired
 
 
@@ -198,8 +241,14 @@ def size_table(title: str, rows: list[dict]) -> Table:
     for col in ("codec", *parts, "framing", "total B/token", "raw bf16", "ratio"):
         table.add_column(col, justify="left" if col == "codec" else "right")
     for r in rows:
-        table.add_row(r["codec"], *[f"{r['parts'][p]:,.1f}" for p in parts], f"{r['framing']:,.1f}",
-                      f"{r['total']:,.1f}", f"{r['raw_bf16']:,.0f}", f"{r['ratio']:.3f}")  # fmt: skip
+        table.add_row(
+            r["codec"],
+            *[f"{r['parts'][p]:,.1f}" for p in parts],
+            f"{r['framing']:,.1f}",
+            f"{r['total']:,.1f}",
+            f"{r['raw_bf16']:,.0f}",
+            f"{r['ratio']:.3f}",
+        )
     return table
 
 
@@ -232,16 +281,20 @@ def main(argv: list[str] | None = None) -> dict:
     references = [[t for c in plain.generate(p, args.new_tokens) for t in c] for p in prompts]
 
     run = (target, drafter, prompts, references)
-    lossless, wired = chains(*run, LOSSLESS, args.k, args.new_tokens, args.offline)
+    lossy = [c for c in codecs if c not in (LOSSLESS, Codec.RAW)] if args.quality else []  # RAW is lossless too
+    shadows = [WireDrafter(load_drafter(args.drafter, target), c) for c in lossy]
+    lossless, wired = chains(*run, LOSSLESS, args.k, args.new_tokens, args.offline, shadows)
     quality = [lossless]
     if args.quality:
-        for codec in codecs:
-            if codec not in (LOSSLESS, Codec.RAW):  # RAW is lossless too
-                figures, _ = chains(*run, codec, args.k, args.new_tokens, args.offline)
-                figures["tau_loss"] = 1 - figures["tau"] / lossless["tau"]
-                figures["offline_loss"] = 1 - figures["offline_agreement"] / max(lossless["offline_agreement"], 1e-9)
-                print(json.dumps(figures), file=sys.stderr, flush=True)
-                quality.append(figures)
+        for codec in lossy:
+            figures, _ = chains(*run, codec, args.k, args.new_tokens, args.offline)
+            first, same, made, calls = wired.agree[codec.name]
+            figures["first_draft_agreement"] = first / calls
+            figures["draft_agreement"] = same / made
+            figures["tau_loss"] = 1 - figures["tau"] / lossless["tau"]
+            figures["offline_loss"] = 1 - figures["offline_agreement"] / max(lossless["offline_agreement"], 1e-9)
+            print(json.dumps(figures), file=sys.stderr, flush=True)
+            quality.append(figures)
 
     rounds = wired.rounds
     cfg, tli = target.cfg, drafter.dcfg.tli
@@ -264,12 +317,32 @@ def main(argv: list[str] | None = None) -> dict:
         title = f"bytes per verified token: {name}; {len(rounds)} rounds, {tokens} tokens (k={args.k})"
         console.print(size_table(title, rows))
     table = Table(title=f"quality against {LOSSLESS.name}: {len(prompts)} held-out prompts, {args.new_tokens} tokens")
-    for col in ("codec", "round B/token", "tau", "tau loss", f"offline agree@{args.offline}", "loss"):
+    columns = (
+        "codec",
+        "round B/token",
+        "ratio",
+        "tau",
+        "tau loss",
+        f"offline agree@{args.offline}",
+        "loss",
+        "same 1st draft",
+        "same drafts",
+    )
+    for col in columns:
         table.add_column(col, justify="left" if col == "codec" else "right")
+    raw_per_token = size_rows[next(iter(size_rows))][0]["raw_bf16"]
     for q in quality:
-        table.add_row(q["codec"], f"{q['round_bytes_per_token']:,.1f}", f"{q['tau']:.3f}",
-                      f"{q.get('tau_loss', 0):+.2%}", f"{q['offline_agreement']:.3f}",
-                      f"{q.get('offline_loss', 0):+.2%}")  # fmt: skip
+        table.add_row(
+            q["codec"],
+            f"{q['round_bytes_per_token']:,.1f}",
+            f"{q['round_bytes_per_token'] / raw_per_token:.3f}",
+            f"{q['tau']:.3f}",
+            f"{q.get('tau_loss', 0):+.2%}",
+            f"{q['offline_agreement']:.3f}",
+            f"{q.get('offline_loss', 0):+.2%}",
+            f"{q.get('first_draft_agreement', 1):.3f}",
+            f"{q.get('draft_agreement', 1):.3f}",
+        )
     console.print(table)
     table = Table(title="bytes of one resync reply's delta, by offline tokens")
     table.add_column("codec")
@@ -279,8 +352,10 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(c, *[f"{v:,}" if v is not None else "-" for v in row.values()])
     console.print(table)
     ent = entropy(rounds, wired.prompts)
-    console.print(f"entropy coding: zstd / packed symbols {ent['zstd_over_packed']}; "
-                  f"delta coding along tokens, var(diff) / var: {ent['token_delta_variance']}")  # fmt: skip
+    console.print(
+        f"entropy coding: zstd / packed symbols {ent['zstd_over_packed']}; "
+        f"delta coding along tokens, var(diff) / var: {ent['token_delta_variance']}"
+    )
 
     result = {
         "bench": "wire_bytes",

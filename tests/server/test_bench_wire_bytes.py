@@ -60,6 +60,9 @@ def test_wire_bytes_record(tmp_path, capsys):
     quality = {q["codec"]: q for q in record["quality"]}
     assert set(quality) == {"FP16_SHUFFLE_ZSTD", "INT8_ZSTD", "INT4_HADAMARD", "INT3_HADAMARD", "INT2_HADAMARD"}
     assert all(q["tau"] >= 1 and 0 <= q["offline_agreement"] <= 1 for q in quality.values())
+    lossy = [q for name, q in quality.items() if name != "FP16_SHUFFLE_ZSTD"]
+    assert all(0 <= q["draft_agreement"] <= 1 and 0 <= q["first_draft_agreement"] <= 1 for q in lossy)
+    assert quality["INT8_ZSTD"]["first_draft_agreement"] > 0.5  # near-lossless: the same drafts, round by round
     assert quality["INT3_HADAMARD"]["round_bytes_per_token"] < quality["FP16_SHUFFLE_ZSTD"]["round_bytes_per_token"]
     assert record["resync"]["INT4_HADAMARD"]["999"] is None  # no prompt that long: not measured
     assert record["resync"]["INT4_HADAMARD"]["4"] < record["resync"]["RAW"]["4"]
