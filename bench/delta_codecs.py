@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
             seen.add(t.data_ptr())
             weights.append(t.to(wire))
 
-    codecs: list[Codec | str] = [Codec.RAW, PLAIN_ZSTD, Codec.FP16_SHUFFLE_ZSTD, Codec.INT8_ZSTD]
+    codecs: list[Codec | str] = [Codec.RAW, PLAIN_ZSTD, *(c for c in Codec if c != Codec.RAW)]
     results = []
     for key, t in delta.items():
         for c in codecs:

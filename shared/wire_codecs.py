@@ -325,19 +325,35 @@ def _grouped(x: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndar
 def _pack(sym: np.ndarray, bits: int) -> bytes:
     """Symbols [n] uint8 < 2^bits -> little-endian bit-packed chunks (zero symbols pad the last chunk)."""
     c, nbytes = _chunk(bits)
-    sym = np.pad(sym, (0, -len(sym) % c)).reshape(-1, c).astype(np.uint32)  # [chunks, c]
-    word = (sym << (bits * np.arange(c, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)  # [chunks]
-    return np.ascontiguousarray(word.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :nbytes]).tobytes()
+    if len(sym) % c:
+        sym = np.concatenate([sym, np.zeros(-len(sym) % c, dtype=np.uint8)])
+    sym = sym.reshape(-1, c)  # [chunks, c]
+    if nbytes == 1:  # 2 and 4 bits: a chunk is one byte, built in uint8
+        out = sym[:, 0].copy()
+        for j in range(1, c):
+            out |= sym[:, j] << (bits * j)
+        return out.tobytes()
+    word = sym[:, 0].astype("<u4")
+    for j in range(1, c):
+        word |= sym[:, j].astype("<u4") << (bits * j)
+    return np.ascontiguousarray(word.view(np.uint8).reshape(-1, 4)[:, :nbytes]).tobytes()
 
 
 def _unpack(payload: bytes, bits: int, n: int) -> np.ndarray:
     """Inverse of _pack: the first n symbols, uint8 [n]; `payload` is exactly the packed size of n symbols."""
     c, nbytes = _chunk(bits)
-    word = np.zeros((len(payload) // nbytes, 4), dtype=np.uint8)
-    word[:, :nbytes] = np.frombuffer(payload, dtype=np.uint8).reshape(-1, nbytes)
-    word = word.view("<u4")  # [chunks, 1]
-    sym = (word >> (bits * np.arange(c, dtype=np.uint32))) & ((1 << bits) - 1)  # [chunks, c]
-    return sym.reshape(-1)[:n].astype(np.uint8)
+    packed = np.frombuffer(payload, dtype=np.uint8)
+    if nbytes == 1:
+        word = packed
+    else:
+        word4 = np.zeros((len(packed) // nbytes, 4), dtype=np.uint8)
+        word4[:, :nbytes] = packed.reshape(-1, nbytes)
+        word = word4.view("<u4")[:, 0]  # [chunks]
+    sym = np.empty((len(word), c), dtype=np.uint8)  # [chunks, c]
+    mask = (1 << bits) - 1
+    for j in range(c):
+        sym[:, j] = (word >> (bits * j)) & mask
+    return sym.reshape(-1)[:n]
 
 
 def _grouped_quantise(x: np.ndarray, shape: tuple[int, ...], codec: Codec) -> tuple[bytes, bytes]:
@@ -348,7 +364,7 @@ def _grouped_quantise(x: np.ndarray, shape: tuple[int, ...], codec: Codec) -> tu
     if z.shape[0]:
         amax = np.abs(z).max(axis=1)  # NaN and Inf show here (and are refused below)
         with np.errstate(over="ignore", invalid="ignore"):
-            amax = np.minimum(amax, CLIP[bits] * np.sqrt(np.square(z).mean(axis=1)))
+            amax = np.minimum(amax, CLIP[bits] * np.sqrt(np.einsum("ij,ij->i", z, z) / z.shape[1]))
     else:
         amax = np.zeros(0, dtype=z.dtype)
     s = _fp16_scales_up(amax, half - 0.5, codec.name)
