@@ -89,7 +89,6 @@ GROUPED_BITS = {Codec.INT4_HADAMARD: 4, Codec.INT3_HADAMARD: 3, Codec.INT2_HADAM
 # bits), and rotated groups are close to Gaussian. On the default model's deltas it cut the relative error from
 # 0.49 to 0.33 (2 bits) and from 0.21 to 0.18 (3 bits); at 4 bits max|z| is about there anyway.
 CLIP = {2: 1.5, 3: 2.0, 4: 2.5}
-LOSSLESS = frozenset({Codec.RAW, Codec.FP16_SHUFFLE_ZSTD})
 
 
 def itemsize(name: str) -> int:
