@@ -41,9 +41,7 @@ HEADLINE_ROWS = ("tokens/s", "users per GPU", "tokens written", "bytes")
 
 # Files over MAX_LINES whose split is work in progress elsewhere, each removed from here by the change that splits it
 # (test_the_pending_long_files_are_still_long fails once one is short, so the list cannot go stale).
-LONG_PENDING = {
-    "shared/wire.py",  # the codecs helper splits it (issue #48)
-}
+LONG_PENDING: set[str] = set()
 
 # The modules that may read TETHER_* variables.
 READS_TETHER_ENV = {"tether.shared.env", "tether.netsim.cli"}
