@@ -33,9 +33,15 @@ def exposed() -> dict[str, set[str]]:
             labels = set(getattr(attr, "_labelnames", ()))
             for suffix in SUFFIXES[attr._type]:
                 out[attr._name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
-    # The registry is the source of truth: every family it collects is accounted for.
-    families = {f.name for f in metrics.registry.collect()}
-    assert families and all(any(n.startswith(f) for n in out) for f in families)
+    # The registry is the source of truth: a family no attribute accounts for is a collector of its own (the per-round
+    # series, tether.server.round_tally), read from what it collects.
+    families = list(metrics.registry.collect())
+    assert families
+    for f in families:
+        if not any(n.startswith(f.name) for n in out):
+            labels = {k for s in f.samples for k in s.labels} - {"le"}
+            for suffix in SUFFIXES[f.type]:
+                out[f.name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
     return out
 
 
