@@ -42,7 +42,7 @@ from tether.server.device_wait import copies, host_copy, sleep_until_done
 from tether.server.kv_pool import PagedCache, PoolExhausted, SlotView
 from tether.server.step import StepBatch, StepRunner
 from tether.shared.acceptance import unpack_verdicts, verify_rows
-from tether.shared.contracts import ForwardOutput, SequenceCache, ServerDrafter, Target
+from tether.shared.contracts import ForwardOutput, SequenceCache, ServerDrafter, Target, gathering_attend
 from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.drafter_config import ArrayDelta
 from tether.shared.logits_processing import LogitsProcessing, SamplingControls
@@ -90,20 +90,7 @@ class BatchCacheView:
             pv[i, :L] = vv[0, :L]
         return torch.cat([pk, k], 1), torch.cat([pv, v], 1)
 
-    def attend(
-        self,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        depth_k: Tensor | None,
-        depth_v: Tensor | None,
-        *,
-        scale: float,
-        tree_mask: Tensor | None,
-    ) -> None:
-        """A gathering view (PagedBatchView too): the model writes the rows and runs its attention backend."""
-        return None
+    attend = gathering_attend  # a gathering view (PagedBatchView too): the model writes the rows and attends
 
 
 def _new_rows(caches: list[PagedCache], new_lens: list[int]) -> tuple[Tensor, Tensor]:
