@@ -24,7 +24,6 @@ clients open a session per trace, and those rows say what that churn costs besid
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import importlib
 import importlib.util
@@ -56,8 +55,8 @@ PHASES = [
     ("tether.server.rounds", "slice_deltas"),
     ("tether.server.rounds", "_commit"),
     ("tether.server.batcher", "_finish"),
-    ("tether.server.service", "TetherService._verdict_reply"),
-    ("tether.server.service", "TetherService._verdict_frame"),  # the reply through a front end: its delta unencoded
+    ("tether.server.stream_rounds", "StreamRounds._verdict_reply"),
+    ("tether.server.stream_rounds", "StreamRounds._verdict_frame"),  # the reply through a front end: delta unencoded
     ("tether.server.engine_core", "Engine.encode_delta"),
     ("tether.shared.wire", "encode_bf16_bundle"),
     # Not on the batcher: a session's open on the model threads (its prefill, then its prompt's delta encoded), which
@@ -135,57 +134,72 @@ class Phases:
 
 class Hops:
     """With front ends, a round's time in the engine, in three hops: from its REQUEST frame's arrival on the event
-    loop to the start of the service's `_round` (the loop's queue, the stream's parsing), `_round` itself (the
-    session's claim and checks, the wait for the batcher and its step), and from `_round`'s end to the reply's frame
-    being queued for the front end. What the client's round trip holds beyond their sum is outside the engine (the
-    front end, gRPC, the client process). Keyed by the call's task: a stream's messages are handled in order. The
-    clients' warm-up rounds are counted too (bench/server.py's p50 leaves them out: a few of each client's rounds)."""
+    loop to the round's start (straight from the frame, tether.server.call_inbox, or through the stream's handler
+    when it was busy), the round itself (the session's claim and checks, the wait for the batcher and its step, up to
+    its verdict recorded on the loop), and from there to the reply's frame being queued for the front end. What the
+    client's round trip holds beyond their sum is outside the engine (the front end, gRPC, the client process).
+    Keyed by the call's inbox: a stream's messages are taken in order. `taken` counts the rounds started straight
+    from their frames. The clients' warm-up rounds are counted too (bench/server.py's p50 leaves them out)."""
 
     def __init__(self):
-        self.arrived: dict = defaultdict(collections.deque)  # task -> arrival times of frames not yet parsed
-        self.current: dict = {}  # task -> arrival of the message its handler has now
-        self.spans: dict = {}  # task -> (arrival, start, end) of its last _round
+        self.arrived: dict = defaultdict(collections.deque)  # inbox -> arrival times of rounds not yet started
+        self.inbox_of: dict = {}  # StreamRounds -> its call's inbox
+        self.spans: dict = {}  # inbox -> (arrival, start, end) of its last round
         self.samples: list[tuple[float, float, float]] = []  # (pre, round, post) seconds, one per verdict
+        self.taken = 0
         self._undo: list[Callable[[], None]] = []
 
     def install(self) -> None:
-        from tether.server import frontend_host, service
+        from tether.server import call_inbox, frontend_host, stream_rounds
         from tether.server.frontend_wire import VerdictFrame
+        from tether.v1 import tether_pb2 as pb
 
         hops, clock = self, time.perf_counter
-        real_frame, real_parse = frontend_host.FrontendConnection._frame, frontend_host._parse
-        real_round, real_reply = service.TetherService._round, frontend_host.EngineCall._reply
+        Inbox, Rounds = call_inbox.CallInbox, stream_rounds.StreamRounds
+        real_offer, real_take, real_run = Inbox.offer, Rounds.take, Rounds.run
+        real_record, real_send = Rounds._record, frontend_host.EngineCall._send
 
-        def _frame(conn, call_id, kind, payload):
-            if kind == frontend_host.Kind.REQUEST and (call := conn.calls.get(call_id)) is not None:
-                hops.arrived[call.task].append(clock())
-            return real_frame(conn, call_id, kind, payload)
+        def offer(inbox, payload):
+            if payload is not None and pb.ClientMessage.FromString(payload).WhichOneof("body") == "round":
+                hops.arrived[inbox].append(clock())
+            return real_offer(inbox, payload)
 
-        def _parse(cls, payload):
-            task = asyncio.current_task()
-            if hops.arrived[task]:
-                hops.current[task] = hops.arrived[task].popleft()
-            return real_parse(cls, payload)
+        def started(rounds, inbox, t0):
+            hops.inbox_of[rounds] = inbox
+            if hops.arrived[inbox]:
+                hops.spans[inbox] = (hops.arrived[inbox].popleft(), t0, None)
 
-        async def _round(svc, *args, **kwargs):
-            task, t0 = asyncio.current_task(), clock()
-            try:
-                return await real_round(svc, *args, **kwargs)
-            finally:
-                if task in hops.current:
-                    hops.spans[task] = (hops.current[task], t0, clock())
+        def take(rounds, req, answer):
+            t0 = clock()
+            ok = real_take(rounds, req, answer)
+            if ok:
+                hops.taken += 1
+                started(rounds, answer.__self__, t0)
+            return ok
 
-        async def _reply(call, message):
-            await real_reply(call, message)
-            span = hops.spans.pop(asyncio.current_task(), None)
-            if span is not None and (isinstance(message, VerdictFrame) or message.WhichOneof("body") == "verdict"):
+        async def run(rounds, req):
+            started(rounds, call_inbox.CALL_INBOX.get(), clock())
+            return await real_run(rounds, req)
+
+        def record(rounds, *args):
+            real_record(rounds, *args)
+            inbox = hops.inbox_of.get(rounds)
+            if (span := hops.spans.get(inbox)) is not None:
+                hops.spans[inbox] = (span[0], span[1], clock())
+
+        def send(call, message):
+            real_send(call, message)
+            span = hops.spans.pop(call.inbox, None)
+            verdict = isinstance(message, VerdictFrame) or (
+                isinstance(message, pb.ServerMessage) and message.WhichOneof("body") == "verdict"
+            )
+            if span is not None and span[2] is not None and verdict:
                 arrival, start, end = span
                 hops.samples.append((start - arrival, end - start, clock() - end))
 
-        for owner, name, fn, real in ((frontend_host.FrontendConnection, "_frame", _frame, real_frame),
-                                      (frontend_host, "_parse", _parse, real_parse),
-                                      (service.TetherService, "_round", _round, real_round),
-                                      (frontend_host.EngineCall, "_reply", _reply, real_reply)):  # fmt: skip
+        for owner, name, fn, real in ((Inbox, "offer", offer, real_offer), (Rounds, "take", take, real_take),
+                                      (Rounds, "run", run, real_run), (Rounds, "_record", record, real_record),
+                                      (frontend_host.EngineCall, "_send", send, real_send)):  # fmt: skip
             setattr(owner, name, fn)
             self._undo.append(lambda o=owner, n=name, r=real: setattr(o, n, r))
 
@@ -198,7 +212,7 @@ class Hops:
         if not self.samples:
             return []
         cols = list(zip(*self.samples, strict=True)) + [[sum(x) for x in self.samples]]
-        names = ("arrival -> _round", "_round (claim, batcher)", "_round -> reply queued", "in the engine")
+        names = ("arrival -> round starts", "round (claim, batcher)", "verdict -> reply queued", "in the engine")
         return [{"hop": n, "rounds": len(c), "mean_ms": 1e3 * statistics.fmean(c), "p50_ms": 1e3 * statistics.median(c)}
                 for n, c in zip(names, cols, strict=True)]  # fmt: skip
 
@@ -266,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
     hop_rows = hops.rows()
     if hop_rows:
         console.print(hops_table(hop_rows, record["rows"][0].get("p50_ms")))
-    out = {"bench": "phases", "steps": steps, "phases": rows, "hops": hop_rows, "server": record}
+    out = {"bench": "phases", "steps": steps, "phases": rows, "hops": hop_rows, "taken_from_frames": hops.taken,
+           "server": record}  # fmt: skip
     print(json.dumps(out))
     return out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import queue
 import threading
 import time
@@ -117,8 +118,23 @@ class RoundBatcher:
         write on this thread and a read on the loop's, for every round)."""
         fut: Future = Future()
         here = asyncio.get_running_loop().create_future()
-        self.inbox.put((verifier, tree, (fut, finish, here)))
+        self.inbox.put((verifier, tree, (fut, finish, (here.get_loop(), functools.partial(_settle_future, here)))))
         return fut, here
+
+    def submit_to(
+        self,
+        verifier: SequenceVerifier,
+        tree: DraftTree,
+        finish: Callable[[tuple], Any] | None,
+        loop: asyncio.AbstractEventLoop,
+        answer: Callable[[Any], None],
+    ) -> Future:
+        """`submit` for a caller on `loop` that is no coroutine (a round taken from its frame): `answer(outcome)`
+        runs on that loop with the rest of the step's, the outcome being `finish`'s result or the exception
+        raised. A round cancelled before its step (through the returned Future) is never answered."""
+        fut: Future = Future()
+        self.inbox.put((verifier, tree, (fut, finish, (loop, answer))))
+        return fut
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -189,10 +205,10 @@ def _taken(item) -> bool:
 
 
 def _finish(step: list) -> None:
-    """A step's rounds, finished and answered in order (their futures' results or errors); the asyncio Futures of
-    each event loop settled in one call on it."""
+    """A step's rounds, finished and answered in order (their futures' results or errors); the outcomes for each
+    event loop delivered in one call on it."""
     settle: dict[asyncio.AbstractEventLoop, list] = {}
-    for (fut, finish, here), result in step:
+    for (fut, finish, on_loop), result in step:
         if not isinstance(result, Exception):
             try:
                 result = result if finish is None else finish(result)
@@ -202,21 +218,27 @@ def _finish(step: list) -> None:
             fut.set_exception(result)
         else:
             fut.set_result(result)
-        if here is not None:
-            settle.setdefault(here.get_loop(), []).append((here, result))
+        if on_loop is not None:
+            loop, deliver = on_loop
+            settle.setdefault(loop, []).append((deliver, result))
     for loop, outcomes in settle.items():
         try:
-            loop.call_soon_threadsafe(_settle, outcomes)
+            loop.call_soon_threadsafe(_deliver, outcomes)
         except RuntimeError:  # the loop has closed: nobody is waiting any more
             pass
 
 
-def _settle(outcomes: list[tuple[asyncio.Future, Any]]) -> None:
-    """On the loop: each asyncio Future's outcome (an exception is raised to its awaiter), unless it was cancelled."""
-    for here, result in outcomes:
-        if here.cancelled():
-            continue
-        if isinstance(result, Exception):
-            here.set_exception(result)
-        else:
-            here.set_result(result)
+def _deliver(outcomes: list[tuple[Callable[[Any], None], Any]]) -> None:
+    """On the loop: each round's outcome to whoever waits for it there."""
+    for deliver, result in outcomes:
+        deliver(result)
+
+
+def _settle_future(here: asyncio.Future, result: Any) -> None:
+    """An asyncio Future's outcome (an exception is raised to its awaiter), unless it was cancelled."""
+    if here.cancelled():
+        return
+    if isinstance(result, Exception):
+        here.set_exception(result)
+    else:
+        here.set_result(result)

@@ -41,6 +41,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tether.server.auth import CALLER, PEER
+from tether.server.call_inbox import CALL_INBOX, CallInbox
 from tether.server.frontend_wire import (
     MAX_FRAME,
     METHODS,
@@ -83,34 +84,47 @@ class CallContext:
 
 
 class EngineCall:
-    """One client call, run here on the service's handler."""
+    """One client call, run here on the service's handler (its requests read through a CallInbox)."""
 
     def __init__(self, conn: FrontendConnection, call_id: int, method: str, caller: str, peer: str = ""):
         self.conn, self.id, self.method, self.caller, self.peer = conn, call_id, method, caller, peer
-        self.requests: asyncio.Queue = asyncio.Queue()  # request bytes, then None after the last
+        self.inbox = CallInbox(self)
         self.reply_credit = Credit()
-        self.consumed = Consumed()
+        self.requests_taken = Consumed()
         self.task: asyncio.Task | None = None
 
     async def _one(self, cls):
-        payload = await self.requests.get()
+        payload = await self.inbox.next()
         if payload is None:
             raise Aborted(grpc.StatusCode.INTERNAL, "the call ended before its request", ())
         return _parse(cls, payload)
 
     async def _stream(self, cls):
-        while (payload := await self.requests.get()) is not None:
-            n = self.consumed.one()
-            if n:
-                self.conn.outbox.send(self.id, Kind.CREDIT, credit(n))
+        while (payload := await self.inbox.next()) is not None:
             yield _parse(cls, payload)
 
     async def _reply(self, message) -> None:
         await self.reply_credit.take()
+        self._send(message)
+
+    def _send(self, message) -> None:
         if isinstance(message, VerdictFrame):  # a round's reply: the front end encodes its delta
             self.conn.outbox.send(self.id, Kind.VERDICT, message.payload)
         else:
             self.conn.outbox.send(self.id, Kind.REPLY, message.SerializeToString())
+
+    # ---- what its CallInbox needs (tether.server.call_inbox.InboxCall) ----
+
+    def has_reply_credit(self) -> bool:
+        return self.reply_credit.n > 0
+
+    def send_reply(self, message) -> None:
+        self.reply_credit.n -= 1
+        self._send(message)
+
+    def consumed(self) -> None:
+        if n := self.requests_taken.one():
+            self.conn.outbox.send(self.id, Kind.CREDIT, credit(n))
 
     async def run(self, service: Servable) -> None:
         send = self.conn.outbox.send
@@ -118,6 +132,7 @@ class EngineCall:
             CALLER.set(self.caller)
             PEER.set(self.peer)
             VERDICT_FRAMES.set(True)
+            CALL_INBOX.set(self.inbox)
             if self.method not in METHODS:
                 raise Aborted(grpc.StatusCode.UNIMPLEMENTED, f"no method {self.method}", ())
             cls, m = MESSAGES[self.method]
@@ -199,9 +214,9 @@ class FrontendConnection(asyncio.Protocol):
         if call is None:
             return  # a frame for a call that has ended here (they cross)
         if kind == Kind.REQUEST:
-            call.requests.put_nowait(payload)
+            call.inbox.offer(payload)
         elif kind == Kind.HALF_CLOSE:
-            call.requests.put_nowait(None)
+            call.inbox.offer(None)
         elif kind == Kind.CANCEL:
             call.task.cancel()
         elif kind == Kind.CREDIT:

@@ -19,6 +19,8 @@ Contract (`ModelWork(threads, max_per_caller)`, one per service; everything but 
   `set_running_or_notify_cancel`), so its claim on a session is released at once (a session that claim created,
   never answered, is retired with its KV: tether.server.sessions.Claim). Work already running keeps the session
   claimed until it ends; a stoppable one ends at its next check.
+- A caller that is no coroutine (a round taken from its frame) uses `track(work)` for what `wait` does on the
+  way in, and `drop(work, claim)` for what it does when its caller goes away.
 - `stop_work()` waits for everything handed over (the server is stopping); `close()` ends the threads.
 
     work = ModelWork(threads=2, max_per_caller=128)
@@ -92,7 +94,7 @@ class ModelWork:
         self, work: concurrent.futures.Future, claim: Claim | None = None, here: asyncio.Future | None = None
     ) -> Any:
         """The result of `work` (from `here`, its outcome on this loop, when the batcher gave one)."""
-        self._track(work)
+        self.track(work)
         # A wrapped Future is shielded (cancelling it would cancel `work` from the loop's side, after the fact);
         # `here` is this call's own: cancelling it only tells the batcher nobody waits for it any more.
         result = asyncio.wrap_future(work) if here is None else here
@@ -100,10 +102,15 @@ class ModelWork:
             return await (asyncio.shield(result) if here is None else here)
         except asyncio.CancelledError:
             result.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now: no warning
-            self._caller_gone(work)
-            if claim is not None:
-                claim.hand_over(work)  # released at once if the work never started, else when it ends
+            self.drop(work, claim)
             raise
+
+    def drop(self, work: concurrent.futures.Future, claim: Claim | None = None) -> None:
+        """Its caller has gone: `work` never starts if it has not (a stoppable job is told to stop), and `claim` is
+        released at once if it never started, else when it ends."""
+        self._caller_gone(work)
+        if claim is not None:
+            claim.hand_over(work)
 
     def _caller_gone(self, work: concurrent.futures.Future) -> None:
         """Drop `work` if it has not started; tell it to stop if it is stoppable and has."""
@@ -119,7 +126,8 @@ class ModelWork:
         with self._lock:
             return sum(gone.is_set() for gone in self._gone.values())
 
-    def _track(self, work: concurrent.futures.Future) -> None:
+    def track(self, work: concurrent.futures.Future) -> None:
+        """Count `work` handed over until it ends (stop_work waits for it); `wait` does this itself."""
         with self._lock:
             self._inflight.add(work)
         work.add_done_callback(self._untrack)

@@ -54,18 +54,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from tether.server.auth import CALLER
+from tether.server.call_inbox import CALL_INBOX
 from tether.server.engine_core import PROTOCOL_VERSION, Engine
 from tether.server.errors import Reason, RequestError, inline, status_metadata
-from tether.server.frontend_wire import VERDICT_FRAMES, VerdictFrame, verdict_frame, verdict_message
 from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import PoolExhausted
 from tether.server.logprob_wire import taken_logprobs, wire_logprobs
@@ -73,10 +71,8 @@ from tether.server.plain_decoding import POOL_RETRY_S
 from tether.server.resync import resync
 from tether.server.serve_config import ServiceConfig
 from tether.server.sessions import Session
+from tether.server.stream_rounds import StreamRounds
 from tether.server.validation import invalid, pick_codec, requested_logprobs
-from tether.server.verifier import SequenceVerifier
-from tether.shared.codecs import Codec, CodecError, bf16_bits
-from tether.shared.drafter_config import ArrayDelta
 from tether.shared.ids import is_session_id
 from tether.shared.weights import MAX_CHUNK, iter_chunks
 from tether.v1 import tether_pb2 as pb
@@ -177,10 +173,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
 
     async def Session(self, request_iterator, context) -> AsyncIterator[pb.ServerMessage]:
         caller = CALLER.get()
-        session: Session | None = None
-        epoch = 0  # the session's resync count when this stream opened or attached it
         messages = aiter(request_iterator)
         watch = IdleWatch(self.engine.config.stream_idle_s)  # one timer per stream, not per message
+        rounds = StreamRounds(self.engine, self._refused, watch)
+        inbox = CALL_INBOX.get()  # a front end's call: its rounds may start straight from their frames
         unanswered: Session | None = None  # opened here, its Opened not yet handed to gRPC
         try:
             while True:
@@ -196,24 +192,25 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                     e = RequestError(
                         Reason.REASON_STREAM_IDLE, f"the stream sent nothing for {watch.idle_s:g} s; reconnect"
                     )
-                    await self._abort(context, e, "session", session.id if session else "")
+                    await self._abort(context, e, "session", rounds.session.id if rounds.session else "")
                 kind = message.WhichOneof("body")
                 round_no = message.round.round if kind == "round" else 0
+                session = rounds.session
                 try:
                     if kind == "open":
                         if session is not None:
                             raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
                         session, replies = await self._open(message.open, caller)
-                        epoch, unanswered = session.resyncs, session
+                        rounds.bind(session)
+                        unanswered = session
                     elif kind == "attach":
                         if session is not None:
                             raise RequestError(Reason.REASON_OUT_OF_ORDER, "this stream already has a session")
-                        session, epoch, reply = await self._attach(message.attach, caller)
+                        session, reply = await self._attach(message.attach, caller)
+                        rounds.bind(session)
                         replies = [reply]
                     elif kind == "round":
-                        if session is None:
-                            raise RequestError(Reason.REASON_OUT_OF_ORDER, "open or attach a session before rounds")
-                        replies = [await self._round(session, message.round, epoch)]
+                        replies = [await rounds.run(message.round)]
                     else:
                         raise invalid("empty client message")
                 except RequestError as e:
@@ -227,7 +224,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 for reply in replies:
                     yield reply
                 unanswered = None
+                if inbox is not None and rounds.session is not None:
+                    inbox.take_rounds(rounds.take)
         finally:
+            rounds.close()
             watch.close()
             if unanswered is not None:  # the call ended inside the yield: its client never learnt the session's id
                 self.engine.table.abandon(unanswered)
@@ -279,9 +279,9 @@ class TetherService(tether_pb2_grpc.TetherServicer):
             opened.first_logprob.CopyFrom(reported[0])
         return session, [pb.ServerMessage(opened=opened)] + [pb.ServerMessage(delta=p) for p in parts[1:]]
 
-    async def _attach(self, req: pb.AttachSession, caller: str) -> tuple[Session, int, pb.ServerMessage]:
+    async def _attach(self, req: pb.AttachSession, caller: str) -> tuple[Session, pb.ServerMessage]:
         """A new stream takes over a held session (after a reconnect): rounds continue where it stands. Returns the
-        session, its resync count (the stream's epoch) and the reply."""
+        session and the reply."""
         self.engine.need_drafter()
         session = self.engine.owned(req.session_id, caller)
         self.engine.check_resume_token(session, req.resume_token)
@@ -292,102 +292,7 @@ class TetherService(tether_pb2_grpc.TetherServicer):
                 root=session.root,
                 last_round=session.last_round,
             )
-            epoch = session.resyncs
-        return session, epoch, pb.ServerMessage(attached=attached)
-
-    async def _round(self, session: Session, req: pb.DraftRound, epoch: int) -> pb.ServerMessage:
-        c = self.engine.config
-        claim = await self.engine.table.claim(session)
-        async with claim as s:
-            if epoch != s.resyncs:
-                # Round numbers restart after a resync: a late round from a stream attached before it must not be
-                # taken (or recorded) as the new numbering's round.
-                raise RequestError(Reason.REASON_OUT_OF_ORDER, "the session was resynced since this stream attached")
-            if req.round == s.last_round and s.last_reply is not None:
-                return self._again(s.last_reply)  # a round sent again after a reconnect: same answer, no second run
-            stands = (s.last_round + 1, s.root, s.verifier.length)
-            if req.after_length and (req.round, req.root, req.after_length) != stands:
-                # Sent before the verdict of the round before it, on a guess of that verdict which did not hold.
-                raise RequestError(
-                    Reason.REASON_STALE_ROUND,
-                    f"round {req.round} assumed {req.after_length} verified positions and root "
-                    f"{req.root}; the session stands at {s.verifier.length}, root {s.root}",
-                )
-            if req.round != s.last_round + 1:
-                raise RequestError(
-                    Reason.REASON_OUT_OF_ORDER, f"round {req.round} out of order: expected {s.last_round + 1}"
-                )
-            if req.root != s.root:
-                raise RequestError(
-                    Reason.REASON_OUT_OF_ORDER, f"round root {req.root} is not the last decided token {s.root}"
-                )
-            tree = self.engine.check.draft_tree(req, c.max_draft_tokens)
-            if len(tree) > s.verifier.room:
-                raise RequestError(
-                    Reason.REASON_SESSION_FULL, f"{len(tree)} tokens do not fit the {s.verifier.room} positions left"
-                )
-            t0 = time.perf_counter()
-            try:
-                # The reply is made on the batcher's thread, straight after the step; a front end carrying the call
-                # encodes its delta (VERDICT_FRAMES), which takes that work off the engine.
-                framed = VERDICT_FRAMES.get() and s.verifier.logprobs is None
-                finish = functools.partial(
-                    self._verdict_frame if framed else self._verdict_reply,
-                    req.round,
-                    s.codec,
-                    bool(req.parents),
-                    s.verifier,
-                )
-                work, here = self.engine.batcher.submit_here(s.verifier, tree, finish)
-                verdict, message = await self.engine.work.wait(work, claim, here)
-            except ValueError as e:
-                raise invalid(str(e)) from None
-            except PoolExhausted:
-                raise RequestError(
-                    Reason.REASON_CAPACITY, "the KV pool is full; try again shortly", retry_after_s=POOL_RETRY_S
-                ) from None
-            self.engine.metrics.rounds.round(len(tree) - 1, verdict.accepted, time.perf_counter() - t0)
-            s.root, s.last_round, s.last_reply = verdict.bonus, req.round, message
-            return message
-
-    def _verdict_reply(
-        self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier, result: tuple
-    ) -> tuple:
-        """(verdict, its ServerMessage) from a round's (verdict, delta). A tree round's reply names the accepted
-        nodes (`path`, the root left out); a chain round's is what it has always been. With logprobs asked, the
-        round's emitted tokens' entries go with it."""
-        verdict, delta = result
-        try:
-            payload = self.engine.encode_delta(delta, codec)
-        except CodecError as e:  # the session's codec was checked at open: this is the server's fault, not the call's
-            raise RuntimeError(f"encoding a round's delta failed: {e}") from e
-        v = pb.Verdict(
-            round=round_no,
-            accepted=verdict.accepted,
-            bonus=verdict.bonus,
-            delta=payload,
-            path=verdict.path[1:] if tree_round else (),
-            logprobs=taken_logprobs(verifier, verdict.accepted + 1),
-        )
-        return verdict, pb.ServerMessage(verdict=v)
-
-    def _again(self, reply: pb.ServerMessage | VerdictFrame) -> pb.ServerMessage | VerdictFrame:
-        """The recorded reply for a stream of this call's kind: a VERDICT frame recorded through a front end is
-        answered in process as the message that front end made of it (a front end takes either)."""
-        if isinstance(reply, VerdictFrame) and not VERDICT_FRAMES.get():
-            return pb.ServerMessage.FromString(verdict_message(reply.payload)[0])
-        return reply
-
-    def _verdict_frame(
-        self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier, result: tuple
-    ) -> tuple:
-        """_verdict_reply's reply as a VERDICT frame for the front end carrying the call, which encodes its delta
-        (torch tensors first become the bfloat16 bits encode_delta would send)."""
-        verdict, delta = result
-        if not isinstance(delta, ArrayDelta):
-            delta = ArrayDelta(delta.start, delta.tokens, {k: bf16_bits(t) for k, t in delta.tensors.items()})
-        path = verdict.path[1:] if tree_round else ()
-        return verdict, verdict_frame(round_no, verdict.accepted, verdict.bonus, path, delta, codec)
+        return session, pb.ServerMessage(attached=attached)
 
     # ---- Resync and Generate --------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from tether.server.errors import Reason, RequestError
 from tether.server.frontend_wire import VerdictFrame
 from tether.server.kv_pool import KVPool, PagedCache
+from tether.server.session_lock import SessionLock
 from tether.server.verifier import SequenceVerifier
 from tether.shared.codecs import Codec
 from tether.shared.ids import new_session_id
@@ -75,7 +76,7 @@ class Session:
     last_used: float = 0.0  # the table's clock; for leases and least-recently-used eviction
     busy: int = 0  # claims in progress (guarded by the table's lock)
     evicted: bool = False  # its KV was given back (guarded by the table's lock)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises this session's handlers
+    lock: SessionLock = field(default_factory=SessionLock)  # serialises this session's handlers
 
 
 class Claim:
@@ -162,6 +163,14 @@ class SessionTable:
     async def claim(self, session: Session) -> Claim:
         """Wait for the session's other handlers, then hold it. REASON_SESSION_EVICTED if its KV was given back."""
         await session.lock.acquire()
+        return self._held(session)
+
+    def try_claim(self, session: Session) -> Claim | None:
+        """`claim` without waiting, for a caller that is no coroutine (a round taken from its frame): None when
+        another handler holds the session or waits for it. REASON_SESSION_EVICTED as `claim`."""
+        return self._held(session) if session.lock.try_acquire() else None
+
+    def _held(self, session: Session) -> Claim:
         with self._lock:
             if session.evicted:
                 session.lock.release()

@@ -158,9 +158,9 @@ def test_rounds_submitted_from_a_loop_are_settled_there_a_step_at_a_time(monkeyp
 
     monkeypatch.setattr(batcher_module, "verify_batch", fake_verify_batch)
     calls = []
-    real_settle = batcher_module._settle
+    real_deliver = batcher_module._deliver
     monkeypatch.setattr(
-        batcher_module, "_settle", lambda outcomes: (calls.append(len(outcomes)), real_settle(outcomes))
+        batcher_module, "_deliver", lambda outcomes: (calls.append(len(outcomes)), real_deliver(outcomes))
     )
 
     def finish(result):
