@@ -233,9 +233,7 @@ class Engine:
         followers, stop_ranks, extra = [], None, {}
         if cfg.tp > 1:
             kind = "cuda" if device.startswith("cuda") else "cpu"
-            followers, port = start_followers(
-                cfg.tp, cfg.model, kind, cfg.dtype, config.kv_pool_bytes, cfg.kv_block_size, cfg.attention
-            )
+            followers, port = start_followers(cfg, kind, config.kv_pool_bytes, cfg.kv_block_size)
             cmd_group = join_rank0(cfg.tp, port, kind)
             device = "cuda:0" if kind == "cuda" else "cpu"
         target, tokenizer, drafter, model_fp = load_models(cfg, device)

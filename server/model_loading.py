@@ -105,9 +105,14 @@ class ModelChoice(Protocol):
     def tp(self) -> int: ...  # tensor-parallel ranks: a shard is not fused here
 
 
+def load_target(cfg: ModelChoice, device: str) -> tuple[Transformer, Tokenizer]:
+    """The target and its tokenizer as `cfg` chooses them: what rank 0 and every tensor-parallel follower load."""
+    return load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
+
+
 def load_models(cfg: ModelChoice, device: str):
     t0 = time.perf_counter()
-    target, tokenizer = load(cfg.model, device, cfg.dtype, cfg.attention, fused=None if cfg.tp == 1 else False)
+    target, tokenizer = load_target(cfg, device)
     model_fp = fingerprint(cfg.model)
     drafter = None
     if cfg.drafter != "none":

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from tether.server.kv_pool import KVPool, PagedCache, PagedKernelView, SlotView
+from tether.server.model_loading import ModelChoice, load_target
 from tether.server.step import Bucket, StepBatch, StepConfig, StepOutput, StepRunner
 from tether.server.tp import apply_tp, disable_multicast, free_port, gather_heads, init_distributed
 from tether.shared.config import ModelConfig
@@ -286,24 +287,20 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _follower_main(
-    rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, budget: int, block: int, attention: str
-) -> None:
+def _follower_main(rank: int, port: int, cfg: ModelChoice, device: str, budget: int, block: int) -> None:
     # Rank 0 decides when to stop (a terminal's Ctrl-C reaches the whole process group); if rank 0 dies without
     # saying so, a follower must not linger holding a GPU.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    world = cfg.tp
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_distributed("nccl" if device == "cuda" else "gloo")
     cmd_group = dist.new_group(backend="gloo")
-    from tether.server.model_loading import load
-
-    dev = f"cuda:{rank}" if device == "cuda" else "cpu"
-    model, _ = load(model_dir, dev, dtype, attention, fused=False)
+    model, _ = load_target(cfg, f"cuda:{rank}" if device == "cuda" else "cpu")
     shard(model, rank, world)
     torch.set_grad_enabled(False)
     pool = KVPool.for_budget(model.cfg, budget, block, device=model.device, dtype=model.embed_tokens.weight.dtype)
@@ -313,16 +310,15 @@ def _follower_main(
         dist.destroy_process_group()
 
 
-def start_followers(
-    world: int, model_dir: str, device: str, dtype: str, budget: int, block: int, attention: str = "auto"
-) -> tuple[list, int]:
-    """Start ranks 1..world-1 as fresh processes (the same model, dtype and attention backend as rank 0); returns
-    them and the rendezvous port rank 0 must use."""
+def start_followers(cfg: ModelChoice, device: str, budget: int, block: int) -> tuple[list, int]:
+    """Start ranks 1..cfg.tp-1 as fresh processes, each loading its target from the same config as rank 0
+    (tether.server.model_loading.load_target) on `device` ("cuda": one GPU a rank, or "cpu"), with a KV pool of
+    `budget` bytes in blocks of `block` tokens; returns them and the rendezvous port rank 0 must use."""
     disable_multicast()
     port = free_port()
     ctx = mp.get_context("spawn")
-    args = (world, port, model_dir, device, dtype, budget, block, attention)
-    procs = [ctx.Process(target=_follower_main, args=(r, *args), daemon=True) for r in range(1, world)]
+    args = (port, cfg, device, budget, block)
+    procs = [ctx.Process(target=_follower_main, args=(r, *args), daemon=True) for r in range(1, cfg.tp)]
     for p in procs:
         p.start()
     return procs, port
