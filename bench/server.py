@@ -30,7 +30,9 @@ latency includes it) and before each Generate stream opens (no netsim: hundreds 
 `--duration S` times a window of S seconds instead of a number of rounds / tokens: Session clients send rounds
 until it ends (a round's tokens count when its verdict arrives in it; a random-draft session that has sent its
 --warmup-rounds + --rounds opens a new one), Generate clients open streams one after another and count the tokens
-received in it; rates are over S; rows list every client's tokens/s. `--rate R`
+received in it; rates are over S, a Generate client's from its first token (a Session client opens and warms up
+before the window, so its first open and prefill are not counted: neither are a stream client's); rows list every
+client's tokens/s. `--rate R`
 paces each Session client to R tokens/s: a round goes when the tokens gained so far are due at R (behind its
 budget, a client catches up back to back); with --duration, rows count the clients that got 0.95 R or more
 (bench/capacity.py searches the client count a server sustains this way).
@@ -238,8 +240,8 @@ def measure(args: argparse.Namespace, address: str, n: int, probe: ServerProbe) 
     if args.mode == "generate":
         streams = [s for o in outs for s in o["streams"]]
         tokens = sum(s["tokens"] for s in streams)
-        if args.duration > 0:  # per client: its streams one after another over the window
-            rates = sorted(s["tokens"] / window for s in streams)
+        if args.duration > 0:  # per client: its streams one after another over its window (from its first token)
+            rates = sorted(s["window_tokens"] / s["window_s"] if s["window_s"] > 0 else 0.0 for s in streams)
             ttft = [t for s in streams for t in s["ttft_s"]]
             gaps = [g for s in streams for g in s["gaps_s"]]
             row |= {"streams": sum(s["streams"] for s in streams), "client_tokens_per_s": rates,

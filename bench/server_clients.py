@@ -252,8 +252,11 @@ async def generate_stream(stub, args: argparse.Namespace, prompt: list[int], fp:
 
 async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until: float) -> dict:
     """Generate streams of --tokens, one after another, until `until`: the tokens received by then, the gaps
-    between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt."""
-    out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0}
+    between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt.
+    The client's own window (`window_s`, `window_tokens`) starts at its first token: a Session client opens and
+    warms up before the window, so the first stream's open and prefill are not counted against this one either
+    (every later stream's are)."""
+    out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0, "window_s": 0.0, "window_tokens": 0}
     while time.perf_counter() < until:
         if rtt_s := args.rtt_ms / 1e3:  # the open's way out and the first chunk's back
             await asyncio.sleep(rtt_s)
@@ -268,6 +271,10 @@ async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until
                     break
                 t = time.perf_counter()
                 out["tokens"] += len(msg.tokens)
+                if out["window_s"]:
+                    out["window_tokens"] += len(msg.tokens)
+                else:
+                    out["window_s"] = until - t
                 (out["gaps_s"] if last > t0 else out["ttft_s"]).append(t - last)
                 last = t
         except TimeoutError:
