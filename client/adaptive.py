@@ -32,16 +32,20 @@ chosen: a chunk of the stream, or a round's verdict.
   follows the target's law: each restarted stream draws from a seed of its own (tether.client.seeds.stream_seed).
   Streaming is not offered under presence or frequency penalties: a stream restarted over the text would count the
   tokens generated before it as prompt (ClientConfig.check refuses --mode stream with them).
-- `choose()` is the seam tests replace to force switches on events (after N tokens, mid-call); `end_stream()`
-  cancels a Generate call still running (the generation ends), `new_turn()` lifts a bar for the next one.
+- `choose()` is the seam tests replace to force switches on events (after N tokens, mid-call), and `clock` the one
+  they replace to give the modes rates of their choosing (the meter's timestamps, time.monotonic by default), so
+  the session's own choice runs on figures that events, not the machine's speed, decide; `end_stream()` cancels a
+  Generate call still running (the generation ends), `new_turn()` lifts a bar for the next one.
 
 Tests: tests/client/test_mode_choice.py (the rule), tests/e2e/test_adaptive_modes.py (the same greedy text for
-hybrid, stream and forced switches; a link cut or stalled mid-stream and mid-catch-up; a refused stream).
+hybrid, stream and forced switches; a link cut or stalled mid-stream and mid-catch-up; a refused stream; auto
+probing a stream it predicted slower, and keeping it or coming back as measured).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from tether.client.controls import sampling_params
 from tether.client.generation_stream import GenerationStream
@@ -80,6 +84,7 @@ class OnlineModes:
         self.generation: GenerationStream | None = None  # the Generate call while streaming; None: the hybrid
         self._pinged = False  # the link's round trip was asked for (_ping)
         self._switch_bytes = (0, 0)  # the last switch to streaming's bytes (up, down), told with its first chunk
+        self.clock: Callable[[], float] = time.monotonic  # the meter's timestamps (a seam: see the module docstring)
 
     def choose(self) -> str:
         """The mode of the next online step: tether.client.mode_choice over this session's figures."""
@@ -134,7 +139,7 @@ class OnlineModes:
             self._stream_step()
         else:
             self.rounds.step()
-        self.meter.emitted(len(self.text.tokens) - before, time.monotonic())
+        self.meter.emitted(len(self.text.tokens) - before, self.clock())
 
     # ---- streaming -----------------------------------------------------------------------------------------
 

@@ -8,19 +8,36 @@ Contract:
 - `Rate`: a mode's tokens a second, an EWMA of the seconds per token over the intervals between its emissions.
   `restart()` begins a visit: the figure stays (what the mode gave last time) until the visit's first interval
   replaces it, so a mode left is remembered at its last rate.
+  A visit is `judged` once MIN_INTERVALS of its intervals, or JUDGE_TOKENS tokens over them, were measured (a
+  stream the server decodes alone comes in chunks of 16 tokens: one such interval measures 16 steps).
 - `ModeMeter`: what the session measured of both modes: their Rates, the mode now, tokens written in this visit,
-  the link's round trip (the fastest answer to a call that costs the server no model work: `answered`), and the
-  generation length before which streaming is barred (a stream refused or ended early: `bar_stream`).
+  whether this visit is a trial (`trial`: a stream never measured, probed; or the mode left, measured again at the
+  recheck), the link's round trip (the fastest answer to a call that costs the server no model work:
+  `answered`), and the generation length before which streaming is barred (a stream refused or ended early:
+  `bar_stream`).
 - `choose_mode(mode, m, *, wait_s, can_stream)`: the mode for the next step, a pure function of ClientConfig.mode
   and the measured figures (tests/client/test_mode_choice.py drives it with numbers): forced modes are kept,
   "hybrid" wherever streaming is not possible. Under auto the hybrid comes first (the open attaches its session:
   no switch to begin with, and its rounds measure the round time and tau); a mode is judged, and may be left, only
-  after MIN_INTERVALS of its intervals were measured, and left only for one that gives MARGIN more: measured, or
-  for a stream never tried predicted (`predict_stream`); a mode left is measured again once the one now has written
-  `m.recheck` tokens (doubled at each such check, so the checks cost a shrinking share of the text).
-- `predict_stream(wait_s, rtt_s)`: what streaming would give, before it was ever measured: a token a server step,
-  the step being what the hybrid's verdict wait holds beyond the round trip (the server verifies one round of a
-  session a step, and decodes one token of a stream a step: on a GPU both cost about a step's fixed time).
+  once its visit is judged. Then:
+  - a stream never tried is probed (a trial visit) when its prediction (`predict_stream`) is at least PROBE_REACH
+    of the hybrid's rate: the prediction is a floor (see below), so a stream predicted slower may still be faster,
+    and only measuring it tells;
+  - a trial, judged, is kept only if it measured at least as fast as the mode it left (no margin: it was entered
+    to be measured, not because it was measured faster), else that mode is taken back at once;
+  - any other visit is left only for a mode measured MARGIN faster;
+  - a mode left is measured again (a trial) once the one now has written `m.recheck` tokens (doubled at each such
+    check, so the checks cost a shrinking share of the text). A probe measured slower is thus tried again only at
+    the recheck, and flapping is bounded: a switch away from a mode is a probe (once a session), a recheck, the
+    end of a trial, or a mode measured MARGIN faster.
+  A useless probe costs a switch each way (a Generate's prefill of the text, then a catch-up Resync: see
+  docs/ARCHITECTURE.md for their measured cost) and the stream's tokens until it is judged: MIN_INTERVALS chunks
+  on a busy server, one chunk of 16 after the first token on an idle one.
+- `predict_stream(wait_s, rtt_s)`: what streaming would give, before it was ever measured: a token a verify round's
+  server time, being what the hybrid's verdict wait holds beyond the round trip. A floor: a decode step costs at
+  most a verify round of a draft (on a loaded server the two are one batched step and cost the same; on an idle
+  GPU about the same fixed time; on a CPU a decode step costs several times less than a round of a k-token chain
+  or tree, which is why a stream predicted below the hybrid is still probed when within reach).
 
     m = ModeMeter()
     mode = choose_mode("auto", m, wait_s=0.0, can_stream=True)  # "hybrid": nothing measured yet
@@ -35,9 +52,12 @@ from dataclasses import dataclass, field
 MODES = ("auto", "hybrid", "stream")
 STREAM, HYBRID = "stream", "hybrid"
 EWMA_WEIGHT = 0.25  # weight of the newest interval in a Rate
-MIN_INTERVALS = 4  # a mode is judged (and may be left) only after this many of its intervals were measured
-MARGIN = 0.2  # leave a mode only for one measured (or predicted) at least this much faster: a switch costs a
-# catch-up Resync or a server prefill, and two figures within noise of each other must not flap
+MIN_INTERVALS = 4  # a mode is judged (and may be left) only after this many of its intervals were measured ...
+JUDGE_TOKENS = 16  # ... or this many tokens over them (a lone stream's chunk: tether.server.verifier.DECODE_CHUNK)
+MARGIN = 0.2  # leave a mode only for one measured at least this much faster: a switch costs a catch-up Resync or a
+# server prefill, and two figures within noise of each other must not flap
+PROBE_REACH = 0.5  # probe a stream never tried when predicted at least this share of the hybrid's rate (the
+# prediction is a floor: on a CPU a verify round of the default draft costs 3-5 decode steps)
 MIN_STEP_S = 0.0005  # a server step is taken to last at least this long (a verdict wait within noise of the round
 # trip says little more than that the server is fast)
 FIRST_RECHECK = 512  # tokens the mode now writes before the mode left is measured again; doubled at every check
@@ -50,10 +70,11 @@ class Rate:
 
     per_token_s: float = 0.0  # EWMA of the seconds per token of the intervals measured
     intervals: int = 0  # intervals measured in this visit
+    tokens: int = 0  # tokens over them
     total: int = 0  # intervals ever measured
 
     def restart(self) -> None:
-        self.intervals = 0
+        self.intervals = self.tokens = 0
 
     def add(self, tokens: int, seconds: float) -> None:
         """`tokens` were written `seconds` after the emission before them."""
@@ -63,6 +84,7 @@ class Rate:
         first = self.intervals == 0
         self.per_token_s = per if first else self.per_token_s + EWMA_WEIGHT * (per - self.per_token_s)
         self.intervals += 1
+        self.tokens += tokens
         self.total += 1
 
     @property
@@ -76,6 +98,11 @@ class Rate:
     def measured(self) -> bool:
         return self.total > 0
 
+    @property
+    def judged(self) -> bool:
+        """This visit measured enough to be judged: MIN_INTERVALS intervals, or JUDGE_TOKENS tokens over them."""
+        return self.intervals >= MIN_INTERVALS or self.tokens >= JUDGE_TOKENS
+
 
 @dataclass
 class ModeMeter:
@@ -84,6 +111,7 @@ class ModeMeter:
     mode: str = HYBRID  # the mode now: a session opens attached to its Session stream
     rates: dict[str, Rate] = field(default_factory=lambda: {STREAM: Rate(), HYBRID: Rate()})
     visit_tokens: int = 0  # tokens written since the mode now began
+    trial: bool = False  # this visit measures its mode (a probe, a recheck) until its judgement; see choose_mode
     rtt_s: float = 0.0  # the link's round trip: the fastest answer to a call without model work (a ping); 0: none
     recheck: int = FIRST_RECHECK  # visit_tokens after which the mode left is measured again
     stream_barred_until: int = 0  # no stream before the generation holds this many tokens
@@ -91,9 +119,12 @@ class ModeMeter:
 
     def enter(self, mode: str) -> None:
         """A new visit of `mode` begins (a switch, or the link's doing: a resync attaches the hybrid). A visit that
-        lasted until the mode left was due to be measured again makes the next such check come twice as late."""
-        if self.visit_tokens >= self.recheck:
+        lasted until the mode left was due to be measured again makes the next such check come twice as late, and
+        this visit a trial; so is a stream's first visit (a probe: the hybrid is measured from the open)."""
+        rechecked = self.visit_tokens >= self.recheck
+        if rechecked:
             self.recheck *= 2
+        self.trial = rechecked or (mode == STREAM and not self.rates[STREAM].measured)
         self.mode, self.visit_tokens, self._last_at = mode, 0, None
         self.rates[mode].restart()
 
@@ -102,8 +133,11 @@ class ModeMeter:
         clock (what came before it is the switch's cost, not the mode's rate)."""
         if tokens <= 0:
             return
+        rate = self.rates[self.mode]
+        if rate.judged:
+            self.trial = False  # judged and kept: from now on an ordinary visit
         if self._last_at is not None:
-            self.rates[self.mode].add(tokens, at - self._last_at)
+            rate.add(tokens, at - self._last_at)
         self._last_at = at
         self.visit_tokens += tokens
 
@@ -136,12 +170,12 @@ def choose_mode(mode: str, m: ModeMeter, *, wait_s: float, can_stream: bool) -> 
     now = m.mode
     other = HYBRID if now == STREAM else STREAM
     mine, theirs = m.rates[now], m.rates[other]
-    if mine.intervals < MIN_INTERVALS:
-        return now  # not judged yet: what it gives is still unknown, and leaving it costs a switch
-    if not theirs.measured:
-        guess = predict_stream(wait_s, m.rtt_s) if other == STREAM else 0.0  # the hybrid is measured from the open
-    elif m.visit_tokens >= m.recheck:
+    if not mine.judged:
+        return now  # what it gives is still unknown, and leaving it costs a switch
+    if not theirs.measured:  # a stream never tried: the hybrid is measured from the open
+        guess = predict_stream(wait_s, m.rtt_s) if other == STREAM else 0.0
+        return other if guess > 0 and guess >= PROBE_REACH * mine.tokens_per_s else now
+    if m.visit_tokens >= m.recheck:
         return other  # remembered from long ago: measure it again
-    else:
-        guess = theirs.tokens_per_s
-    return other if guess > (1 + MARGIN) * mine.tokens_per_s else now
+    margin = 0.0 if m.trial else MARGIN
+    return other if theirs.tokens_per_s > (1 + margin) * mine.tokens_per_s else now

@@ -1,8 +1,11 @@
 """The online mode's choice (tether.client.mode_choice), a pure function of measured figures, driven with numbers.
 
 - forced modes are kept; nothing streams where streaming is not possible;
-- auto begins with the hybrid (its session is open), judges a mode only after MIN_INTERVALS intervals of it, and
-  leaves it only for one MARGIN faster, measured or (a stream never tried) predicted;
+- auto begins with the hybrid (its session is open), judges a mode only after MIN_INTERVALS intervals of it (or
+  JUDGE_TOKENS tokens over them), and leaves it only for one measured MARGIN faster;
+- a stream never tried is probed when predicted within PROBE_REACH of the hybrid, though below it (the prediction
+  is a floor); the probe, judged, is kept only if measured at least as fast as the hybrid, else the hybrid comes
+  back at once and the stream is not tried again before the recheck; a probe kept is an ordinary visit after;
 - the prediction is a token a server step, the step what the verdict wait holds beyond the round trip: with the
   issue's H200 figures, streaming on an idle server over links of 0 to 150 ms, drafting here on a loaded one;
 - a mode left is measured again once the one now has written `recheck` tokens, which then doubles;
@@ -18,9 +21,11 @@ from tether.client.mode_choice import (
     EWMA_WEIGHT,
     FIRST_RECHECK,
     HYBRID,
+    JUDGE_TOKENS,
     MARGIN,
     MIN_INTERVALS,
     MIN_STEP_S,
+    PROBE_REACH,
     STREAM,
     ModeMeter,
     Rate,
@@ -33,18 +38,41 @@ from tether.client.session_types import ClientConfig
 FIGURES = {"wait_s": 0.0, "can_stream": True}
 
 
-def meter(now: str, rates: dict[str, float], intervals: int = MIN_INTERVALS, visit: int = 32) -> ModeMeter:
-    """A meter in mode `now` after `intervals` intervals of it, each mode at its rate (tokens/s; absent: never)."""
+def meter(
+    now: str, rates: dict[str, float], intervals: int = MIN_INTERVALS, visit: int = 32, tokens: int = 10
+) -> ModeMeter:
+    """A meter in mode `now` after `intervals` intervals of `tokens` tokens of it, each mode at its rate (tokens/s;
+    absent: never), in an ordinary visit (not a trial)."""
     m = ModeMeter()
     for mode, rate in rates.items():
         if mode != now:
             m.enter(mode)
-            m.rates[mode].add(10, 10 / rate)
+            m.rates[mode].add(tokens, tokens / rate)
     m.enter(now)
     for _ in range(intervals if now in rates else 0):
-        m.rates[now].add(10, 10 / rates[now])
-    m.visit_tokens = visit
+        m.rates[now].add(tokens, tokens / rates[now])
+    m.visit_tokens, m.trial = visit, False
     return m
+
+
+class Visits:
+    """A session's emissions on a clock of its own: each visit's tokens `per` an emission at the rate given."""
+
+    def __init__(self):
+        self.m, self.at = ModeMeter(), 0.0
+
+    def visit(self, mode: str, rate: float, emissions: int, per: int = 4) -> ModeMeter:
+        if mode != self.m.mode:
+            self.m.enter(mode)
+        for _ in range(emissions):
+            self.at += per / rate
+            self.m.emitted(per, self.at)
+        return self.m
+
+
+def wait_for(rate: float, rtt_s: float = 0.0) -> float:
+    """The verdict wait that predicts a stream of `rate` tokens/s over a link of `rtt_s`."""
+    return rtt_s + 1 / rate
 
 
 def choose(mode: str, m: ModeMeter, **figures) -> str:
@@ -63,9 +91,12 @@ def test_forced_modes_are_kept_and_nothing_streams_where_it_cannot():
 def test_auto_begins_with_the_hybrid_and_judges_after_enough_intervals():
     fresh = ModeMeter()
     assert choose("auto", fresh, wait_s=0.001) == HYBRID  # its session is open: nothing measured, no switch
-    # A hybrid that a predicted stream would beat many times over is still measured for MIN_INTERVALS intervals.
-    young = meter(HYBRID, {HYBRID: 1.0}, intervals=MIN_INTERVALS - 1)
+    # A hybrid that a predicted stream would beat many times over is still measured for MIN_INTERVALS intervals,
+    # or JUDGE_TOKENS tokens over fewer (a lone stream's chunk of 16 measures 16 steps).
+    young = meter(HYBRID, {HYBRID: 1.0}, intervals=MIN_INTERVALS - 1, tokens=1)
     assert choose("auto", young, wait_s=0.001) == HYBRID
+    assert choose("auto", meter(HYBRID, {HYBRID: 1.0}, intervals=1, tokens=JUDGE_TOKENS - 1), wait_s=0.001) == HYBRID
+    assert choose("auto", meter(HYBRID, {HYBRID: 1.0}, intervals=1, tokens=JUDGE_TOKENS), wait_s=0.001) == STREAM
     assert choose("auto", meter(HYBRID, {HYBRID: 1.0}), wait_s=0.001) == STREAM
     assert choose("auto", meter(HYBRID, {HYBRID: 1.0}), wait_s=0.0) == HYBRID  # no wait measured: no guess
 
@@ -94,6 +125,55 @@ def test_a_stream_never_tried_is_predicted_from_the_verdict_wait_and_the_round_t
     m = meter(HYBRID, {HYBRID: hybrid_rate})
     m.answered(rtt_s)
     assert choose("auto", m, wait_s=rtt_s + step_s) == want
+
+
+def test_a_stream_never_tried_is_probed_when_predicted_within_reach_below_the_margin():
+    """The prediction is a floor (a decode step costs at most a verify round): one predicted slower than the hybrid,
+    but within PROBE_REACH of it, is measured once; one predicted further below is not (a loaded server)."""
+    m = meter(HYBRID, {HYBRID: 100.0})
+    m.answered(0.050)
+    assert choose("auto", m, wait_s=wait_for(90.0, 0.050)) == STREAM  # 0.9x: the old rule (1.2x) never tried it
+    assert choose("auto", m, wait_s=wait_for(100.0 * PROBE_REACH * 1.01, 0.050)) == STREAM
+    assert choose("auto", m, wait_s=wait_for(100.0 * PROBE_REACH * 0.99, 0.050)) == HYBRID
+    assert choose("auto", m, wait_s=wait_for(18.0, 0.050)) == HYBRID  # the loaded server's figures below
+    assert choose("auto", meter(HYBRID, {HYBRID: 100.0}, intervals=1, tokens=1), wait_s=0.011) == HYBRID  # unjudged
+
+
+def test_a_probe_measured_slower_goes_back_and_is_tried_again_only_at_the_recheck():
+    v = Visits()
+    v.visit(HYBRID, 100.0, MIN_INTERVALS + 1)  # the open's first emission starts the clock
+    assert not v.m.trial and choose("auto", v.m, wait_s=wait_for(90.0)) == STREAM  # a probe
+    v.visit(STREAM, 90.0, 1)
+    assert v.m.trial
+    for _ in range(MIN_INTERVALS - 1):
+        v.visit(STREAM, 90.0, 1)
+        assert choose("auto", v.m, wait_s=wait_for(90.0)) == STREAM  # not judged yet
+    v.visit(STREAM, 90.0, 1)
+    # Judged: 0.9x the hybrid. Within MARGIN, where the old rule stayed; a trial measured slower goes back.
+    assert choose("auto", v.m, wait_s=wait_for(90.0)) == HYBRID
+    v.visit(HYBRID, 100.0, 2 * MIN_INTERVALS)
+    assert not v.m.trial
+    for wait_s in (wait_for(90.0), wait_for(110.0), wait_for(1000.0)):  # no prediction counts once measured
+        assert choose("auto", v.m, wait_s=wait_s) == HYBRID
+    v.visit(HYBRID, 100.0, (FIRST_RECHECK - v.m.visit_tokens) // 4)
+    assert choose("auto", v.m, wait_s=wait_for(90.0)) == STREAM  # the recheck
+    v.visit(STREAM, 90.0, MIN_INTERVALS + 1)
+    assert v.m.trial and v.m.recheck == 2 * FIRST_RECHECK
+    assert choose("auto", v.m, wait_s=wait_for(90.0)) == HYBRID  # still slower: back, until the next check
+
+
+def test_a_probe_measured_faster_is_kept_and_then_an_ordinary_visit():
+    v = Visits()
+    v.visit(HYBRID, 100.0, MIN_INTERVALS + 1)
+    assert choose("auto", v.m, wait_s=wait_for(60.0)) == STREAM
+    v.visit(STREAM, 105.0, 2, per=JUDGE_TOKENS)  # a lone stream's chunks: judged on the first interval
+    assert v.m.trial and v.m.rates[STREAM].judged
+    assert choose("auto", v.m, wait_s=wait_for(60.0)) == STREAM  # measured faster (by less than MARGIN): kept
+    v.visit(STREAM, 90.0, 8, per=1)  # kept, it is left only for a hybrid MARGIN faster
+    assert not v.m.trial and v.m.rates[STREAM].tokens_per_s < 100.0
+    assert choose("auto", v.m, wait_s=wait_for(60.0)) == STREAM
+    v.visit(STREAM, 70.0, 16, per=1)
+    assert choose("auto", v.m, wait_s=wait_for(60.0)) == HYBRID
 
 
 def test_the_prediction_is_a_token_a_server_step():

@@ -9,7 +9,10 @@ gRPC, online modes forced and switched on events.
 - the link cut or stalled mid-stream, under rewind: the client writes offline, resyncs the streamed and offline
   tokens (keeping every streamed one) and streams again, ending with plain greedy's text;
 - the link cut inside the catch-up Resync of a switch to the hybrid: an outage like any other, and the same text;
-- a stream the server refuses for load (REASON_CAPACITY): the client drafts here instead, without an outage.
+- a stream the server refuses for load (REASON_CAPACITY): the client drafts here instead, without an outage;
+- auto's own choice on rates given (a virtual clock, the verdict wait pinned): a stream predicted below the hybrid
+  but within reach is probed, kept when it measures faster, left for the hybrid when slower (and not tried again),
+  with plain greedy's text either way.
 
 Faults strike on events (tokens emitted, a Resync call answered), never on the clock; deadlines elsewhere are
 generous, so a busy machine never makes a slow step look like an outage.
@@ -20,7 +23,8 @@ generous, so a busy machine never makes a slow step look like an outage.
 import pytest
 from edge_text import run_text
 
-from tether.client.mode_choice import HYBRID, STREAM
+from tether.client.mode_choice import HYBRID, PROBE_REACH, STREAM, predict_stream
+from tether.client.round_plan import Measured
 from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.netsim.proxy import NetSimThread
 from tether.server.errors import RequestError
@@ -230,3 +234,53 @@ def test_a_stream_refused_for_load_drafts_here_instead(served, busy, cache, mode
     s = result.stats
     assert result.token_ids == served[2] and set(result.tags) == {"verified"}
     assert s.stream_tokens == 0 and s.rounds > 0 and s.outages == 0
+
+
+WAIT_S = 10.0  # the verdict wait the virtual runs pin: the link's real round trip is lost in it
+HYBRID_S = 0.8 * WAIT_S  # the hybrid's seconds a token: a stream is predicted at 0.8x of it, under the margin
+
+
+class PinnedWait(Measured):
+    """The rounds' figures with the verdict wait pinned to WAIT_S (each verdict counted, its wait not taken)."""
+
+    def __init__(self):
+        super().__init__(wait_s=WAIT_S)
+
+    def answered(self, wait_s: float | None, whole: bool) -> None:
+        super().answered(None, whole)
+
+
+class VirtualClock:
+    """The online modes' clock (OnlineModes.clock): each step's tokens advance it by the seconds a token given for
+    the mode the step ended in, so the rates the choice sees are these, however fast the machine runs."""
+
+    def __init__(self, session: EdgeSession, stream_s: float):
+        self.session, self.stream_s = session, stream_s
+        self.now, self.seen = 0.0, 0
+
+    def __call__(self) -> float:
+        streaming = self.session.online.generation is not None
+        tokens, self.seen = len(self.session.tokens) - self.seen, len(self.session.tokens)
+        self.now += tokens * (self.stream_s if streaming else HYBRID_S)
+        return self.now
+
+
+@pytest.mark.parametrize(("stream_s", "kept"), [(0.1 * HYBRID_S, True), (HYBRID_S / 0.9, False)])
+def test_auto_probes_a_stream_predicted_within_reach_and_keeps_it_only_if_faster(served, cache, stream_s, kept):
+    """A stream predicted at 0.8x the hybrid (the old rule never tried it) is probed once the hybrid is judged;
+    measured 10x faster it is kept to the end, measured at 0.9x the hybrid (within the margin) the hybrid comes back
+    at its judgement and the stream is not tried again in the generation."""
+    session = EdgeSession(ClientConfig(server=served[0], max_new_tokens=N_NEW, cache_dir=cache, **PATIENT))
+    try:
+        session.pair()
+        session.rounds.measured = PinnedWait()
+        session.online.clock = VirtualClock(session, stream_s)
+        predicted = predict_stream(WAIT_S, session.online.meter.rtt_s)
+        assert PROBE_REACH < predicted * HYBRID_S < 1.0  # within reach, below the hybrid
+        result = run_text(session, PROMPT)
+    finally:
+        session.close()
+    s = result.stats
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    assert s.stream_tokens > 0 and s.rounds > 0 and s.outages == 0
+    assert s.mode_switches == (1 if kept else 2)  # kept: streaming to the end; else the hybrid back, for good
