@@ -13,7 +13,8 @@ chosen: a chunk of the stream, or a round's verdict.
   verified as they come. The drafter is not fed them: it still holds the verified positions it held, and the
   streamed tokens are caught up lazily, by the next Resync (or fed to it by the first offline step).
 - Under auto the session pings the server once (`_ping`, a GetModelInfo in the background): the link's round trip,
-  which the choice subtracts from the hybrid's verdict wait to predict a stream it has not tried.
+  which the choice subtracts from the hybrid's verdict wait to predict a stream it has not tried, and what the
+  server says a token of a stream takes now (ModelInfo.decode_step_s), which predicts it better where given.
 - Back to the hybrid (`_to_hybrid`, the catch-up): the Generate call is cancelled (chunks not yet taken are dropped:
   the text is what was emitted), and a Resync absorbs every token after the verified length (tether.client.resync,
   `quiet`: no outage is told or counted), which gives the drafter their exact states in its delta and the target's
@@ -97,15 +98,15 @@ class OnlineModes:
 
     def _ping(self) -> None:
         """Time one GetModelInfo on the channel the session already uses: the link's round trip, which the server
-        answers without model work (what a verdict's wait holds beyond it is the server's step). Once a session,
-        in the background: its answer is taken whenever it comes."""
+        answers without model work (what a verdict's wait holds beyond it is the server's step), and what a token
+        of a stream takes there now. Once a session, in the background: its answer is taken whenever it comes."""
         if self._pinged:
             return
         self._pinged, t0 = True, time.monotonic()
 
         def answered(future) -> None:
             if future.exception() is None:
-                self.meter.answered(time.monotonic() - t0)
+                self.meter.answered(time.monotonic() - t0, future.result().decode_step_s)
 
         call = self.link.stub.GetModelInfo.future(
             pb.GetModelInfoRequest(), metadata=self.link.metadata, timeout=self.cfg.connect_timeout_s

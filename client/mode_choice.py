@@ -13,16 +13,17 @@ Contract:
 - `ModeMeter`: what the session measured of both modes: their Rates, the mode now, tokens written in this visit,
   whether this visit is a trial (`trial`: a stream never measured, probed; or the mode left, measured again at the
   recheck), the link's round trip (the fastest answer to a call that costs the server no model work:
-  `answered`), and the generation length before which streaming is barred (a stream refused or ended early:
-  `bar_stream`).
+  `answered`), what the server said a token of a stream takes now (ModelInfo.decode_step_s, with that answer; 0:
+  nothing said: an older server, or one that has not streamed yet), and the generation length before which
+  streaming is barred (a stream refused or ended early: `bar_stream`).
 - `choose_mode(mode, m, *, wait_s, can_stream)`: the mode for the next step, a pure function of ClientConfig.mode
   and the measured figures (tests/client/test_mode_choice.py drives it with numbers): forced modes are kept,
   "hybrid" wherever streaming is not possible. Under auto the hybrid comes first (the open attaches its session:
   no switch to begin with, and its rounds measure the round time and tau); a mode is judged, and may be left, only
   once its visit is judged. Then:
-  - a stream never tried is probed (a trial visit) when its prediction (`predict_stream`) is at least PROBE_REACH
-    of the hybrid's rate: the prediction is a floor (see below), so a stream predicted slower may still be faster,
-    and only measuring it tells;
+  - a stream never tried is probed (a trial visit) when its prediction (`predict_stream`) is within reach of the
+    hybrid's rate: the server's own figure at least 1 / (1 + MARGIN) of it (within noise below it, or above), the
+    floor at least PROBE_REACH of it (a stream predicted so may still be faster: only measuring it tells);
   - a trial, judged, is kept only if it measured at least as fast as the mode it left (no margin: it was entered
     to be measured, not because it was measured faster), else that mode is taken back at once;
   - any other visit is left only for a mode measured MARGIN faster;
@@ -33,11 +34,12 @@ Contract:
   A useless probe costs a switch each way (a Generate's prefill of the text, then a catch-up Resync: see
   docs/ARCHITECTURE.md for their measured cost) and the stream's tokens until it is judged: MIN_INTERVALS chunks
   on a busy server, one chunk of 16 after the first token on an idle one.
-- `predict_stream(wait_s, rtt_s)`: what streaming would give, before it was ever measured: a token a verify round's
-  server time, being what the hybrid's verdict wait holds beyond the round trip. A floor: a decode step costs at
+- `predict_stream(wait_s, rtt_s, step_s)`: what streaming would give, before it was ever measured: a token a
+  `step_s` where the server said what a token of its streams takes now; else a token a verify round's server
+  time, being what the hybrid's verdict wait holds beyond the round trip. That is a floor: a decode step costs at
   most a verify round of a draft (on a loaded server the two are one batched step and cost the same; on an idle
   GPU about the same fixed time; on a CPU a decode step costs several times less than a round of a k-token chain
-  or tree, which is why a stream predicted below the hybrid is still probed when within reach).
+  or tree, which is why a stream predicted below the hybrid is still probed when within PROBE_REACH).
 
     m = ModeMeter()
     mode = choose_mode("auto", m, wait_s=0.0, can_stream=True)  # "hybrid": nothing measured yet
@@ -56,8 +58,8 @@ MIN_INTERVALS = 4  # a mode is judged (and may be left) only after this many of 
 JUDGE_TOKENS = 16  # ... or this many tokens over them (a lone stream's chunk: tether.server.verifier.DECODE_CHUNK)
 MARGIN = 0.2  # leave a mode only for one measured at least this much faster: a switch costs a catch-up Resync or a
 # server prefill, and two figures within noise of each other must not flap
-PROBE_REACH = 0.5  # probe a stream never tried when predicted at least this share of the hybrid's rate (the
-# prediction is a floor: on a CPU a verify round of the default draft costs 3-5 decode steps)
+PROBE_REACH = 0.5  # probe a stream never tried when its floor is at least this share of the hybrid's rate (on a
+# CPU a verify round of the default draft costs about 3-4 decode steps of the toy models, bench/link.py)
 MIN_STEP_S = 0.0005  # a server step is taken to last at least this long (a verdict wait within noise of the round
 # trip says little more than that the server is fast)
 FIRST_RECHECK = 512  # tokens the mode now writes before the mode left is measured again; doubled at every check
@@ -113,6 +115,7 @@ class ModeMeter:
     visit_tokens: int = 0  # tokens written since the mode now began
     trial: bool = False  # this visit measures its mode (a probe, a recheck) until its judgement; see choose_mode
     rtt_s: float = 0.0  # the link's round trip: the fastest answer to a call without model work (a ping); 0: none
+    server_step_s: float = 0.0  # a stream's token on the server now, as it last said (ModelInfo.decode_step_s)
     recheck: int = FIRST_RECHECK  # visit_tokens after which the mode left is measured again
     stream_barred_until: int = 0  # no stream before the generation holds this many tokens
     _last_at: float | None = None  # the last emission of this visit (time.monotonic()); None: none yet
@@ -141,19 +144,24 @@ class ModeMeter:
         self._last_at = at
         self.visit_tokens += tokens
 
-    def answered(self, seconds: float) -> None:
-        """A call was answered `seconds` after it was made."""
+    def answered(self, seconds: float, step_s: float = 0.0) -> None:
+        """A call was answered `seconds` after it was made, saying a token of a stream takes `step_s` (0: nothing)."""
         if seconds > 0:
             self.rtt_s = seconds if self.rtt_s == 0 else min(self.rtt_s, seconds)
+        if step_s > 0:
+            self.server_step_s = step_s
 
     def bar_stream(self, until_tokens: int) -> None:
         self.stream_barred_until = max(self.stream_barred_until, until_tokens)
 
 
-def predict_stream(wait_s: float, rtt_s: float) -> float:
-    """Tokens a second of a stream never measured yet, from the hybrid's verdict wait (`wait_s`: the round trip and
-    the server's step for this client) and the link's round trip (`rtt_s`): a token a server step. 0.0 when no wait
-    was measured (nothing to go by: no switch)."""
+def predict_stream(wait_s: float, rtt_s: float, step_s: float = 0.0) -> float:
+    """Tokens a second of a stream never measured yet: a token a `step_s` (the server's own figure) where it said
+    one; else from the hybrid's verdict wait (`wait_s`: the round trip and the server's step for this client) and
+    the link's round trip (`rtt_s`), a token a server step (a floor). 0.0 when neither was measured (nothing to go
+    by: no switch)."""
+    if step_s > 0:
+        return 1.0 / step_s
     if wait_s <= 0:
         return 0.0
     return 1.0 / max(wait_s - rtt_s, MIN_STEP_S)
@@ -173,8 +181,9 @@ def choose_mode(mode: str, m: ModeMeter, *, wait_s: float, can_stream: bool) -> 
     if not mine.judged:
         return now  # what it gives is still unknown, and leaving it costs a switch
     if not theirs.measured:  # a stream never tried: the hybrid is measured from the open
-        guess = predict_stream(wait_s, m.rtt_s) if other == STREAM else 0.0
-        return other if guess > 0 and guess >= PROBE_REACH * mine.tokens_per_s else now
+        guess = predict_stream(wait_s, m.rtt_s, m.server_step_s) if other == STREAM else 0.0
+        reach = 1 / (1 + MARGIN) if m.server_step_s > 0 else PROBE_REACH  # the server's figure, or a floor
+        return other if guess > 0 and guess >= reach * mine.tokens_per_s else now
     if m.visit_tokens >= m.recheck:
         return other  # remembered from long ago: measure it again
     margin = 0.0 if m.trial else MARGIN

@@ -20,6 +20,8 @@ Contract (`PlainDecoder`, owned by the engine, tether.server.engine_core):
   caller over its share of the model threads' queue.
 - `steps(ver, sampling)`: how one generation gets its tokens (PlainSteps: the target alone); server-side speculation
   (tether.server.server_draft) is this class with steps that draft, everything else the same.
+- `pace` (tether.server.decode_pace.DecodePace): the seconds a token each chunk took (from asking for it to having
+  it), alone and batched; `step_s()` what a new stream's tokens would take now (ModelInfo.decode_step_s).
 - `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
   stream runs to its length) and the request's stop_token_ids. The Generate RPC (tether.server.service) streams
   `decode`'s chunks as GeneratedTokens, with their log-probabilities when asked.
@@ -34,11 +36,13 @@ Its methods run on the engine's event loop; it is given the engine's table, mode
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 import torch
 
 from tether.server.batcher import RoundBatcher
+from tether.server.decode_pace import DecodePace
 from tether.server.errors import Reason, RequestError
 from tether.server.kv_pool import PoolExhausted
 from tether.server.model_work import ModelWork
@@ -118,11 +122,16 @@ class PlainDecoder:
         )
         self.eos_ids = eos_ids  # every end-of-text id of the model
         self.generating = 0  # server-only generations decoding now (event loop only: no lock)
+        self.pace = DecodePace()  # what each chunk's tokens took, alone and batched
         self.server_part: ServerDrafter | None = None  # the drafter part the verifier makes deltas with (none here)
 
     def steps(self, ver: SequenceVerifier, sampling: pb.SamplingParams) -> PlainSteps:
         """How one generation over `ver` gets its tokens: the target alone."""
         return PlainSteps(ver, self.work, self.batcher)
+
+    def step_s(self) -> float:
+        """Seconds a token a stream started now would take (ModelInfo.decode_step_s; 0.0: none measured yet)."""
+        return self.pace.step_s(together=self.generating > 0)
 
     def check_generation(self, prompt: Sequence[int], sampling: pb.SamplingParams) -> list[int]:
         """A server-only generation's prompt and sampling, checked before anything is allocated (Generate and the
@@ -190,7 +199,9 @@ class PlainDecoder:
             yield reported([token])
             left = 0 if token in stop else n - 1
             while left > 0 and ver.room > 0:
-                chunk = await steps.next(token, left, alone=self.generating == 1)
+                alone, t0 = self.generating == 1, time.perf_counter()
+                chunk = await steps.next(token, left, alone=alone)
+                self.pace.decoded(time.perf_counter() - t0, len(chunk), alone=alone)
                 chunk = through_stop(chunk, stop)[:left]  # the tokens decided after a stop token are dropped
                 token, left = chunk[-1], 0 if chunk[-1] in stop else left - len(chunk)
                 yield reported(chunk)

@@ -1,7 +1,8 @@
 """The gRPC service `tether.v1.Tether`: model info, weight streaming, verification sessions, resync, close.
 
 Contract (the messages are in proto/tether/v1/tether.proto):
-- GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs, limits, chat format.
+- GetModelInfo: identities (model, tokenizer and drafter fingerprints), TLI depth, codecs, limits, chat format,
+  and what a token of a Generate stream takes now (decode_step_s: tether.server.decode_pace), filled in per call.
 - FetchWeights: the manifest of the client part (tether.shared.weights), then chunks of at most 1 MiB, from
   any (tensor, offset); REASON_MODEL_MISMATCH when the client expects other weights. As tensors or as ONNX files
   exported on the first request per precision (tether.server.client_export; a failed export: REASON_INTERNAL), or
@@ -122,7 +123,10 @@ class TetherService(tether_pb2_grpc.TetherServicer):
     # ---- unary RPCs -------------------------------------------------------------------------------------
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        return self.engine.model_info
+        info = pb.ModelInfo()
+        info.CopyFrom(self.engine.model_info)
+        info.decode_step_s = self.engine.decoding.step_s()
+        return info
 
     async def FetchWeights(self, request, context) -> AsyncIterator[pb.WeightChunk]:
         try:

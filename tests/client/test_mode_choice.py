@@ -3,8 +3,8 @@
 - forced modes are kept; nothing streams where streaming is not possible;
 - auto begins with the hybrid (its session is open), judges a mode only after MIN_INTERVALS intervals of it (or
   JUDGE_TOKENS tokens over them), and leaves it only for one measured MARGIN faster;
-- a stream never tried is probed when predicted within PROBE_REACH of the hybrid, though below it (the prediction
-  is a floor); the probe, judged, is kept only if measured at least as fast as the hybrid, else the hybrid comes
+- a stream never tried is probed when predicted within reach of the hybrid, though below it: its floor within
+  PROBE_REACH, the server's own figure (ModelInfo.decode_step_s) within the margin; the probe, judged, is kept only if measured at least as fast as the hybrid, else the hybrid comes
   back at once and the stream is not tried again before the recheck; a probe kept is an ordinary visit after;
 - the prediction is a token a server step, the step what the verdict wait holds beyond the round trip: with the
   issue's H200 figures, streaming on an idle server over links of 0 to 150 ms, drafting here on a loaded one;
@@ -176,11 +176,31 @@ def test_a_probe_measured_faster_is_kept_and_then_an_ordinary_visit():
     assert choose("auto", v.m, wait_s=wait_for(60.0)) == HYBRID
 
 
+def test_the_servers_own_figure_predicts_a_stream_and_is_probed_only_within_the_margin():
+    """Where the server says what a token of its streams takes, that is the prediction: a loaded server's stream at
+    0.6x the hybrid is not probed (its floor would have been), one within the margin below it is."""
+    floor = wait_for(60.0, 0.050)  # what the verdict wait alone says: a stream at 0.6x
+    m = meter(HYBRID, {HYBRID: 100.0})
+    m.answered(0.050)
+    assert choose("auto", m, wait_s=floor) == STREAM
+    m.answered(0.060, step_s=1 / 60.0)
+    assert m.server_step_s == pytest.approx(1 / 60.0) and m.rtt_s == 0.050
+    assert choose("auto", m, wait_s=floor) == HYBRID
+    m.answered(0.050, step_s=(1 + MARGIN) / 100.0 * 0.99)  # within the margin below the hybrid
+    assert choose("auto", m, wait_s=floor) == STREAM
+    m.answered(0.050, step_s=1 / 700.0)  # an idle server on a CPU: a decode step a fraction of a verify round
+    assert choose("auto", m, wait_s=wait_for(20.0, 0.050)) == STREAM
+    m.answered(0.050)  # an answer without the figure keeps the last one said
+    assert m.server_step_s == pytest.approx(1 / 700.0)
+
+
 def test_the_prediction_is_a_token_a_server_step():
     assert predict_stream(0.060, 0.010) == pytest.approx(20.0)
     assert predict_stream(0.010, 0.0) == pytest.approx(100.0)  # no round trip measured: the whole wait a step
     assert predict_stream(0.010, 0.012) == pytest.approx(1 / MIN_STEP_S)  # a wait within noise of the round trip
     assert predict_stream(0.0, 0.010) == 0.0
+    assert predict_stream(0.060, 0.010, step_s=0.004) == pytest.approx(250.0)  # the server's own figure first
+    assert predict_stream(0.0, 0.0, step_s=0.004) == pytest.approx(250.0)
 
 
 def test_a_mode_left_is_measured_again_after_recheck_tokens_and_the_next_check_doubles():

@@ -10,9 +10,10 @@ gRPC, online modes forced and switched on events.
   tokens (keeping every streamed one) and streams again, ending with plain greedy's text;
 - the link cut inside the catch-up Resync of a switch to the hybrid: an outage like any other, and the same text;
 - a stream the server refuses for load (REASON_CAPACITY): the client drafts here instead, without an outage;
-- auto's own choice on rates given (a virtual clock, the verdict wait pinned): a stream predicted below the hybrid
-  but within reach is probed, kept when it measures faster, left for the hybrid when slower (and not tried again),
-  with plain greedy's text either way.
+- auto's own choice on rates given (a virtual clock, the verdict wait and the server's decode_step_s pinned): a
+  stream predicted below the hybrid but within reach is probed, kept when it measures faster, left for the hybrid
+  when slower (and not tried again), with plain greedy's text either way; one the server says is well below the
+  hybrid is not probed.
 
 Faults strike on events (tokens emitted, a Resync call answered), never on the clock; deadlines elsewhere are
 generous, so a busy machine never makes a slow step look like an outage.
@@ -265,22 +266,56 @@ class VirtualClock:
         return self.now
 
 
-@pytest.mark.parametrize(("stream_s", "kept"), [(0.1 * HYBRID_S, True), (HYBRID_S / 0.9, False)])
-def test_auto_probes_a_stream_predicted_within_reach_and_keeps_it_only_if_faster(served, cache, stream_s, kept):
-    """A stream predicted at 0.8x the hybrid (the old rule never tried it) is probed once the hybrid is judged;
-    measured 10x faster it is kept to the end, measured at 0.9x the hybrid (within the margin) the hybrid comes back
-    at its judgement and the stream is not tried again in the generation."""
-    session = EdgeSession(ClientConfig(server=served[0], max_new_tokens=N_NEW, cache_dir=cache, **PATIENT))
+@pytest.fixture(scope="module")
+def pinned_pace(start_server):
+    """A server whose GetModelInfo says decode_step_s is what the dict returned holds ("step_s"; 0.0: nothing, as
+    an older server): (address, that dict)."""
+    said = {"step_s": 0.0}
+
+    def edit(service):
+        service.engine.decoding.step_s = lambda: said["step_s"]
+
+    return start_server(edit)[0], said
+
+
+def virtual_run(address: str, cache: str, stream_s: float):
+    """A greedy generation under auto on the rates given (the hybrid's HYBRID_S, the stream's `stream_s` seconds a
+    token of the virtual clock), the verdict wait pinned to WAIT_S."""
+    session = EdgeSession(ClientConfig(server=address, max_new_tokens=N_NEW, cache_dir=cache, **PATIENT))
     try:
         session.pair()
         session.rounds.measured = PinnedWait()
         session.online.clock = VirtualClock(session, stream_s)
-        predicted = predict_stream(WAIT_S, session.online.meter.rtt_s)
-        assert PROBE_REACH < predicted * HYBRID_S < 1.0  # within reach, below the hybrid
-        result = run_text(session, PROMPT)
+        return run_text(session, PROMPT)
     finally:
         session.close()
+
+
+@pytest.mark.parametrize(("stream_s", "kept"), [(0.1 * HYBRID_S, True), (HYBRID_S / 0.9, False)])
+def test_auto_probes_a_stream_predicted_within_reach_and_keeps_it_only_if_faster(
+    served, pinned_pace, cache, stream_s, kept
+):
+    """A stream predicted at 0.8x the hybrid (the old rule never tried it) is probed once the hybrid is judged;
+    measured 10x faster it is kept to the end, measured at 0.9x the hybrid (within the margin) the hybrid comes back
+    at its judgement and the stream is not tried again in the generation."""
+    address, said = pinned_pace
+    said["step_s"] = 0.0  # the server says nothing: the floor predicts
+    assert PROBE_REACH < predict_stream(WAIT_S, 0.0) * HYBRID_S < 1.0  # within reach, below the hybrid
+    result = virtual_run(address, cache, stream_s)
     s = result.stats
     assert result.token_ids == served[2] and set(result.tags) == {"verified"}
     assert s.stream_tokens > 0 and s.rounds > 0 and s.outages == 0
     assert s.mode_switches == (1 if kept else 2)  # kept: streaming to the end; else the hybrid back, for good
+
+
+def test_auto_does_not_probe_a_stream_the_server_says_is_well_below_the_hybrid(served, pinned_pace, cache):
+    """The floor is within reach as above, but the server says a stream's token takes 1 / 0.6 of the hybrid's (a
+    loaded server): no probe, though the stream would have measured faster here."""
+    address, said = pinned_pace
+    said["step_s"] = HYBRID_S / 0.6
+    try:
+        result = virtual_run(address, cache, 0.1 * HYBRID_S)
+    finally:
+        said["step_s"] = 0.0
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    assert result.stats.stream_tokens == 0 and result.stats.mode_switches == 0

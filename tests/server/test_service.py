@@ -12,6 +12,7 @@ from toy_models import toy_model_flags
 
 from tether.client.refusals import Refusal
 from tether.client.weight_cache import WeightCache
+from tether.server.decode_pace import DecodePace
 from tether.server.engine_core import Engine
 from tether.server.rpc_server import make_server
 from tether.server.serve_config import ServiceConfig
@@ -557,6 +558,28 @@ def test_generate_beside_other_streams_decodes_through_the_batcher(served):
     assert (
         count(service.engine.metrics.batch_size.collect()[0].samples) - count(before) == 8
     )  # one round per token after the first
+
+
+def test_model_info_tells_what_a_streams_token_takes_alone_and_beside_others(served):
+    """decode_step_s is answered per call from the streams decoded: nothing before any; a lone stream's figure
+    while none decodes, the batched one while one does."""
+    _, _, service, stub = served
+    plain_decoding = service.engine.plain
+    plain_decoding.pace = DecodePace()  # this module's earlier streams forgotten
+    info = lambda: stub.GetModelInfo(pb.GetModelInfoRequest())  # noqa: E731
+    assert info().decode_step_s == 0.0
+    generate = pb.OpenSession(prompt=[2, 6, 1, 3], max_new_tokens=12, model_fingerprint=FP)
+    assert len([t for msg in stub.Generate(generate) for t in msg.tokens]) == 12
+    alone = plain_decoding.pace.alone_s
+    assert alone > 0 and info().decode_step_s == pytest.approx(alone)
+    plain_decoding.generating += 1  # as if another stream were decoding
+    try:
+        assert len([t for msg in stub.Generate(generate) for t in msg.tokens]) == 12
+        together = plain_decoding.pace.together_s
+        assert together > 0 and info().decode_step_s == pytest.approx(together)
+    finally:
+        plain_decoding.generating -= 1
+    assert info().decode_step_s == pytest.approx(alone)
 
 
 def test_top_k_one_samples_the_argmax_in_sessions_and_generate(served):

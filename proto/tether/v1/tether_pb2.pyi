@@ -87,7 +87,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id", "overlapping_rounds", "eos_ids", "clean_up_tokenization_spaces", "sampling_controls")
+    __slots__ = ("protocol_version", "model_id", "model_config_json", "model_fingerprint", "tokenizer_sha256", "drafter_config_json", "drafter_fingerprint", "tli_layers", "codecs", "max_prompt_tokens", "max_draft_tokens", "max_message_bytes", "client_part_formats", "server_only", "chat_format_json", "max_tree_nodes", "eos_id", "overlapping_rounds", "eos_ids", "clean_up_tokenization_spaces", "sampling_controls", "decode_step_s")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class ModelInfo(_message.Message):
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
     CLEAN_UP_TOKENIZATION_SPACES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     model_config_json: str
@@ -130,7 +131,8 @@ class ModelInfo(_message.Message):
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
     clean_up_tokenization_spaces: bool
     sampling_controls: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ..., overlapping_rounds: _Optional[bool] = ..., eos_ids: _Optional[_Iterable[int]] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., sampling_controls: _Optional[bool] = ...) -> None: ...
+    decode_step_s: float
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., model_config_json: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., drafter_config_json: _Optional[str] = ..., drafter_fingerprint: _Optional[str] = ..., tli_layers: _Optional[int] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., client_part_formats: _Optional[_Iterable[_Union[ClientPartFormat, str]]] = ..., server_only: _Optional[bool] = ..., chat_format_json: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., eos_id: _Optional[int] = ..., overlapping_rounds: _Optional[bool] = ..., eos_ids: _Optional[_Iterable[int]] = ..., clean_up_tokenization_spaces: _Optional[bool] = ..., sampling_controls: _Optional[bool] = ..., decode_step_s: _Optional[float] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "sha256")
