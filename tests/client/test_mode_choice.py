@@ -4,10 +4,12 @@
 - auto begins with the hybrid (its session is open), judges a mode only after MIN_INTERVALS intervals of it (or
   JUDGE_TOKENS tokens over them), and leaves it only for one measured MARGIN faster;
 - a stream never tried is probed when predicted within reach of the hybrid, though below it: its floor within
-  PROBE_REACH, the server's own figure (ModelInfo.decode_step_s) within the margin; the probe, judged, is kept only if measured at least as fast as the hybrid, else the hybrid comes
-  back at once and the stream is not tried again before the recheck; a probe kept is an ordinary visit after;
-- the prediction is a token a server step, the step what the verdict wait holds beyond the round trip: with the
-  issue's H200 figures, streaming on an idle server over links of 0 to 150 ms, drafting here on a loaded one;
+  PROBE_REACH, the server's own figure (ModelInfo.decode_step_s) within the margin; the probe, judged, is kept
+  only if measured at least as fast as the hybrid, else the hybrid comes back at once and the stream is not tried
+  again before the recheck; a probe kept is an ordinary visit after;
+- the prediction is the server's figure where it said one, else a token a server step, the step what the verdict
+  wait holds beyond the round trip: with the issue's H200 figures, streaming on an idle server over links of 0 to
+  150 ms, drafting here on a loaded one;
 - a mode left is measured again once the one now has written `recheck` tokens, which then doubles;
 - Rate and ModeMeter average and count as documented; the stream seeds differ by position and from the drafter's;
   mode stream is refused where a restarted stream would change what penalties count.
