@@ -189,16 +189,18 @@ class ServerOnlyStream:
 class Drops:
     """The demo's two drops, struck on the streams' progress rather than the clock, so that both land mid-generation
     and each ends in a resync on a machine of any speed. The link is cut once both texts hold `cut_at` tokens (or
-    the server-only one has ended) and restored when the hybrid tries to resync having written `offline` tokens
-    alone (it then waits for the link: ClientConfig.max_offline_tokens) and the server-only stream has met the cut
-    (or ended); once `online` more tokens are verified it stalls, and is restored when the hybrid, having noticed
-    the silence (its round timeout), tries to resync.
+    the server-only one has ended), or once the hybrid holds twice that whatever the server-only text holds (on a
+    busy machine the hybrid can run far ahead of it), and restored when the hybrid tries to resync having written
+    `offline` tokens alone (it then waits for the link: ClientConfig.max_offline_tokens) and the server-only stream
+    has met the cut (or ended); once `online` more tokens are verified, and at the latest at `last_stall` tokens (so
+    that more than `offline` are left to write and the hybrid must resync before it ends), it stalls, and is
+    restored when the hybrid, having noticed the silence (its round timeout), tries to resync.
     `finish()` restores a link still down once the hybrid is done, so that the server-only stream can end too."""
 
     def __init__(self, sim: NetSimThread, view: SplitView, session: EdgeSession, cut_at: int, offline: int,
-                 online: int):  # fmt: skip
+                 online: int, last_stall: int):  # fmt: skip
         self.sim, self.view, self.session = sim, view, session
-        self.cut_at, self.offline, self.online = cut_at, offline, online
+        self.cut_at, self.offline, self.online, self.last_stall = cut_at, offline, online, last_stall
         self.lock = threading.Lock()  # both streams' threads strike drops
         self.step = "before the cut"
         self.written = 0  # the hybrid's offline tokens during the cut
@@ -206,7 +208,8 @@ class Drops:
         self.stall_at = 0
 
     def _cut_if_ready(self) -> None:
-        if self.step == "before the cut" and self.server_ready and len(self.session.tokens) >= self.cut_at:
+        n = len(self.session.tokens)
+        if self.step == "before the cut" and n >= self.cut_at and (self.server_ready or n >= 2 * self.cut_at):
             self.view.link_change("cut", self.sim.cut)
             self.step = "cut"
 
@@ -231,7 +234,7 @@ class Drops:
                 self.view.link_change("up", self.sim.restore)
                 self.step = "back"
             elif self.step == "back" and e.kind == "state" and e.state == State.ONLINE:
-                self.stall_at = len(s.tokens) + self.online
+                self.stall_at = min(len(s.tokens) + self.online, self.last_stall)
                 self.step = "before the stall"
             elif self.step == "before the stall" and e.kind == "tokens" and len(s.tokens) >= self.stall_at:
                 self.view.link_change("stalled", self.sim.stall)
@@ -314,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 view = SplitView(session.models.tokenizer, args.prompt, netsim=sim, console=console)
                 view.hybrid.stats = session.stats
                 server_only = ServerOnlyStream(cfg, session.models.tokenizer, view)
-                drops = Drops(sim, view, session, cut_at=fifth, offline=fifth, online=fifth)
+                drops = Drops(sim, view, session, cut_at=fifth, offline=fifth, online=fifth,
+                              last_stall=args.max_new_tokens - fifth - 2)  # fmt: skip
 
                 def on_hybrid(e: Event) -> None:
                     view.hybrid.on_event(e)
