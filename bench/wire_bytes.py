@@ -24,9 +24,11 @@ are of real rounds with the real tokens per round. For each codec (`--codecs`, t
   share of draft tokens before the first difference;
 - entropy: zstd on each grouped codec's packed symbols against the packed bytes, and how far delta coding along
   tokens would shrink each tensor's variance (var(x[t] - x[t-1]) / var(x[t]) on the prompts' contiguous deltas).
-Prints tables, then one JSON line. On a shared CPU run it with OMP_NUM_THREADS=1.
+The models run in float32 on `--device` (default: the CPU); the deltas are recorded and encoded on the CPU, as
+the server sends them. Prints tables, then one JSON line. On a shared CPU run it with OMP_NUM_THREADS=1.
 
     OMP_NUM_THREADS=1 python bench/wire_bytes.py --quality
+    python bench/wire_bytes.py --quality --device cuda --target runs/86m/medium --drafter runs/86m/drafters/moa4
     python bench/wire_bytes.py --n-prompts 4 --new-tokens 32        # sizes only, quick
 
 Tested by tests/server/test_bench_wire_bytes.py.
@@ -81,11 +83,12 @@ class WireDrafter:
         return getattr(self.drafter, name)
 
     def _wire(self, delta: DraftDelta, record: list[Round]) -> tuple[DraftDelta, int]:
-        sent = {k: t.to(torch.bfloat16) for k, t in delta.tensors.items()}
+        sent = {k: t.to("cpu", torch.bfloat16) for k, t in delta.tensors.items()}
         record.append(sent)
         data = encode_many(sent, self.codec)
         got = decode_many(data)
-        return dataclasses.replace(delta, tensors={k: got[k].to(t.dtype) for k, t in delta.tensors.items()}), len(data)
+        tensors = {k: got[k].to(t.device, t.dtype) for k, t in delta.tensors.items()}
+        return dataclasses.replace(delta, tensors=tensors), len(data)
 
     def begin(self, delta: DraftDelta, capacity: int):
         return self.drafter.begin(self._wire(delta, self.prompts)[0], capacity)
@@ -222,7 +225,7 @@ def chains(target, drafter, prompts, references, codec: Codec, k: int, new_token
     hits = np.zeros(offline)
     probe = WireDrafter(drafter, codec)
     for p, ref in zip(prompts, references, strict=True):
-        out = target.run(torch.tensor([p]), hidden_layers=(target.cfg.n_layers,), return_kv=True)
+        out = target.run(torch.tensor([p], device=target.device), hidden_layers=(target.cfg.n_layers,), return_kv=True)
         probe.begin(drafter.server_delta(target_states(out), 0, p), len(p) + offline + 2)
         drafts, _, _ = probe.draft(ref[0], offline)
         hits += np.array(drafts[:offline]) == np.array(ref[1 : offline + 1])
@@ -265,12 +268,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--resync", type=int, nargs="*", default=[16, 64], help="offline tokens per resync measured")
     ap.add_argument("--codecs", nargs="*", default=[c.name for c in Codec], choices=[c.name for c in Codec])
     ap.add_argument("--quality", action="store_true", help="tau and offline agreement through every lossy codec")
+    ap.add_argument("--device", default="cpu", help="where the target and the drafters run (float32)")
     args = ap.parse_args(argv)
     args.offline = min(args.offline, args.new_tokens - 1)  # the reference continuation is what it is checked on
 
     t_start = time.perf_counter()
     codecs = [Codec[name] for name in args.codecs]
-    target = Transformer.from_pretrained(args.target, dtype=torch.float32)
+    target = Transformer.from_pretrained(args.target, device=args.device, dtype=torch.float32)
     drafter = load_drafter(args.drafter, target)
     if drafter.dcfg.kind != "moa":
         raise SystemExit(f"{args.drafter} is a {drafter.dcfg.kind} drafter; this bench measures MoA deltas")
@@ -360,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "bench": "wire_bytes",
         "machine": platform.machine(),
+        "device": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "zstandard": zstandard.__version__,
         "target": str(args.target),
