@@ -9,7 +9,24 @@ PART_BYTES=${PART_BYTES:-16700000}  # four of them and the checksum stay under 6
 prepare_host() {  # $1: the carried corpus, $2: where it goes; makes $WORK, installs, unpacks and checks the corpus
   mkdir -p "$WORK"
   install_tether
-  unpack_corpus "$1" "$2"
+  if [ -d "$WORK/corpus" ]; then  # earlier calls staged part of it: this call's part joins them
+    stage_corpus "$1"
+    unpack_corpus "$WORK/corpus" "$2"
+  else
+    unpack_corpus "$1" "$2"
+  fi
+}
+
+stage_host() {  # a call ahead of `start` when the corpus is too large for one: installs, adds $1's files to the
+  mkdir -p "$WORK"  # staged corpus
+  install_tether
+  stage_corpus "$1"
+}
+
+stage_corpus() {  # $1: a call's carried corpus folder (files at any depth, or absent); its files join $WORK/corpus
+  mkdir -p "$WORK/corpus"
+  if [ -d "$1" ]; then find "$1" -type f -exec cp {} "$WORK/corpus/" \;; fi
+  ls -l "$WORK/corpus"
 }
 
 launch() {  # stdin: the training stages; run in $WORK between stamp() and fail() and `$SCRIPT pack`, in a session
@@ -31,8 +48,9 @@ EOF
   echo "pipeline started in $WORK"
 }
 
-install_tether() {  # tether and zstandard importable by $PY: from .whl's wheels and this checkout, if missing
-  if ! "$PY" -c 'import tether.server.cli, zstandard' 2>/dev/null; then
+install_tether() {  # tether and zstandard importable by $PY: from .whl's wheels and this checkout, if missing (an
+  # earlier call's install, /tmp/site*, counts)
+  if ! PYTHONPATH=/tmp/site-t:/tmp/site "$PY" -c 'import tether.server.cli, zstandard' 2>/dev/null; then
     if [ -d .whl ]; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     fi
@@ -42,9 +60,11 @@ install_tether() {  # tether and zstandard importable by $PY: from .whl's wheels
   "$PY" -c 'import tether.server.cli, zstandard'
 }
 
-unpack_corpus() {  # $1: the carried corpus (tokenizer.json, manifest.json, {train,val}.bin.xz, SHA256SUMS), $2: to
+unpack_corpus() {  # $1: the carried corpus (tokenizer.json, manifest.json, {train,val}.bin.xz, SHA256SUMS), $2: to;
+  # a .bin.xz may come split (`split -d`: train.bin.xz.00, train.bin.xz.01, ...), its pieces joined in name order
+  local s
   mkdir -p "$2" && cp "$1/tokenizer.json" "$2"/
-  for s in train val; do xz -dc -T0 "$1/$s.bin.xz" > "$2/$s.bin"; done
+  for s in train val; do cat "$1/$s.bin.xz"* | xz -dc -T0 > "$2/$s.bin"; done
   cp "$1/manifest.json" "$2"/
   (cd "$2" && sha256sum -c --quiet "$1/SHA256SUMS")
   echo "corpus checked"

@@ -1,10 +1,13 @@
 """deploy/models/{medium,compact}/pipeline.sh, the parts that run without a GPU: shellcheck, and the weights' way back.
 
-`pack` turns the trained runs into xz parts and a checksum, `ship N` hands parts 4N-3..4N to $OUT (`poll` hands
-1-4 once it sees the end), `join` puts them back together from the folders they came back in (in any order) and
+`stage` and `start` take a corpus carried over several calls (split .bin.xz pieces) and check it whole. `pack` turns
+the trained runs into xz parts and a checksum, `ship N` hands parts 4N-3..4N to $OUT (`poll` hands 1-4 once it sees
+the end), `join` puts them back together from the folders they came back in (in any order) and
 unpacks them only if the checksum holds. Training needs the GPU host (a CPU dry run: the script's header).
 """
 
+import hashlib
+import lzma
 import os
 import random
 import shutil
@@ -103,6 +106,67 @@ def test_join_refuses_a_damaged_part(tmp_path: Path, packed):
     run = pipeline("join", str(out), cwd=here)
     assert run.returncode != 0
     assert not (here / "runs/86m/medium").exists()  # nothing unpacked
+
+
+def corpus_files(rng: random.Random) -> dict[str, bytes]:
+    """A corpus folder's files as step 1 of the recipe carries them, and their SHA256SUMS of the unpacked ones."""
+    raw = {"train.bin": rng.randbytes(30_000), "val.bin": rng.randbytes(5_000), "tokenizer.json": b'{"t": 1}',
+           "manifest.json": b'{"m": 2}'}  # fmt: skip
+    sums = "".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n" for name, data in raw.items())
+    files = {name: raw[name] for name in ("tokenizer.json", "manifest.json")} | {"SHA256SUMS": sums.encode()}
+    files |= {f"{s}.bin.xz": lzma.compress(raw[f"{s}.bin"]) for s in ("train", "val")}
+    return files, raw
+
+
+def prepare_host(carried: Path, dest: Path, work: Path) -> subprocess.CompletedProcess:
+    """pipeline_parts.sh's prepare_host, as `start` runs it before training (set -e)."""
+    script = f'set -e; source "{MODELS}/pipeline_parts.sh"; prepare_host "$1" "$2"'
+    return subprocess.run(["bash", "-c", script, "_", str(carried), str(dest)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "WORK": str(work), "PY": sys.executable})  # fmt: skip
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_corpus_staged_over_two_calls_is_joined_and_checked(tmp_path: Path, damaged: bool):
+    """The first call stages its part (`stage`), the second carries the rest to `start`: the train split's xz
+    pieces are joined in order and the whole is checked against SHA256SUMS; a damaged piece stops the start."""
+    files, raw = corpus_files(random.Random(1))
+    train = files.pop("train.bin.xz")
+    pieces = {"train.bin.xz.00": train[:1000], "train.bin.xz.01": train[1000:]}
+    if damaged:
+        data = bytearray(pieces["train.bin.xz.01"])
+        data[500] ^= 1
+        pieces["train.bin.xz.01"] = bytes(data)
+    work = tmp_path / "work"
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    for folder, part in ((first / ".corpus" / "1", files | {"train.bin.xz.00": pieces["train.bin.xz.00"]}),
+                         (second / ".corpus" / "2", {"train.bin.xz.01": pieces["train.bin.xz.01"]})):  # fmt: skip
+        folder.mkdir(parents=True)
+        for name, data in part.items():
+            (folder / name).write_bytes(data)
+    run = pipeline("stage", cwd=first, WORK=str(work), PY=sys.executable)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert not (work / "data").exists()  # staged only
+    dest = work / "data" / "corpus-pkgs"
+    run = prepare_host(second / ".corpus", dest, work)
+    if damaged:
+        assert run.returncode != 0
+        return
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "corpus checked" in run.stdout
+    for name, data in raw.items():
+        assert (dest / name).read_bytes() == data
+
+
+def test_a_corpus_carried_whole_needs_no_stage(tmp_path: Path):
+    files, raw = corpus_files(random.Random(2))
+    carried = tmp_path / ".corpus"
+    carried.mkdir()
+    for name, data in files.items():
+        (carried / name).write_bytes(data)
+    dest = tmp_path / "work" / "data"
+    run = prepare_host(carried, dest, tmp_path / "work")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert all((dest / name).read_bytes() == data for name, data in raw.items())
 
 
 def test_compact_pack_and_join(tmp_path: Path):

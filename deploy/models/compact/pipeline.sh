@@ -34,6 +34,10 @@ FILES_DRAFTER="drafter_config.json drafter.safetensors summary.json history.json
 source "$(dirname "$SCRIPT")/../pipeline_parts.sh"
 
 case "${1:-}" in
+stage)  # a call ahead of `start` carrying part of $CORPUS (README.md, the 86M's step 1: when too large for one call)
+  set -e
+  stage_host "$CORPUS"
+  ;;
 start)
   set -e
   prepare_host "$CORPUS" "$WORK/data/corpus"
@@ -104,7 +108,7 @@ join)
   join_parts runs/compact 0 "$@"
   ;;
 *)
-  echo "usage: $0 start | poll | pack | ship N | join DIR..." >&2
+  echo "usage: $0 stage | start | poll | pack | ship N | join DIR..." >&2
   exit 2
   ;;
 esac
