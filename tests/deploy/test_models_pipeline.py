@@ -91,6 +91,20 @@ def test_pack_ship_join_round_trip(tmp_path: Path, packed):
         assert (here / "runs/86m" / name.removeprefix("runs/")).read_bytes() == data  # runs/86m/medium/...
 
 
+def test_pack_with_the_moa_drafter_alone(tmp_path: Path):
+    """DRAFTERS=moa4 (a lease too short for both drafters): pack takes the target and moa4, and no eagle files."""
+    work = tmp_path / "work"
+    names = [n for n in RUN_FILES if "/eagle/" not in n]
+    for name in names:
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_bytes(name.encode())
+    run = pipeline("pack", cwd=tmp_path, WORK=str(work), DRAFTERS="moa4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    listed = subprocess.run(["tar", "-tJf", str(work / "weights.tar.xz")], capture_output=True, text=True, check=True)
+    assert sorted(listed.stdout.split()) == sorted(names)
+    assert pipeline("pack", cwd=tmp_path, WORK=str(work)).returncode != 0  # both, by default: eagle's are missing
+
+
 def test_join_refuses_a_damaged_part(tmp_path: Path, packed):
     work, _ = packed
     out = tmp_path / "out"
