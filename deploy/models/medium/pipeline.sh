@@ -24,7 +24,8 @@ SCRIPT=$(realpath "$0")
 # The recipe's figures; a dry run elsewhere shrinks them (DEVICE=cpu PRESET=small TARGET_STEPS=2 ...).
 # DRAFTERS="moa4" trains (and packs) the MoA drafter alone, when the lease is too short for both.
 export PY=${PY:-python3} DEVICE=${DEVICE:-cuda} PRESET=${PRESET:-medium} TARGET_STEPS=${TARGET_STEPS:-1000} \
-  BATCH=${BATCH:-64} DRAFTER_STEPS=${DRAFTER_STEPS:-1200} DRAFT_BATCH=${DRAFT_BATCH:-48} DRAFTERS=${DRAFTERS:-moa4 eagle}
+  BATCH=${BATCH:-64} DRAFTER_STEPS=${DRAFTER_STEPS:-1200} DRAFT_BATCH=${DRAFT_BATCH:-48} \
+  DRAFTERS=${DRAFTERS:-moa4 eagle}
 REPO=$(pwd)
 
 # shellcheck source=SCRIPTDIR/../pipeline_parts.sh
