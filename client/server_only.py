@@ -17,7 +17,10 @@ Contract:
   ends at the next chunk). The config's sampling controls go with the request; a server that does not apply them
   is refused at construction (ControlsNotOffered), as a logit_bias or stop id outside the vocabulary (ControlError).
   Stats say server_only, with time to first token and tokens/s. A token outside the vocabulary or past the length
-  is a ServerDataError; a refusal or a broken link raises ServerError or LinkDown (tether.client.transport). `run`
+  is a ServerDataError; a refusal or a broken link raises ServerError or LinkDown (tether.client.transport). The
+  call has no deadline as a whole (a long generation streams as long as it takes); a chunk that does not come in
+  time is a stalled link, LinkDown(STALLED): the first within `first_chunk_s(cfg)`, each later one within
+  `cfg.round_timeout_s`. `run`
   may be called again (a chat's next turn: a new Generate over the whole conversation, as no session is held).
 - `fetch_tokenizer(stub, info, cache_dir, *, metadata=(), timeout_s=120.0, on_progress=None,
   max_bytes=DEFAULT_MAX_BYTES)` -> Tokenizer: the one cached under ModelInfo.tokenizer_sha256 (nothing is asked
@@ -52,11 +55,10 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Protocol
 
-import grpc
-
 from tether.client.controls import check_controls, sampling_params
 from tether.client.controls import stop_ids as controls_stop_ids
 from tether.client.errors import Problem, ServerDataError
+from tether.client.generation_stream import GenerationStream
 from tether.client.pairing_checks import (
     DEFAULT_MAX_BYTES,
     MAX_FINGERPRINT_CHARS,
@@ -70,7 +72,7 @@ from tether.client.pairing_checks import (
 from tether.client.pairing_checks import MAX_TOKENIZER_BYTES as MAX_STREAMED_BYTES
 from tether.client.server_link import ServerLink
 from tether.client.session_types import ClientConfig, Event, Result, State, Stats
-from tether.client.transport import DOWNLOAD_ATTEMPTS, Backoff, FormatNotOffered, rpc_error
+from tether.client.transport import DOWNLOAD_ATTEMPTS, Backoff, FormatNotOffered
 from tether.client.weight_cache import WeightCache, is_sha256
 from tether.shared.tokenizer import Tokenizer
 from tether.shared.weights import TOKENIZER_TENSOR
@@ -192,6 +194,11 @@ def load_tokenizer(path: str | Path, info: pb.ModelInfo) -> Tokenizer:
     return tokenizer
 
 
+def first_chunk_s(cfg: ClientConfig) -> float:
+    """How long a Generate stream's first chunk may take before the link counts as down."""
+    return max(60.0, cfg.connect_timeout_s)
+
+
 class ServerOnlySession:
     """Generate calls on a channel the caller owns; see the module docstring."""
 
@@ -241,9 +248,12 @@ class ServerOnlySession:
         stats.bytes_up += 4 * len(prompt)
         t0 = time.monotonic()
         tokens: list[int] = []
-        call = self.stub.Generate(req, metadata=self.metadata, timeout=max(60.0, cfg.connect_timeout_s))
+        # No deadline on the whole call: a long generation streams for as long as it takes. A link is down when no
+        # chunk comes in time: the first within FIRST_CHUNK_S (a prefill behind a loaded server's queue), each
+        # later one within a round's timeout, as the adaptive client's stream.
+        stream = GenerationStream(self.stub, req, self.metadata)
         try:
-            for msg in call:
+            while (msg := stream.receive(cfg.round_timeout_s if stream.chunks else first_chunk_s(cfg))) is not None:
                 self._set_state(State.ONLINE)
                 chunk = list(msg.tokens)
                 vocab = self.tokenizer.vocab_size
@@ -258,10 +268,8 @@ class ServerOnlySession:
                 if end is not None or len(tokens) >= cfg.max_new_tokens or self._stop_asked:
                     stats.stopped = self._stop_asked and end is None and len(tokens) < cfg.max_new_tokens
                     break
-        except grpc.RpcError as e:
-            raise rpc_error(e) from None  # LinkDown (nothing to draft from: the text ends here) or ServerError
         finally:
-            call.cancel()  # a stop id or stop(): the server ends the generation and frees its KV
+            stream.close()  # a stop id or stop(): the server ends the generation and frees its KV
         stats.wall_s = time.monotonic() - t0
         self._set_state(State.DONE)
         return Result(list(prompt), tokens, ["verified"] * len(tokens), stats)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tether.server.round_ticket import RoundTicket
 from tether.server.rounds import verify_batch
 from tether.server.step import StepConfig
 from tether.server.verifier import SequenceVerifier
@@ -97,7 +98,7 @@ class RoundBatcher:
         self.max_batch = max_batch  # rounds per step at most
         self.max_tokens = max_tokens  # rows x the largest tree (to a power of two) per step at most: a step bucket
         self.on_batch = on_batch  # called with each batch's size and its seconds on this thread (metrics)
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._next: collections.deque = collections.deque()  # taken from the inbox, left for the next step
         self.worker = threading.Thread(target=self._run, name="tether-batcher", daemon=True)
         self.worker.start()
@@ -128,13 +129,14 @@ class RoundBatcher:
         finish: Callable[[tuple], Any] | None,
         loop: asyncio.AbstractEventLoop,
         answer: Callable[[Any], None],
-    ) -> Future:
+    ) -> RoundTicket:
         """`submit` for a caller on `loop` that is no coroutine (a round taken from its frame): `answer(outcome)`
         runs on that loop with the rest of the step's, the outcome being `finish`'s result or the exception
-        raised. A round cancelled before its step (through the returned Future) is never answered."""
-        fut: Future = Future()
-        self.inbox.put((verifier, tree, (fut, finish, (loop, answer))))
-        return fut
+        raised. The handle is a RoundTicket, not a Future: the outcome travels through `answer` alone. A round
+        cancelled before its step (through the ticket) is never answered."""
+        ticket = RoundTicket()
+        self.inbox.put((verifier, tree, (ticket, finish, (loop, answer))))
+        return ticket
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -214,7 +216,9 @@ def _finish(step: list) -> None:
                 result = result if finish is None else finish(result)
             except Exception as e:
                 result = e
-        if isinstance(result, Exception):
+        if type(fut) is RoundTicket:
+            fut.settle()
+        elif isinstance(result, Exception):
             fut.set_exception(result)
         else:
             fut.set_result(result)

@@ -93,6 +93,9 @@ class FrameError(Exception):
     """The peer sent something that is not a frame of this protocol: the link is dropped."""
 
 
+_KINDS = {int(k): k for k in Kind}
+
+
 class Framer:
     """Splits a byte stream into frames."""
 
@@ -111,10 +114,9 @@ class Framer:
                 end = pos + HEADER.size + size
                 if end > len(buf):
                     break
-                try:
-                    k = Kind(kind)
-                except ValueError:
-                    raise FrameError(f"unknown frame kind {kind}") from None
+                k = _KINDS.get(kind)  # Kind(kind) costs ten times this lookup, on every frame
+                if k is None:
+                    raise FrameError(f"unknown frame kind {kind}")
                 yield call, k, bytes(buf[pos + HEADER.size : end])
                 pos = end
         finally:
@@ -192,6 +194,16 @@ def _layout(tensors: dict) -> bytes:
     return layout
 
 
+_IDS: dict[int, struct.Struct] = {}  # a VERDICT's ids by count: a Struct per count, not a format string per round
+
+
+def _ids_struct(n: int) -> struct.Struct:
+    ids = _IDS.get(n)
+    if ids is None:
+        ids = _IDS.setdefault(n, struct.Struct(f"<{n}I"))
+    return ids
+
+
 def verdict_frame(
     round_no: int, accepted: int, bonus: int, path: Sequence[int], delta: ArrayDelta, codec: Codec
 ) -> VerdictFrame:
@@ -200,7 +212,7 @@ def verdict_frame(
     wire's bundle took three times that. `path`: a tree round's accepted nodes, the root left out (a chain round:
     empty). Raises struct.error for what no reply could carry."""
     head = VERDICT_HEAD.pack(round_no, accepted, bonus, delta.start, int(codec), len(delta.tokens), len(path))
-    ids = struct.pack(f"<{len(delta.tokens) + len(path)}I", *delta.tokens, *path)
+    ids = _ids_struct(len(delta.tokens) + len(path)).pack(*delta.tokens, *path)
     tensors = delta.tensors
     return VerdictFrame(b"".join((head, ids, _layout(tensors), *(a.tobytes() for a in tensors.values()))))
 

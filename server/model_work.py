@@ -20,7 +20,8 @@ Contract (`ModelWork(threads, max_per_caller)`, one per service; everything but 
   never answered, is retired with its KV: tether.server.sessions.Claim). Work already running keeps the session
   claimed until it ends; a stoppable one ends at its next check.
 - A caller that is no coroutine (a round taken from its frame) uses `track(work)` for what `wait` does on the
-  way in, and `drop(work, claim)` for what it does when its caller goes away.
+  way in, and `drop(work, claim)` for what it does when its caller goes away; its work is a batcher round's
+  RoundTicket (tether.server.round_ticket), which these take as they take a Future.
 - `stop_work()` waits for everything handed over (the server is stopping); `close()` ends the threads.
 
     work = ModelWork(threads=2, max_per_caller=128)
@@ -39,7 +40,10 @@ from typing import Any
 
 from tether.server.auth import work_owner
 from tether.server.errors import Reason, RequestError
+from tether.server.round_ticket import RoundTicket
 from tether.server.sessions import Claim
+
+Work = concurrent.futures.Future | RoundTicket  # what track, drop and stop_work take
 
 QUEUE_RETRY_S = 1.0  # retry advice to a caller over its queued model work (a prefill takes up to about a second)
 
@@ -51,7 +55,7 @@ class ModelWork:
         self.max_per_caller = max_per_caller
         self.executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tether-model")
         self._lock = threading.Lock()  # the done callbacks run on the model threads
-        self._inflight: set[concurrent.futures.Future] = set()  # handed over, not ended (waited for at stop)
+        self._inflight: set[Work] = set()  # handed over, not ended (waited for at stop)
         self._per_caller: collections.Counter[str] = collections.Counter()  # submitted, not ended
         self._gone: dict[concurrent.futures.Future, threading.Event] = {}  # a stoppable job's stop signal
 
@@ -105,14 +109,14 @@ class ModelWork:
             self.drop(work, claim)
             raise
 
-    def drop(self, work: concurrent.futures.Future, claim: Claim | None = None) -> None:
+    def drop(self, work: Work, claim: Claim | None = None) -> None:
         """Its caller has gone: `work` never starts if it has not (a stoppable job is told to stop), and `claim` is
         released at once if it never started, else when it ends."""
         self._caller_gone(work)
         if claim is not None:
             claim.hand_over(work)
 
-    def _caller_gone(self, work: concurrent.futures.Future) -> None:
+    def _caller_gone(self, work: Work) -> None:
         """Drop `work` if it has not started; tell it to stop if it is stoppable and has."""
         if work.cancel():
             return
@@ -126,20 +130,23 @@ class ModelWork:
         with self._lock:
             return sum(gone.is_set() for gone in self._gone.values())
 
-    def track(self, work: concurrent.futures.Future) -> None:
+    def track(self, work: Work) -> None:
         """Count `work` handed over until it ends (stop_work waits for it); `wait` does this itself."""
         with self._lock:
             self._inflight.add(work)
         work.add_done_callback(self._untrack)
 
-    def _untrack(self, work: concurrent.futures.Future) -> None:
+    def _untrack(self, work: Work) -> None:
         with self._lock:
             self._inflight.discard(work)
 
     def stop_work(self) -> None:
         with self._lock:
             pending = list(self._inflight)
-        concurrent.futures.wait(pending)
+        concurrent.futures.wait([w for w in pending if isinstance(w, concurrent.futures.Future)])
+        for ticket in pending:
+            if isinstance(ticket, RoundTicket):
+                ticket.wait()
 
     def close(self, wait: bool = True) -> None:
         self.executor.shutdown(wait=wait)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from tether.server.errors import Reason, RequestError
 from tether.server.frontend_wire import VerdictFrame
 from tether.server.kv_pool import KVPool, PagedCache
+from tether.server.round_ticket import RoundTicket
 from tether.server.session_lock import SessionLock
 from tether.server.verifier import SequenceVerifier
 from tether.shared.codecs import Codec
@@ -93,7 +94,7 @@ class Claim:
     def keep(self) -> None:
         self.fresh = False
 
-    def hand_over(self, work: concurrent.futures.Future) -> None:
+    def hand_over(self, work: concurrent.futures.Future | RoundTicket) -> None:
         """The session stays busy until `work` ends (a thread is using its verifier), not until the caller ends."""
         self._handed = True
         work.add_done_callback(lambda _: self._loop.call_soon_threadsafe(self._release))

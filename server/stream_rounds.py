@@ -34,7 +34,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from tether.server.engine_core import Engine
@@ -44,6 +43,7 @@ from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import PoolExhausted
 from tether.server.logprob_wire import taken_logprobs
 from tether.server.plain_decoding import POOL_RETRY_S
+from tether.server.round_ticket import RoundTicket
 from tether.server.sessions import Claim, Session
 from tether.server.validation import invalid
 from tether.server.verifier import SequenceVerifier
@@ -62,7 +62,7 @@ class StreamRounds:
         self.engine, self.refused, self.watch = engine, refused, watch
         self.session: Session | None = None
         self.epoch = 0  # the session's resync count when this stream opened or attached it
-        self.running: tuple[Future, Claim] | None = None  # a round taken from a frame, not yet answered
+        self.running: tuple[RoundTicket, Claim] | None = None  # a round taken from a frame, not yet answered
 
     def bind(self, session: Session) -> None:
         self.session, self.epoch = session, session.resyncs

@@ -113,7 +113,9 @@ class Checks:
     def tokens(self, tokens: Sequence[int], what: str, limit: int) -> list[int]:
         if len(tokens) > limit:
             raise RequestError(Reason.REASON_TOO_LONG, f"{what}: {len(tokens)} tokens, the limit is {limit}")
-        ids = list(tokens)
+        ids = tokens[:]  # a protobuf repeated field's slice is a list, made 2x faster than list() walks it
+        if type(ids) is not list:
+            ids = list(ids)
         if ids and max(ids) >= self.vocab:  # ids are unsigned on the wire
             raise invalid(f"{what}: a token id is outside [0, {self.vocab})")
         return ids
