@@ -226,7 +226,19 @@ def test_a_chat_in_the_builtin_template_keeps_one_server_session(servers, tmp_pa
     opened = metric("tether_sessions_opened_total") or 0
     extended = metric("tether_resyncs_total", {"outcome": "extended"}) or 0
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TURNS) + "\n"))
-    args = ["chat", "--server", address, "--max-new-tokens", str(NEW), "--cache-dir", str(tmp_path / "cache")]
+    # Resyncs are counted exactly: a round slower than the default 5 s timeout on a starved machine would be an
+    # outage, and its resync one more extension than the turns make.
+    args = [
+        "chat",
+        "--server",
+        address,
+        "--max-new-tokens",
+        str(NEW),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--round-timeout-s",
+        "120",
+    ]
     assert main(args) == 0
     assert capsys.readouterr().err.count("tokens/s") == len(TURNS)
     assert (metric("tether_sessions_opened_total") or 0) == opened + 1
