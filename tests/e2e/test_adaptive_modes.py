@@ -36,6 +36,9 @@ N_NEW = 64
 PATIENT = {"round_timeout_s": 120.0, "connect_timeout_s": 120.0}
 FLAKY = {"round_timeout_s": 1.0, "connect_timeout_s": 5.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.4,
          "final_resync_s": 60.0}  # fmt: skip
+# A cut is seen at once, so its run can wait as long as a starved machine needs; a stall is seen only when a call
+# times out, so its run waits long enough that no slow step on a busy machine reads as a second outage.
+ROUND_TIMEOUT_S = {"cut": 120.0, "stall": 10.0}
 MAX_OFFLINE = 8  # tokens the client writes alone in one outage before it waits for the link
 SWITCH_AT = (6, 17, 30, 44)  # generated tokens at which the forced plan flips mode (stream first)
 
@@ -165,7 +168,7 @@ class Outage:
 
 @pytest.mark.parametrize("fault", ["cut", "stall"])
 def test_the_link_failing_mid_stream_writes_offline_and_ends_as_plain_greedy(served, cache, fault):
-    outage = Outage(served[0], fault, cache_dir=cache, mode="stream")
+    outage = Outage(served[0], fault, cache_dir=cache, mode="stream", round_timeout_s=ROUND_TIMEOUT_S[fault])
     session, streamed_then = outage.session, []
 
     def on_event(e: Event) -> None:
@@ -204,7 +207,7 @@ def hooked(start_server):
 
 def test_the_link_cut_inside_a_switchs_catch_up_is_an_outage_and_ends_as_plain_greedy(served, hooked, cache):
     address, hooks = hooked
-    outage = Outage(address, "cut", cache_dir=cache)
+    outage = Outage(address, "cut", cache_dir=cache, round_timeout_s=ROUND_TIMEOUT_S["cut"])
     outage.plan = Plan(outage.session, at=(10,))  # stream, then the hybrid from 10 tokens on
     hooks.append(outage.strike)  # the reply to the catch-up's Resync is lost
     try:
