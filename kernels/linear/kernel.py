@@ -44,6 +44,7 @@ Pure-PyTorch reference: tether.kernels.linear.naive. Tests (CPU, through Triton'
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -176,6 +177,11 @@ def _configs() -> list[triton.Config]:
         # per op, and with 16 x 32 tiles the fused model's LM head dominated every Triton-backend test (the TP server
         # test ran 3.7x longer). Tests pin small tiles and split-K through `config=`.
         return [triton.Config({"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1}, num_warps=4, num_stages=1)]
+    return tuned_configs()
+
+
+def tuned_configs() -> list[triton.Config]:
+    """The configs the autotuner tries on a GPU (before pruning)."""
     # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): small output tiles streaming long K slices, deep
     # pipelines to keep enough bytes in flight per SM; split-K for narrow outputs (pruned past SPLIT_K_MAX_N).
     shapes = [
@@ -196,13 +202,53 @@ def _configs() -> list[triton.Config]:
     ]
 
 
+def shared_bytes(config: triton.Config, element_bytes: int, gated: bool) -> int:
+    """Shared memory a config's pipelined loads take: num_stages - 1 buffers of the rows' tile and the weight's
+    (two weight tiles gated), the estimate that matched Triton's own count where it refused one (294,912 B: fp32,
+    gated, BLOCK_N 16, BLOCK_K 256, 4 stages)."""
+    n, k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    return max(config.num_stages - 1, 1) * (ROW_TILE + n * (2 if gated else 1)) * k * element_bytes
+
+
+def fit_shared(configs: list[triton.Config], element_bytes: int, gated: bool, limit: int) -> list[triton.Config]:
+    """Each config as it fits `limit` bytes of shared memory: fewer stages (down to 2), then half as deep K steps
+    (down to 32), first; configs that fit already come back as they are, duplicates once. The configs are tuned for
+    16-bit weights, and fp32 ones (`--dtype float32` on a GPU) need twice the bytes: without this every config of a
+    gated layer ran out of shared memory, the autotuner timed them all as infinite and launched the first anyway."""
+    out, seen = [], set()
+    for c in configs:
+        kw, stages = dict(c.kwargs), c.num_stages
+        fitted = triton.Config(kw, num_warps=c.num_warps, num_stages=stages)
+        while shared_bytes(fitted, element_bytes, gated) > limit and (stages > 2 or kw["BLOCK_K"] > 32):
+            if stages > 2:
+                stages -= 1
+            else:
+                kw["BLOCK_K"] //= 2
+            fitted = triton.Config(dict(kw), num_warps=c.num_warps, num_stages=stages)
+        key = (tuple(sorted(fitted.kwargs.items())), fitted.num_warps, fitted.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(fitted if key != (tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) else c)
+    return out
+
+
+@functools.cache
+def _max_shared(device_index: int) -> int:
+    """The most shared memory one program may take on this GPU (Triton's own figure, the one it checks)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Split-K only for narrow outputs (the workspace is sized for those); at least one config survives."""
-    N = named_args["N"]
+    """Split-K only for narrow outputs (the workspace is sized for those); every config fitted to the GPU's shared
+    memory for this dtype (fit_shared); at least one config survives."""
+    N, x = named_args["N"], named_args["x"]
     keep = [c for c in configs if c.kwargs["SPLIT_K"] == 1 or N <= SPLIT_K_MAX_N]
     # 64-row tiles with 512-wide K steps run out of shared memory at 4+ stages; skip the waste
     keep = [c for c in keep if c.kwargs["BLOCK_K"] * c.num_stages <= 1536] or keep
-    return keep or configs[:1]
+    keep = keep or configs[:1]
+    if x.is_cuda:
+        keep = fit_shared(keep, x.element_size(), bool(kwargs.get("GATED", False)), _max_shared(x.device.index))
+    return keep
 
 
 linear_fwd_kernel_autotuned = triton.autotune(

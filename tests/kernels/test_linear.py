@@ -150,3 +150,22 @@ def test_rejects_what_it_cannot_do():
         linear(x, w, residual=r[:, :8])
     with pytest.raises(ValueError, match="counters"):
         linear(x, w, counters=torch.zeros(1, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.parametrize("element_bytes", [4, 2])
+@pytest.mark.parametrize("gated", [True, False])
+def test_every_tuned_config_is_fitted_to_the_gpus_shared_memory(element_bytes, gated):
+    """fp32 weights need twice a config's bytes: on an H100 / H200 (232,448 B a program) every gated config ran out
+    of shared memory in fp32 (Triton refused 294,912 B), so `serve --dtype float32` failed at warm-up. Each config
+    comes back fitted (fewer stages, then shallower K steps), one that fits as it was, and none is lost for 16 bits."""
+    from tether.kernels.linear.kernel import fit_shared, shared_bytes, tuned_configs  # noqa: PLC0415
+
+    limit, configs = 232_448, tuned_configs()
+    assert shared_bytes(configs[0], 4, True) == 294_912  # the config Triton refused, as the estimate counts it
+    fitted = fit_shared(configs, element_bytes, gated, limit)
+    assert fitted and all(shared_bytes(c, element_bytes, gated) <= limit for c in fitted)
+    fits = [c for c in configs if shared_bytes(c, element_bytes, gated) <= limit]
+    assert all(any(f is c for f in fitted) for c in fits)  # those that fit are kept as they are
+    assert len({(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in fitted}) == len(fitted)
+    if element_bytes == 2:
+        assert len(fitted) >= len(fits) >= len(configs) - 2
