@@ -56,7 +56,7 @@ PHASES = [
     ("tether.server.rounds", "_commit"),
     ("tether.server.batcher", "_finish"),
     ("tether.server.stream_rounds", "StreamRounds._verdict_reply"),
-    ("tether.server.stream_rounds", "StreamRounds._verdict_frame"),  # the reply through a front end: delta unencoded
+    ("tether.server.stream_rounds", "verdict_frames_of"),  # a step's replies through front ends: deltas unencoded
     ("tether.server.engine_core", "Engine.encode_delta"),
     ("tether.shared.wire", "encode_bf16_bundle"),
     # Not on the batcher: a session's open on the model threads (its prefill, then its prompt's delta encoded), which

@@ -17,6 +17,11 @@ Contract:
   each step. If the batch as a whole fails, each round is verified on its own, so one bad round fails alone.
   A round whose Future was cancelled before the worker took it for a step (its caller went away:
   tether.server.model_work) is dropped there and never reaches the model; once taken it runs to the step's end.
+- A `finish` is a callable of one round's (verdict, delta), or `Together(step_finish, arg)`: the rounds of a step
+  whose finishes share `step_finish` are finished by one call, `step_finish([(arg, (verdict, delta)), ...])`,
+  which returns each round's outcome (its reply, or the Exception that is its error) in order. A front end's
+  VERDICT frames are made this way for the whole step (tether.server.frontend_wire.verdict_frames): what a round
+  costs the batcher's thread beyond its share of the step is what cannot be shared.
 - `warm_up(target, pool, drafter=None)`: every kernel variant and step graph a server needs, run once before it
   listens.
 """
@@ -31,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,6 +90,21 @@ def warm_up(
             v.release()
 
 
+StepFinish = Callable[[list[tuple[Any, tuple]]], list[Any]]  # [(arg, (verdict, delta))] -> each round's outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Together:
+    """A round's finish made with the other rounds of its step that have the same `step` (see the module's
+    contract); `arg` is what this round adds to it."""
+
+    step: StepFinish
+    arg: Any
+
+
+Finish = Callable[[tuple], Any] | Together
+
+
 class RoundBatcher:
     def __init__(
         self,
@@ -103,15 +124,13 @@ class RoundBatcher:
         self.worker = threading.Thread(target=self._run, name="tether-batcher", daemon=True)
         self.worker.start()
 
-    def submit(
-        self, verifier: SequenceVerifier, tree: DraftTree, finish: Callable[[tuple], Any] | None = None
-    ) -> Future:
+    def submit(self, verifier: SequenceVerifier, tree: DraftTree, finish: Finish | None = None) -> Future:
         fut: Future = Future()
         self.inbox.put((verifier, tree, (fut, finish, None)))
         return fut
 
     def submit_here(
-        self, verifier: SequenceVerifier, tree: DraftTree, finish: Callable[[tuple], Any] | None = None
+        self, verifier: SequenceVerifier, tree: DraftTree, finish: Finish | None = None
     ) -> tuple[Future, asyncio.Future]:
         """`submit` from a coroutine: the same Future (done when the worker threads are through with the verifier)
         and an asyncio Future of this event loop with the same outcome. The worker settles the asyncio Futures of
@@ -126,7 +145,7 @@ class RoundBatcher:
         self,
         verifier: SequenceVerifier,
         tree: DraftTree,
-        finish: Callable[[tuple], Any] | None,
+        finish: Finish | None,
         loop: asyncio.AbstractEventLoop,
         answer: Callable[[Any], None],
     ) -> RoundTicket:
@@ -209,13 +228,27 @@ def _taken(item) -> bool:
 def _finish(step: list) -> None:
     """A step's rounds, finished and answered in order (their futures' results or errors); the outcomes for each
     event loop delivered in one call on it."""
+    outcomes = [result for _, result in step]
+    together: dict[StepFinish, list[int]] = {}
+    for i, ((_, finish, _), result) in enumerate(step):
+        if finish is None or isinstance(result, Exception):
+            continue
+        if type(finish) is Together:
+            together.setdefault(finish.step, []).append(i)
+            continue
+        try:
+            outcomes[i] = finish(result)
+        except Exception as e:
+            outcomes[i] = e
+    for step_finish, rows in together.items():
+        try:
+            made = step_finish([(step[i][0][1].arg, step[i][1]) for i in rows])
+        except Exception as e:
+            made = [e] * len(rows)
+        for i, outcome in zip(rows, made, strict=True):
+            outcomes[i] = outcome
     settle: dict[asyncio.AbstractEventLoop, list] = {}
-    for (fut, finish, on_loop), result in step:
-        if not isinstance(result, Exception):
-            try:
-                result = result if finish is None else finish(result)
-            except Exception as e:
-                result = e
+    for ((fut, _, on_loop), _), result in zip(step, outcomes, strict=True):
         if type(fut) is RoundTicket:
             fut.settle()
         elif isinstance(result, Exception):
@@ -225,9 +258,9 @@ def _finish(step: list) -> None:
         if on_loop is not None:
             loop, deliver = on_loop
             settle.setdefault(loop, []).append((deliver, result))
-    for loop, outcomes in settle.items():
+    for loop, outcomes_here in settle.items():
         try:
-            loop.call_soon_threadsafe(_deliver, outcomes)
+            loop.call_soon_threadsafe(_deliver, outcomes_here)
         except RuntimeError:  # the loop has closed: nobody is waiting any more
             pass
 

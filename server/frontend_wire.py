@@ -37,6 +37,7 @@ loop's iteration, so a step's verdicts for many streams cost the engine one syst
     outbox = Outbox(transport, loop); outbox.send(7, Kind.REPLY, payload)
     for call, kind, payload in framer.feed(data): ...
     frame = verdict_frame(3, verdict.accepted, verdict.bonus, (), delta, Codec.FP16_SHUFFLE_ZSTD)  # engine
+    frames = verdict_frames([(3, 0, 7, (), step.deltas[0], codec), ...])  # engine: a step's rows together
     message, delta_bytes = verdict_message(frame.payload)  # front end: the ServerMessage's bytes
 """
 
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tether.server.step_deltas import RowDelta
 from tether.shared import wire
 from tether.shared.drafter_config import ArrayDelta
 from tether.shared.wire import Codec, CodecError
@@ -215,6 +217,40 @@ def verdict_frame(
     ids = _ids_struct(len(delta.tokens) + len(path)).pack(*delta.tokens, *path)
     tensors = delta.tensors
     return VerdictFrame(b"".join((head, ids, _layout(tensors), *(a.tobytes() for a in tensors.values()))))
+
+
+def verdict_frames(rows: Sequence[tuple[int, int, int, Sequence[int], ArrayDelta, Codec]]) -> list[VerdictFrame]:
+    """`verdict_frame(*row)` for each of a step's rows, the same bytes, made together: the bits of rows whose deltas
+    are RowDeltas of one StepDeltas (the batcher's) come from one copy of each tensor for the step, a layout is
+    made once for each row size, and a row costs a head, its ids and one join. Raises struct.error as
+    verdict_frame does (for any row: the caller frames the rows one by one to find it)."""
+    frames: list = [None] * len(rows)
+    steps: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        delta = row[4]
+        if type(delta) is RowDelta:
+            steps.setdefault(id(delta.step), []).append(i)
+        else:
+            frames[i] = verdict_frame(*row)
+    for members in steps.values():
+        step = rows[members[0]][4].step
+        bits = [step.row_bits(name) for name in step.picked]
+        layouts: dict[int, bytes] = {}
+        pack_head = VERDICT_HEAD.pack
+        for i in members:
+            round_no, accepted, bonus, path, delta, codec = rows[i]
+            tokens, r = delta.tokens, delta.row
+            n = len(tokens)
+            layout = layouts.get(n)
+            if layout is None:
+                layout = layouts[n] = _layout(delta.tensors)
+            ids = _IDS.get(n + len(path)) or _ids_struct(n + len(path))
+            parts = [pack_head(round_no, accepted, bonus, delta.start, codec, n, len(path)), ids.pack(*tokens, *path)]
+            parts.append(layout)
+            for b, e in bits:
+                parts.append(b[e[r] : e[r + 1]])
+            frames[i] = VerdictFrame(b"".join(parts))
+    return frames
 
 
 def _read_layout(payload: memoryview, pos: int, max_nbytes: int) -> dict[str, np.ndarray]:

@@ -36,9 +36,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tether.server.batcher import Together
 from tether.server.engine_core import Engine
 from tether.server.errors import Reason, RequestError, inline
-from tether.server.frontend_wire import VERDICT_FRAMES, VerdictFrame, verdict_frame, verdict_message
+from tether.server.frontend_wire import (
+    VERDICT_FRAMES,
+    VerdictFrame,
+    verdict_frame,
+    verdict_frames,
+    verdict_message,
+)
 from tether.server.idle_watch import IdleWatch
 from tether.server.kv_pool import PoolExhausted
 from tether.server.logprob_wire import taken_logprobs
@@ -81,14 +88,10 @@ class StreamRounds:
             try:
                 # The reply is made on the batcher's thread, straight after the step; a front end carrying the call
                 # encodes its delta (VERDICT_FRAMES), which takes that work off the engine.
-                framed = VERDICT_FRAMES.get() and s.verifier.logprobs is None
-                finish = functools.partial(
-                    self._verdict_frame if framed else self._verdict_reply,
-                    req.round,
-                    s.codec,
-                    bool(req.parents),
-                    s.verifier,
-                )
+                if VERDICT_FRAMES.get() and s.verifier.logprobs is None:
+                    finish = Together(verdict_frames_of, (req.round, s.codec, bool(req.parents)))
+                else:
+                    finish = functools.partial(self._verdict_reply, req.round, s.codec, bool(req.parents), s.verifier)
                 work, here = self.engine.batcher.submit_here(s.verifier, tree, finish)
                 verdict, message = await self.engine.work.wait(work, claim, here)
             except (ValueError, PoolExhausted) as e:
@@ -114,7 +117,7 @@ class StreamRounds:
             claim.release()
             return False
         t0 = time.perf_counter()
-        finish = functools.partial(self._verdict_frame, req.round, s.codec, bool(req.parents), s.verifier)
+        finish = Together(verdict_frames_of, (req.round, s.codec, bool(req.parents)))
         ended = functools.partial(self._taken_ended, s, req, len(tree), claim, answer, t0)
         work = self.engine.batcher.submit_to(s.verifier, tree, finish, self.watch.loop, ended)
         self.engine.work.track(work)
@@ -206,16 +209,29 @@ class StreamRounds:
         )
         return verdict, pb.ServerMessage(verdict=v)
 
-    def _verdict_frame(
-        self, round_no: int, codec: Codec, tree_round: bool, verifier: SequenceVerifier, result: tuple
-    ) -> tuple:
-        """_verdict_reply's reply as a VERDICT frame for the front end carrying the call, which encodes its delta
-        (torch tensors first become the bfloat16 bits encode_delta would send)."""
-        verdict, delta = result
+
+def verdict_frames_of(rows: list[tuple[tuple[int, Codec, bool], tuple]]) -> list:
+    """A step's rounds through front ends (the batcher's Together): each round's (round number, codec, whether a
+    tree round) and (verdict, delta) -> (verdict, its VERDICT frame), _verdict_reply's reply for the front end
+    carrying the call, which encodes its delta (torch tensors first become the bfloat16 bits encode_delta would
+    send). The frames are made for the whole step at once; should that fail, one by one, so a row that cannot be
+    framed fails alone (its outcome the exception)."""
+    framed = []
+    for (round_no, codec, tree_round), (verdict, delta) in rows:
         if not isinstance(delta, ArrayDelta):
             delta = ArrayDelta(delta.start, delta.tokens, {k: bf16_bits(t) for k, t in delta.tensors.items()})
         path = verdict.path[1:] if tree_round else ()
-        return verdict, verdict_frame(round_no, verdict.accepted, verdict.bonus, path, delta, codec)
+        framed.append((round_no, verdict.accepted, verdict.bonus, path, delta, codec))
+    try:
+        frames: list = verdict_frames(framed)
+    except Exception:
+        frames = []
+        for row in framed:
+            try:
+                frames.append(verdict_frame(*row))
+            except Exception as e:
+                frames.append(e)
+    return [f if isinstance(f, Exception) else (v, f) for (_, (v, _)), f in zip(rows, frames, strict=True)]
 
 
 def _refusal(e: ValueError | PoolExhausted) -> RequestError:
