@@ -150,6 +150,8 @@ class Hops:
         self._undo: list[Callable[[], None]] = []
 
     def install(self) -> None:
+        from google.protobuf.message import DecodeError
+
         from tether.server import call_inbox, frontend_host, stream_rounds
         from tether.server.frontend_wire import VerdictFrame
         from tether.v1 import tether_pb2 as pb
@@ -160,9 +162,16 @@ class Hops:
         real_record, real_send = Rounds._record, frontend_host.EngineCall._send
 
         def offer(inbox, payload):
-            if payload is not None and pb.ClientMessage.FromString(payload).WhichOneof("body") == "round":
+            if payload is not None and _is_round(payload):
                 hops.arrived[inbox].append(clock())
             return real_offer(inbox, payload)
+
+        def _is_round(payload: bytes) -> bool:
+            """A Session stream's round (any other call's request, a Close's say, is no ClientMessage)."""
+            try:
+                return pb.ClientMessage.FromString(payload).WhichOneof("body") == "round"
+            except DecodeError:
+                return False
 
         def started(rounds, inbox, t0):
             hops.inbox_of[rounds] = inbox
