@@ -22,6 +22,8 @@ Contract (all on the engine's event loop):
   first. The stream's idle watch counts the round as the stream being read.
 - `close()`: the stream has ended: a round taken from a frame is dropped if its step has not begun, else left to
   end, its claim released when it does, and it is never answered.
+- A round through a front end is finished with the rest of its step's (the batcher's Together): `verdict_frames_of`
+  makes their VERDICT frames in one call (tether.server.frontend_wire.verdict_frames).
 
     rounds = StreamRounds(engine, service._refused, watch)
     rounds.bind(session)
