@@ -14,8 +14,8 @@ Contract:
 - Deltas: the accepted rows of every sequence are gathered on the device and the drafter's server part runs once
   for the whole batch (its output is position-wise, as DraftDelta.split already assumes); with `host_deltas`
   the tensors are copied to the host once, into pinned memory, so encoding them never waits on the GPU, and the
-  deltas come back as numpy bfloat16 bits, what the wire sends: rows of one StepDeltas (tether.server.step_deltas),
-  converted and gathered once for the step.
+  deltas come back as numpy bfloat16 bits, what the wire sends: a greedy step's sliced per row (slice_deltas),
+  any other step's as rows of one StepDeltas (tether.server.step_deltas), converted once for the step.
 
 How the forward runs, fastest first:
 - the target on the "triton" backend with every sequence in one paged pool and the batch within a step bucket:
@@ -50,6 +50,7 @@ from tether.shared.drafter import POSITION_AXIS, DraftDelta, TargetStates
 from tether.shared.drafter_config import ArrayDelta
 from tether.shared.logits_processing import LogitsProcessing, SamplingControls
 from tether.shared.speculative import DraftTree, Verdict
+from tether.shared.wire import f32_to_bf16
 
 
 class RoundSequence(Protocol):
@@ -326,12 +327,26 @@ def slice_deltas(
     tensors: dict[str, Tensor], T: int, rows: Sequence[tuple[int, int, list[int], list[int]]]
 ) -> list[ArrayDelta]:
     """Each row's delta out of every_token_delta's tensors (after the stream has reached them), as numpy arrays of
-    bfloat16 bits, the form the wire sends (ArrayDelta, as a client decodes it): views of one StepDeltas, which
-    gathers every row's accepted positions once per tensor for the whole step (a copy, a fancy index or a dict per
-    row, and before that torch calls, cost microseconds each on the batcher's thread)."""
-    bits = {k: bf16_bits(t) for k, t in tensors.items()}
-    spans = [(start, list(tokens), [b * T + j for j in path]) for b, start, path, tokens in rows]
-    return StepDeltas(bits, spans).deltas
+    bfloat16 bits, the form the wire sends (ArrayDelta, as a client decodes it). One gather per tensor for the whole
+    step takes every row's accepted positions, in row order (fp32 tensors, on the CPU, are converted after it: only
+    those positions); a row's part is then a numpy view of its consecutive run. Per row that is one basic slice per
+    tensor, where a copy or a fancy index per row, and before that torch calls, cost microseconds each on the
+    batcher's thread."""
+    sizes = [len(path) for _, _, path, _ in rows]
+    idx = np.fromiter((b * T + j for b, _, path, _ in rows for j in path), np.int64, sum(sizes))  # [N]
+    bits = {}
+    for k, t in tensors.items():
+        if t.dtype == torch.bfloat16:
+            bits[k] = np.take(t.view(torch.int16).numpy().view(np.uint16), idx, axis=POSITION_AXIS[k])
+        else:
+            bits[k] = f32_to_bf16(np.take(t.float().numpy(), idx, axis=POSITION_AXIS[k]))
+    lead = {k: (slice(None),) * POSITION_AXIS[k] for k in bits}
+    deltas, at = [], 0
+    for (_, start, _, tokens), n in zip(rows, sizes, strict=True):
+        span = slice(at, at + n)
+        deltas.append(ArrayDelta(start, list(tokens), {k: a[lead[k] + (span,)] for k, a in bits.items()}))
+        at += n
+    return deltas
 
 
 @torch.inference_mode()
