@@ -12,9 +12,13 @@ chosen: a chunk of the stream, or a round's verdict.
   from the history then); a Generate call over the whole text so far streams the target's tokens, emitted tagged
   verified as they come. The drafter is not fed them: it still holds the verified positions it held, and the
   streamed tokens are caught up lazily, by the next Resync (or fed to it by the first offline step).
-- Under auto the session pings the server once (`_ping`, a GetModelInfo in the background): the link's round trip,
-  which the choice subtracts from the hybrid's verdict wait to predict a stream it has not tried, and what the
-  server says a token of a stream takes now (ModelInfo.decode_step_s), which predicts it better where given.
+- Under auto the session pings the server (`ping`, a GetModelInfo in the background) as it sends the open: the
+  link's round trip, which the choice subtracts from the hybrid's verdict wait to predict a stream it has not
+  tried, and what the server says a token of a stream takes now (ModelInfo.decode_step_s), which predicts it
+  better where given. The open's own time (`opened`) and tau (the session's, once measured) predict the hybrid.
+  The first step waits for that answer, up to the open's time again (it costs the server no model work, so it
+  normally comes first): with it the choice may start the generation streaming, before any round. It pings again
+  as each recheck comes due, so a recheck of the stream goes by what the server says now.
 - Back to the hybrid (`_to_hybrid`, the catch-up): the Generate call is cancelled (chunks not yet taken are dropped:
   the text is what was emitted), and a Resync absorbs every token after the verified length (tether.client.resync,
   `quiet`: no outage is told or counted), which gives the drafter their exact states in its delta and the target's
@@ -45,6 +49,7 @@ probing a stream it predicted slower, and keeping it or coming back as measured)
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -83,7 +88,9 @@ class OnlineModes:
         self.rounds, self.resync, self.controls = rounds, resync, controls
         self.meter = ModeMeter()  # what each online mode gave (tether.client.mode_choice: mode="auto")
         self.generation: GenerationStream | None = None  # the Generate call while streaming; None: the hybrid
-        self._pinged = False  # the link's round trip was asked for (_ping)
+        self._answered: threading.Event | None = None  # set once the last ping was answered; None: none sent
+        self._first_wait_s: float | None = None  # the first step waits this long for the open's ping; None: done
+        self._pinged_visit = -1  # the meter's visit whose recheck was pinged for (one ping a recheck)
         self._switch_bytes = (0, 0)  # the last switch to streaming's bytes (up, down), told with its first chunk
         self.clock: Callable[[], float] = time.monotonic  # the meter's timestamps (a seam: see the module docstring)
 
@@ -96,22 +103,41 @@ class OnlineModes:
         """A chat's next turn: a bar on streaming counted in the last turn's tokens is lifted."""
         self.meter.stream_barred_until = 0
 
-    def _ping(self) -> None:
-        """Time one GetModelInfo on the channel the session already uses: the link's round trip, which the server
-        answers without model work (what a verdict's wait holds beyond it is the server's step), and what a token
-        of a stream takes there now. Once a session, in the background: its answer is taken whenever it comes."""
-        if self._pinged:
+    def ping(self) -> None:
+        """Time one GetModelInfo on the channel the session uses (under auto; the session calls this as it sends
+        the open): the link's round trip, which the server answers without model work (what a verdict's wait holds
+        beyond it is the server's step), and what a token of a stream takes there now. In the background: its
+        answer is taken whenever it comes (`_answered` is set once it came or failed)."""
+        if self.cfg.mode != "auto":
             return
-        self._pinged, t0 = True, time.monotonic()
+        t0, self._answered = time.monotonic(), threading.Event()
+        answered = self._answered
 
-        def answered(future) -> None:
-            if future.exception() is None:
-                self.meter.answered(time.monotonic() - t0, future.result().decode_step_s)
+        def done(future) -> None:
+            try:
+                if future.exception() is None:
+                    self.meter.answered(time.monotonic() - t0, future.result().decode_step_s)
+            finally:
+                answered.set()
 
         call = self.link.stub.GetModelInfo.future(
             pb.GetModelInfoRequest(), metadata=self.link.metadata, timeout=self.cfg.connect_timeout_s
         )
-        call.add_done_callback(answered)
+        call.add_done_callback(done)
+
+    def opened(self, seconds: float) -> None:
+        """The open's first token came `seconds` after it was sent: with tau, the hybrid's prediction. The first
+        step waits for the ping sent with it up to as long again."""
+        stats = self.output.stats
+        self.meter.opened(seconds, stats.tau if stats.rounds else 0.0)
+        self._first_wait_s = seconds
+
+    def _recheck_ping(self) -> None:
+        """A fresh figure for each recheck that comes due (one ping a visit), so it goes by the server's load now."""
+        m = self.meter
+        if m.visit_tokens >= m.recheck and self._pinged_visit != m.visits:
+            self._pinged_visit = m.visits
+            self.ping()
 
     def _can_stream(self) -> bool:
         """Whether a Generate call can continue the text now, exactly."""
@@ -124,8 +150,13 @@ class OnlineModes:
 
     def step(self) -> None:
         """One online step in the mode chosen: a chunk of the stream, or a round's verdict."""
-        if self.cfg.mode == "auto":
-            self._ping()
+        if self._first_wait_s is not None and self._answered is not None:
+            self._answered.wait(self._first_wait_s)  # the open's figures, all of them, before the first choice
+        self._first_wait_s = None
+        if self.cfg.mode == "auto" and self._answered is None:
+            self.ping()  # a session that did not open here (restored from its file): its figures, late
+        elif self.cfg.mode == "auto":
+            self._recheck_ping()
         now = STREAM if self.generation is not None else HYBRID
         if now != self.meter.mode:
             self.meter.enter(now)  # the link's doing: a resync attached the hybrid

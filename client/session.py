@@ -324,8 +324,10 @@ class EdgeSession:
             model_fingerprint=link.info.model_fingerprint,
         )
         output.stats.bytes_up += 4 * len(text.prompt)
+        self.online.ping()  # under auto: the round trip and the server's pace, beside the open (the first choice's)
         output.prompt_sent_at = time.monotonic()
         o = self._opened(stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s), len(text.prompt))
+        self.online.opened(time.monotonic() - output.prompt_sent_at)
         link.hold(o.session_id, o.resume_token)
         self._begin(o)
         text.adopt(len(text.prompt))

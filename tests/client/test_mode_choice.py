@@ -1,8 +1,12 @@
 """The online mode's choice (tether.client.mode_choice), a pure function of measured figures, driven with numbers.
 
 - forced modes are kept; nothing streams where streaming is not possible;
-- auto begins with the hybrid (its session is open), judges a mode only after MIN_INTERVALS intervals of it (or
-  JUDGE_TOKENS tokens over them), and leaves it only for one measured MARGIN faster;
+- auto begins in the mode the open's figures predict: streaming where the server's figure (decode_step_s) is MARGIN
+  above the hybrid's prediction (tau over the open's time, or the round trip and a server step), else the hybrid,
+  whose session is open; a stream so begun is left for a hybrid predicted MARGIN faster than it measured;
+- auto judges a mode only after MIN_INTERVALS intervals of it (a trial: TRIAL_INTERVALS; or JUDGE_TOKENS tokens
+  over them), and leaves it only for one measured MARGIN faster; a hybrid visit's first SETTLE_ROUNDS verdicts
+  after its clock started are not timed;
 - a stream never tried is probed when predicted within reach of the hybrid, though below it: its floor within
   PROBE_REACH, the server's own figure (ModelInfo.decode_step_s) within the margin; the probe, judged, is kept
   only if measured at least as fast as the hybrid, else the hybrid comes back at once and the stream is not tried
@@ -10,7 +14,9 @@
 - the prediction is the server's figure where it said one, else a token a server step, the step what the verdict
   wait holds beyond the round trip: with the issue's H200 figures, streaming on an idle server over links of 0 to
   150 ms, drafting here on a loaded one;
-- a mode left is measured again once the one now has written `recheck` tokens, which then doubles;
+- a mode left is measured again once the one now has written `recheck` tokens, which then doubles: the hybrid
+  (even one never tried) on its own visit's figures, so one that sped up since it was left is kept; a stream only
+  while the server's figure says it is within reach;
 - Rate and ModeMeter average and count as documented; the stream seeds differ by position and from the drafter's;
   mode stream is refused where a restarted stream would change what penalties count.
 
@@ -28,10 +34,14 @@ from tether.client.mode_choice import (
     MIN_INTERVALS,
     MIN_STEP_S,
     PROBE_REACH,
+    SETTLE_ROUNDS,
     STREAM,
+    TAU_PRIOR,
+    TRIAL_INTERVALS,
     ModeMeter,
     Rate,
     choose_mode,
+    predict_hybrid,
     predict_stream,
 )
 from tether.client.seeds import draft_seed, stream_seed
@@ -103,6 +113,113 @@ def test_auto_begins_with_the_hybrid_and_judges_after_enough_intervals():
     assert choose("auto", meter(HYBRID, {HYBRID: 1.0}), wait_s=0.0) == HYBRID  # no wait measured: no guess
 
 
+IDLE_STEP_S, LOADED_STEP_S = 1 / 70, 1 / 4  # the toy target's stream on the 2-core CPU (bench/link.py, 64 tokens)
+SERVER_S = 0.025  # ... and its forward over bench/link.py's prompt (the open's time less the round trip)
+
+
+def opened(rtt_s: float, step_s: float, server_s: float = SERVER_S, tau: float = 0.0) -> ModeMeter:
+    """A fresh meter after the open: its ping answered over a link of `rtt_s` with the server's `step_s` (0: none
+    said), the open's first token a round trip and `server_s` after it was sent."""
+    m = ModeMeter()
+    m.answered(rtt_s, step_s)
+    m.opened(rtt_s + server_s, tau)
+    return m
+
+
+@pytest.mark.parametrize(
+    ("rtt_s", "step_s", "want"),
+    [
+        (0.150, IDLE_STEP_S, STREAM),  # an idle server far away: the hybrid's rounds wait on the round trip
+        (0.050, IDLE_STEP_S, STREAM),  # 70 tok/s against tau 4 over 75 ms: 53
+        (0.010, IDLE_STEP_S, HYBRID),  # 114: the hybrid, measured before a stream is probed
+        (0.000, IDLE_STEP_S, HYBRID),
+        (0.150, LOADED_STEP_S, HYBRID),  # a loaded server: a stream's token a batched step
+        (0.050, LOADED_STEP_S, HYBRID),
+        (0.010, LOADED_STEP_S, HYBRID),
+        (0.000, LOADED_STEP_S, HYBRID),
+        (0.150, 0.0, HYBRID),  # nothing said (an older server, or none streamed yet): nothing predicts a stream
+        (0.150, 0.0012, STREAM),  # the issue's H200, idle: 3-7x the hybrid at any round trip
+        (0.050, 0.0012, STREAM),
+    ],
+)
+def test_the_open_starts_in_the_mode_its_figures_predict(rtt_s, step_s, want):
+    """Before any round: the server's figure against tau (TAU_PRIOR) over the open's time; the old rule always
+    began with the hybrid and could leave it only once it was judged."""
+    assert choose("auto", opened(rtt_s, step_s)) == want
+
+
+def test_the_open_streams_only_where_the_stream_is_clearly_faster_and_takes_a_measured_tau():
+    rtt_s, server_s = 0.050, SERVER_S
+    hybrid = predict_hybrid(rtt_s, 0.0, rtt_s + server_s, TAU_PRIOR)
+    assert hybrid == pytest.approx(TAU_PRIOR / (rtt_s + server_s))
+    assert choose("auto", opened(rtt_s, 1 / ((1 + MARGIN) * hybrid * 1.01))) == STREAM
+    assert choose("auto", opened(rtt_s, 1 / ((1 + MARGIN) * hybrid * 0.99))) == HYBRID  # within the margin
+    # The session's own tau (a chat's later turn) replaces the prior: a drafter accepted twice as often keeps it.
+    assert choose("auto", opened(rtt_s, 1 / ((1 + MARGIN) * hybrid * 1.5), tau=2 * TAU_PRIOR)) == HYBRID
+    assert predict_hybrid(0.0, 0.0, 0.0, TAU_PRIOR) == 0.0  # nothing measured: no prediction
+    assert predict_hybrid(0.050, 0.010, 0.0, 4.0) == pytest.approx(4.0 / 0.060)  # a round trip and a step at least
+
+
+def test_a_stream_begun_at_the_open_is_left_for_a_hybrid_predicted_clearly_faster():
+    """The stream measured far slower than the server said (it filled since): the hybrid, never measured, is
+    probed once its prediction is MARGIN above the stream's measured rate; the old rule never left such a stream
+    before its recheck."""
+    m = opened(0.150, IDLE_STEP_S)
+    assert choose("auto", m) == STREAM
+    hybrid = predict_hybrid(m.rtt_s, m.server_step_s, m.open_s, m.tau)  # 23 tok/s
+    v = Visits()
+    v.m = m
+    v.visit(STREAM, hybrid, 1 + TRIAL_INTERVALS, per=1)  # as fast as predicted: kept
+    assert choose("auto", v.m) == STREAM
+    v.visit(STREAM, hybrid / (1 + MARGIN) / 2, 16, per=1)
+    assert choose("auto", v.m) == HYBRID
+
+
+def test_a_hybrid_left_is_measured_again_on_its_own_visit_and_kept_once_it_sped_up():
+    """The toy hybrid speeds up after its first rounds (trees, then tau 5-8 over repeating text): left for a stream
+    measured faster than its first figures, it is measured again within 96 tokens of the stream (the old rule: 512),
+    judged on that visit's timed rounds alone (its two settling rounds untimed, two intervals a trial's), and kept."""
+    assert FIRST_RECHECK <= 96 and SETTLE_ROUNDS == 2 and TRIAL_INTERVALS == 2
+    v = Visits()
+    v.visit(HYBRID, 50.0, 8)  # the open's hybrid, judged at 50 tok/s
+    assert choose("auto", v.m, wait_s=wait_for(70.0)) == STREAM  # a stream within reach: probed
+    v.visit(STREAM, 70.0, 3, per=JUDGE_TOKENS)
+    assert choose("auto", v.m, wait_s=wait_for(70.0)) == STREAM  # measured faster: kept
+    v.visit(STREAM, 70.0, 96 // JUDGE_TOKENS - 4, per=JUDGE_TOKENS)
+    assert choose("auto", v.m, wait_s=wait_for(70.0)) == STREAM  # not yet
+    v.visit(STREAM, 70.0, 1, per=JUDGE_TOKENS)
+    assert choose("auto", v.m, wait_s=wait_for(70.0)) == HYBRID  # the recheck
+    v.visit(HYBRID, 30.0, 3, per=5)  # the catch-up's first rounds: chains, slow; the clock's start, then settling
+    assert v.m.trial and choose("auto", v.m, wait_s=wait_for(70.0)) == HYBRID
+    v.visit(HYBRID, 150.0, 1, per=8)
+    assert choose("auto", v.m, wait_s=wait_for(70.0)) == HYBRID  # not judged yet
+    v.visit(HYBRID, 150.0, 1, per=8)
+    assert v.m.rates[HYBRID].tokens_per_s == pytest.approx(150.0)
+    assert choose("auto", v.m, wait_s=wait_for(70.0)) == HYBRID  # judged faster: kept
+    v.visit(HYBRID, 150.0, 4, per=8)
+    assert not v.m.trial and choose("auto", v.m, wait_s=wait_for(70.0)) == HYBRID
+
+
+def test_a_hybrid_never_tried_is_measured_at_the_recheck():
+    m = opened(0.150, IDLE_STEP_S)
+    v = Visits()
+    v.m = m
+    v.visit(STREAM, 70.0, FIRST_RECHECK // JUDGE_TOKENS - 1, per=JUDGE_TOKENS)
+    assert choose("auto", v.m) == STREAM
+    v.visit(STREAM, 70.0, 1, per=JUDGE_TOKENS)
+    assert choose("auto", v.m) == HYBRID
+
+
+def test_a_stream_is_measured_again_at_the_recheck_only_while_the_server_says_it_is_within_reach():
+    remembered = {HYBRID: 100.0, STREAM: 90.0}
+    m = meter(HYBRID, remembered, visit=FIRST_RECHECK)
+    m.answered(0.050, 1 / 25.0)  # loaded now: a quarter of the hybrid
+    assert choose("auto", m) == HYBRID  # the old rule measured it again whatever the server said
+    m.answered(0.050, 1 / 90.0)  # idle again
+    assert choose("auto", m) == STREAM
+    assert choose("auto", meter(HYBRID, remembered, visit=FIRST_RECHECK)) == STREAM  # nothing said: measured again
+
+
 def test_a_mode_is_left_only_for_one_margin_faster():
     just_under = (1 + MARGIN) * 100.0 * 0.99
     just_over = (1 + MARGIN) * 100.0 * 1.01
@@ -143,33 +260,34 @@ def test_a_stream_never_tried_is_probed_when_predicted_within_reach_below_the_ma
 
 def test_a_probe_measured_slower_goes_back_and_is_tried_again_only_at_the_recheck():
     v = Visits()
-    v.visit(HYBRID, 100.0, MIN_INTERVALS + 1)  # the open's first emission starts the clock
+    v.visit(HYBRID, 100.0, 1 + SETTLE_ROUNDS + MIN_INTERVALS)  # the first emission starts the clock, then settling
     assert not v.m.trial and choose("auto", v.m, wait_s=wait_for(90.0)) == STREAM  # a probe
     v.visit(STREAM, 90.0, 1)
     assert v.m.trial
-    for _ in range(MIN_INTERVALS - 1):
+    for _ in range(TRIAL_INTERVALS - 1):
         v.visit(STREAM, 90.0, 1)
         assert choose("auto", v.m, wait_s=wait_for(90.0)) == STREAM  # not judged yet
     v.visit(STREAM, 90.0, 1)
-    # Judged: 0.9x the hybrid. Within MARGIN, where the old rule stayed; a trial measured slower goes back.
+    # Judged (a trial: after TRIAL_INTERVALS): 0.9x the hybrid. Within MARGIN, where the old rule stayed; a trial
+    # measured slower goes back.
     assert choose("auto", v.m, wait_s=wait_for(90.0)) == HYBRID
-    v.visit(HYBRID, 100.0, 2 * MIN_INTERVALS)
+    v.visit(HYBRID, 100.0, 1 + SETTLE_ROUNDS + 2 * MIN_INTERVALS)
     assert not v.m.trial
     for wait_s in (wait_for(90.0), wait_for(110.0), wait_for(1000.0)):  # no prediction counts once measured
         assert choose("auto", v.m, wait_s=wait_s) == HYBRID
     v.visit(HYBRID, 100.0, (FIRST_RECHECK - v.m.visit_tokens) // 4)
     assert choose("auto", v.m, wait_s=wait_for(90.0)) == STREAM  # the recheck
-    v.visit(STREAM, 90.0, MIN_INTERVALS + 1)
+    v.visit(STREAM, 90.0, TRIAL_INTERVALS + 1)
     assert v.m.trial and v.m.recheck == 2 * FIRST_RECHECK
     assert choose("auto", v.m, wait_s=wait_for(90.0)) == HYBRID  # still slower: back, until the next check
 
 
 def test_a_probe_measured_faster_is_kept_and_then_an_ordinary_visit():
     v = Visits()
-    v.visit(HYBRID, 100.0, MIN_INTERVALS + 1)
+    v.visit(HYBRID, 100.0, 1 + SETTLE_ROUNDS + MIN_INTERVALS)
     assert choose("auto", v.m, wait_s=wait_for(60.0)) == STREAM
     v.visit(STREAM, 105.0, 2, per=JUDGE_TOKENS)  # a lone stream's chunks: judged on the first interval
-    assert v.m.trial and v.m.rates[STREAM].judged
+    assert v.m.trial and v.m.rates[STREAM].judged(trial=True)
     assert choose("auto", v.m, wait_s=wait_for(60.0)) == STREAM  # measured faster (by less than MARGIN): kept
     v.visit(STREAM, 90.0, 8, per=1)  # kept, it is left only for a hybrid MARGIN faster
     assert not v.m.trial and v.m.rates[STREAM].tokens_per_s < 100.0
