@@ -10,10 +10,11 @@ gRPC, online modes forced and switched on events.
   tokens (keeping every streamed one) and streams again, ending with plain greedy's text;
 - the link cut inside the catch-up Resync of a switch to the hybrid: an outage like any other, and the same text;
 - a stream the server refuses for load (REASON_CAPACITY): the client drafts here instead, without an outage;
-- auto's own choice on rates given (a virtual clock, the verdict wait and the server's decode_step_s pinned): a
-  stream predicted below the hybrid but within reach is probed, kept when it measures faster, left for the hybrid
-  when slower (and not tried again), with plain greedy's text either way; one the server says is well below the
-  hybrid is not probed.
+- auto's own choice on rates given (a virtual clock, the verdict wait, the open's time and the server's
+  decode_step_s pinned): a stream predicted below the hybrid but within reach is probed, kept when it measures
+  faster, left for the hybrid when slower (and not tried again), with plain greedy's text either way; one the server
+  says is well below the hybrid is not probed; one it says is MARGIN above the hybrid's prediction at the open
+  starts the generation, before any round.
 
 Faults strike on events (tokens emitted, a Resync call answered), never on the clock; deadlines elsewhere are
 generous, so a busy machine never makes a slow step look like an outage.
@@ -24,7 +25,8 @@ generous, so a busy machine never makes a slow step look like an outage.
 import pytest
 from edge_text import run_text
 
-from tether.client.mode_choice import HYBRID, PROBE_REACH, STREAM, predict_stream
+from tether.client.adaptive import OnlineModes
+from tether.client.mode_choice import HYBRID, MARGIN, PROBE_REACH, STREAM, TAU_PRIOR, predict_hybrid, predict_stream
 from tether.client.round_plan import Measured
 from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.netsim.proxy import NetSimThread
@@ -283,12 +285,14 @@ def pinned_pace(start_server):
 
 def virtual_run(address: str, cache: str, stream_s: float):
     """A greedy generation under auto on the rates given (the hybrid's HYBRID_S, the stream's `stream_s` seconds a
-    token of the virtual clock), the verdict wait pinned to WAIT_S."""
+    token of the virtual clock), the verdict wait and the open's time pinned to WAIT_S."""
     session = EdgeSession(ClientConfig(server=address, max_new_tokens=N_NEW, cache_dir=cache, **PATIENT))
     try:
         session.pair()
         session.rounds.measured = PinnedWait()
         session.online.clock = VirtualClock(session, stream_s)
+        online = session.online
+        session.online.opened = lambda seconds: OnlineModes.opened(online, WAIT_S)
         return run_text(session, PROMPT)
     finally:
         session.close()
@@ -322,3 +326,26 @@ def test_auto_does_not_probe_a_stream_the_server_says_is_well_below_the_hybrid(s
         said["step_s"] = 0.0
     assert result.token_ids == served[2] and set(result.tags) == {"verified"}
     assert result.stats.stream_tokens == 0 and result.stats.mode_switches == 0
+
+
+@pytest.mark.parametrize("faster", [1.5, 1.1])
+def test_auto_starts_streaming_at_the_open_where_the_server_says_a_stream_is_clearly_faster(
+    served, pinned_pace, cache, faster
+):
+    """The server says a stream's token takes what makes it `faster` times the hybrid's prediction at the open (tau
+    TAU_PRIOR a round of the open's time, WAIT_S): 1.5x, beyond the margin, starts the generation streaming before
+    any round (the old rule always began with the hybrid's rounds); 1.1x, within it, begins with the hybrid."""
+    address, said = pinned_pace
+    hybrid = predict_hybrid(0.0, 0.0, WAIT_S, TAU_PRIOR)
+    said["step_s"] = 1 / (faster * hybrid)
+    try:
+        result = virtual_run(address, cache, said["step_s"])
+    finally:
+        said["step_s"] = 0.0
+    s = result.stats
+    assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    if faster > 1 + MARGIN:
+        assert s.rounds == 0 and s.mode_switches == 1 and s.stream_tokens == len(served[2]) - 1
+        assert s.switch_bytes[0][0] > 0 and len(s.switch_s) == 1  # the start's switch: its prompt, its first chunk
+    else:
+        assert s.rounds > 0
