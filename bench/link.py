@@ -51,6 +51,9 @@ Then outages (`--outages-s`, with `--outage-mode` at `--outage-rtt-ms` / `--outa
 reader's pace (`--pace` tokens/s, policy keep); once it has written 2 x pace tokens the link is cut for the outage's
 seconds; reported: offline tokens, the first resync's duration (request to next verified token) and its bytes.
 
+- switches (hybrid modes and adaptive): each change of online mode, [ms, payload bytes up, down]: a switch to
+  streaming until its first chunk (its prompt's bytes up), a catch-up until the next verified token (tether.client
+  .adaptive); adaptive's first stream may come straight after the open (tether.client.mode_choice).
 - mean_batch: the server's mean batch size (rounds and stream steps per step) over the cell, where the bench reads
   the server's metrics: how full the background clients keep it.
 The summary (record "summary", one cell per load, bandwidth and RTT): each mode's tok_s, the better of server-only
@@ -141,6 +144,7 @@ DEFINITIONS = {
     "wait_ms": "per round, from sending it to its verdict's arrival at the client",
     "overhead_ms": "wait_ms - RTT - server_round_ms: what the wire, gRPC on both ends and netsim add to a round trip",
     "payload_B_per_tok": "message payload bytes up + down per token",
+    "switches": "each change of online mode: [ms until its first token, payload bytes up, down]",
     "wire_B_per_tok": "bytes both ways through netsim per token (HTTP/2 + gRPC framing included)",
 }
 
@@ -331,6 +335,8 @@ def run_hybrid(rig: Rig, mode: str) -> dict:
                   "ttft_ms": 1e3 * s.ttft_s, "offline_tokens": s.offline_tokens,
                   "pipeline_hits": stats.get(PIPELINE_HITS), **per_round,
                   "stream_tokens": stats.get("stream_tokens"), "mode_switches": stats.get("mode_switches"),
+                  "switches": [[1e3 * t, up, down] for t, (up, down) in
+                               zip(stats.get("switch_s", ()), stats.get("switch_bytes", ()), strict=True)],
                   "client_stats": {k: v for k, v in stats.items() if not isinstance(v, list)}}  # fmt: skip
 
 

@@ -44,7 +44,8 @@ chosen: a chunk of the stream, or a round's verdict.
 
 Tests: tests/client/test_mode_choice.py (the rule), tests/e2e/test_adaptive_modes.py (the same greedy text for
 hybrid, stream and forced switches; a link cut or stalled mid-stream and mid-catch-up; a refused stream; auto
-probing a stream it predicted slower, and keeping it or coming back as measured).
+probing a stream it predicted slower, and keeping it or coming back as measured; auto starting the generation
+streaming where the server said a stream is clearly faster than the hybrid's prediction at the open).
 """
 
 from __future__ import annotations

@@ -80,8 +80,9 @@ PROBE_REACH = 0.5  # probe a stream never tried when its floor is at least this 
 # CPU a verify round of the default draft costs about 3-4 decode steps of the toy models, bench/link.py)
 MIN_STEP_S = 0.0005  # a server step is taken to last at least this long (a verdict wait within noise of the round
 # trip says little more than that the server is fast)
-TAU_PRIOR = 4.0  # tokens a round of a hybrid this session never measured (k = 5: the toy pair's held-out tau 4.3,
-# the compact pair's recorded 4.68; a real pair's is lower, which only makes a stream's start likelier)
+TAU_PRIOR = 3.0  # tokens a round of a hybrid this session never measured: below the default k = 5's (the toy pair's
+# held-out tau 4.3, the compact pair's recorded 4.68), since the prediction leaves out the client's drafting, which
+# on the CPU link bench takes about as long as the server's round (bench/link.py: work_ms 45-65 a round)
 FIRST_RECHECK = 96  # tokens the mode now writes before the mode left is measured again; doubled at every check
 BUSY_BAR_TOKENS = 256  # a stream the server refused for load is not tried again for this many tokens
 

@@ -130,8 +130,8 @@ def opened(rtt_s: float, step_s: float, server_s: float = SERVER_S, tau: float =
     ("rtt_s", "step_s", "want"),
     [
         (0.150, IDLE_STEP_S, STREAM),  # an idle server far away: the hybrid's rounds wait on the round trip
-        (0.050, IDLE_STEP_S, STREAM),  # 70 tok/s against tau 4 over 75 ms: 53
-        (0.010, IDLE_STEP_S, HYBRID),  # 114: the hybrid, measured before a stream is probed
+        (0.050, IDLE_STEP_S, STREAM),  # 70 tok/s against TAU_PRIOR (3) over 75 ms: 40
+        (0.010, IDLE_STEP_S, HYBRID),  # 86: the hybrid, measured before a stream is probed
         (0.000, IDLE_STEP_S, HYBRID),
         (0.150, LOADED_STEP_S, HYBRID),  # a loaded server: a stream's token a batched step
         (0.050, LOADED_STEP_S, HYBRID),

@@ -54,7 +54,9 @@ def test_link_record(link, tmp_path, capsys):
             assert r["rounds"] >= 1 and r["tau"] >= 1 and r["round_ms"] > 0 and r["server_round_ms"] > 0
             assert r["client_stats"]["rounds"] == r["rounds"]
         if r["mode"] != "adaptive":
-            assert r["stream_tokens"] == 0  # a hybrid mode is forced: it never streams
+            assert r["stream_tokens"] == 0 and r["switches"] == []  # a hybrid mode is forced: it never streams
+        assert len(r["switches"]) == r["mode_switches"]  # each switch's time and bytes, the text sent up
+        assert all(ms > 0 and up > 0 for ms, up, _ in r["switches"])
         # The bounds, from this record's own figures: tau / (RTT + the server's round), tau / (RTT + round at RTT 0).
         rtt0 = measured[(r["mode"], r["load"], 0)]["round_ms"]
         if r["tau"] and r["server_round_ms"] and rtt0:
