@@ -89,6 +89,8 @@ class OnlineModes:
         self.rounds, self.resync, self.controls = rounds, resync, controls
         self.meter = ModeMeter()  # what each online mode gave (tether.client.mode_choice: mode="auto")
         self.generation: GenerationStream | None = None  # the Generate call while streaming; None: the hybrid
+        self._early: GenerationStream | None = None  # a Generate sent beside the open (speculate): the first choice
+        self._skip = 0  # tokens the stream's first chunk repeats (an early stream's: the open's first token)
         self._answered: threading.Event | None = None  # set once the last ping was answered; None: none sent
         self._first_wait_s: float | None = None  # the first step waits this long for the open's ping; None: done
         self._pinged_visit = -1  # the meter's visit whose recheck was pinged for (one ping a recheck)
@@ -126,6 +128,17 @@ class OnlineModes:
         )
         call.add_done_callback(done)
 
+    def speculate(self) -> None:
+        """Under auto, greedy, where the server said at pairing what a token of its streams takes: a Generate over
+        the prompt sent beside the open, so that a generation the open's figures start streaming does not wait a
+        round trip and a prefill more for it (its first token is the open's first token, which it repeats). Cancelled
+        at the first choice unless that is the stream: a prefill and a few steps of the server's, wasted."""
+        cfg = self.cfg
+        if cfg.mode != "auto" or cfg.temperature > 0 or self.output.logprobs or not self.link.info.decode_step_s:
+            return
+        if self._can_stream():
+            self._early = self._generate(cfg.max_new_tokens)
+
     def opened(self, seconds: float) -> None:
         """The open's first token came `seconds` after it was sent: with tau, the hybrid's prediction. The first
         step waits for the ping sent with it up to as long again."""
@@ -162,6 +175,9 @@ class OnlineModes:
         if now != self.meter.mode:
             self.meter.enter(now)  # the link's doing: a resync attached the hybrid
         want = self.choose()
+        if self._early is not None and want != STREAM:
+            self._early.close()  # the open's figures chose the hybrid
+            self._early = None
         if want == HYBRID and self.generation is not None:
             self._to_hybrid()  # its next token, emitted: the switch's, not the hybrid's rate
             return
@@ -177,11 +193,23 @@ class OnlineModes:
     # ---- streaming -----------------------------------------------------------------------------------------
 
     def _to_stream(self) -> None:
-        """Leave the hybrid: the server decodes the rest alone and streams it."""
-        cfg, stats, sequence = self.cfg, self.output.stats, self.text.sequence
+        """Leave the hybrid: the server decodes the rest alone and streams it (the early stream where one was sent
+        beside the open: it repeats the open's first token, skipped)."""
+        stats = self.output.stats
         self.rounds.drop()  # a round in flight is forgotten: the text goes on from the tokens emitted
         self.link.drop_stream()
         self.resync.behind(self.text.verified)  # offline, the drafter first steps over what was streamed
+        if self._early is not None:
+            self.generation, self._early, self._skip = self._early, None, len(self.text.tokens)
+        else:
+            self.generation, self._skip = self._generate(self.cfg.max_new_tokens - len(self.text.tokens)), 0
+        self.meter.enter(STREAM)
+        stats.mode_switches += 1
+        self.output.tell(Event("mode", detail=STREAM))
+
+    def _generate(self, max_new_tokens: int) -> GenerationStream:
+        """A Generate call over the whole text so far, for `max_new_tokens` more; its prompt's bytes counted."""
+        cfg, stats, sequence = self.cfg, self.output.stats, self.text.sequence
         sampling = sampling_params(cfg, self.link.info, self.output.logprobs)
         if cfg.temperature > 0:
             sampling.seed = stream_seed(cfg.seed, len(sequence))
@@ -189,14 +217,11 @@ class OnlineModes:
             prompt=sequence,
             sampling=sampling,
             model_fingerprint=self.link.info.model_fingerprint,
-            max_new_tokens=cfg.max_new_tokens - len(self.text.tokens),
+            max_new_tokens=max_new_tokens,
         )
         stats.bytes_up += 4 * len(sequence)
         self._switch_bytes = (4 * len(sequence), 0)
-        self.generation = GenerationStream(self.link.stub, req, self.link.metadata)
-        self.meter.enter(STREAM)
-        stats.mode_switches += 1
-        self.output.tell(Event("mode", detail=STREAM))
+        return GenerationStream(self.link.stub, req, self.link.metadata)
 
     def _stream_step(self) -> None:
         """The stream's next chunk, emitted; a refusal, or an end before the client's, goes back to the hybrid."""
@@ -207,7 +232,9 @@ class OnlineModes:
                 chunk = list(msg.tokens)
                 for t in chunk:
                     self.check.token(t, "streamed token")
-                reported = self.check.logprobs(msg.logprobs, chunk)
+                repeated = self._repeated(chunk)
+                chunk = chunk[repeated:]
+                reported = self.check.logprobs(msg.logprobs, chunk) if repeated >= 0 else []
         except ServerBusy:  # the server is full for streams now: draft here instead for a while
             self.meter.bar_stream(len(self.text.tokens) + BUSY_BAR_TOKENS)
             self._to_hybrid()
@@ -219,6 +246,9 @@ class OnlineModes:
         except BaseException:
             self.end_stream()  # the link: the run loop goes offline
             raise
+        if msg is not None and repeated < 0:  # the early stream went another way: the hybrid goes on from the text
+            self._to_hybrid()
+            return
         if msg is None:  # ended before this generation did (the server's own limit): the hybrid goes on
             self.meter.bar_stream(cfg.max_new_tokens)
             self._to_hybrid()
@@ -226,14 +256,28 @@ class OnlineModes:
         if g.chunks == 1:
             stats.switch_s.append(g.arrived_at - g.started_at)
             stats.switch_bytes.append(self._switch_bytes)
+        if not chunk:
+            return  # the open's first token again, alone: nothing new
         stats.bytes_down += 4 * len(chunk)
         before = len(self.text.tokens)
         self.output.emit(chunk, "verified", reported)
         stats.stream_tokens += len(self.text.tokens) - before
 
+    def _repeated(self, chunk: list[int]) -> int:
+        """How many tokens at the chunk's head repeat the text's (an early stream's: the open's first token); -1
+        where they disagree (a greedy step decided otherwise, as numerics under another batch may)."""
+        n = min(self._skip, len(chunk))
+        if chunk[:n] != self.text.tokens[len(self.text.tokens) - self._skip :][:n]:
+            return -1
+        self._skip -= n
+        return n
+
     def end_stream(self) -> None:
         """Cancel the Generate call, if one runs. The tokens it streamed are the target's: a resync absorbs them
         whatever the policy."""
+        if self._early is not None:
+            self._early.close()
+            self._early = None
         if self.generation is None:
             return
         self.generation.close()

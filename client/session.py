@@ -324,6 +324,7 @@ class EdgeSession:
             model_fingerprint=link.info.model_fingerprint,
         )
         output.stats.bytes_up += 4 * len(text.prompt)
+        self.online.speculate()  # under auto, greedy: a Generate beside the open, which the first choice may take
         self.online.ping()  # under auto: the round trip and the server's pace, beside the open (the first choice's)
         output.prompt_sent_at = time.monotonic()
         o = self._opened(stream.request(pb.ClientMessage(open=open_), cfg.connect_timeout_s), len(text.prompt))
