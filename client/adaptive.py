@@ -19,6 +19,10 @@ chosen: a chunk of the stream, or a round's verdict.
   The first step waits for that answer, up to the open's time again (it costs the server no model work, so it
   normally comes first): with it the choice may start the generation streaming, before any round. It pings again
   as each recheck comes due, so a recheck of the stream goes by what the server says now.
+- Greedy under auto, where the server said its pace at pairing (ModelInfo.decode_step_s), a Generate over the
+  prompt goes out beside the open (`speculate`): a first choice that streams takes it, so a start in the stream
+  costs no second round trip and prefill (its first chunk repeats the open's first token, which is skipped: a
+  repeat that disagrees sends the generation to the hybrid); any other first choice cancels it.
 - Back to the hybrid (`_to_hybrid`, the catch-up): the Generate call is cancelled (chunks not yet taken are dropped:
   the text is what was emitted), and a Resync absorbs every token after the verified length (tether.client.resync,
   `quiet`: no outage is told or counted), which gives the drafter their exact states in its delta and the target's

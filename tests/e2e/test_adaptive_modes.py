@@ -14,7 +14,8 @@ gRPC, online modes forced and switched on events.
   decode_step_s pinned): a stream predicted below the hybrid but within reach is probed, kept when it measures
   faster, left for the hybrid when slower (and not tried again), with plain greedy's text either way; one the server
   says is well below the hybrid is not probed; one it says is MARGIN above the hybrid's prediction at the open
-  starts the generation, before any round.
+  starts the generation, before any round, on the Generate sent beside the open (its repeat of the open's first
+  token skipped).
 
 Faults strike on events (tokens emitted, a Resync call answered), never on the clock; deadlines elsewhere are
 generous, so a busy machine never makes a slow step look like an outage.
@@ -274,11 +275,19 @@ class VirtualClock:
 @pytest.fixture(scope="module")
 def pinned_pace(start_server):
     """A server whose GetModelInfo says decode_step_s is what the dict returned holds ("step_s"; 0.0: nothing, as
-    an older server): (address, that dict)."""
-    said = {"step_s": 0.0}
+    an older server), and which lists each Generate call's prompt length ("generates"): (address, that dict)."""
+    said = {"step_s": 0.0, "generates": []}
 
     def edit(service):
         service.engine.decoding.step_s = lambda: said["step_s"]
+        real = service.Generate
+
+        async def generate(request, context):
+            said["generates"].append(len(request.prompt))
+            async for message in real(request, context):
+                yield message
+
+        service.Generate = generate
 
     return start_server(edit)[0], said
 
@@ -337,15 +346,18 @@ def test_auto_starts_streaming_at_the_open_where_the_server_says_a_stream_is_cle
     any round (the old rule always began with the hybrid's rounds); 1.1x, within it, begins with the hybrid."""
     address, said = pinned_pace
     hybrid = predict_hybrid(0.0, 0.0, WAIT_S, TAU_PRIOR)
-    said["step_s"] = 1 / (faster * hybrid)
+    said["step_s"], said["generates"] = 1 / (faster * hybrid), []
     try:
         result = virtual_run(address, cache, said["step_s"])
     finally:
         said["step_s"] = 0.0
     s = result.stats
     assert result.token_ids == served[2] and set(result.tags) == {"verified"}
+    prompt_len = len(result.prompt_ids)
+    assert said["generates"][0] == prompt_len  # sent beside the open (greedy, the server's pace said at pairing)
     if faster > 1 + MARGIN:
         assert s.rounds == 0 and s.mode_switches == 1 and s.stream_tokens == len(served[2]) - 1
-        assert s.switch_bytes[0][0] > 0 and len(s.switch_s) == 1  # the start's switch: its prompt, its first chunk
+        assert said["generates"] == [prompt_len]  # that Generate taken: its repeat of the open's first token skipped
+        assert s.switch_bytes[0][0] == 4 * prompt_len and len(s.switch_s) == 1  # its prompt, its first chunk
     else:
-        assert s.rounds > 0
+        assert s.rounds > 0  # the hybrid first, that Generate cancelled
