@@ -16,13 +16,15 @@ chosen: a chunk of the stream, or a round's verdict.
   link's round trip, which the choice subtracts from the hybrid's verdict wait to predict a stream it has not
   tried, and what the server says a token of a stream takes now (ModelInfo.decode_step_s), which predicts it
   better where given. The open's own time (`opened`) and tau (the session's, once measured) predict the hybrid.
-  The first step waits for that answer, up to the open's time again (it costs the server no model work, so it
-  normally comes first): with it the choice may start the generation streaming, before any round. It pings again
-  as each recheck comes due, so a recheck of the stream goes by what the server says now.
-- Greedy under auto, where the server said its pace at pairing (ModelInfo.decode_step_s), a Generate over the
-  prompt goes out beside the open (`speculate`): a first choice that streams takes it, so a start in the stream
-  costs no second round trip and prefill (its first chunk repeats the open's first token, which is skipped: a
-  repeat that disagrees sends the generation to the hybrid); any other first choice cancels it.
+  With that answer the choice may start the generation streaming, before any round (or after the first rounds,
+  should it come late). It pings again as each recheck comes due, so a recheck of the stream goes by what the
+  server says now.
+- Greedy under auto, where pairing's figures (its GetModelInfo's time, the pace it said) already choose the
+  stream, a Generate over the prompt goes out beside the open (`speculate`), and the first step waits for the
+  ping's answer (up to the open's time again: it costs the server no model work, so it normally comes first). A
+  first choice that streams takes it, so a start in the stream costs no second round trip and prefill (its first
+  chunk repeats the open's first token, which is skipped: a repeat that disagrees sends the generation to the
+  hybrid); any other first choice cancels it.
 - Back to the hybrid (`_to_hybrid`, the catch-up): the Generate call is cancelled (chunks not yet taken are dropped:
   the text is what was emitted), and a Resync absorbs every token after the verified length (tether.client.resync,
   `quiet`: no outage is told or counted), which gives the drafter their exact states in its delta and the target's
@@ -135,12 +137,14 @@ class OnlineModes:
     def speculate(self) -> None:
         """Under auto, greedy, where the server said at pairing what a token of its streams takes: a Generate over
         the prompt sent beside the open, so that a generation the open's figures start streaming does not wait a
-        round trip and a prefill more for it (its first token is the open's first token, which it repeats). Cancelled
-        at the first choice unless that is the stream: a prefill and a few steps of the server's, wasted."""
-        cfg = self.cfg
+        round trip and a prefill more for it (its first token is the open's first token, which it repeats). Sent only
+        where pairing's figures (its GetModelInfo's time and pace) already choose the stream; cancelled at the first
+        choice unless that is the stream: a prefill and a few steps of the server's, wasted."""
+        cfg, m = self.cfg, self.meter
         if cfg.mode != "auto" or cfg.temperature > 0 or self.output.logprobs or not self.link.info.decode_step_s:
             return
-        if self._can_stream():
+        m.answered(self.link.info_s, self.link.info.decode_step_s)  # what pairing said: the first choice's, early
+        if self.choose() == STREAM:
             self._early = self._generate(cfg.max_new_tokens)
 
     def opened(self, seconds: float) -> None:
@@ -168,8 +172,8 @@ class OnlineModes:
 
     def step(self) -> None:
         """One online step in the mode chosen: a chunk of the stream, or a round's verdict."""
-        if self._first_wait_s is not None and self._answered is not None:
-            self._answered.wait(self._first_wait_s)  # the open's figures, all of them, before the first choice
+        if self._first_wait_s is not None and self._answered is not None and self._early is not None:
+            self._answered.wait(self._first_wait_s)  # the early stream waits on the open's figures, all of them
         self._first_wait_s = None
         if self.cfg.mode == "auto" and self._answered is None:
             self.ping()  # a session that did not open here (restored from its file): its figures, late

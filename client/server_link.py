@@ -49,6 +49,7 @@ class ServerLink:
         auth = (("authorization", f"Bearer {cfg.api_key}"),) if cfg.api_key else ()
         self.metadata = (*auth, (AFFINITY_HEADER, self.affinity))
         self.info: pb.ModelInfo | None = None  # GetModelInfo's answer (model_info())
+        self.info_s = 0.0  # the time that answer took (the call that got it: a round trip, a connection's setup too)
         self.stream: SessionStream | None = None
         self.session_id = self.resume_token = ""
 
@@ -61,9 +62,12 @@ class ServerLink:
         if self.info is None:
 
             def ask() -> pb.ModelInfo:
-                return self.stub.GetModelInfo(
+                t0 = time.monotonic()
+                info = self.stub.GetModelInfo(
                     pb.GetModelInfoRequest(), metadata=self.metadata, timeout=max(0.1, deadline - time.monotonic())
                 )
+                self.info_s = time.monotonic() - t0
+                return info
 
             self.info = first_contact(
                 ask,

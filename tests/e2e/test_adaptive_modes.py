@@ -294,10 +294,11 @@ def pinned_pace(start_server):
 
 def virtual_run(address: str, cache: str, stream_s: float):
     """A greedy generation under auto on the rates given (the hybrid's HYBRID_S, the stream's `stream_s` seconds a
-    token of the virtual clock), the verdict wait and the open's time pinned to WAIT_S."""
+    token of the virtual clock), the verdict wait, the open's time and pairing's pinned to WAIT_S."""
     session = EdgeSession(ClientConfig(server=address, max_new_tokens=N_NEW, cache_dir=cache, **PATIENT))
     try:
         session.pair()
+        session.link.info_s = WAIT_S  # pairing's GetModelInfo took as long as the open, on the virtual clock
         session.rounds.measured = PinnedWait()
         session.online.clock = VirtualClock(session, stream_s)
         online = session.online
