@@ -143,13 +143,14 @@ class OnlineModes:
         cfg, m = self.cfg, self.meter
         if cfg.mode != "auto" or cfg.temperature > 0 or self.output.logprobs or not self.link.info.decode_step_s:
             return
-        m.answered(self.link.info_s, self.link.info.decode_step_s)  # what pairing said: the first choice's, early
+        if not m.server_step_s:  # nothing said since pairing (a chat's later turn has a fresher figure)
+            m.answered(self.link.info_s, self.link.info.decode_step_s)
         if self.choose() == STREAM:
             self._early = self._generate(cfg.max_new_tokens)
 
     def opened(self, seconds: float) -> None:
-        """The open's first token came `seconds` after it was sent: with tau, the hybrid's prediction. The first
-        step waits for the ping sent with it up to as long again."""
+        """The open's first token came `seconds` after it was sent: with tau, the hybrid's prediction. Where a
+        Generate went out early, the first step waits for the ping sent with the open up to as long again."""
         stats = self.output.stats
         self.meter.opened(seconds, stats.tau if stats.rounds else 0.0)
         self._first_wait_s = seconds
@@ -241,7 +242,7 @@ class OnlineModes:
                 for t in chunk:
                     self.check.token(t, "streamed token")
                 repeated = self._repeated(chunk)
-                chunk = chunk[repeated:]
+                chunk = chunk[max(repeated, 0) :]
                 reported = self.check.logprobs(msg.logprobs, chunk) if repeated >= 0 else []
         except ServerBusy:  # the server is full for streams now: draft here instead for a while
             self.meter.bar_stream(len(self.text.tokens) + BUSY_BAR_TOKENS)
