@@ -264,6 +264,7 @@ class OnlineModes:
             return
         if g.chunks == 1:
             stats.switch_s.append(g.arrived_at - g.started_at)
+            self.meter.switched(stats.switch_s[-1])
             stats.switch_bytes.append(self._switch_bytes)
         if not chunk:
             return  # the open's first token again, alone: nothing new
@@ -304,5 +305,6 @@ class OnlineModes:
         self.meter.enter(HYBRID)
         stats.mode_switches += 1
         stats.switch_s.append(time.monotonic() - t0)
+        self.meter.switched(stats.switch_s[-1])
         stats.switch_bytes.append((stats.bytes_up - up, stats.bytes_down - down))
         self.output.tell(Event("mode", detail=HYBRID))

@@ -84,6 +84,11 @@ TAU_PRIOR = 3.0  # tokens a round of a hybrid this session never measured: below
 # held-out tau 4.3, the compact pair's recorded 4.68), since the prediction leaves out the client's drafting, which
 # on the CPU link bench takes about as long as the server's round (bench/link.py: work_ms 45-65 a round)
 FIRST_RECHECK = 96  # tokens the mode now writes before the mode left is measured again; doubled at every check
+TRIAL_SHARE = 0.25  # a trial (a probe, a recheck) costs a switch each way: it is made only once the visit it
+# leaves has lasted 2 / TRIAL_SHARE times what a switch costs, so that cost stays within this share of the time.
+# A switch is a call the server queues with every other (a Generate's prefill, a catch-up Resync): a few tens of
+# ms on an idle server, 3-20 s each under 128 background streams on an H100 (bench/link.py, --load full)
+SWITCH_WEIGHT = 0.5  # weight of the newest switch in what a switch costs (ModeMeter.switch_s)
 BUSY_BAR_TOKENS = 256  # a stream the server refused for load is not tried again for this many tokens
 
 
@@ -142,6 +147,8 @@ class ModeMeter:
     tau: float = TAU_PRIOR  # tokens a round the hybrid gives: the session's own once its rounds measured it
     recheck: int = FIRST_RECHECK  # visit_tokens after which the mode left is measured again
     stream_barred_until: int = 0  # no stream before the generation holds this many tokens
+    switch_s: float = 0.0  # what a switch costs: the open's time, then an EWMA over the switches measured; 0: none
+    _began_at: float | None = None  # the first emission of this visit (time.monotonic()); None: none yet
     _last_at: float | None = None  # the last emission of this visit (time.monotonic()); None: none yet
     _untimed: int = SETTLE_ROUNDS  # emissions of this visit still to come before its intervals are timed
     _kept: bool = False  # this visit was judged (a trial then kept: an ordinary visit, judged already)
@@ -154,7 +161,7 @@ class ModeMeter:
         if rechecked:
             self.recheck *= 2
         self.trial = rechecked or not self.rates[mode].measured
-        self.mode, self.visit_tokens, self._last_at = mode, 0, None
+        self.mode, self.visit_tokens, self._last_at, self._began_at = mode, 0, None, None
         self._untimed, self._kept = (SETTLE_ROUNDS if mode == HYBRID else 0), False
         self.visits += 1
         self.rates[mode].restart()
@@ -172,6 +179,8 @@ class ModeMeter:
             self._untimed -= 1
         elif self._last_at is not None:
             rate.add(tokens, at - self._last_at)
+        if self._began_at is None:
+            self._began_at = at
         self._last_at = at
         self.visit_tokens += tokens
 
@@ -179,6 +188,16 @@ class ModeMeter:
     def judged(self) -> bool:
         """This visit measured enough to be judged (Rate.judged, for a trial or not), or was judged already."""
         return self._kept or self.rates[self.mode].judged(self.trial)
+
+    @property
+    def visit_s(self) -> float:
+        """Seconds this visit has lasted, from its first emission to its last (0.0 before its second)."""
+        return self._last_at - self._began_at if self._last_at is not None and self._began_at is not None else 0.0
+
+    def switched(self, seconds: float) -> None:
+        """A switch took `seconds` (to its mode's first token): what the next one is expected to cost."""
+        if seconds > 0:
+            self.switch_s = seconds if self.switch_s == 0 else self.switch_s + SWITCH_WEIGHT * (seconds - self.switch_s)
 
     def answered(self, seconds: float, step_s: float = 0.0) -> None:
         """A call was answered `seconds` after it was made, saying a token of a stream takes `step_s` (0: nothing)."""
@@ -191,6 +210,7 @@ class ModeMeter:
         """The open's first token came `seconds` after it was sent; `tau`: the session's measured tokens a round
         (0: none measured yet, TAU_PRIOR stands)."""
         self.open_s = max(seconds, 0.0)
+        self.switch_s = self.switch_s or self.open_s  # a call queued as a switch's is, before any switch is timed
         if tau > 0:
             self.tau = tau
 
@@ -249,6 +269,12 @@ def recheck_due(other: str, m: ModeMeter, rate: float) -> bool:
     return m.rates[STREAM].measured
 
 
+def trial_affordable(m: ModeMeter) -> bool:
+    """Whether a trial away from the mode now (a probe, a recheck: a switch each way) costs at most TRIAL_SHARE of
+    the time: the visit has lasted 2 / TRIAL_SHARE times what a switch costs (m.switch_s; none known: any)."""
+    return m.visit_s * TRIAL_SHARE >= 2 * m.switch_s
+
+
 def choose_mode(mode: str, m: ModeMeter, *, wait_s: float, can_stream: bool) -> str:
     """The online mode for the next step (see the module docstring). `mode`: ClientConfig.mode; `wait_s`: the
     hybrid's verdict wait (tether.client.round_plan.Measured, 0: none measured); `can_stream`: whether Generate can take
@@ -265,9 +291,12 @@ def choose_mode(mode: str, m: ModeMeter, *, wait_s: float, can_stream: bool) -> 
         return STREAM if stream > 0 and hybrid > 0 and stream > (1 + MARGIN) * hybrid else now
     if not m.judged:
         return now  # what it gives is still unknown, and leaving it costs a switch
-    if m.visit_tokens >= m.recheck and recheck_due(other, m, mine.tokens_per_s):
+    affordable = trial_affordable(m)
+    if affordable and m.visit_tokens >= m.recheck and recheck_due(other, m, mine.tokens_per_s):
         return other  # remembered from long ago, or only predicted: measure it, where it may now be faster
-    if not theirs.measured:  # never tried: predicted
-        return other if within_reach(other, predicted(other, m, wait_s), mine.tokens_per_s, m) else now
+    if not theirs.measured:  # never tried: predicted; a probe (not predicted MARGIN faster) only where affordable
+        guess = predicted(other, m, wait_s)
+        faster = guess > (1 + MARGIN) * mine.tokens_per_s
+        return other if within_reach(other, guess, mine.tokens_per_s, m) and (faster or affordable) else now
     margin = 0.0 if m.trial else MARGIN
     return other if theirs.tokens_per_s > (1 + margin) * mine.tokens_per_s else now

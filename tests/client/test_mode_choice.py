@@ -36,8 +36,10 @@ from tether.client.mode_choice import (
     PROBE_REACH,
     SETTLE_ROUNDS,
     STREAM,
+    SWITCH_WEIGHT,
     TAU_PRIOR,
     TRIAL_INTERVALS,
+    TRIAL_SHARE,
     ModeMeter,
     Rate,
     choose_mode,
@@ -200,14 +202,70 @@ def test_a_hybrid_left_is_measured_again_on_its_own_visit_and_kept_once_it_sped_
     assert not v.m.trial and choose("auto", v.m, wait_s=wait_for(70.0)) == HYBRID
 
 
-def test_a_hybrid_never_tried_is_measured_at_the_recheck():
+def test_a_hybrid_never_tried_is_measured_at_the_recheck_once_the_visit_outlasted_its_cost():
+    """Due after FIRST_RECHECK tokens, and made once the stream's visit has lasted 2 / TRIAL_SHARE times what a switch
+    costs (here the open's time, 175 ms: 1.4 s, 98 tokens at 70 tok/s)."""
     m = opened(0.150, IDLE_STEP_S)
     v = Visits()
     v.m = m
     v.visit(STREAM, 70.0, FIRST_RECHECK // JUDGE_TOKENS - 1, per=JUDGE_TOKENS)
     assert choose("auto", v.m) == STREAM
     v.visit(STREAM, 70.0, 1, per=JUDGE_TOKENS)
-    assert choose("auto", v.m) == HYBRID
+    assert v.m.visit_s * TRIAL_SHARE < 2 * v.m.switch_s and choose("auto", v.m) == STREAM  # due, not yet affordable
+    v.visit(STREAM, 70.0, 2, per=JUDGE_TOKENS)
+    assert v.m.visit_s * TRIAL_SHARE >= 2 * v.m.switch_s and choose("auto", v.m) == HYBRID
+
+
+LOADED_OPEN_S, LOADED_SWITCH_S = 15.0, 14.0  # an H100 under 128 background streams: an open, a catch-up Resync
+
+
+def test_under_a_server_that_queues_every_call_a_recheck_waits_until_it_costs_a_share_of_the_visit():
+    """An H100 under 128 background streams (bench/link.py --load full): the open took 15 s, and the stream it
+    started gives 22 tok/s. The old rule measured the hybrid again after 96 tokens (4.4 s): a catch-up Resync of
+    14 s, then a Generate of 5-8 s back, slower than both modes. Now the recheck waits until the visit has lasted
+    2 / TRIAL_SHARE switches (120 s here)."""
+    m = ModeMeter()
+    m.answered(0.150, 1 / 22.0)
+    m.opened(LOADED_OPEN_S)
+    assert m.switch_s == LOADED_OPEN_S and choose("auto", m) == STREAM  # the hybrid predicted at tau / 15 s
+    v = Visits()
+    v.m = m
+    v.visit(STREAM, 22.0, 1 + 2 * FIRST_RECHECK // JUDGE_TOKENS, per=JUDGE_TOKENS)
+    assert v.m.visit_tokens >= v.m.recheck and choose("auto", v.m) == STREAM  # due, not affordable
+    v.visit(STREAM, 22.0, int(2 * LOADED_OPEN_S / TRIAL_SHARE * 22.0 / JUDGE_TOKENS), per=JUDGE_TOKENS)
+    assert choose("auto", v.m) == HYBRID  # the visit outlasted 2 / TRIAL_SHARE switches: measured again
+
+
+def test_what_a_switch_costs_is_the_opens_time_then_the_switches_measured():
+    m = ModeMeter()
+    assert m.switch_s == 0.0
+    m.opened(0.2)
+    assert m.switch_s == 0.2
+    m.switched(LOADED_SWITCH_S)
+    assert m.switch_s == pytest.approx(0.2 + SWITCH_WEIGHT * (LOADED_SWITCH_S - 0.2))
+    m.opened(0.1)  # a later turn's open: the switches measured stand
+    m.switched(0.0)  # nothing timed: nothing changes
+    assert m.switch_s == pytest.approx(0.2 + SWITCH_WEIGHT * (LOADED_SWITCH_S - 0.2))
+
+
+def test_a_probe_waits_until_it_costs_a_share_of_the_visit_but_a_mode_predicted_faster_is_taken_at_once():
+    """A stream within reach but not predicted faster is a probe: under a server whose calls queue for seconds it
+    is not made after the hybrid's first judgement (the old rule made it); a stream predicted MARGIN faster is."""
+    v = Visits()
+    v.m.opened(LOADED_OPEN_S)
+    v.visit(HYBRID, 10.0, 1 + SETTLE_ROUNDS + MIN_INTERVALS)
+    v.m.answered(0.050, 1 / 9.5)  # the server's figure: within the margin below the hybrid
+    assert v.m.judged and choose("auto", v.m) == HYBRID
+    v.m.answered(0.050, 1 / (10.0 * (1 + MARGIN) * 1.1))  # predicted clearly faster: no trial, a switch
+    assert choose("auto", v.m) == STREAM
+    v.m.answered(0.050, 1 / 9.5)
+    v.visit(HYBRID, 10.0, int(2 * LOADED_OPEN_S / TRIAL_SHARE * 10.0 / 4))
+    assert choose("auto", v.m) == STREAM  # the visit outlasted 2 / TRIAL_SHARE switches: probed
+    idle = Visits()
+    idle.m.opened(0.05)
+    idle.visit(HYBRID, 10.0, 1 + SETTLE_ROUNDS + MIN_INTERVALS)
+    idle.m.answered(0.050, 1 / 9.5)
+    assert choose("auto", idle.m) == STREAM  # a cheap switch: probed after the first judgement
 
 
 def test_a_stream_is_measured_again_at_the_recheck_only_while_the_server_says_it_is_within_reach():
