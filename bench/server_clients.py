@@ -252,11 +252,15 @@ async def generate_stream(stub, args: argparse.Namespace, prompt: list[int], fp:
 
 async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until: float) -> dict:
     """Generate streams of --tokens, one after another, until `until`: the tokens received by then, the gaps
-    between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt.
+    between a stream's messages and each stream's time to first token. `prompts()` gives each stream's prompt. A
+    stream refused for capacity (REASON_CAPACITY: the KV pool full, as 128 streams fill the CPU's) is tried again
+    after the server's advice and counted (`capacity_retries`), not the end of every client of the process: a load
+    that died would leave the rest of bench/link.py's loaded cells idle.
     The client's own window (`window_s`, `window_tokens`) starts at its first token: a Session client opens and
     warms up before the window, so the first stream's open and prefill are not counted against this one either
     (every later stream's are)."""
-    out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0, "window_s": 0.0, "window_tokens": 0}
+    out = {"tokens": 0, "gaps_s": [], "ttft_s": [], "streams": 0, "window_s": 0.0, "window_tokens": 0,
+           "capacity_retries": 0}  # fmt: skip
     while time.perf_counter() < until:
         if rtt_s := args.rtt_ms / 1e3:  # the open's way out and the first chunk's back
             await asyncio.sleep(rtt_s)
@@ -279,6 +283,12 @@ async def generate_until(stub, args: argparse.Namespace, prompts, fp: str, until
                 last = t
         except TimeoutError:
             pass
+        except grpc.aio.AioRpcError as e:  # full for now (the KV pool, streams): again after the server's advice
+            refusal = Refusal.of_rpc_error(e)
+            if refusal.reason != pb.REASON_CAPACITY:
+                raise
+            out["capacity_retries"] += 1
+            await asyncio.sleep(min(refusal.retry_after_s or 0.05, max(until - time.perf_counter(), 0.0)))
         finally:
             call.cancel()
     return out
