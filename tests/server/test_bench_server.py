@@ -120,3 +120,55 @@ def test_each_client_channel_is_a_connection_of_its_own():
         return peers
 
     assert len(asyncio.run(run())) == 5
+
+
+def test_a_generate_load_client_refused_for_capacity_tries_again(monkeypatch):
+    """bench/link.py's --load full on the CPU fills the KV pool: a stream refused for REASON_CAPACITY is tried again
+    after the server's advice and counted; it used to end every client of the load's process (the cells after it
+    then ran on an idle server). The client's clock is virtual: it ends when the stream after the refusal ends."""
+    from types import SimpleNamespace
+
+    from google.protobuf import any_pb2
+    from google.rpc import status_pb2
+
+    from tether.v1 import tether_pb2 as pb
+
+    clients = load_bench("server_clients")
+    detail = any_pb2.Any()
+    detail.Pack(pb.ErrorDetail(reason=pb.REASON_CAPACITY, retry_after_ms=1))
+    status = status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], details=[detail])
+    full = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString())),
+        "the KV pool is full; try again shortly",
+    )
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(clients, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class Call:
+        def __init__(self, refused: bool):
+            self.refused, self.messages = refused, [pb.GeneratedTokens(tokens=[1, 2])]
+
+        async def read(self):
+            if self.refused:
+                raise full
+            if self.messages:
+                return self.messages.pop()
+            clock.now = 100.0  # the stream after the refusal ended: the client's time is up
+            return grpc.aio.EOF
+
+        def cancel(self) -> None:
+            pass
+
+    class Stub:
+        calls = 0
+
+        def Generate(self, req, timeout):
+            self.calls += 1
+            return Call(refused=self.calls == 1)
+
+    stub = Stub()
+    args = SimpleNamespace(rtt_ms=0.0, tokens=2, timeout=10.0)
+    out = asyncio.run(asyncio.wait_for(clients.generate_until(stub, args, lambda: [5], "", 10.0), 30))
+    assert stub.calls == 2 and out["capacity_retries"] == 1 and out["tokens"] == 2 and out["streams"] == 2
