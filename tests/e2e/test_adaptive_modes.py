@@ -27,7 +27,16 @@ import pytest
 from edge_text import run_text
 
 from tether.client.adaptive import OnlineModes
-from tether.client.mode_choice import HYBRID, MARGIN, PROBE_REACH, STREAM, TAU_PRIOR, predict_hybrid, predict_stream
+from tether.client.mode_choice import (
+    HYBRID,
+    MARGIN,
+    PROBE_REACH,
+    STREAM,
+    SWITCH_WEIGHT,
+    TAU_PRIOR,
+    predict_hybrid,
+    predict_stream,
+)
 from tether.client.round_plan import Measured
 from tether.client.session import ClientConfig, EdgeSession, Event, State
 from tether.netsim.proxy import NetSimThread
@@ -99,6 +108,11 @@ def test_switches_forced_on_events_change_no_token(served, cache, policy):
     assert all(up > 0 for up, _ in s.switch_bytes)  # every switch sends the text (Generate) or its tail (Resync)
     catch_ups = s.switch_bytes[1::2]  # stream first, so every second switch is to the hybrid
     assert all(down > 0 for _, down in catch_ups)  # the streamed tokens' KV delta
+    # What the next switch is expected to cost (what a trial must be worth): the open's time, then every switch timed.
+    m, expected = plan.session.online.meter, plan.session.online.meter.open_s
+    for t in s.switch_s:
+        expected += SWITCH_WEIGHT * (t - expected) if t > 0 else 0.0
+    assert m.open_s > 0 and m.switch_s == pytest.approx(expected)
 
 
 def test_switches_with_a_round_in_flight_change_no_token(served, cache):
