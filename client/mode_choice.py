@@ -16,9 +16,10 @@ Contract:
   answer; 0: nothing said: an older server, or one that has not streamed yet), how long the open took
   (`opened`: the round trip and the server's forward over the prompt), tau (tokens a round: the session's own
   where its rounds measured it, else TAU_PRIOR), and the generation length before which streaming is barred (a
-  stream refused or ended early: `bar_stream`). A hybrid visit's first SETTLE_ROUNDS verdicts after the one that
-  starts its clock are not timed: its first rounds are chains until tether.client.round_plan has measured enough
-  to draw trees, and its pipeline fills.
+  stream refused or ended early: `bar_stream`), and what a switch costs (`switch_s`: the open's time until a
+  switch is timed, then an EWMA of the switches timed, `switched`). A hybrid visit's first SETTLE_ROUNDS verdicts
+  after the one that starts its clock are not timed: its first rounds are chains until tether.client.round_plan
+  has measured enough to draw trees, and its pipeline fills.
   A visit is `judged` once it measured MIN_INTERVALS intervals (a trial: TRIAL_INTERVALS, which bounds what a
   trial costs), or JUDGE_TOKENS tokens over them (a stream the server decodes alone comes in chunks of 16 tokens:
   one such interval measures 16 steps).
@@ -44,7 +45,11 @@ Contract:
     only at the recheck, and flapping is bounded: a switch away from a mode is the open's choice, a probe (once a
     session), a recheck, the end of a trial, or a mode measured MARGIN faster.
   A useless probe costs a switch each way (a Generate's prefill of the text, then a catch-up Resync: see
-  docs/ARCHITECTURE.md for their measured cost) and the trial's own steps until judged.
+  docs/ARCHITECTURE.md for their measured cost) and the trial's own steps until judged. So a trial (a probe, a
+  recheck; not a switch to a mode predicted or measured MARGIN faster) waits until `trial_affordable`: the visit it
+  leaves has lasted 2 / TRIAL_SHARE times what a switch costs. Each switch is a call the server queues with all
+  others: on an idle server it costs tens of ms, under 128 background streams on an H100 3-20 s, where a recheck
+  after 96 tokens made auto slower than both modes.
 - `predict_stream(wait_s, rtt_s, step_s)`: what streaming would give, before it was ever measured: a token a
   `step_s` where the server said what a token of its streams takes now; else a token a verify round's server
   time, being what the hybrid's verdict wait holds beyond the round trip. That is a floor: a decode step costs at
