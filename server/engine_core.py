@@ -285,15 +285,9 @@ class Engine:
         """serve's kernel warm-up (batcher.warm_up) on the Triton backend, then the step graphs: those an earlier run
         recorded, and with a drafter those of every batch size and width for rounds of `round_graph_tokens` tokens;
         "warm cache" when it added no file to Triton's cache (everything was there), "cold cache" when it compiled or
-        tuned anything. Then a lone stream's pace (PlainDecoder.seed_pace), so that ModelInfo's decode_step_s is a
-        figure from the first client on; not under Triton's interpreter, whose pace says nothing of a server's and
-        whose 48 interpreted decode steps cost the tests that serve on it minutes."""
+        tuned anything. Then, on every backend, a lone stream's pace (PlainDecoder.seed_pace), so that ModelInfo's
+        decode_step_s is a figure from the first client on."""
         state = self._warm_kernels()
-        if self.target.backend == "triton":
-            from tether.kernels.utils import interpreting  # noqa: PLC0415 (the kernels only where they run)
-
-            if interpreting():
-                return state
         step_s = self.decoding.seed_pace()
         log.info(
             "a lone Generate stream decodes %.0f tokens/s here",
