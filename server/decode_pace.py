@@ -8,11 +8,10 @@ Contract (`DecodePace`, owned by tether.server.plain_decoding.PlainDecoder, used
   a lone stream's chained steps on a model thread (`alone`), or the batcher's step its round waited for and ran in
   beside every other stream's and session's (queueing included: what a stream gets).
 - `step_s(together=)`: the seconds a token a new stream would get: the batched figure when it would decode beside
-  others (`together`: a stream decodes now; the lone figure while none was batched yet), the lone figure when it would
-  decode alone. Each figure is an EWMA (weight EWMA_WEIGHT for the newest chunk) of the seconds per token of the
-  chunks measured so; 0.0 before any (the engine's warm-up measures a first lone figure: PlainDecoder.seed_pace; a
-  client told 0.0 predicts from its own figures). Kept apart, so a server that was busy does not advertise its busy
-  figure once idle, when a new stream decodes alone.
+  others (`together`: a stream decodes now; the lone figure while none was batched yet), the lone figure when it
+  would decode alone. Each figure is an EWMA (weight EWMA_WEIGHT for the newest chunk) of the seconds per token of
+  the chunks measured so; 0.0 before any (a client then predicts from its own figures). Kept apart, so a server
+  that was busy does not advertise its busy figure once idle, when a new stream decodes alone.
 
     pace = DecodePace()
     pace.decoded(0.2, 16, alone=True)

@@ -14,9 +14,9 @@ Contract:
   on this server, tether.server.server_draft). Front ends (tether.server.service for gRPC, tether.server.http_api
   for HTTP) are handlers over it.
 - `warm_up()` runs serve's kernel warm-up and step-graph captures (its cache state: "warm cache", "cold cache", "no
-  kernel warm-up") and measures a lone stream's pace (ModelInfo.decode_step_s); `settle()` takes start-up's heap out
-  of the garbage collector's walks; `close()` ends its threads and, for a tensor-parallel target, its ranks (the
-  process is stopping); `record_shapes()` keeps the step graphs it captured for the next start.
+  kernel warm-up"); `settle()` takes start-up's heap out of the garbage collector's walks; `close()` ends its threads
+  and, for a tensor-parallel target, its ranks (the process is stopping); `record_shapes()` keeps the step graphs it
+  captured for the next start.
 
     engine = Engine.build(ServeConfig(model="deploy/models/target"))
     engine.warm_up(); engine.settle()
@@ -285,18 +285,7 @@ class Engine:
         """serve's kernel warm-up (batcher.warm_up) on the Triton backend, then the step graphs: those an earlier run
         recorded, and with a drafter those of every batch size and width for rounds of `round_graph_tokens` tokens;
         "warm cache" when it added no file to Triton's cache (everything was there), "cold cache" when it compiled or
-        tuned anything. Then, on every backend, a lone stream's pace (PlainDecoder.seed_pace), so that ModelInfo's
-        decode_step_s is a figure from the first client on."""
-        state = self._warm_kernels()
-        step_s = self.decoding.seed_pace()
-        log.info(
-            "a lone Generate stream decodes %.0f tokens/s here",
-            1.0 / step_s if step_s > 0 else 0.0,
-            extra={"event": "decode_pace", "decode_step_s": round(step_s, 6)},
-        )
-        return state
-
-    def _warm_kernels(self) -> str:
+        tuned anything."""
         target, pool, drafter = self.target, self.pool, self.drafter
         if not (target.backend == "triton" and target.tp[1] == 1):  # a tensor-parallel target's steps run eagerly
             return "no kernel warm-up"

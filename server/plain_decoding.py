@@ -22,8 +22,6 @@ Contract (`PlainDecoder`, owned by the engine, tether.server.engine_core):
   (tether.server.server_draft) is this class with steps that draft, everything else the same.
 - `pace` (tether.server.decode_pace.DecodePace): the seconds a token each chunk took (from asking for it to having
   it), alone and batched; `step_s()` what a new stream's tokens would take now (ModelInfo.decode_step_s).
-- `seed_pace()`: a lone stream's pace measured once before serving, so ModelInfo.decode_step_s is a figure from
-  the first GetModelInfo on (on the calling thread; serve runs it after the warm-up).
 - `stop_ids(sampling)`: the model's end-of-text ids (ModelInfo.eos_ids; none with sampling.ignore_eos, so the
   stream runs to its length) and the request's stop_token_ids. The Generate RPC (tether.server.service) streams
   `decode`'s chunks as GeneratedTokens, with their log-probabilities when asked.
@@ -134,41 +132,6 @@ class PlainDecoder:
     def step_s(self) -> float:
         """Seconds a token a stream started now would take (ModelInfo.decode_step_s; 0.0: none measured yet)."""
         return self.pace.step_s(together=self.generating > 0)
-
-    def seed_pace(self, tokens: int = 3 * DECODE_CHUNK) -> float:
-        """A lone stream's pace measured before serving (the engine's warm-up calls it), so that the first client's
-        GetModelInfo says what a stream costs here instead of 0.0, from which it could only guess. A short greedy
-        decode of `tokens` tokens after a small prompt, on the calling thread (nothing else uses the model yet), its
-        KV lent by the table and given back. The figure is the fastest chunk's after the first: the first pays for
-        first uses (graph captures, allocations) a later stream does not, and a CPU host busy with start-up's other
-        work slows a chunk that an idle server's stream would not see. Returns the seconds a token advertised."""
-        prompt = [i % self.target.cfg.vocab_size for i in range(1, 17)]
-        sampling = pb.SamplingParams()
-        cache = self.table.lend(len(prompt) + tokens + 1)
-        ver = SequenceVerifier(
-            self.target,
-            self.server_part,
-            capacity=cache.capacity,
-            controls=sampling_controls(sampling),
-            generator=torch.Generator().manual_seed(0),
-            cache=cache,
-            logprobs=None,
-        )
-        steps, fastest = self.steps(ver, sampling), None
-        try:
-            token, made = steps.open(prompt, lambda: False), 0
-            while made < tokens and ver.room > 0:
-                t0 = time.perf_counter()
-                chunk = steps.alone(token, tokens - made)
-                per = (time.perf_counter() - t0) / len(chunk)
-                if made > 0 and (fastest is None or per < fastest[0] / fastest[1]):
-                    fastest = (per * len(chunk), len(chunk))
-                token, made = chunk[-1], made + len(chunk)
-        finally:
-            self.table.give_back(cache)
-        if fastest is not None:
-            self.pace.decoded(*fastest, alone=True)
-        return self.pace.step_s(together=False)
 
     def check_generation(self, prompt: Sequence[int], sampling: pb.SamplingParams) -> list[int]:
         """A server-only generation's prompt and sampling, checked before anything is allocated (Generate and the
